@@ -1,0 +1,31 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
+# Each creates the virtual environment it needs when it is missing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test venv venv-dev clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(VENV)/.installed $@
+
+venv: $(VENV)/.installed
+venv-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(BIN)/jaxspec generate "def fibonacci(n):" --max-tokens 64 --compare
+
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,15 @@
+"""4-bit (MLX affine) quantized matmul for JAX: the format, Pallas GPU kernels, static dispatch.
+
+    qw = quantize(w, bits=4, group_size=64)      # w: float [N, K]
+    y = quantized_matmul(x, qw)                  # x [..., K] -> [..., N]
+
+Rows (prod of x's leading dims) pick the kernel at trace time: 1 -> qmv, 2..8 -> multirow (each
+weight tile read once for all rows), more -> qmm (tiled). See `select_path`, `DispatchConfig`.
+This package knows nothing about models.
+"""
+from .config import DispatchConfig, select_path
+from .dispatch import quantized_matmul
+from .quant import QuantizedWeight, dequantize, quantize, take_rows
+
+__all__ = ["DispatchConfig", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
+           "select_path", "take_rows"]

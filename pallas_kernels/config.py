@@ -1,0 +1,90 @@
+"""Static dispatch configuration for quantized_matmul.
+
+A DispatchConfig is hashable and frozen, so it can ride as a static field of a jitted pytree: two
+configs give two compiled functions, never a stale one. Environment variables are read when a
+config is built (DispatchConfig() or DispatchConfig.from_env()), not at call time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+BACKENDS = ("pallas", "xla")
+PATHS = ("qmv", "multirow", "qmm")
+
+
+def _env_int(name: str, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "on", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} must be 0 or 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchConfig:
+    """How quantized_matmul picks and shapes its kernel.
+
+    multirow: use the multirow GEMV for 2..multirow_max_rows rows (else qmv row by row).
+    multirow_max_rows: the largest row count sent to multirow; larger goes to qmm.
+    qmm_tile_m/n/k: tiles of the tiled GEMM; tile_m=None picks max(16, min(64, next_pow2(rows))).
+    backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
+    interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
+    gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).
+    """
+
+    multirow: bool = dataclasses.field(default_factory=lambda: _env_bool("JAXSPEC_QMV_MULTIROW", True))
+    multirow_max_rows: int = dataclasses.field(
+        default_factory=lambda: _env_int("JAXSPEC_QMV_MULTIROW_MAX_ROWS", 8))
+    qmm_tile_m: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_M", None))
+    qmm_tile_n: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_N", 128))
+    qmm_tile_k: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", 64))
+    backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
+    interpret: bool | None = None
+    gemv_block_n: int | None = None
+    gemv_split_k: int | None = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        if not 1 <= self.multirow_max_rows <= 16:
+            raise ValueError(f"multirow_max_rows={self.multirow_max_rows} must be in 1..16 "
+                             "(the multirow kernel pads rows to one 16-row MMA tile)")
+        for name in ("qmm_tile_m", "qmm_tile_n", "qmm_tile_k", "gemv_block_n"):
+            v = getattr(self, name)
+            if v is not None and (v < 16 or v & (v - 1)):
+                raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton block shapes)")
+        if self.gemv_split_k is not None and self.gemv_split_k < 1:
+            raise ValueError(f"gemv_split_k={self.gemv_split_k} must be >= 1")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "DispatchConfig":
+        return cls(**overrides)
+
+    def replace(self, **changes) -> "DispatchConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def select_path(rows: int, config: DispatchConfig | None = None) -> str:
+    """The static kernel choice for `rows = prod(x.shape[:-1])`: "qmv", "multirow" or "qmm"."""
+    config = DispatchConfig() if config is None else config
+    if rows < 1:
+        raise ValueError(f"rows={rows}: quantized_matmul needs at least one row")
+    if rows == 1:
+        return "qmv"
+    if rows <= config.multirow_max_rows:
+        return "multirow" if config.multirow else "qmv"
+    return "qmm"

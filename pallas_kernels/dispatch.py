@@ -1,0 +1,79 @@
+"""quantized_matmul: validate, flatten rows, pick the path statically from the row count, launch."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .config import PATHS, DispatchConfig, select_path
+from .kernel import MMA_ROWS, Tiling, launch
+from .quant import FLOAT_DTYPES, QuantizedWeight
+from .tiling import gemv_tiling, qmm_tiling
+from .xla import dense_matmul, xla_quantized_matmul
+
+
+def _use_interpret(config: DispatchConfig) -> bool:
+    if config.interpret is not None:
+        return config.interpret
+    return jax.default_backend() != "gpu"
+
+
+def _check(x, w):
+    if not hasattr(x, "dtype") or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"quantized_matmul expects a float32/float16/bfloat16 x, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim < 1:
+        raise ValueError("quantized_matmul expects x of shape [..., K], got a scalar")
+    if isinstance(w, QuantizedWeight):
+        w.validate()
+    else:
+        if not hasattr(w, "ndim") or w.ndim != 2:
+            raise ValueError(f"weight must be a QuantizedWeight or a rank-2 [N, K] float array, got shape "
+                             f"{getattr(w, 'shape', None)}")
+        if w.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"float weight must be float32/float16/bfloat16, got {w.dtype}")
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"K mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}) but the weight is "
+                         f"[N={n}, K={k}]")
+    return n, k
+
+
+def quantized_matmul(x, w, *, path: str | None = None, config: DispatchConfig | None = None) -> jax.Array:
+    """`x @ dequantize(w).T` for x `[..., K]` and w a QuantizedWeight (or a float `[N, K]` array),
+    float32 accumulation, output `[..., N]` in x's dtype. `path` forces "qmv" | "multirow" | "qmm";
+    None picks `select_path(prod(x.shape[:-1]))` at trace time."""
+    config = DispatchConfig() if config is None else config
+    x = jnp.asarray(x)
+    n, k = _check(x, w)
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path={path!r}: expected one of {PATHS} or None")
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    if rows == 0:
+        return jnp.zeros((*lead, n), x.dtype)
+    x2 = x.reshape(rows, k)
+    if not isinstance(w, QuantizedWeight):
+        out = dense_matmul(x2, w)
+    elif config.backend == "xla":
+        out = xla_quantized_matmul(x2, w)
+    else:
+        out = _pallas(x2, w, select_path(rows, config) if path is None else path, config)
+    return out.astype(x.dtype).reshape(*lead, n)
+
+
+def _pallas(x2, qw, path, config):
+    rows, k = x2.shape
+    interpret = _use_interpret(config)
+    if path == "qmm":
+        return launch(x2, qw, qmm_tiling(rows, qw.shape, config), interpret=interpret)
+    tiling = gemv_tiling(qw.shape, qw.group_size, config)
+    if path == "multirow":
+        if rows > MMA_ROWS:
+            raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
+        return launch(x2, qw, tiling, interpret=interpret)
+    # qmv: one launch per row. For rows > 1 this re-reads the weight once per row; it is the
+    # behaviour multirow replaces, kept for A/B runs (JAXSPEC_QMV_MULTIROW=0).
+    outs = [launch(x2[i:i + 1], qw, tiling, interpret=interpret) for i in range(rows)]
+    return outs[0] if rows == 1 else jnp.concatenate(outs, axis=0)

@@ -1,0 +1,137 @@
+"""The Pallas kernel behind all three paths: dequantize one group-wide weight tile, multiply on the
+tensor cores, apply the group's scale and bias to the small product.
+
+Per group of g inputs, `x . (s*q + b) = s * (x . q) + b * sum(x)`, so the kernel never scales
+individual weights: codes q (0..15) convert exactly to bf16, one `dot` per group gives `x . q` for
+a [block_m, block_n] tile, and scale/bias touch only that tile. The qmv and multirow paths are this
+kernel with block_m = 16 (the smallest MMA tile) and the same weight tiling, so row i's arithmetic
+is identical whether it is computed alone or with up to 15 others: greedy speculative decoding
+depends on that. Rows beyond the real ones are masked loads (no memory traffic) and zeros.
+The qmm path is the same kernel with a taller block_m.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .quant import QuantizedWeight
+
+MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """One launch shape. block_m/block_n: output tile; groups_per_step: quantization groups loaded per
+    loop iteration (bytes in flight); split_k: programs along K (partial sums added outside);
+    w_left: put the dequantized weight tile on the left of the dot (output tile [block_n, block_m])."""
+
+    block_m: int = MMA_ROWS
+    block_n: int = 128
+    groups_per_step: int = 2
+    split_k: int = 1
+    w_left: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
+            groups_per_split, dot_dtype, precision):
+    t = tiling
+    epw = 32 // bits            # codes per uint32 word
+    wpg = group_size // epw     # words per group
+    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m0 = pid_m * t.block_m
+    n0 = pid_n * t.block_n
+    row_ok = (m0 + jnp.arange(t.block_m)) < rows
+    col_ok = (n0 + jnp.arange(t.block_n)) < n
+    shifts = jnp.arange(epw, dtype=jnp.uint32) * jnp.uint32(bits)
+    code_mask = jnp.uint32(2**bits - 1)
+
+    def one_group(g, acc):
+        x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
+                          mask=row_ok[:, None], other=0)
+        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)],
+                          mask=col_ok[:, None], other=0)
+        s = pltriton.load(s_ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
+        b = pltriton.load(b_ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
+        q = ((w[:, :, None] >> shifts[None, None, :]) & code_mask).reshape(t.block_n, group_size)
+        q = q.astype(jnp.int32).astype(dot_dtype)  # codes are small integers: exact in bf16/f16
+        xd = x.astype(dot_dtype)
+        xsum = jnp.sum(x.astype(jnp.float32), axis=1)
+        if t.w_left:  # acc is [block_n, block_m]
+            d = pltriton.dot(q, xd, trans_b=True, precision=precision)
+            return acc + d * s[:, None] + b[:, None] * xsum[None, :]
+        d = pltriton.dot(xd, q, trans_b=True, precision=precision)
+        return acc + d * s[None, :] + xsum[:, None] * b[None, :]
+
+    def step(i, acc):  # groups_per_step groups per iteration: more loads in flight
+        for j in range(t.groups_per_step):
+            acc = one_group(g0 + i * t.groups_per_step + j, acc)
+        return acc
+
+    g0 = pid_s * groups_per_split
+    g1 = jnp.minimum(g0 + groups_per_split, n_groups)
+    full_steps = (g1 - g0) // t.groups_per_step
+    shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)
+    acc = jax.lax.fori_loop(0, full_steps, step, jnp.zeros(shape, jnp.float32))
+    acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
+    if t.w_left:
+        acc = acc.T
+    pltriton.store(o_ref.at[pid_s, pl.ds(m0, t.block_m), pl.ds(n0, t.block_n)], acc.astype(o_ref.dtype),
+                   mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _dot_dtype(x_dtype):
+    # bf16/f16 activations multiply as they are (codes are exact in either); float32 stays float32
+    # with full-precision dots, for tests and f32 models.
+    return jnp.dtype(x_dtype) if jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
+def _pad_to(a, axis, multiple):
+    extra = (-a.shape[axis]) % multiple
+    if not extra:
+        return a
+    pads = [(0, 0)] * a.ndim
+    pads[axis] = (0, extra)
+    return jnp.pad(a, pads)
+
+
+def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: bool) -> jax.Array:
+    """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
+    rows, k = x2.shape
+    n = qw.shape[0]
+    n_groups = k // qw.group_size
+    split = max(1, min(tiling.split_k, n_groups))
+    groups_per_split = -(-n_groups // split)
+    split = -(-n_groups // groups_per_split)
+    dot_dtype = _dot_dtype(x2.dtype)
+    precision = None if dot_dtype != jnp.float32 else jax.lax.Precision.HIGHEST
+    weight, scales, biases = qw.weight, qw.scales, qw.biases
+    if interpret:
+        # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
+        x2 = _pad_to(x2, 0, tiling.block_m)
+        weight, scales, biases = (_pad_to(a, 0, tiling.block_n) for a in (weight, scales, biases))
+    out_rows, out_n = (x2.shape[0], weight.shape[0]) if interpret else (rows, n)
+    out_dtype = x2.dtype if split == 1 else jnp.float32
+    grid = (pl.cdiv(n, tiling.block_n), pl.cdiv(rows, tiling.block_m), split)
+    kernel = functools.partial(
+        _kernel, rows=rows, n=n, bits=qw.bits, group_size=qw.group_size, tiling=tiling,
+        n_groups=n_groups, groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split, out_rows, out_n), out_dtype),
+        grid=grid,
+        interpret=interpret,
+        compiler_params=None if interpret else pltriton.CompilerParams(
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        name=f"q{qw.bits}mm_m{tiling.block_m}_n{tiling.block_n}",
+    )(x2, weight, scales, biases)
+    out = out[:, :rows, :n]
+    if split == 1:
+        return out[0]
+    return out.sum(axis=0).astype(x2.dtype)

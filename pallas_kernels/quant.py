@@ -1,0 +1,156 @@
+"""The MLX affine quantization format: QuantizedWeight, quantize, dequantize.
+
+Per group of `group_size` consecutive elements along the input (K) axis, with n = 2**bits - 1:
+the larger-magnitude extreme is represented exactly, 0.0 is representable, and
+`w = q * scale + bias`. Packed little-end first: element `e*j + k` of a row (e = 32 // bits)
+lives in bits [bits*k, bits*(k+1)) of word j. This matches `mlx.core.quantize` bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_BITS = (2, 4, 8)  # bit widths whose elements never straddle a 32-bit word
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized `[N, K]` linear weight in MLX layout.
+
+    weight: uint32 `[N, K * bits / 32]`; scales, biases: `[N, K / group_size]` (float).
+    """
+
+    weight: jax.Array
+    scales: jax.Array
+    biases: jax.Array
+    bits: int = dataclasses.field(default=4, metadata=dict(static=True))
+    group_size: int = dataclasses.field(default=64, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+
+    @property
+    def dtype(self):
+        return self.scales.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in (self.weight, self.scales, self.biases))
+
+    def validate(self) -> None:
+        check_format(self.bits, self.group_size)
+        if self.weight.ndim != 2:
+            raise ValueError(f"QuantizedWeight.weight must be rank 2 [N, K*bits/32], got shape {self.weight.shape}")
+        if self.weight.dtype != jnp.uint32:
+            raise ValueError(f"QuantizedWeight.weight must be uint32, got {self.weight.dtype}")
+        n, k = self.shape
+        want = (n, k // self.group_size)
+        for name in ("scales", "biases"):
+            a = getattr(self, name)
+            if tuple(a.shape) != want:
+                raise ValueError(f"QuantizedWeight.{name} has shape {tuple(a.shape)}, expected {want} "
+                                 f"for weight {tuple(self.weight.shape)} at bits={self.bits}, group_size={self.group_size}")
+
+
+def check_format(bits: int, group_size: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"unsupported bits={bits}: supported are {SUPPORTED_BITS}")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"unsupported group_size={group_size}: supported are {SUPPORTED_GROUP_SIZES}")
+
+
+def _exact_div(a, b):
+    """IEEE a / b. XLA rewrites division by a broadcast (or constant) into multiplication by
+    its reciprocal, which is off by an ulp often enough to flip round-half cases; materialise
+    the divisor behind an optimisation barrier so the division stays a division."""
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), jnp.shape(a)))
+    return a / b
+
+
+def _group_params(wg: jax.Array, bits: int):
+    """Scale, bias (float32) and integer codes for groups `wg` [..., G, g] in float32 (MLX's rule)."""
+    n_levels = float(2**bits - 1)
+    mn = wg.min(axis=-1, keepdims=True)
+    mx = wg.max(axis=-1, keepdims=True)
+    scale = jnp.maximum(_exact_div(mx - mn, n_levels), jnp.float32(1e-7))
+    use_min = jnp.abs(mn) > jnp.abs(mx)
+    edge = jnp.where(use_min, mn, mx)
+    scale = jnp.where(use_min, scale, -scale)
+    q0 = jnp.round(_exact_div(edge, scale))  # jnp.round is round-half-to-even, like rint
+    nonzero = q0 != 0
+    scale = jnp.where(nonzero, _exact_div(edge, jnp.where(nonzero, q0, 1.0)), scale)
+    bias = jnp.where(nonzero, edge, 0.0)
+    q = jnp.clip(jnp.round(_exact_div(wg - bias, scale)), 0, n_levels)
+    return scale, bias, q.astype(jnp.uint32)
+
+
+def pack(q: jax.Array, bits: int) -> jax.Array:
+    """Pack integer codes `q` [N, K] (uint32, < 2**bits) into uint32 words [N, K*bits/32]."""
+    epw = 32 // bits
+    n, k = q.shape
+    q = q.reshape(n, k // epw, epw)
+    shifts = (jnp.arange(epw, dtype=jnp.uint32) * bits)
+    # The shifted fields are disjoint, so their sum is their bitwise OR.
+    return jnp.sum(q << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def unpack(words: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `pack`: uint32 words [N, W] -> codes [N, W * 32/bits] (uint32)."""
+    epw = 32 // bits
+    shifts = jnp.arange(epw, dtype=jnp.uint32) * bits
+    q = (words[..., None] >> shifts) & jnp.uint32(2**bits - 1)
+    return q.reshape(*words.shape[:-1], words.shape[-1] * epw)
+
+
+def quantize(w, *, bits: int = 4, group_size: int = 64) -> QuantizedWeight:
+    """Quantize a float `[N, K]` matrix to MLX affine format (bit-exact with `mlx.core.quantize`)."""
+    check_format(bits, group_size)
+    w = jnp.asarray(w)
+    if w.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"quantize expects a float32/float16/bfloat16 weight, got {w.dtype}")
+    if w.ndim != 2:
+        raise ValueError(f"quantize expects a rank-2 [N, K] weight, got shape {w.shape}")
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"K={k} (last axis) is not a multiple of group_size={group_size}")
+    return _quantize(w, bits, group_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(w, bits, group_size):
+    n, k = w.shape
+    wg = w.astype(jnp.float32).reshape(n, k // group_size, group_size)
+    scale, bias, q = _group_params(wg, bits)
+    weight = pack(q.reshape(n, k), bits)
+    return QuantizedWeight(weight, scale[..., 0].astype(w.dtype), bias[..., 0].astype(w.dtype), bits, group_size)
+
+
+def dequantize(qw: QuantizedWeight, dtype=None) -> jax.Array:
+    """`q * scale + bias` as `[N, K]`, computed in float32 and cast to `dtype` (default: the scales' dtype)."""
+    qw.validate()
+    dtype = qw.scales.dtype if dtype is None else dtype
+    n, k = qw.shape
+    q = unpack(qw.weight, qw.bits).astype(jnp.float32).reshape(n, k // qw.group_size, qw.group_size)
+    w = q * qw.scales.astype(jnp.float32)[..., None] + qw.biases.astype(jnp.float32)[..., None]
+    return w.reshape(n, k).astype(dtype)
+
+
+def take_rows(w, ids, dtype=None) -> jax.Array:
+    """Rows `ids` of a float `[N, K]` matrix or a QuantizedWeight (an embedding lookup), dequantized."""
+    ids = jnp.asarray(ids)
+    if isinstance(w, QuantizedWeight):
+        sub = QuantizedWeight(w.weight[ids.reshape(-1)], w.scales[ids.reshape(-1)],
+                              w.biases[ids.reshape(-1)], w.bits, w.group_size)
+        out = dequantize(sub, dtype)
+        return out.reshape(*ids.shape, out.shape[-1])
+    out = jnp.take(w, ids, axis=0)
+    return out if dtype is None else out.astype(dtype)

@@ -1,0 +1,39 @@
+"""Launch shapes per weight shape (chosen statically, from measurements in docs/kernels.md)."""
+from __future__ import annotations
+
+from .config import DispatchConfig
+from .kernel import MMA_ROWS, Tiling
+
+# H200: 132 SMs. A GEMV grid smaller than a couple of waves leaves bandwidth idle, so split K until
+# there are enough programs, but keep each split long enough to pipeline.
+_TARGET_PROGRAMS = 264
+_MIN_GROUPS_PER_SPLIT = 16
+
+
+def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> Tiling:
+    """The qmv/multirow launch. Depends only on the weight shape (never on the row count), so a
+    row computed alone and the same row computed among others see identical arithmetic."""
+    n, k = shape
+    block_n = config.gemv_block_n or 128
+    n_groups = k // group_size
+    if config.gemv_split_k is not None:
+        split = config.gemv_split_k
+    else:
+        programs = -(-n // block_n)
+        split = 1
+        while programs * split < _TARGET_PROGRAMS and n_groups // (split * 2) >= _MIN_GROUPS_PER_SPLIT:
+            split *= 2
+    return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=2, split_k=split, w_left=True,
+                  num_warps=4, num_stages=3)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def qmm_tiling(rows: int, shape: tuple[int, int], config: DispatchConfig) -> Tiling:
+    """The tiled GEMM launch: tile_m = max(16, min(64, next_pow2(rows))) unless configured."""
+    block_m = config.qmm_tile_m or max(MMA_ROWS, min(64, _next_pow2(rows)))
+    groups_per_step = max(1, config.qmm_tile_k // 64)
+    return Tiling(block_m=block_m, block_n=config.qmm_tile_n, groups_per_step=groups_per_step,
+                  split_k=1, w_left=False, num_warps=4, num_stages=3)

@@ -1,0 +1,160 @@
+"""quantized_matmul on every path against a float64 numpy reference; row invariance; bad input.
+
+On a machine without a GPU the Pallas kernels run in interpret mode (the same kernel code); on a
+GPU these same tests run the Triton-compiled kernels."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul, select_path
+
+# Scaled-down Gemma shapes with non-power-of-two N and K (3840 -> 192, 2816 -> 176, 1536 -> 96 ...).
+SHAPES = [(176, 192), (96, 320), (80, 128)]
+
+
+def _case(rng, n, k, dtype, bits=4, group_size=64):
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.5
+    qw = quantize(jnp.asarray(w, dtype), bits=bits, group_size=group_size)
+    wd = np.asarray(dequantize(qw, jnp.float32), np.float64)
+    return qw, wd
+
+
+def _ref(x, wd):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ wd.T
+
+
+def _rel(a, b):
+    return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 20])
+def test_default_dispatch_matches_float64(n, k, rows):
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, n, k, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    y = quantized_matmul(x, qw)
+    assert y.shape == (rows, n) and y.dtype == jnp.float32
+    assert np.all(np.isfinite(np.asarray(y)))
+    assert _rel(y, _ref(x, wd)) < 1e-5
+
+
+@pytest.mark.parametrize("path,rows", [("qmv", 1), ("qmv", 3), ("multirow", 4), ("multirow", 16),
+                                       ("qmm", 2), ("qmm", 20)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
+def test_each_path_each_dtype(path, rows, dtype, tol):
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 176, 192, dtype)
+    x = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
+    y = quantized_matmul(x, qw, path=path)
+    assert y.dtype == dtype
+    assert _rel(y, _ref(x, wd)) < tol
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32), (4, 128), (8, 128)])
+def test_other_formats(bits, group_size):
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 48, 256, jnp.float32, bits=bits, group_size=group_size)
+    for rows in (1, 6, 24):
+        x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
+        assert _rel(quantized_matmul(x, qw), _ref(x, wd)) < 1e-5
+
+
+def test_leading_dims_and_poisoned_output_is_overwritten():
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 96, 128, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.float32)
+    out = jnp.full((2, 3, 96), jnp.nan)  # poison: the result must replace every element
+
+    @jax.jit
+    def f(x, out):
+        return out.at[...].set(quantized_matmul(x, qw))
+
+    y = np.asarray(f(x, out))
+    assert np.all(np.isfinite(y))
+    np.testing.assert_allclose(y.reshape(6, 96), _ref(x.reshape(6, 128), wd), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_multirow_rows_bitwise_equal_qmv(dtype):
+    """Row i of a multirow launch is bitwise the qmv result for row i alone (greedy parity needs it)."""
+    rng = np.random.default_rng()
+    qw, _ = _case(rng, 176, 192, dtype)
+    for rows in range(2, 9):
+        x = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
+        multi = np.asarray(quantized_matmul(x, qw, path="multirow").astype(jnp.float32))
+        for i in range(rows):
+            alone = np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv").astype(jnp.float32))
+            np.testing.assert_array_equal(multi[i:i + 1], alone)
+
+
+def test_qmm_rows_do_not_depend_on_other_rows():
+    """Reported property: within one tiled launch shape, a row's result ignores the other rows."""
+    rng = np.random.default_rng()
+    qw, _ = _case(rng, 96, 192, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((24, 192)), jnp.float32)
+    y1 = np.asarray(quantized_matmul(x, qw, path="qmm"))
+    x2 = x.at[1:].set(jnp.asarray(rng.standard_normal((23, 192)), jnp.float32))
+    y2 = np.asarray(quantized_matmul(x2, qw, path="qmm"))
+    np.testing.assert_array_equal(y1[0], y2[0])
+
+
+def test_xla_backend_matches_and_is_row_invariant():
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 96, 192, jnp.float32)
+    cfg = DispatchConfig(backend="xla")
+    x = jnp.asarray(rng.standard_normal((5, 192)), jnp.float32)
+    y = quantized_matmul(x, qw, config=cfg)
+    assert _rel(y, _ref(x, wd)) < 1e-5
+    np.testing.assert_array_equal(np.asarray(y[2:3]), np.asarray(quantized_matmul(x[2:3], qw, config=cfg)))
+
+
+def test_float_weight_path():
+    rng = np.random.default_rng()
+    w = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(quantized_matmul(x, w)),
+                               np.asarray(x, np.float64) @ np.asarray(w, np.float64).T, rtol=1e-5, atol=1e-5)
+
+
+def test_select_path_rule(monkeypatch):
+    assert select_path(1) == "qmv"
+    assert [select_path(r) for r in (2, 5, 8)] == ["multirow"] * 3
+    assert select_path(9) == "qmm"
+    assert select_path(4, DispatchConfig(multirow=False)) == "qmv"
+    assert select_path(12, DispatchConfig(multirow_max_rows=12)) == "multirow"
+    monkeypatch.setenv("JAXSPEC_QMV_MULTIROW", "0")
+    monkeypatch.setenv("JAXSPEC_QMV_MULTIROW_MAX_ROWS", "4")
+    monkeypatch.setenv("JAXSPEC_QMM_TILE_M", "32")
+    cfg = DispatchConfig()
+    assert (cfg.multirow, cfg.multirow_max_rows, cfg.qmm_tile_m) == (False, 4, 32)
+    assert select_path(3, cfg) == "qmv" and select_path(5, cfg) == "qmm"
+    monkeypatch.setenv("JAXSPEC_QMM_TILE_M", "24")
+    with pytest.raises(ValueError, match="power of two"):
+        DispatchConfig()
+
+
+def test_multirow_off_still_correct():
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 96, 128, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    y = quantized_matmul(x, qw, config=DispatchConfig(multirow=False))
+    assert _rel(y, _ref(x, wd)) < 1e-5
+
+
+def test_bad_input_errors():
+    rng = np.random.default_rng()
+    qw, _ = _case(rng, 32, 128, jnp.float32)
+    with pytest.raises(ValueError, match="K mismatch"):
+        quantized_matmul(jnp.ones((2, 64)), qw)
+    with pytest.raises(ValueError, match="float32/float16/bfloat16 x"):
+        quantized_matmul(jnp.ones((2, 128), jnp.int32), qw)
+    with pytest.raises(ValueError, match="rank-2"):
+        quantized_matmul(jnp.ones((2, 128)), jnp.ones((2, 32, 128)))
+    with pytest.raises(ValueError, match="path="):
+        quantized_matmul(jnp.ones((2, 128)), qw, path="gemm")
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        quantized_matmul(jnp.ones((17, 128)), qw, path="multirow")
+    with pytest.raises(ValueError, match="backend"):
+        DispatchConfig(backend="cuda")
