@@ -49,14 +49,15 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     n0 = pid_n * t.block_n
     row_ok = (m0 + jnp.arange(t.block_m)) < rows
     col_ok = (n0 + jnp.arange(t.block_n)) < n
+    x_mask = jnp.broadcast_to(row_ok[:, None], (t.block_m, group_size))
+    w_mask = jnp.broadcast_to(col_ok[:, None], (t.block_n, wpg))
     shifts = jnp.arange(epw, dtype=jnp.uint32) * jnp.uint32(bits)
     code_mask = jnp.uint32(2**bits - 1)
 
     def one_group(g, acc):
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
-                          mask=row_ok[:, None], other=0)
-        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)],
-                          mask=col_ok[:, None], other=0)
+                          mask=x_mask, other=0)
+        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
         s = pltriton.load(s_ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
         b = pltriton.load(b_ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
         q = ((w[:, :, None] >> shifts[None, None, :]) & code_mask).reshape(t.block_n, group_size)

@@ -1,0 +1,69 @@
+"""Timing helpers shared by the benchmarks (GPU or CPU).
+
+Pitfalls this avoids (seen on the H200, see docs/kernels.md): a jitted call costs ~100-160 us of
+dispatch + sync, so many ops go in one call and an empty call's time is subtracted; XLA merges dots
+that share an operand and removes repeated identical computations, so every op in a call gets its
+own (x, w) pair; weight sets together exceed the 60 MB L2 several times, so no op reads a cached weight.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def sync(tree):
+    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
+    return tree
+
+
+def median_time(fn, *args, warmup: int = 2, repeats: int = 7) -> float:
+    """Median wall seconds of `fn(*args)` (synchronised), after warm-up calls."""
+    for _ in range(warmup):
+        sync(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sync(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+_EMPTY = None
+
+
+def empty_call_seconds() -> float:
+    """The fixed cost of one jitted call that does (almost) nothing."""
+    global _EMPTY
+    if _EMPTY is None:
+        f = jax.jit(lambda a: a + 1)
+        a = jnp.ones((8,), jnp.float32)
+        _EMPTY = median_time(f, a, warmup=3, repeats=21)
+    return _EMPTY
+
+
+def hbm_bandwidth(gib: float = 2.0) -> float:
+    """Bytes/s of a device copy (read + write counted), the ceiling for the bytes floor."""
+    n = int(gib * 2**30) // 4
+    a = jnp.ones((n,), jnp.float32) * 1.5
+    f = jax.jit(lambda a: a * 1.0001)  # one read, one write
+    t = median_time(f, a, warmup=2, repeats=9)
+    return 2 * n * 4 / t
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    commit = os.environ.get("JAXSPEC_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            commit = "unknown"
+    return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+            "jax": jax.__version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}

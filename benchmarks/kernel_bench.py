@@ -1,0 +1,232 @@
+"""Quantized-matmul kernel benchmark at Gemma-4-12B shapes (run on the GPU).
+
+    python benchmarks/kernel_bench.py --out DIR [--phase check,sweep,table,tiles] [--quick]
+
+Writes DIR/kernels.jsonl (one JSON object per measurement) and prints a short table last.
+`benchmarks/kernel_report.py` turns the JSON into docs/benchmark_results/kernels-*.md and a PNG.
+Per-op time = (median call time - empty-call time) / ops per call; each op in a call has its own
+weight set (together several times the L2) and its own activations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import empty_call_seconds, environment, hbm_bandwidth, median_time  # noqa: E402
+from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
+from pallas_kernels.kernel import Tiling, launch  # noqa: E402
+from pallas_kernels.tiling import gemv_tiling  # noqa: E402
+
+SHAPES = [(15360, 3840), (3840, 15360), (4096, 3840), (2048, 3840), (262144, 3840)]
+ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512]
+GROUP = 64
+SET_BYTES = 4 << 30  # weight bytes per timed call, spread over distinct sets (>> 60 MB L2)
+
+
+def random_qweight(key, n, k, dtype=jnp.bfloat16):
+    k1, k2, k3 = jax.random.split(key, 3)
+    words = jax.random.bits(k1, (n, k // 8), jnp.uint32)
+    scales = (jax.random.uniform(k2, (n, k // GROUP), jnp.float32, 0.5, 1.5) * 0.01).astype(dtype)
+    biases = (jax.random.normal(k3, (n, k // GROUP), jnp.float32) * 0.05).astype(dtype)
+    return QuantizedWeight(words, scales, biases, 4, GROUP)
+
+
+def qbytes(n, k):
+    return n * k // 2 + 2 * 2 * n * (k // GROUP)
+
+
+def n_sets_for(bytes_per_set, cap=32):
+    return int(max(4, min(cap, SET_BYTES // max(bytes_per_set, 1))))
+
+
+class Timer:
+    def __init__(self, out_path, bw):
+        self.out = open(out_path, "a")
+        self.bw = bw
+        self.empty = empty_call_seconds()
+
+    def time_ops(self, op, xs, ws):
+        """Per-op seconds of `op(x_i, w_i)` over distinct pairs in one jitted call."""
+        f = jax.jit(lambda xs, ws: [op(x, w) for x, w in zip(xs, ws)])
+        t = median_time(f, xs, ws, warmup=2, repeats=7)
+        return max(t - self.empty, 1e-9) / len(xs)
+
+    def record(self, **row):
+        row["time"] = time.time()
+        self.out.write(json.dumps(row) + "\n")
+        self.out.flush()
+        return row
+
+
+def check_phase(T, key):
+    """Correctness on the GPU at real shapes: every path vs an f32 reference, multirow == qmv bitwise."""
+    for n, k in [(15360, 3840), (3840, 15360), (2048, 3840)]:
+        qw = random_qweight(key, n, k)
+        wd = dequantize(qw, jnp.float32)
+        for rows in (1, 4, 8, 16, 64):
+            x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
+            ref = jnp.dot(x.astype(jnp.float32), wd.T, precision=jax.lax.Precision.HIGHEST)
+            y = quantized_matmul(x, qw).astype(jnp.float32)
+            rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+            T.record(phase="check", n=n, k=k, rows=rows, path=select_path(rows), rel_err=rel,
+                     finite=bool(jnp.all(jnp.isfinite(y))))
+        x = jax.random.normal(jax.random.fold_in(key, 99), (8, k), jnp.bfloat16)
+        multi = quantized_matmul(x, qw, path="multirow")
+        alone = jnp.concatenate([quantized_matmul(x[i:i + 1], qw, path="qmv") for i in range(8)])
+        T.record(phase="check", n=n, k=k, rows=8, what="multirow_vs_qmv_bitwise",
+                 equal=bool(jnp.array_equal(multi, alone)))
+        x16 = jax.random.normal(jax.random.fold_in(key, 7), (32, k), jnp.bfloat16)
+        a = quantized_matmul(x16, qw, path="qmm")
+        b = quantized_matmul(x16[:16], qw, path="qmm")
+        T.record(phase="check", n=n, k=k, rows=32, what="qmm_row_depends_on_M",
+                 equal=bool(jnp.array_equal(a[:16], b)))
+
+
+def gemv_sweep(T, key, quick):
+    base = Tiling()
+    variants = []
+    for bn in (32, 64, 128, 256):
+        for gps in (1, 2, 4):
+            variants.append(dict(block_n=bn, groups_per_step=gps))
+    variants += [dict(block_n=128, groups_per_step=2, w_left=False), dict(block_n=64, groups_per_step=2, w_left=False),
+                 dict(block_n=128, groups_per_step=2, num_warps=8), dict(block_n=256, groups_per_step=2, num_warps=8),
+                 dict(block_n=128, groups_per_step=2, num_stages=4), dict(block_n=128, groups_per_step=2, num_stages=2),
+                 dict(block_n=64, groups_per_step=4, num_warps=2)]
+    if quick:
+        variants = variants[:6]
+    shapes = [(15360, 3840), (3840, 15360), (262144, 3840)]
+    for n, k in shapes:
+        nsets = n_sets_for(qbytes(n, k))
+        ws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nsets)]
+        default = gemv_tiling((n, k), GROUP, DispatchConfig())
+        for rows in (1, 8):
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (rows, k), jnp.bfloat16) for i in range(nsets)]
+            for v in variants:
+                programs_n = -(-n // v["block_n"])
+                for split in sorted({default.split_k if v["block_n"] == default.block_n else
+                                     max(1, min(16, 264 // programs_n)), 1}):
+                    tiling = Tiling(**{**base.__dict__, **v, "split_k": split})
+                    try:
+                        t = T.time_ops(lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, ws)
+                        T.record(phase="sweep", n=n, k=k, rows=rows, tiling=tiling.__dict__, us=t * 1e6,
+                                 floor_us=qbytes(n, k) / T.bw * 1e6)
+                    except Exception as e:  # keep sweeping; record the failure
+                        T.record(phase="sweep", n=n, k=k, rows=rows, tiling=tiling.__dict__, error=repr(e)[:300])
+        del ws
+
+
+def table_phase(T, key, quick):
+    shapes = SHAPES[:2] if quick else SHAPES
+    for n, k in shapes:
+        qb, db = qbytes(n, k), n * k * 2
+        nq, nd = n_sets_for(qb), n_sets_for(db, cap=16)
+        qws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nq)]
+        floor_us = qb / T.bw * 1e6
+        for rows in ROWS:
+            xs = [jax.random.normal(jax.random.fold_in(key, 5000 + i), (rows, k), jnp.bfloat16) for i in range(nq)]
+            variants = [("pallas", select_path(rows), lambda x, w: quantized_matmul(x, w))]
+            if 2 <= rows <= 8:
+                off = DispatchConfig(multirow=False)
+                variants.append(("pallas", "qmv-per-row", lambda x, w, c=off: quantized_matmul(x, w, config=c)))
+                variants.append(("pallas", "qmm-forced", lambda x, w: quantized_matmul(x, w, path="qmm")))
+            if rows in (1, 4, 8, 16, 64, 512):
+                xla = DispatchConfig(backend="xla")
+                variants.append(("xla", "dequant+dot", lambda x, w, c=xla: quantized_matmul(x, w, config=c)))
+            for backend, path, op in variants:
+                try:
+                    t = T.time_ops(op, xs, qws)
+                    T.record(phase="table", n=n, k=k, rows=rows, backend=backend, path=path, us=t * 1e6,
+                             floor_us=floor_us, tbps=qb / t / 1e12)
+                except Exception as e:
+                    T.record(phase="table", n=n, k=k, rows=rows, backend=backend, path=path, error=repr(e)[:300])
+        del qws
+        if n * k * 2 * nd <= 20 << 30:
+            dws = [jax.random.normal(jax.random.fold_in(key, 9000 + i), (n, k), jnp.bfloat16) for i in range(nd)]
+            for rows in (1, 8, 64, 512):
+                xs = [jax.random.normal(jax.random.fold_in(key, 7000 + i), (rows, k), jnp.bfloat16) for i in range(nd)]
+                t = T.time_ops(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype), xs, dws)
+                T.record(phase="table", n=n, k=k, rows=rows, backend="dense-bf16", path="jnp.dot", us=t * 1e6,
+                         floor_us=db / T.bw * 1e6, tbps=db / t / 1e12)
+            del dws
+
+
+def tiles_phase(T, key, quick):
+    for n, k in [(15360, 3840), (3840, 15360)]:
+        nq = n_sets_for(qbytes(n, k))
+        qws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nq)]
+        for rows in (16, 32, 64, 128, 512):
+            xs = [jax.random.normal(jax.random.fold_in(key, 3000 + i), (rows, k), jnp.bfloat16) for i in range(nq)]
+            for tm in (16, 32, 64, 128):
+                cfg = DispatchConfig(qmm_tile_m=tm)
+                try:
+                    t = T.time_ops(lambda x, w, c=cfg: quantized_matmul(x, w, path="qmm", config=c), xs, qws)
+                    T.record(phase="tiles", n=n, k=k, rows=rows, tile_m=tm, us=t * 1e6,
+                             floor_us=qbytes(n, k) / T.bw * 1e6)
+                except Exception as e:
+                    T.record(phase="tiles", n=n, k=k, rows=rows, tile_m=tm, error=repr(e)[:300])
+        del qws
+
+
+def summary(path):
+    rows = [json.loads(l) for l in open(path)]
+    print("\n== check ==")
+    for r in rows:
+        if r["phase"] == "check":
+            print({k: v for k, v in r.items() if k not in ("phase", "time")})
+    print("\n== best gemv tilings (rows=1 / 8) ==")
+    best = {}
+    for r in rows:
+        if r["phase"] == "sweep" and "us" in r:
+            key = (r["n"], r["k"], r["rows"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    for key, r in sorted(best.items()):
+        print(key, f"{r['us']:.1f} us (floor {r['floor_us']:.1f})", r["tiling"])
+    errs = [r for r in rows if "error" in r]
+    print(f"\nerrors: {len(errs)}", *(e.get("error", "")[:160] for e in errs[:3]), sep="\n")
+    print("\n== table: us (xla) ==")
+    for r in rows:
+        if r["phase"] == "table" and "us" in r:
+            print(f"{r['n']:>6}x{r['k']:<6} rows={r['rows']:<4} {r['backend']:<10} {r['path']:<12} "
+                  f"{r['us']:8.1f} us  {100 * r['floor_us'] / r['us']:5.1f}% floor")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--phase", default="check,sweep,table,tiles")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "kernels.jsonl")
+    env = environment()
+    bw = hbm_bandwidth()
+    T = Timer(path, bw)
+    T.record(phase="env", **env, hbm_tbps=bw / 1e12, empty_call_us=T.empty * 1e6, argv=sys.argv)
+    print(env, f"HBM {bw / 1e12:.2f} TB/s, empty call {T.empty * 1e6:.0f} us", flush=True)
+    key = jax.random.key(0)
+    for phase in args.phase.split(","):
+        t0 = time.time()
+        try:
+            {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick),
+             "table": lambda: table_phase(T, key, args.quick), "tiles": lambda: tiles_phase(T, key, args.quick)}[phase]()
+        except Exception:
+            traceback.print_exc()
+        print(f"phase {phase} took {time.time() - t0:.0f}s", flush=True)
+    summary(path)
+
+
+if __name__ == "__main__":
+    main()
