@@ -4,10 +4,11 @@ from __future__ import annotations
 from .config import DispatchConfig
 from .kernel import MMA_ROWS, Tiling
 
-# H200: 132 SMs. A GEMV grid smaller than a couple of waves leaves bandwidth idle, so split K until
-# there are enough programs, but keep each split long enough to pipeline.
-_TARGET_PROGRAMS = 264
-_MIN_GROUPS_PER_SPLIT = 16
+# H200: 132 SMs. A GEMV grid smaller than about two waves leaves bandwidth idle, so split K until
+# there are enough programs (sweep of 2026-11-29, docs/kernels.md: 3840x15360 went 294 -> 69 us
+# with split 8), but keep a few groups per split.
+_TARGET_PROGRAMS = 240
+_MIN_GROUPS_PER_SPLIT = 4
 
 
 def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> Tiling:
@@ -23,7 +24,8 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
         split = 1
         while programs * split < _TARGET_PROGRAMS and n_groups // (split * 2) >= _MIN_GROUPS_PER_SPLIT:
             split *= 2
-    return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=2, split_k=split, w_left=True,
+    # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes.
+    return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=1, split_k=split, w_left=True,
                   num_warps=4, num_stages=3)
 
 
