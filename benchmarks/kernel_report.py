@@ -1,0 +1,103 @@
+"""Turn kernel_bench's JSON lines into a markdown report and a PNG plot.
+
+    python benchmarks/kernel_report.py RESULTS.jsonl [MORE.jsonl ...] --md OUT.md --png OUT.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def load(paths):
+    rows = []
+    for p in paths:
+        rows += [json.loads(l) for l in open(p) if l.strip()]
+    return rows
+
+
+def report(rows, md_path, png_path, command):
+    env = next(r for r in rows if r["phase"] == "env")
+    out = [f"# Quantized matmul kernels on the {env['device']} ({env['date'][:10]})", "",
+           f"JAX {env['jax']}, commit {env['commit']}, measured HBM (elementwise read+write) "
+           f"{env['hbm_tbps']:.2f} TB/s, empty jitted call {env['empty_call_us']:.0f} us (subtracted).", "",
+           f"Command: `{command}`", "",
+           "Floor = bytes of packed weights + scales + biases / measured HBM bandwidth. Per-op time = "
+           "(median call - empty call) / ops per call, each op with its own weight set and activations.", ""]
+    checks = [r for r in rows if r["phase"] == "check"]
+    if checks:
+        out += ["## Correctness on the GPU", "", "| N x K | rows | what | result |", "|---|---|---|---|"]
+        for r in checks:
+            what = r.get("what") or f"{r['path']} vs f32 reference (rel. error, bf16 x)"
+            res = r.get("equal", r.get("rel_err"))
+            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {what} | {res if not isinstance(res, float) else f'{res:.2e}'} |")
+        out.append("")
+    table = [r for r in rows if r["phase"] == "table" and "us" in r]
+    if table:
+        out += ["## Paths (bf16 activations, 4-bit g64 weights)", "",
+                "| N x K | rows | backend | path | us | TB/s | % of 4-bit floor |", "|---|---|---|---|---|---|---|"]
+        for r in table:
+            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {r['backend']} | {r['path']} | {r['us']:.1f} "
+                       f"| {r['tbps']:.2f} | {100 * r['floor_us'] / r['us'] if r['backend'] != 'dense-bf16' else float('nan'):.1f} |")
+        out.append("")
+    tiles = [r for r in rows if r["phase"] == "tiles" and "us" in r]
+    if tiles:
+        out += ["## qmm `JAXSPEC_QMM_TILE_M` sweep (us)", ""]
+        grid = defaultdict(dict)
+        for r in tiles:
+            grid[(r["n"], r["k"], r["rows"])][r["tile_m"]] = r["us"]
+        tms = sorted({r["tile_m"] for r in tiles})
+        out += ["| N x K | rows | " + " | ".join(f"tile_m={t}" for t in tms) + " |", "|---|---|" + "---|" * len(tms)]
+        for (n, k, rws), d in sorted(grid.items()):
+            out.append(f"| {n}x{k} | {rws} | " + " | ".join(f"{d.get(t, float('nan')):.1f}" for t in tms) + " |")
+        out.append("")
+    sweep = [r for r in rows if r["phase"] == "sweep" and "us" in r]
+    if sweep:
+        best = {}
+        for r in sweep:
+            key = (r["n"], r["k"], r["rows"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+        out += ["## GEMV tiling sweep: best per shape", "", "| N x K | rows | us | floor us | tiling |", "|---|---|---|---|---|"]
+        for (n, k, rws), r in sorted(best.items()):
+            t = r["tiling"]
+            out.append(f"| {n}x{k} | {rws} | {r['us']:.1f} | {r['floor_us']:.1f} | block_n={t['block_n']} "
+                       f"groups/step={t['groups_per_step']} split_k={t['split_k']} w_left={t['w_left']} "
+                       f"warps={t['num_warps']} stages={t['num_stages']} |")
+        out.append("")
+    open(md_path, "w").write("\n".join(out))
+    if png_path and table:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        shapes = sorted({(r["n"], r["k"]) for r in table})
+        fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), squeeze=False)
+        for ax, (n, k) in zip(axes[0], shapes):
+            series = defaultdict(list)
+            for r in table:
+                if (r["n"], r["k"]) == (n, k):
+                    series[f"{r['backend']}:{r['path']}" if r["backend"] != "pallas" or r["path"] == "qmv-per-row"
+                           else "pallas (auto)"].append((r["rows"], r["us"]))
+            for name, pts in sorted(series.items()):
+                ax.plot(*zip(*sorted(pts)), "o-", ms=3, label=name)
+            floor = next(r["floor_us"] for r in table if (r["n"], r["k"]) == (n, k) and r["backend"] == "pallas")
+            ax.axhline(floor, color="gray", ls=":", label="4-bit floor")
+            ax.set_xscale("log", base=2), ax.set_yscale("log"), ax.set_title(f"{n}x{k}", fontsize=9)
+            ax.set_xlabel("rows"), ax.set_ylabel("us")
+        axes[0][0].legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=100)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("paths", nargs="+")
+    ap.add_argument("--md", required=True)
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--command", default="python benchmarks/kernel_bench.py --out $OUT")
+    args = ap.parse_args()
+    report(load(args.paths), args.md, args.png, args.command)
+
+
+if __name__ == "__main__":
+    main()

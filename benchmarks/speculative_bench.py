@@ -1,0 +1,417 @@
+"""speculative_bench: classic vs MTP speculative decoding, verify cost, padded-verify A/B.
+
+    python benchmarks/speculative_bench.py --target 12b --assistant 12b --k-values 2,4 \
+        --verify-pad off,on --qmm-tile-m 16,64 --multirow on,off --out DIR
+    jaxspec bench ...   (same arguments)
+
+Runs (--runs, comma separated):
+  forward  per-forward time of the target at [B, T] for T = 1 and every K (and the padded width),
+           in classic forwards, multirow on/off; one assistant draft step; bitwise verify == decode.
+  loop     jaxspec.generate classic vs speculative for every (multirow, K, B, verify_pad, tile_m):
+           decode tokens/s (prefill excluded, first token counted), speedup, acceptance, mean
+           accepted length, tokens per round, round cost in classic forwards, greedy parity.
+  scaling  classic aggregate tokens/s at each --scaling-batch.
+Every configuration is its own compiled function, warmed up before timing; medians over repeats.
+Writes DIR/speculative.json, DIR/speculative.md and DIR/speculative.png.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import models  # noqa: E402
+from harness import environment, median_time  # noqa: E402
+from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
+
+import jaxspec  # noqa: E402
+from jaxspec import verify as V  # noqa: E402
+
+# The seed system's measured acceptance on its real Gemma pair, for predicted speedups with random weights.
+SEED_TOKENS_PER_ROUND = {"mean accepted 1.07 (K=4)": 2.07, "2.90 tokens/verify": 2.90}
+
+
+def _csv(s, conv=str):
+    return [conv(v) for v in s.split(",") if v != ""]
+
+
+def _onoff(v):
+    if v in ("on", "1", "true"):
+        return True
+    if v in ("off", "0", "false"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on/off, got {v!r}")
+
+
+def truncate_layers(cfg_dict: dict, n: int) -> dict:
+    """The first n layers of a target config, the last made full (the model needs one of each type
+    the assistant reads). Per-layer shapes are unchanged, so per-layer costs carry over."""
+    d = json.loads(json.dumps(cfg_dict))
+    text = d.get("text_config", d)
+    types = list(text["layer_types"])[:n]
+    types[-1] = "full_attention"
+    if "sliding_attention" not in types and n > 1:
+        types[0] = "sliding_attention"
+    text["layer_types"] = types
+    text["num_hidden_layers"] = n
+    text["num_kv_shared_layers"] = min(text.get("num_kv_shared_layers") or 0, max(0, n - 2))
+    return d
+
+
+def load_pair(args, dtype):
+    q = {"bits": 4, "group_size": 64}
+    key = jax.random.key(args.seed)
+    if os.path.isdir(args.target):
+        target = models.load_target(args.target, dtype=dtype, quantize=None if args.float else q)
+        assistant = (models.load_assistant(args.assistant, dtype=dtype, quantize=None if args.float else q)
+                     if args.assistant and os.path.isdir(args.assistant) else None)
+        return target, assistant, f"checkpoint {args.target}"
+    tdict = models.presets.TARGETS[args.target] if args.target != "tiny" else models.presets.tiny_target_dict()
+    if args.layers:
+        tdict = truncate_layers(tdict, args.layers)
+    tcfg = models.TargetConfig.from_dict(tdict)
+    target = models.presets.random_model(tcfg, key, dtype=dtype, quantize=None if args.float else q)
+    assistant = None
+    if args.assistant:
+        acfg = models.presets.assistant_config(args.assistant)
+        assistant = models.presets.random_model(acfg, jax.random.fold_in(key, 1), dtype=dtype,
+                                                quantize=None if args.float else q)
+    what = f"preset {args.target}" + (f" (first {args.layers} of its layers)" if args.layers else "")
+    return target, assistant, what + ", random 4-bit weights"
+
+
+def weight_bytes_per_token(target) -> int:
+    """Bytes of all target weights a decode step reads (every linear, norms, the tied head once)."""
+    total = 0
+    for name, w in target.params.items():
+        if name.startswith("embed_tokens_per_layer"):
+            continue  # per-layer embedding rows are gathered, not streamed
+        if isinstance(w, QuantizedWeight):
+            total += w.nbytes
+        else:
+            total += int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize
+    return total
+
+
+def prompts(args, vocab, batch):
+    rng = np.random.default_rng(args.seed)
+    if args.prompts_file:
+        rows = [json.loads(l) for l in open(args.prompts_file) if l.strip()]
+    elif args.prompt_ids:
+        rows = [json.loads(args.prompt_ids)]
+    else:
+        rows = [rng.integers(1, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
+    return [rows[i % len(rows)] for i in range(batch)]
+
+
+# ----------------------------------------------------------------------------------------------
+def forward_time(target, batch, width, k_real, steps=8):
+    """Seconds per target forward over [batch, width] tokens (k_real real, the rest padding),
+    inside one jit (a fori_loop of `steps` dependent forwards at a fixed position)."""
+    cap = 256
+
+    @jax.jit
+    def run(tokens, cache):
+        def body(_, carry):
+            toks, c = carry
+            if width > k_real:
+                logits, hidden, c2 = V.verify_forward(target, toks[:, :k_real], c, width)
+            else:
+                logits, hidden, c2 = models.forward(target, toks, c)
+            nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+            toks = toks.at[:, 0].set(nxt)
+            return toks, c2.replace(lengths=c.lengths)
+        return jax.lax.fori_loop(0, steps, body, (tokens, cache))[0]
+
+    cache = models.init_cache(target.config, batch, cap, target.dtype)
+    cache = cache.replace(lengths=jnp.full((batch,), 64, jnp.int32))
+    tokens = jnp.ones((batch, width), jnp.int32)
+    t_call = median_time(run, tokens, cache, warmup=1, repeats=5)
+    return t_call / steps
+
+
+def draft_time(assistant, target, batch, steps=8):
+    cache = models.init_cache(target.config, batch, 256, target.dtype)
+    cache = cache.replace(lengths=jnp.full((batch,), 64, jnp.int32))
+    h = jnp.ones((batch, target.config.hidden_size), target.dtype)
+
+    @jax.jit
+    def run(tok, h):
+        def body(_, c):
+            tok, h = c
+            logits, h2 = models.draft_step(assistant, target, cache, tok, h, cache.lengths)
+            return jnp.argmax(logits, -1).astype(jnp.int32), h2
+        return jax.lax.fori_loop(0, steps, body, (tok, h))
+
+    return median_time(run, jnp.ones((batch,), jnp.int32), h, warmup=1, repeats=5) / steps
+
+
+def verify_bitwise(target, batch, k):
+    """Are the logits of one [B, K] forward bitwise those of K [B, 1] forwards (row invariance)?"""
+    cache = models.init_cache(target.config, batch, 128, target.dtype)
+    rng = np.random.default_rng(0)
+    prefix = jnp.asarray(rng.integers(1, target.config.vocab_size, (batch, 16)), jnp.int32)
+    block = jnp.asarray(rng.integers(1, target.config.vocab_size, (batch, k)), jnp.int32)
+    fwd = jax.jit(models.forward)
+    _, _, c = fwd(target, prefix, cache)
+    wide, _, _ = fwd(target, block, c)
+    steps = []
+    for i in range(k):
+        lg, _, c = fwd(target, block[:, i:i + 1], c)
+        steps.append(lg)
+    narrow = jnp.concatenate(steps, axis=1)
+    return bool(jnp.array_equal(wide, narrow)), float(jnp.max(jnp.abs(wide - narrow)))
+
+
+def run_forward(args, target, assistant, out, deadline):
+    base = target.matmul or DispatchConfig()
+    t1 = None
+    for mr in args.multirow:
+        tgt = target.replace(matmul=base.replace(multirow=mr))
+        for b in args.batch:
+            f1 = forward_time(tgt, b, 1, 1)
+            if mr and b == args.batch[0]:
+                t1 = f1
+            out.append(dict(run="forward", multirow=mr, batch=b, width=1, k=1, ms=f1 * 1e3, cost=1.0))
+            print(f"forward B={b} multirow={mr} T=1: {f1 * 1e3:.2f} ms", flush=True)
+            for k in args.k_values:
+                if time.time() > deadline:
+                    return t1
+                fk = forward_time(tgt, b, k, k)
+                out.append(dict(run="forward", multirow=mr, batch=b, width=k, k=k, ms=fk * 1e3, cost=fk / f1))
+                print(f"  verify K={k}: {fk * 1e3:.2f} ms = {fk / f1:.2f} forwards", flush=True)
+                if mr and "on" in args.verify_pad_raw:
+                    for tm in args.qmm_tile_m:
+                        w = V.verify_width(k, b, True, base.replace(qmm_tile_m=tm))
+                        tp = forward_time(target.replace(matmul=base.replace(qmm_tile_m=tm)), b, w, k)
+                        out.append(dict(run="forward", multirow=mr, batch=b, width=w, k=k, tile_m=tm,
+                                        ms=tp * 1e3, cost=tp / f1, padded=True))
+                        print(f"  padded K={k} -> {w} tile_m={tm}: {tp * 1e3:.2f} ms = {tp / f1:.2f}", flush=True)
+    if assistant is not None:
+        for b in args.batch:
+            d = draft_time(assistant, target, b)
+            out.append(dict(run="draft", batch=b, ms=d * 1e3))
+            print(f"draft step B={b}: {d * 1e3:.2f} ms", flush=True)
+    for k in args.k_values:
+        eq, diff = verify_bitwise(target, args.batch[0], k)
+        out.append(dict(run="bitwise", batch=args.batch[0], k=k, equal=eq, max_abs_diff=diff))
+        print(f"verify K={k} bitwise == {k} decode steps: {eq} (max |diff| {diff:.3g})", flush=True)
+    return t1
+
+
+def gen_stats(target, assistant, rows, k, args, pad):
+    res = None
+    times = []
+    for _ in range(args.warmup + args.repeats):
+        res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
+                               max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[])
+        times.append(res.stats.decode_s)
+    st = res.stats
+    decode_s = statistics.median(times[args.warmup:])
+    return res, dict(decode_s=decode_s, tokens_per_s=st.new_tokens / decode_s, rounds=st.rounds,
+                     acceptance_rate=st.acceptance_rate, mean_accepted_len=st.mean_accepted_len,
+                     tokens_per_round=st.tokens_per_round, fallback=st.fallback, new_tokens=st.new_tokens,
+                     hist=st.accepted_hist, verify_width=st.verify_width)
+
+
+def run_loop(args, target, assistant, out, deadline, fwd):
+    base = target.matmul or DispatchConfig()
+    for mr in args.multirow:
+        for b in args.batch:
+            rows = prompts(args, target.config.vocab_size, b)
+            tgt = target.replace(matmul=base.replace(multirow=mr))
+            cres, classic = gen_stats(tgt, None, rows, 1, args, False)
+            per_fwd = classic["decode_s"] / max(classic["rounds"], 1)
+            out.append(dict(run="loop", mode="classic", multirow=mr, batch=b, **classic))
+            print(f"classic B={b} multirow={mr}: {classic['tokens_per_s']:.1f} tok/s "
+                  f"({per_fwd * 1e3:.2f} ms/step)", flush=True)
+            if assistant is None:
+                continue
+            for k in args.k_values:
+                for pad in args.verify_pad:
+                    for tm in (args.qmm_tile_m if pad else [None]):
+                        if time.time() > deadline:
+                            print("time budget reached: skipping the rest of the loop runs", flush=True)
+                            return
+                        t = tgt.replace(matmul=tgt.matmul.replace(qmm_tile_m=tm)) if tm else tgt
+                        sres, spec = gen_stats(t, assistant, rows, k, args, pad)
+                        round_s = spec["decode_s"] / max(spec["rounds"], 1)
+                        row = dict(run="loop", mode="speculative", multirow=mr, batch=b, k=k, verify_pad=pad,
+                                   tile_m=tm, **spec, speedup=spec["tokens_per_s"] / classic["tokens_per_s"],
+                                   round_ms=round_s * 1e3, round_cost=round_s / per_fwd,
+                                   greedy_equal=sres.tokens == cres.tokens)
+                        for name, tpr in SEED_TOKENS_PER_ROUND.items():
+                            row[f"predicted[{name}]"] = tpr / row["round_cost"]
+                        out.append(row)
+                        print(f"  K={k} pad={pad} tile_m={tm}: {spec['tokens_per_s']:.1f} tok/s "
+                              f"x{row['speedup']:.2f}, accept {spec['acceptance_rate']:.2f}, "
+                              f"round {row['round_cost']:.2f} fwd, parity {row['greedy_equal']}"
+                              + (f", FALLBACK {spec['fallback']}" if spec["fallback"] else ""), flush=True)
+
+
+def run_scaling(args, target, out, deadline):
+    for b in args.scaling_batch:
+        if time.time() > deadline:
+            return
+        rows = prompts(args, target.config.vocab_size, b)
+        _, classic = gen_stats(target, None, rows, 1, args, False)
+        out.append(dict(run="scaling", batch=b, **classic))
+        print(f"scaling classic B={b}: {classic['tokens_per_s']:.1f} tok/s aggregate", flush=True)
+
+
+def write_report(path, meta, rows):
+    json.dump(dict(meta=meta, rows=rows), open(os.path.join(path, "speculative.json"), "w"), indent=1)
+    lines = [f"# speculative_bench — {meta['what']}", "",
+             f"{meta['env']['device']}, JAX {meta['env']['jax']}, commit {meta['env']['commit']}, "
+             f"{meta['env']['date']}", "", f"Command: `{meta['command']}`", ""]
+    if meta.get("floor_ms"):
+        lines += [f"Weight bytes per token: {meta['weight_bytes'] / 1e9:.3f} GB; floor at "
+                  f"{meta['hbm_tbps']:.2f} TB/s: {meta['floor_ms']:.3f} ms"
+                  + (f"; decode forward at {meta['decode_pct_of_floor']:.1f}% of it" if meta.get("decode_pct_of_floor") else ""), ""]
+    fw = [r for r in rows if r["run"] in ("forward", "draft", "bitwise")]
+    if fw:
+        lines += ["## Forward cost", "", "| what | multirow | B | width (K) | tile_m | ms | cost (classic fwd) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in fw:
+            if r["run"] == "forward":
+                lines.append(f"| {'padded verify' if r.get('padded') else ('decode' if r['width'] == 1 else 'verify')} "
+                             f"| {r['multirow']} | {r['batch']} | {r['width']} ({r['k']}) | {r.get('tile_m', '')} "
+                             f"| {r['ms']:.3f} | {r['cost']:.2f} |")
+            elif r["run"] == "draft":
+                lines.append(f"| assistant draft step | | {r['batch']} | | | {r['ms']:.3f} | |")
+            else:
+                lines.append(f"| verify K={r['k']} bitwise == K decode steps | | {r['batch']} | | | "
+                             f"{'yes' if r['equal'] else 'NO'} (max diff {r['max_abs_diff']:.3g}) | |")
+        lines.append("")
+    lp = [r for r in rows if r["run"] == "loop"]
+    if lp:
+        lines += ["## Decode loop", "",
+                  "| mode | multirow | B | K | pad | tile_m | tok/s | speedup | accept | mean acc. len | tok/round "
+                  "| round ms | round cost | predicted (seed accept.) | greedy == classic |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in lp:
+            pred = ", ".join(f"{v:.2f}x" for k, v in r.items() if k.startswith("predicted"))
+            lines.append(f"| {r['mode']} | {r['multirow']} | {r['batch']} | {r.get('k', 1)} | {r.get('verify_pad', '')} "
+                         f"| {r.get('tile_m') or ''} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} "
+                         f"| {r['acceptance_rate']:.2f} | {r['mean_accepted_len']:.2f} | {r['tokens_per_round']:.2f} "
+                         f"| {r.get('round_ms', 0):.2f} | {r.get('round_cost', 1.0):.2f} | {pred} "
+                         f"| {r.get('greedy_equal', '')}{' FALLBACK: ' + r['fallback'] if r.get('fallback') else ''} |")
+        lines.append("")
+    sc = [r for r in rows if r["run"] == "scaling"]
+    if sc:
+        b1 = sc[0]["tokens_per_s"]
+        lines += ["## Batched classic decode", "", "| B | aggregate tok/s | x B=1 |", "|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / b1:.2f} |" for r in sc]
+        lines.append("")
+    open(os.path.join(path, "speculative.md"), "w").write("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for mr in (True, False):
+            pts = sorted((r["width"], r["cost"]) for r in fw if r["run"] == "forward" and r["multirow"] == mr
+                         and not r.get("padded") and r["batch"] == rows[0].get("batch", 1))
+            if pts:
+                axes[0].plot(*zip(*pts), "o-", label=f"multirow {'on' if mr else 'off'}")
+        axes[0].plot([1, 8], [1, 8], ":", color="gray", label="K forwards")
+        axes[0].set_xlabel("verify width K"), axes[0].set_ylabel("cost in classic forwards"), axes[0].legend()
+        axes[0].set_title("verify forward cost")
+        if sc:
+            axes[1].plot([r["batch"] for r in sc], [r["tokens_per_s"] for r in sc], "o-")
+            axes[1].set_xscale("log", base=2), axes[1].set_xlabel("batch"), axes[1].set_ylabel("aggregate tok/s")
+            axes[1].set_title("classic batched decode")
+        fig.tight_layout()
+        fig.savefig(os.path.join(path, "speculative.png"), dpi=110)
+    except Exception as e:  # the plot is a convenience; the tables are the result
+        print(f"plot skipped: {e}")
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="speculative_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="12b", help="checkpoint dir or preset (tiny, e2b, e4b, 12b, 31b)")
+    ap.add_argument("--assistant", default=None, help="checkpoint dir or preset (default: same as --target)")
+    ap.add_argument("--no-assistant", action="store_true")
+    ap.add_argument("--layers", type=int, default=0, help="keep only the first N target layers (preset only)")
+    ap.add_argument("--float", action="store_true", help="bf16 weights instead of 4-bit")
+    ap.add_argument("--k-values", default="2,4", type=lambda s: _csv(s, int))
+    ap.add_argument("--batch", default="1", type=lambda s: _csv(s, int))
+    ap.add_argument("--verify-pad", default="off", dest="verify_pad_raw")
+    ap.add_argument("--qmm-tile-m", default="16", type=lambda s: _csv(s, int))
+    ap.add_argument("--multirow", default="on", type=lambda s: _csv(s, _onoff))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--prompt-ids", default=None, help="JSON list of token ids")
+    ap.add_argument("--prompts-file", default=None, help="JSON lines, one list of token ids per line")
+    ap.add_argument("--runs", default="forward,loop", type=lambda s: _csv(s))
+    ap.add_argument("--scaling-batch", default="1,2,4,8,16,32", type=lambda s: _csv(s, int))
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later configurations are skipped")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--backend", default=None, choices=["pallas", "xla"],
+                    help="matmul backend (default: pallas; on CPU that is slow interpret mode)")
+    ap.add_argument("--out", default="out/speculative")
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    args.verify_pad = [_onoff(v) for v in args.verify_pad_raw.split(",")]
+    if args.assistant is None and not args.no_assistant:
+        args.assistant = args.target
+    if args.no_assistant:
+        args.assistant = None
+    os.makedirs(args.out, exist_ok=True)
+    deadline = time.time() + args.time_budget
+    dtype = jnp.dtype(args.dtype)
+    t0 = time.time()
+    target, assistant, what = load_pair(args, dtype)
+    if args.backend:
+        cfg = DispatchConfig(backend=args.backend)
+        target = target.replace(matmul=cfg)
+        assistant = assistant.replace(matmul=cfg) if assistant is not None else None
+    print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
+    env = environment()
+    meta = dict(what=what, env=env, command="python benchmarks/speculative_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                args={k: v for k, v in vars(args).items()})
+    rows: list[dict] = []
+    wb = weight_bytes_per_token(target)
+    meta["weight_bytes"] = wb
+    if env["platform"] == "gpu":
+        from harness import hbm_bandwidth
+        bw = hbm_bandwidth()
+        meta["hbm_tbps"] = bw / 1e12
+        meta["floor_ms"] = wb / bw * 1e3
+    try:
+        fwd = None
+        if "forward" in args.runs:
+            fwd = run_forward(args, target, assistant, rows, deadline)
+            if fwd and meta.get("floor_ms"):
+                meta["decode_pct_of_floor"] = 100 * meta["floor_ms"] / (fwd * 1e3)
+                print(f"decode forward {fwd * 1e3:.3f} ms = {meta['decode_pct_of_floor']:.1f}% of the "
+                      f"weight-bytes floor ({meta['floor_ms']:.3f} ms)", flush=True)
+        if "loop" in args.runs:
+            run_loop(args, target, assistant, rows, deadline, fwd)
+        if "scaling" in args.runs:
+            run_scaling(args, target, rows, deadline)
+    finally:
+        write_report(args.out, meta, rows)
+        print(open(os.path.join(args.out, "speculative.md")).read())
+
+
+if __name__ == "__main__":
+    main()
