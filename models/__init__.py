@@ -1,0 +1,24 @@
+"""Gemma 4 target and MTP assistant in JAX, on the 4-bit quantized-matmul kernels.
+
+    target = models.load_target(path, dtype=jnp.bfloat16)           # or presets.random_model(cfg, key)
+    cache = models.init_cache(target.config, batch, capacity, target.dtype)
+    logits, hidden, cache = models.forward(target, tokens, cache)   # prefill [B,T] / decode [B,1] / verify [B,K]
+    cache = cache.replace(lengths=new_lengths)                      # rollback
+    d_logits, h_next = models.draft_step(assistant, target, cache, token, h_prev, position)
+
+See docs/models.md for the design and the draft position convention.
+"""
+from . import presets
+from .assistant import Assistant, centroid_logits, draft_step, make_assistant, visible_keys
+from .cache import KVCache, init_cache
+from .checkpoint import (assistant_shapes, load_assistant, load_target, quantize_model, save,
+                         target_shapes)
+from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
+from .target import Target, embed, forward, logits, make_target, shared_kv
+
+__all__ = [
+    "Assistant", "AssistantConfig", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
+    "centroid_logits", "check_fit", "draft_step", "embed", "forward", "init_cache", "load_assistant",
+    "load_target", "logits", "make_assistant", "make_target", "presets", "quantize_model", "save",
+    "shared_kv", "target_shapes", "visible_keys",
+]

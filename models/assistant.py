@@ -1,0 +1,139 @@
+"""The Gemma 4 MTP assistant (drafter): Q-only layers over the target's cached K/V.
+
+Params: the assistant's inner text model under its HF names without "model." ("embed_tokens",
+"layers.0.self_attn.q_proj", "norm", ...) plus the top-level modules under their own names
+("pre_projection", "post_projection", "lm_head" when untied, "masked_embedding.centroids",
+"masked_embedding.token_ordering").
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pallas_kernels import DispatchConfig, take_rows
+
+from .cache import KVCache
+from .config import SLIDING, AssistantConfig, check_fit
+from .layers import apply_rope, attention, linear, mlp, rms_norm, rope_tables
+from .target import Target, embed, shared_kv
+
+TOP_LEVEL = ("pre_projection", "post_projection", "lm_head", "masked_embedding.centroids",
+             "masked_embedding.token_ordering")
+
+
+@struct.dataclass
+class Assistant:
+    config: AssistantConfig = struct.field(pytree_node=False)
+    params: dict
+    matmul: DispatchConfig | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def dtype(self):
+        return self.params["pre_projection"].dtype
+
+
+def visible_keys(lengths: jax.Array, capacity: int, sliding_window: int | None) -> jax.Array:
+    """`[B, C]` bool: the target-cache keys one draft step reads. Full layers: every committed key
+    (k < lengths). Sliding layers: the last `sliding_window + 1` committed keys, i.e.
+    lengths - W - 1 <= k < lengths. That is HF's bidirectional window |i - j| <= W laid over the
+    flipped shared K/V (Gemma4AssistantForCausalLM.create_attention_masks)."""
+    c = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    n = lengths.astype(jnp.int32)[:, None]
+    m = c < n
+    if sliding_window is not None:
+        m = m & (c >= n - sliding_window - 1)
+    return m
+
+
+def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.Array, h_prev: jax.Array,
+               position: jax.Array):
+    """One MTP draft step -> `(logits float32 [B, V], h_next [B, H_target])`.
+
+    token `[B]` int32: the last token (embedded with the TARGET's table, times sqrt(H_target)).
+    h_prev `[B, H_target]`: a target post-final-norm hidden state, or the previous step's h_next.
+    position `[B]` int32: the query position for RoPE, HF's convention: `position = cache.lengths`,
+    the position of the bonus token (the first token not yet in the cache), held constant over the
+    draft steps of a round (mlx-vlm uses lengths - 1; we match HF, our test reference).
+
+    Which values to pass:
+      * after prefill of a prompt of length L (cache.lengths == L): token = the bonus (argmax of the
+        last prompt position), h_prev = the prefill hidden at position L - 1, position = L.
+      * after a verify of [bonus, d_0 .. d_{K-2}] with `a` drafts accepted and the cache rolled back to
+        n = old_length + a + 1: token = the target's token at verify index a (the new bonus),
+        h_prev = the verify hidden at index a, position = n.
+      * later steps of the same round: token = the previous draft, h_prev = the previous h_next,
+        position unchanged. The draft tokens are never written to any cache.
+    Keys read: those of `visible_keys(cache.lengths, ...)` from the target's last non-shared full and
+    sliding layers, so roll the cache back BEFORE drafting.
+    """
+    acfg, tcfg = assistant.config, target.config
+    check_fit(acfg, tcfg)
+    a, p, mm = acfg.text, assistant.params, assistant.matmul
+    token = jnp.asarray(token)
+    if token.ndim != 1:
+        raise ValueError(f"token must be [B], got shape {tuple(token.shape)}")
+    b = token.shape[0]
+    if h_prev.shape != (b, tcfg.hidden_size):
+        raise ValueError(f"h_prev has shape {tuple(h_prev.shape)}, expected {(b, tcfg.hidden_size)}")
+    if cache.batch != b:
+        raise ValueError(f"token has batch {b} but the cache has batch {cache.batch}")
+    dt = assistant.dtype
+    e = embed(target, token, dt)
+    x = jnp.concatenate([e, h_prev.astype(dt)], axis=-1)[:, None, :]
+    h = linear(x, p["pre_projection"], mm)
+    pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32).reshape(-1), (b,))[:, None]
+    cap = cache.capacity
+    eps = a.rms_norm_eps
+    kv = shared_kv(tcfg, cache)
+    for i in range(a.num_hidden_layers):
+        pre = f"layers.{i}."
+        hd, nq = a.layer_head_dims[i], a.num_attention_heads
+        k_src, v_src = kv[a.layer_types[i]]
+        window = a.sliding_window if a.layer_types[i] == SLIDING else None
+        mask = visible_keys(cache.lengths, cap, window)[:, None, :]
+        cos, sin = rope_tables(pos, a.rope(i), hd, dt)
+        xn = rms_norm(h, p[pre + "input_layernorm"], eps)
+        q = linear(xn, p[pre + "self_attn.q_proj"], mm).reshape(b, 1, nq, hd)
+        q = apply_rope(rms_norm(q, p[pre + "self_attn.q_norm"], eps), cos, sin)
+        o = attention(q, k_src, v_src, mask)
+        o = linear(o, p[pre + "self_attn.o_proj"], mm)
+        h = h + rms_norm(o, p[pre + "post_attention_layernorm"], eps)
+        xn = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
+        xn = mlp(xn, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],
+                 a.hidden_activation, mm)
+        h = h + rms_norm(xn, p[pre + "post_feedforward_layernorm"], eps)
+        h = h * p[pre + "layer_scalar"].astype(dt)
+    hn = rms_norm(h, p["norm"], eps)[:, 0]
+    h_next = linear(hn, p["post_projection"], mm)
+    head = p["embed_tokens"] if acfg.tie_word_embeddings else p["lm_head"]
+    if acfg.use_ordered_embeddings:
+        out = centroid_logits(assistant, hn, head)
+    else:
+        out = linear(hn, head, mm).astype(jnp.float32)
+    return out, h_next
+
+
+def centroid_logits(assistant: Assistant, hn: jax.Array, head) -> jax.Array:
+    """Ordered-embeddings head: score the centroids, keep the top k clusters, compute exact logits for
+    their k * V / num_centroids tokens and fill every other token with min(selected) - 1 (per row;
+    HF takes the min over the whole batch, which only differs for B > 1 in the filler value)."""
+    acfg, p, mm = assistant.config, assistant.params, assistant.matmul
+    b = hn.shape[0]
+    per = acfg.vocab_size // acfg.num_centroids
+    scores = linear(hn, p["masked_embedding.centroids"], mm).astype(jnp.float32)
+    _, top = jax.lax.top_k(scores, acfg.centroid_intermediate_top_k)  # [B, k]
+    ordering = p["masked_embedding.token_ordering"].astype(jnp.int32).reshape(acfg.num_centroids, per)
+    sel = ordering[top].reshape(b, -1)  # [B, k * per] token ids
+    rows = take_rows(head, sel, hn.dtype)  # [B, S, H]
+    sl = jnp.einsum("bh,bsh->bs", hn, rows, preferred_element_type=jnp.float32,
+                    precision=jax.lax.Precision.HIGHEST).astype(hn.dtype).astype(jnp.float32)
+    fill = jnp.min(sl, axis=-1, keepdims=True) - 1.0
+    out = jnp.broadcast_to(fill, (b, acfg.vocab_size))
+    return out.at[jnp.arange(b)[:, None], sel].set(sl)
+
+
+def make_assistant(config: AssistantConfig, params: dict, matmul: DispatchConfig | None = None) -> Assistant:
+    from .checkpoint import assistant_shapes, check_params
+    check_params(params, assistant_shapes(config), "assistant")
+    return Assistant(config=config, params=params, matmul=matmul)

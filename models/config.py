@@ -1,0 +1,441 @@
+"""Model configs parsed from config.json dicts: frozen and hashable, so they ride as static pytree fields.
+
+Every field is read from the dict; a field that is absent takes the HF transformers 5.24 default of
+the config class named by `model_type` (mlx-lm's defaults differ, which is why nothing is assumed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
+TARGET_TYPES = ("gemma4_text", "gemma4_unified_text")
+MULTIMODAL_TYPES = ("gemma4", "gemma4_unified")
+ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+ROPE_TYPES = ("default", "proportional")
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
+
+# HF 5.24 defaults of Gemma4TextConfig; Gemma4UnifiedTextConfig overrides a few and has no PLE/MoE.
+_TEXT_DEFAULTS = dict(
+    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, sliding_window=512,
+    final_logit_softcapping=None, use_bidirectional_attention=None, vocab_size_per_layer_input=262_144,
+    hidden_size_per_layer_input=256, attention_k_eq_v=False, num_kv_shared_layers=0,
+    enable_moe_block=False, use_double_wide_mlp=False, global_head_dim=512,
+    num_global_key_value_heads=None,
+)
+_UNIFIED_TEXT_DEFAULTS = dict(_TEXT_DEFAULTS, sliding_window=1024, use_bidirectional_attention="vision",
+                              hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+_DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+_PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str
+    theta: float
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A Gemma 4 text stack (dense). Per-layer head_dim / kv heads are resolved into tuples."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    layer_head_dims: tuple[int, ...]
+    layer_kv_heads: tuple[int, ...]
+    sliding_window: int
+    rope_sliding: RopeConfig
+    rope_full: RopeConfig
+    rms_norm_eps: float = 1e-6
+    hidden_activation: str = "gelu_pytorch_tanh"
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = True
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    use_double_wide_mlp: bool = False
+    model_type: str = "gemma4_text"
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---- parsing -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+        """Parse a config.json dict: gemma4_text / gemma4_unified_text, or gemma4 / gemma4_unified
+        (their `text_config`). Raises ValueError for other model types, NotImplementedError for MoE."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a dict, got {type(d).__name__}")
+        mt = d.get("model_type")
+        if mt in MULTIMODAL_TYPES:
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"model_type={mt!r} config has no 'text_config' dict")
+            text = dict(text)
+            text.setdefault("model_type", "gemma4_unified_text" if mt == "gemma4_unified" else "gemma4_text")
+            if "tie_word_embeddings" in d:  # the top-level flag decides the multimodal model's head
+                text["tie_word_embeddings"] = d["tie_word_embeddings"]
+            return cls._from_text_dict(text, outer_type=mt)
+        if mt in TARGET_TYPES:
+            return cls._from_text_dict(d, outer_type=mt)
+        if mt in ASSISTANT_TYPES:
+            raise ValueError(f"model_type={mt!r} is an assistant (drafter) config: load it with "
+                             "models.load_assistant / AssistantConfig.from_dict")
+        raise ValueError(f"unsupported model_type={mt!r}: expected one of "
+                         f"{TARGET_TYPES + MULTIMODAL_TYPES} for a target")
+
+    @classmethod
+    def _from_text_dict(cls, d: dict[str, Any], outer_type: str) -> "TargetConfig":
+        mt = d.get("model_type", "gemma4_text")
+        if mt not in TARGET_TYPES:
+            raise ValueError(f"unsupported text_config model_type={mt!r}: expected one of {TARGET_TYPES}")
+        defaults = _UNIFIED_TEXT_DEFAULTS if mt == "gemma4_unified_text" else _TEXT_DEFAULTS
+
+        def get(key):
+            v = d.get(key, defaults.get(key))
+            return defaults.get(key) if v is None and key in ("hidden_size_per_layer_input",
+                                                              "vocab_size_per_layer_input") else v
+
+        if get("enable_moe_block"):
+            raise NotImplementedError("Gemma 4 MoE configs (enable_moe_block=true, e.g. 26B-A4B) are not "
+                                      "supported: only dense variants are implemented")
+        if get("use_bidirectional_attention") == "all":
+            raise NotImplementedError("use_bidirectional_attention='all' is not supported (causal LM only)")
+        if get("attention_bias"):
+            raise NotImplementedError("attention_bias=true is not supported (Gemma 4 has no attention bias)")
+
+        n_layers = _int(d, "num_hidden_layers", get("num_hidden_layers"))
+        layer_types = d.get("layer_types")
+        if layer_types is None:  # HF default: 5 sliding then 1 full
+            layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
+        layer_types = list(layer_types)
+        if len(layer_types) != n_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers={n_layers}")
+        bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"unsupported layer_types {bad}: expected {LAYER_TYPES}")
+        if layer_types and layer_types[-1] != FULL:  # HF forces it; so do we (and say so)
+            layer_types[-1] = FULL
+
+        head_dim = _int(d, "head_dim", get("head_dim"))
+        kv_heads = _int(d, "num_key_value_heads", get("num_key_value_heads"))
+        k_eq_v = bool(get("attention_k_eq_v"))
+        layer_head_dims = [head_dim] * n_layers
+        layer_kv = [kv_heads] * n_layers
+        per_layer = d.get("per_layer_config")
+        if per_layer:  # HF >= 5.24 serialises the full-layer overrides here
+            for key, over in per_layer.items():
+                try:
+                    i = int(key)
+                except (TypeError, ValueError):
+                    raise ValueError(f"per_layer_config key {key!r} is not a layer index") from None
+                if not 0 <= i < n_layers:
+                    raise ValueError(f"per_layer_config names layer {i}, but there are {n_layers} layers")
+                unknown = sorted(set(over) - set(_PER_LAYER_KEYS))
+                if unknown:
+                    raise NotImplementedError(f"per_layer_config[{key}] overrides {unknown}; only "
+                                              f"{_PER_LAYER_KEYS} are supported")
+                layer_head_dims[i] = int(over.get("head_dim", layer_head_dims[i]))
+                layer_kv[i] = int(over.get("num_key_value_heads", layer_kv[i]))
+        else:  # Google / mlx-lm style: global_head_dim and num_global_key_value_heads
+            g_dim = get("global_head_dim")
+            g_kv = get("num_global_key_value_heads") if k_eq_v else None
+            for i, t in enumerate(layer_types):
+                if t == FULL:
+                    layer_head_dims[i] = int(g_dim)
+                    if g_kv is not None:
+                        layer_kv[i] = int(g_kv)
+
+        rope = d.get("rope_parameters") or {}
+        if rope and not any(t in rope for t in LAYER_TYPES):
+            raise ValueError(f"rope_parameters must map layer types {LAYER_TYPES} to their RoPE; got keys "
+                             f"{sorted(rope)}")
+        ropes = {t: _rope(t, rope.get(t) or _DEFAULT_ROPE[t]) for t in LAYER_TYPES}
+
+        softcap = get("final_logit_softcapping")
+        return cls(
+            vocab_size=_int(d, "vocab_size", get("vocab_size")),
+            hidden_size=_int(d, "hidden_size", get("hidden_size")),
+            intermediate_size=_int(d, "intermediate_size", get("intermediate_size")),
+            num_hidden_layers=n_layers,
+            num_attention_heads=_int(d, "num_attention_heads", get("num_attention_heads")),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            layer_types=tuple(layer_types),
+            layer_head_dims=tuple(layer_head_dims),
+            layer_kv_heads=tuple(layer_kv),
+            sliding_window=_int(d, "sliding_window", get("sliding_window")),
+            rope_sliding=ropes[SLIDING],
+            rope_full=ropes[FULL],
+            rms_norm_eps=float(get("rms_norm_eps")),
+            hidden_activation=str(get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"),
+            final_logit_softcapping=None if softcap is None else float(softcap),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            attention_k_eq_v=k_eq_v,
+            num_kv_shared_layers=_int(d, "num_kv_shared_layers", get("num_kv_shared_layers")),
+            hidden_size_per_layer_input=int(get("hidden_size_per_layer_input") or 0),
+            vocab_size_per_layer_input=int(get("vocab_size_per_layer_input") or 0),
+            use_double_wide_mlp=bool(get("use_double_wide_mlp")),
+            model_type=mt,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A gemma4_text-style config.json dict that both HF (per_layer_config) and readers of
+        global_head_dim / num_global_key_value_heads parse back to this config."""
+        full = [i for i, t in enumerate(self.layer_types) if t == FULL]
+        per_layer = {}
+        for i in range(self.num_hidden_layers):
+            over = {}
+            if self.layer_head_dims[i] != self.head_dim:
+                over["head_dim"] = self.layer_head_dims[i]
+            if self.layer_kv_heads[i] != self.num_key_value_heads:
+                over["num_key_value_heads"] = self.layer_kv_heads[i]
+            if over:
+                per_layer[str(i)] = over
+        g_kv = {self.layer_kv_heads[i] for i in full}
+        d = dict(
+            model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            global_head_dim=self.layer_head_dims[full[0]] if full else self.head_dim,
+            num_global_key_value_heads=(g_kv.pop() if len(g_kv) == 1 else None) if self.attention_k_eq_v else None,
+            layer_types=list(self.layer_types), sliding_window=self.sliding_window,
+            rope_parameters={SLIDING: _rope_dict(self.rope_sliding), FULL: _rope_dict(self.rope_full)},
+            rms_norm_eps=self.rms_norm_eps, hidden_activation=self.hidden_activation,
+            final_logit_softcapping=self.final_logit_softcapping,
+            tie_word_embeddings=self.tie_word_embeddings, attention_k_eq_v=self.attention_k_eq_v,
+            num_kv_shared_layers=self.num_kv_shared_layers,
+            hidden_size_per_layer_input=self.hidden_size_per_layer_input,
+            vocab_size_per_layer_input=self.vocab_size_per_layer_input,
+            use_double_wide_mlp=self.use_double_wide_mlp, enable_moe_block=False, attention_bias=False,
+        )
+        if self.model_type == "gemma4_unified_text":  # that HF class has no PLE / MoE attributes
+            for k in ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block"):
+                d.pop(k)
+        if per_layer:
+            d["per_layer_config"] = per_layer
+        return d
+
+    # ---- checks --------------------------------------------------------------------------------
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        n = self.num_hidden_layers
+        for name in ("layer_types", "layer_head_dims", "layer_kv_heads"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, expected {n}")
+        for i in range(n):
+            kv, d = self.layer_kv_heads[i], self.layer_head_dims[i]
+            if kv < 1 or self.num_attention_heads % kv:
+                raise ValueError(f"layer {i}: num_attention_heads={self.num_attention_heads} is not a "
+                                 f"multiple of its num_key_value_heads={kv}")
+            if d < 2 or d % 2:
+                raise ValueError(f"layer {i}: head_dim={d} must be even (rotate-half RoPE)")
+        if self.hidden_activation not in ACTIVATIONS:
+            raise NotImplementedError(f"hidden_activation={self.hidden_activation!r}: supported {ACTIVATIONS}")
+        if not 0 <= self.num_kv_shared_layers <= n:
+            raise ValueError(f"num_kv_shared_layers={self.num_kv_shared_layers} not in [0, {n}]")
+        if 0 < self.num_kv_shared_layers < n:
+            first = n - self.num_kv_shared_layers
+            missing = set(self.layer_types[first:]) - set(self.layer_types[:first])
+            if missing:
+                raise ValueError(f"KV-shared layers of type {sorted(missing)} have no earlier non-shared "
+                                 "layer of the same type to read K/V from")
+        if self.hidden_size_per_layer_input and self.vocab_size_per_layer_input < 1:
+            raise ValueError("hidden_size_per_layer_input > 0 needs vocab_size_per_layer_input > 0")
+
+    # ---- per-layer structure -----------------------------------------------------------------------
+    def is_sliding(self, i: int) -> bool:
+        return self.layer_types[i] == SLIDING
+
+    def kv_shared(self, i: int) -> bool:
+        """True for layers without K/V projections (they read another layer's K/V)."""
+        return i >= self.num_hidden_layers - self.num_kv_shared_layers
+
+    def k_eq_v(self, i: int) -> bool:
+        return self.attention_k_eq_v and not self.is_sliding(i)
+
+    def store_layer(self, layer_type: str) -> int | None:
+        """The last non-shared layer of `layer_type`: the one KV-shared layers and the assistant read."""
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        idx = [i for i in range(first) if self.layer_types[i] == layer_type]
+        return idx[-1] if idx else None
+
+    def kv_source(self, i: int) -> int:
+        return self.store_layer(self.layer_types[i]) if self.kv_shared(i) else i
+
+    @property
+    def cache_layers(self) -> tuple[int, ...]:
+        """Layers that own K/V, in order: KVCache.k[j] belongs to layer cache_layers[j]."""
+        return tuple(i for i in range(self.num_hidden_layers) if not self.kv_shared(i))
+
+    def cache_slot(self, i: int) -> int:
+        return self.cache_layers.index(self.kv_source(i))
+
+    def mlp_width(self, i: int) -> int:
+        return self.intermediate_size * (2 if self.use_double_wide_mlp and self.kv_shared(i) else 1)
+
+    def rope(self, i: int) -> RopeConfig:
+        return self.rope_sliding if self.is_sliding(i) else self.rope_full
+
+    @property
+    def has_per_layer_inputs(self) -> bool:
+        return self.hidden_size_per_layer_input > 0
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class AssistantConfig:
+    """A Gemma 4 MTP assistant: its own text stack (every layer KV-shared, Q-only) plus the top level."""
+
+    text: TargetConfig
+    backbone_hidden_size: int
+    use_ordered_embeddings: bool = False
+    num_centroids: int = 2048
+    centroid_intermediate_top_k: int = 32
+    tie_word_embeddings: bool = True
+    model_type: str = "gemma4_assistant"
+
+    def __post_init__(self):
+        t = self.text
+        if t.has_per_layer_inputs:
+            raise ValueError(f"assistant text_config.hidden_size_per_layer_input must be 0, got "
+                             f"{t.hidden_size_per_layer_input}")
+        if t.use_double_wide_mlp:
+            raise ValueError("assistant text_config.use_double_wide_mlp must be false")
+        if t.num_kv_shared_layers != t.num_hidden_layers:
+            raise ValueError(f"every assistant layer must be KV-shared: num_kv_shared_layers="
+                             f"{t.num_kv_shared_layers}, num_hidden_layers={t.num_hidden_layers}")
+        if self.backbone_hidden_size < 1:
+            raise ValueError(f"backbone_hidden_size={self.backbone_hidden_size} must be >= 1")
+        if self.use_ordered_embeddings:
+            if self.num_centroids < 1 or t.vocab_size % self.num_centroids:
+                raise ValueError(f"vocab_size={t.vocab_size} is not a multiple of num_centroids={self.num_centroids}")
+            if not 1 <= self.centroid_intermediate_top_k <= self.num_centroids:
+                raise ValueError(f"centroid_intermediate_top_k={self.centroid_intermediate_top_k} not in "
+                                 f"[1, num_centroids={self.num_centroids}]")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AssistantConfig":
+        mt = d.get("model_type") if isinstance(d, dict) else None
+        if mt not in ASSISTANT_TYPES:
+            hint = " (a target config: load it with models.load_target)" if mt in TARGET_TYPES + MULTIMODAL_TYPES else ""
+            raise ValueError(f"unsupported assistant model_type={mt!r}{hint}: expected one of {ASSISTANT_TYPES}")
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"model_type={mt!r} config has no 'text_config' dict")
+        text = dict(text)
+        text.setdefault("model_type", "gemma4_unified_text" if mt == "gemma4_unified_assistant" else "gemma4_text")
+        if not text.get("num_kv_shared_layers"):  # HF: the assistant shares every layer
+            text["num_kv_shared_layers"] = text.get("num_hidden_layers", _TEXT_DEFAULTS["num_hidden_layers"])
+        for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
+            text.setdefault(key, 0)
+        tcfg = TargetConfig._from_text_dict(text, outer_type=mt)
+        default_backbone = 3840 if mt == "gemma4_unified_assistant" else 1536
+        return cls(
+            text=tcfg,
+            backbone_hidden_size=int(d.get("backbone_hidden_size", default_backbone)),
+            use_ordered_embeddings=bool(d.get("use_ordered_embeddings", False)),
+            num_centroids=int(d.get("num_centroids", 2048)),
+            centroid_intermediate_top_k=int(d.get("centroid_intermediate_top_k", 32)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            model_type=mt,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(model_type=self.model_type, text_config=self.text.to_dict(),
+                    backbone_hidden_size=self.backbone_hidden_size,
+                    use_ordered_embeddings=self.use_ordered_embeddings, num_centroids=self.num_centroids,
+                    centroid_intermediate_top_k=self.centroid_intermediate_top_k,
+                    tie_word_embeddings=self.tie_word_embeddings)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text.hidden_size
+
+
+def check_fit(assistant: AssistantConfig, target: TargetConfig) -> None:
+    """Raise ValueError (naming every mismatch) unless `assistant` can draft for `target`."""
+    a = assistant.text
+    problems = []
+    if assistant.backbone_hidden_size != target.hidden_size:
+        problems.append(f"assistant backbone_hidden_size={assistant.backbone_hidden_size} != target "
+                        f"hidden_size={target.hidden_size}")
+    if a.vocab_size != target.vocab_size:
+        problems.append(f"assistant vocab_size={a.vocab_size} != target vocab_size={target.vocab_size}")
+    for i, t in enumerate(a.layer_types):
+        src = target.store_layer(t)
+        if src is None:
+            problems.append(f"assistant layer {i} is {t} but the target has no non-shared {t} layer")
+            continue
+        if a.layer_head_dims[i] != target.layer_head_dims[src]:
+            problems.append(f"assistant layer {i} ({t}) head_dim={a.layer_head_dims[i]} != target layer "
+                            f"{src} head_dim={target.layer_head_dims[src]}")
+        kv = target.layer_kv_heads[src]
+        if a.layer_kv_heads[i] != kv:
+            problems.append(f"assistant layer {i} ({t}) num_key_value_heads={a.layer_kv_heads[i]} != target "
+                            f"layer {src} num_key_value_heads={kv}")
+        if a.num_attention_heads % kv:
+            problems.append(f"assistant num_attention_heads={a.num_attention_heads} is not a multiple of the "
+                            f"target layer {src} num_key_value_heads={kv}")
+    if problems:
+        raise ValueError("assistant does not fit the target: " + "; ".join(problems))
+
+
+def _int(d, key, default):
+    v = d.get(key, default)
+    if v is None:
+        raise ValueError(f"config field {key!r} is missing")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise ValueError(f"config field {key!r}={v!r} must be an integer")
+    return int(v)
+
+
+def _rope(layer_type: str, p: dict) -> RopeConfig:
+    if not isinstance(p, dict):
+        raise ValueError(f"rope_parameters[{layer_type!r}] must be a dict, got {p!r}")
+    rt = p.get("rope_type", p.get("type", "default"))
+    if rt not in ROPE_TYPES:
+        raise NotImplementedError(f"rope_parameters[{layer_type!r}].rope_type={rt!r}: supported {ROPE_TYPES}")
+    if "rope_theta" not in p:
+        raise ValueError(f"rope_parameters[{layer_type!r}] has no rope_theta")
+    return RopeConfig(rope_type=rt, theta=float(p["rope_theta"]),
+                      partial_rotary_factor=float(p.get("partial_rotary_factor", 1.0)) if rt == "proportional" else 1.0,
+                      factor=float(p.get("factor", 1.0)) if rt == "proportional" else 1.0)
+
+
+def _rope_dict(r: RopeConfig) -> dict:
+    d = {"rope_type": r.rope_type, "rope_theta": r.theta}
+    if r.rope_type == "proportional":
+        d["partial_rotary_factor"] = r.partial_rotary_factor
+        if r.factor != 1.0:
+            d["factor"] = r.factor
+    return d

@@ -1,0 +1,119 @@
+"""Building blocks shared by the target and the assistant: linear, RMSNorm, RoPE, MLP, attention.
+
+Numerics follow HF Gemma 4 (the test reference): activations in the params dtype, RMSNorm, softmax
+and RoPE angles in float32, attention scale 1.0. Every linear goes through `quantized_matmul`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import DispatchConfig, quantized_matmul
+
+from .config import RopeConfig
+
+# Row invariance: up to this many query rows, attention always computes exactly this many, so a
+# [B, 1] decode step and a [B, K] verify see the same dot shapes (XLA picks kernels per shape).
+ROW_BUCKET = 16
+_NEG = float(np.finfo(np.float32).min)  # finite: a fully masked (padding) row stays NaN-free
+
+
+def linear(x: jax.Array, w, matmul: DispatchConfig | None) -> jax.Array:
+    """`x @ w.T` for a float `[N, K]` weight or a QuantizedWeight; output in x's dtype."""
+    return quantized_matmul(x, w, config=matmul)
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """Gemma 4 RMSNorm (plain `w`, not `1 + w`); float32 math, result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if w is not None:
+        y = y * w.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def activation(x: jax.Array, name: str) -> jax.Array:
+    return jax.nn.gelu(x, approximate=name != "gelu")
+
+
+def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Float32 inverse frequencies `[head_dim // 2]`. "proportional" rotates only the first
+    `partial_rotary_factor * head_dim / 2` pairs, with exponents over the full head_dim; the
+    rest get frequency 0 (cos 1, sin 0), i.e. pass through."""
+    if rope.rope_type == "default":
+        exps = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+        return (1.0 / (np.float32(rope.theta) ** exps)).astype(np.float32)
+    n_rot = int(rope.partial_rotary_factor * head_dim // 2)
+    exps = np.arange(0, 2 * n_rot, 2, dtype=np.float32) / np.float32(head_dim)
+    rot = (1.0 / (np.float32(rope.theta) ** exps)).astype(np.float32)
+    out = np.concatenate([rot, np.zeros(head_dim // 2 - n_rot, np.float32)])
+    return (out / np.float32(rope.factor)).astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, rope: RopeConfig, head_dim: int, dtype):
+    """cos, sin `[..., head_dim]` for integer positions `[...]`, cast to the activation dtype."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(rope, head_dim))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on `x [B, T, H, D]` with cos/sin `[B, T, D]`."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rot * sin[:, :, None, :]
+
+
+def mlp(x: jax.Array, gate, up, down, act: str, matmul) -> jax.Array:
+    return linear(activation(linear(x, gate, matmul), act) * linear(x, up, matmul), down, matmul)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled-by-1.0 GQA attention.
+
+    q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, mask bool `[B, T, C]` (True = visible).
+    Returns `[B, T, Hq * D]` in q's dtype. Scores and softmax in float32; the probabilities are cast
+    to v's dtype before the weighted sum (as HF does). T <= ROW_BUCKET is padded to ROW_BUCKET.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    if t < ROW_BUCKET:
+        pad = ROW_BUCKET - t
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)), mode="edge")
+    tp = q.shape[1]
+    qg = q.reshape(b, tp, hkv, hq // hkv, d)
+    s = jnp.einsum("btkgd,bckd->bkgtc", qg, k.astype(q.dtype), preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
+    s = jnp.where(mask[:, None, None, :, :], s, _NEG)
+    s = s - jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bkgtc,bckd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
+    return o[:, :t].reshape(b, t, hq * d).astype(q.dtype)
+
+
+def causal_mask(q_pos: jax.Array, capacity: int, window: int | None,
+                key_ok: jax.Array | None = None) -> jax.Array:
+    """`[B, T, C]`: key c visible to a query at absolute position p iff c <= p (and c > p - window)."""
+    c = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
+    p = q_pos[:, :, None]
+    m = c <= p
+    if window is not None:
+        m = m & (c > p - window)
+    if key_ok is not None:
+        m = m & key_ok[:, None, :]
+    return m
+
+
+def scale_of(value: float, dtype) -> jax.Array:
+    """A Python scale rounded to the activation dtype first (HF casts its embed scale that way)."""
+    return jnp.asarray(value, dtype=jnp.float32).astype(dtype)
+
+
+def embed_scale(hidden: int) -> float:
+    return math.sqrt(hidden)

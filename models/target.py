@@ -1,0 +1,177 @@
+"""The Gemma 4 text model (the target) as pure functions over a params pytree.
+
+Params: a flat dict keyed by the HF module path without the checkpoint prefix ("embed_tokens",
+"layers.3.self_attn.q_proj", "layers.3.input_layernorm", "layers.3.layer_scalar", "norm", ...).
+Linear/embedding values are float `[N, K]` arrays or `QuantizedWeight`s; norms and scalars are float.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pallas_kernels import DispatchConfig, take_rows
+
+from .cache import KVCache, init_cache, write_rows
+from .config import TargetConfig
+from .layers import (activation, apply_rope, attention, causal_mask, linear, mlp, rms_norm, rope_tables,
+                     scale_of)
+
+
+@struct.dataclass
+class Target:
+    config: TargetConfig = struct.field(pytree_node=False)
+    params: dict
+    matmul: DispatchConfig | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def dtype(self):
+        """The activation dtype: the embedding's (a QuantizedWeight's dtype is its scales')."""
+        return self.params["embed_tokens"].dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return logits(self, ids)
+
+
+def head_weight(target: Target):
+    p = target.params
+    return p["embed_tokens"] if target.config.tie_word_embeddings else p["lm_head"]
+
+
+def embed(target: Target, tokens: jax.Array, dtype) -> jax.Array:
+    """`E[ids] * sqrt(hidden)`, the scale rounded to the activation dtype first (as HF)."""
+    e = take_rows(target.params["embed_tokens"], tokens, dtype)
+    return e * scale_of(target.config.embed_scale, dtype)
+
+
+def _per_layer_inputs(target: Target, tokens, h0):
+    """`[B, T, L, P]`: (RMSNorm(proj(h0) / sqrt(H)) + E_pl[ids] * sqrt(P)) / sqrt(2)."""
+    cfg, p, mm = target.config, target.params, target.matmul
+    n, pdim = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+    dt = h0.dtype
+    tok = take_rows(p["embed_tokens_per_layer"], tokens, dt) * scale_of(pdim ** 0.5, dt)
+    tok = tok.reshape(*tokens.shape, n, pdim)
+    ctx = linear(h0, p["per_layer_model_projection"], mm) * (cfg.hidden_size ** -0.5)
+    ctx = rms_norm(ctx.reshape(*tokens.shape, n, pdim), p["per_layer_projection_norm"], cfg.rms_norm_eps)
+    return (ctx + tok) * (2.0 ** -0.5)
+
+
+def forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid: jax.Array | None = None):
+    """Run `tokens [B, T]` int32 at positions `cache.lengths[:, None] + arange(T)`.
+
+    Writes their K/V into the cache at those positions (per row) and returns
+    `(logits float32 [B, T, V], hidden [B, T, H] post-final-norm, new_cache)` with
+    `new_cache.lengths = cache.lengths + T` (lower it to roll back, or to the true prompt lengths after
+    a right-padded ragged prefill). A query at position p sees keys k <= p (and k > p - window on
+    sliding layers). `valid [B, T]` bool: keys of the new positions where it is False are hidden from
+    every query (padding); their queries still produce (meaningless) outputs.
+    Needs `cache.lengths + T <= cache.capacity` for every row (not checked under jit).
+    """
+    cfg, p, mm = target.config, target.params, target.matmul
+    check_tokens(tokens, cfg.vocab_size)
+    b, t = tokens.shape
+    if cache.batch != b:
+        raise ValueError(f"tokens have batch {b} but the cache has batch {cache.batch}")
+    if t > cache.capacity:
+        raise ValueError(f"{t} tokens do not fit a cache of capacity {cache.capacity}")
+    if len(cache.k) != len(cfg.cache_layers):
+        raise ValueError(f"cache has {len(cache.k)} K/V buffers, the config needs {len(cfg.cache_layers)}")
+    dt = target.dtype
+    start = cache.lengths.astype(jnp.int32)
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cap = cache.capacity
+
+    key_ok = None
+    if valid is not None:
+        if valid.shape != (b, t):
+            raise ValueError(f"valid has shape {valid.shape}, expected {(b, t)}")
+        rel = jnp.arange(cap, dtype=jnp.int32)[None, :] - start[:, None]
+        inside = (rel >= 0) & (rel < t)
+        key_ok = ~inside | jnp.take_along_axis(valid.astype(bool), jnp.clip(rel, 0, t - 1), axis=1)
+    masks = {False: causal_mask(pos, cap, None, key_ok), True: causal_mask(pos, cap, cfg.sliding_window, key_ok)}
+
+    h = embed(target, tokens, dt)
+    pli = _per_layer_inputs(target, tokens, h) if cfg.has_per_layer_inputs else None
+    tables = {}
+    ks, vs = list(cache.k), list(cache.v)
+    eps = cfg.rms_norm_eps
+    for i in range(cfg.num_hidden_layers):
+        pre = f"layers.{i}."
+        hd, nq, nkv = cfg.layer_head_dims[i], cfg.num_attention_heads, cfg.layer_kv_heads[i]
+        key = (cfg.is_sliding(i), hd)
+        if key not in tables:
+            tables[key] = rope_tables(pos, cfg.rope(i), hd, dt)
+        cos, sin = tables[key]
+
+        x = rms_norm(h, p[pre + "input_layernorm"], eps)
+        q = linear(x, p[pre + "self_attn.q_proj"], mm).reshape(b, t, nq, hd)
+        q = apply_rope(rms_norm(q, p[pre + "self_attn.q_norm"], eps), cos, sin)
+        slot = cfg.cache_slot(i)
+        if not cfg.kv_shared(i):
+            kr = linear(x, p[pre + "self_attn.k_proj"], mm).reshape(b, t, nkv, hd)
+            vr = kr if cfg.k_eq_v(i) else linear(x, p[pre + "self_attn.v_proj"], mm).reshape(b, t, nkv, hd)
+            k = apply_rope(rms_norm(kr, p[pre + "self_attn.k_norm"], eps), cos, sin)
+            v = rms_norm(vr, None, eps)
+            ks[slot] = write_rows(ks[slot], k, start)
+            vs[slot] = write_rows(vs[slot], v, start)
+        a = attention(q, ks[slot], vs[slot], masks[cfg.is_sliding(i)])
+        a = linear(a, p[pre + "self_attn.o_proj"], mm)
+        h = h + rms_norm(a, p[pre + "post_attention_layernorm"], eps)
+
+        x = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
+        x = mlp(x, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],
+                cfg.hidden_activation, mm)
+        h = h + rms_norm(x, p[pre + "post_feedforward_layernorm"], eps)
+
+        if pli is not None:
+            g = activation(linear(h, p[pre + "per_layer_input_gate"], mm), cfg.hidden_activation) * pli[:, :, i]
+            g = linear(g, p[pre + "per_layer_projection"], mm)
+            h = h + rms_norm(g, p[pre + "post_per_layer_input_norm"], eps)
+        h = h * p[pre + "layer_scalar"].astype(dt)
+
+    hidden = rms_norm(h, p["norm"], eps)
+    out = linear(hidden, head_weight(target), mm).astype(jnp.float32)
+    if cfg.final_logit_softcapping is not None:
+        c = cfg.final_logit_softcapping
+        out = jnp.tanh(out / c) * c
+    return out, hidden, KVCache(k=tuple(ks), v=tuple(vs), lengths=start + t)
+
+
+def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """The K/V the assistant reads: {"sliding_attention": (k, v), "full_attention": (k, v)} from the
+    last non-shared layer of each type, each `[B, capacity, kv_heads, head_dim]` (valid below
+    cache.lengths)."""
+    out = {}
+    for t in sorted(set(config.layer_types)):
+        i = config.store_layer(t)
+        if i is not None:
+            j = config.cache_layers.index(i)
+            out[t] = (cache.k[j], cache.v[j])
+    return out
+
+
+def logits(target: Target, ids: jax.Array) -> jax.Array:
+    """Cache-free full-sequence scoring: `ids [B, T]` int32 -> logits float32 `[B, T, V]`."""
+    ids = jnp.asarray(ids)
+    check_tokens(ids, target.config.vocab_size)
+    cache = init_cache(target.config, ids.shape[0], ids.shape[1], target.dtype)
+    return forward(target, ids, cache)[0]
+
+
+def check_tokens(tokens, vocab: int) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+    if 0 in tokens.shape:
+        raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
+
+
+def make_target(config: TargetConfig, params: dict, matmul: DispatchConfig | None = None) -> Target:
+    """Build a Target after checking every expected param is present with the right shape."""
+    from .checkpoint import check_params, target_shapes  # avoid an import cycle
+    if not config.cache_layers:
+        raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
+    check_params(params, target_shapes(config), "target")
+    return Target(config=config, params=params, matmul=matmul)
+
