@@ -192,7 +192,7 @@ def run_forward(args, target, assistant, out, deadline):
                 fk = forward_time(tgt, b, k, k)
                 out.append(dict(run="forward", multirow=mr, batch=b, width=k, k=k, ms=fk * 1e3, cost=fk / f1))
                 print(f"  verify K={k}: {fk * 1e3:.2f} ms = {fk / f1:.2f} forwards", flush=True)
-                if mr and "on" in args.verify_pad_raw:
+                if mr and "on" in args.verify_pad_raw and k in args.pad_k_values:
                     for tm in args.qmm_tile_m:
                         w = V.verify_width(k, b, True, base.replace(qmm_tile_m=tm))
                         tp = forward_time(target.replace(matmul=base.replace(qmm_tile_m=tm)), b, w, k)
@@ -350,6 +350,8 @@ def build_parser():
     ap.add_argument("--batch", default="1", type=lambda s: _csv(s, int))
     ap.add_argument("--verify-pad", default="off", dest="verify_pad_raw")
     ap.add_argument("--qmm-tile-m", default="16", type=lambda s: _csv(s, int))
+    ap.add_argument("--pad-k-values", default="2,4", type=lambda s: _csv(s, int),
+                    help="K values whose padded verify forward is timed in the forward run")
     ap.add_argument("--multirow", default="on", type=lambda s: _csv(s, _onoff))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)

@@ -89,16 +89,17 @@ class Sizes:
     n_prompts: int
     eval_new_tokens: int
     val_windows: int          # held-out windows for the validation loss during training
+    ppl_windows: int          # held-out windows for the final perplexities
 
 
 FULL_SIZES = Sizes(vocab=4096, hidden=512, layers=12, full_every=6, heads=8, kv_heads=2, head_dim=64,
                    global_head_dim=128, ffn=1536, window=128, a_hidden=512, a_layers=2, a_heads=8, a_ffn=1536,
                    seq=256, batch=64, a_batch=64, draft_steps=3, gen_seqs=2048, gen_prompt=128, gen_batch=256,
-                   prompt_tokens=48, n_prompts=20, eval_new_tokens=64, val_windows=64)
+                   prompt_tokens=48, n_prompts=20, eval_new_tokens=64, val_windows=64, ppl_windows=512)
 SMOKE_SIZES = Sizes(vocab=512, hidden=64, layers=3, full_every=3, heads=4, kv_heads=2, head_dim=16,
                     global_head_dim=32, ffn=128, window=16, a_hidden=64, a_layers=2, a_heads=4, a_ffn=128,
                     seq=64, batch=8, a_batch=8, draft_steps=3, gen_seqs=32, gen_prompt=32, gen_batch=16,
-                    prompt_tokens=24, n_prompts=4, eval_new_tokens=16, val_windows=8)
+                    prompt_tokens=24, n_prompts=4, eval_new_tokens=16, val_windows=8, ppl_windows=64)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,8 +271,12 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and budgets (CPU check of the whole script)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-seconds", type=float, default=None, help="target phase wall budget incl. compile")
-    p.add_argument("--assistant-seconds", type=float, default=None, help="assistant phase wall budget cap")
+    p.add_argument("--target-seconds", type=float, default=None,
+                   help="target training seconds after compilation (also capped by --target-epochs and the deadline)")
+    p.add_argument("--assistant-seconds", type=float, default=None,
+                   help="assistant training seconds after compilation (capped by the deadline)")
+    p.add_argument("--assistant-min-seconds", type=float, default=None,
+                   help="seconds kept for the assistant phase (generation, compile, training) when the target trains")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds from start by which everything (eval included) should be done; training ends eval-reserve earlier")
     p.add_argument("--eval-reserve", type=float, default=None, help="seconds kept for save + eval")
@@ -287,10 +292,17 @@ def parse_args(argv=None):
     p.add_argument("--no-deterministic-gpu", dest="deterministic_gpu", action="store_false")
     p.add_argument("--batch", type=int, default=None, help="override the target batch (windows per step)")
     p.add_argument("--a-batch", type=int, default=None, help="override the assistant batch")
+    p.add_argument("--gen-seqs", type=int, default=None, help="override the number of greedy continuations")
+    p.add_argument("--n-prompts", type=int, default=None, help="override the number of held-out eval prompts")
+    p.add_argument("--eval-new-tokens", type=int, default=None, help="override the tokens generated per prompt")
+    p.add_argument("--val-windows", type=int, default=None, help="override the held-out windows for training evals")
+    p.add_argument("--ppl-windows", type=int, default=None, help="override the held-out windows for perplexity")
     a = p.parse_args(argv)
     smoke = a.smoke
-    a.target_seconds = a.target_seconds if a.target_seconds is not None else (25.0 if smoke else 130.0)
-    a.assistant_seconds = a.assistant_seconds if a.assistant_seconds is not None else (25.0 if smoke else 170.0)
+    a.target_seconds = a.target_seconds if a.target_seconds is not None else (20.0 if smoke else 90.0)
+    a.assistant_seconds = a.assistant_seconds if a.assistant_seconds is not None else (20.0 if smoke else 200.0)
+    a.assistant_min_seconds = (a.assistant_min_seconds if a.assistant_min_seconds is not None
+                               else (60.0 if smoke else 120.0))
     a.deadline = a.deadline if a.deadline is not None else (600.0 if smoke else 385.0)
     a.eval_reserve = a.eval_reserve if a.eval_reserve is not None else (40.0 if smoke else 75.0)
     if smoke and a.max_files is None:
@@ -309,9 +321,10 @@ def to_dtype(tree, dtype):
 
 
 def init_params(shapes: dict, key, n_layers: int) -> dict:
-    """Float32 params for `shapes` (models.target_shapes / assistant_shapes): linear ~ N(0, 1/K); norms 1,
-    except q/k norms = head_dim^-1/4 (attention has scale 1.0: unit-variance logits at init) and the
-    post-attention / post-FFN norms = (2 L)^-1/2 (each block starts as a small residual update)."""
+    """Float32 params for `shapes` (models.target_shapes / assistant_shapes): linear ~ N(0, 1/K) and the
+    embedding ~ N(0, 0.02^2) (with a tied head a larger table makes the current token's own logit huge);
+    norms 1, except q/k norms = head_dim^-1/4 (attention has scale 1.0: unit-variance logits at init) and
+    the post-attention / post-FFN norms = (2 L)^-1/2 (each block starts as a small residual update)."""
     import jax
     import jax.numpy as jnp
     from models.checkpoint import LINEAR
@@ -320,7 +333,8 @@ def init_params(shapes: dict, key, n_layers: int) -> dict:
         shape, kind = shapes[name]
         leaf = name.split(".")[-1]
         if kind == LINEAR:
-            params[name] = jax.random.normal(jax.random.fold_in(key, j), shape, jnp.float32) / math.sqrt(shape[1])
+            std = 0.02 if name == "embed_tokens" else 1.0 / math.sqrt(shape[1])
+            params[name] = std * jax.random.normal(jax.random.fold_in(key, j), shape, jnp.float32)
         elif leaf in ("q_norm", "k_norm"):
             params[name] = jnp.full(shape, shape[0] ** -0.25, jnp.float32)
         elif leaf in ("post_attention_layernorm", "post_feedforward_layernorm"):
@@ -471,16 +485,21 @@ def self_check(acfg, tcfg, ap32, teacher32, seq_tokens, steps: int) -> float:
 # Time-budgeted training loop
 
 
-def run_phase(name, step_call, *, budget_s, max_steps, fixed_steps, peak, warmup, calib=10, log_every=25,
+def run_phase(name, step_call, *, budget_s, end_by, max_steps, fixed_steps, peak, warmup, calib=10, log_every=25,
               on_eval=None, n_evals=0):
-    """step_call(step, lr) -> (loss, aux) device values. The step count is `fixed_steps`, else calibrated
-    after `calib` timed steps to fit `budget_s` (wall, compile included), capped by max_steps. The loop
-    also stops by wall clock (checked every step, blocking every log_every steps). Returns a summary."""
-    t0 = time.time()
+    """step_call(step, lr) -> (loss, aux) device values. Step 0 compiles. The step count is then
+    `fixed_steps`, else calibrated after `calib` timed steps to fit min(budget_s, end_by - now) seconds
+    of training, capped by max_steps. The loop also stops by wall clock (checked every step, blocking
+    every log_every steps). Returns a summary."""
+    tc = time.time()
     loss, aux = step_call(0, lr_at(0, 1, peak, warmup))
     loss = float(loss)
-    compile_s = time.time() - t0
-    log(f"{name}: step 0 (compile + run) {compile_s:.1f}s, loss {loss:.4f}")
+    t0 = time.time()
+    compile_s = t0 - tc
+    budget_s = min(budget_s, end_by - t0)
+    log(f"{name}: step 0 (compile + run) {compile_s:.1f}s, loss {loss:.4f}; training budget {budget_s:.0f}s")
+    if budget_s < 5 and fixed_steps is None:
+        raise RuntimeError(f"{name}: no time left to train ({budget_s:.0f}s): raise --deadline or lower budgets")
     done = 1
     history = [(0, loss)]
     if fixed_steps is not None:
@@ -526,6 +545,7 @@ def run_phase(name, step_call, *, budget_s, max_steps, fixed_steps, peak, warmup
     wall = time.time() - t0
     log(f"{name}: {done} steps in {wall:.1f}s, final loss {final:.4f}")
     return dict(steps=done, planned_steps=total, cut_by_wall_clock=cut, compile_s=round(compile_s, 2),
+                train_budget_s=round(budget_s, 1),
                 step_ms=None if step_s is None else round(step_s * 1e3, 2), wall_s=round(wall, 1),
                 final_loss=final, loss_history=history, evals=evals, final_aux=None if aux is None else jax_list(aux))
 
@@ -546,6 +566,9 @@ def main(argv=None) -> int:
         sizes.batch = args.batch
     if args.a_batch:
         sizes.a_batch = args.a_batch
+    for name in ("gen_seqs", "n_prompts", "eval_new_tokens", "val_windows", "ppl_windows"):
+        if getattr(args, name) is not None:
+            setattr(sizes, name, getattr(args, name))
     os.makedirs(args.out, exist_ok=True)
     metrics = Metrics(os.path.join(args.out, "metrics.json"))
     metrics.set("script", "benchmarks/train_default_pair.py")
@@ -663,17 +686,14 @@ def main(argv=None) -> int:
         log(f"target: step {step} held-out loss {v:.4f} (ppl {math.exp(v):.2f})")
         return v
 
-    elapsed = time.time() - T_START
-    t_budget = min(args.target_seconds, args.deadline - elapsed - args.eval_reserve - 60.0)
-    if t_budget < 10:
-        raise RuntimeError(f"no time left for the target ({t_budget:.0f}s): raise --deadline or lower other budgets")
     epochs_cap = int(math.ceil(args.target_epochs * train_data.size / (bsz * seq)))
     t = time.time()
     warm = 20 if args.smoke else 150
-    tsum = run_phase("target", t_call, budget_s=t_budget, max_steps=epochs_cap, fixed_steps=args.target_steps,
-                     peak=args.target_lr, warmup=warm, on_eval=t_eval, n_evals=8)
+    t_end = T_START + args.deadline - args.eval_reserve - args.assistant_min_seconds
+    tsum = run_phase("target", t_call, budget_s=args.target_seconds, end_by=t_end, max_steps=epochs_cap,
+                     fixed_steps=args.target_steps, peak=args.target_lr, warmup=warm, on_eval=t_eval, n_evals=8)
     tsum.update(params=n_t, tokens_seen=tsum["steps"] * bsz * seq,
-                epochs=round(tsum["steps"] * bsz * seq / train_data.size, 2), budget_s=round(t_budget, 1),
+                epochs=round(tsum["steps"] * bsz * seq / train_data.size, 2),
                 epochs_cap_steps=epochs_cap, best_heldout_loss=state["best_loss"], best_step=state["best_step"],
                 lr=args.target_lr, warmup=warm, batch=bsz, seq=seq)
     metrics.set("target_training", tsum)
@@ -778,15 +798,12 @@ def main(argv=None) -> int:
                                                 jnp.float32(lr))
         return loss, accs
 
-    elapsed = time.time() - T_START
-    a_budget = min(args.assistant_seconds, args.deadline - elapsed - args.eval_reserve)
-    if a_budget < 10:
-        raise RuntimeError(f"no time left for the assistant ({a_budget:.0f}s)")
     t = time.time()
     warm = 20 if args.smoke else 100
-    asum = run_phase("assistant", a_call, budget_s=a_budget, max_steps=10 ** 7, fixed_steps=args.assistant_steps,
-                     peak=args.assistant_lr, warmup=warm)
-    asum.update(params=n_a, budget_s=round(a_budget, 1), lr=args.assistant_lr, warmup=warm, batch=ab,
+    asum = run_phase("assistant", a_call, budget_s=args.assistant_seconds,
+                     end_by=T_START + args.deadline - args.eval_reserve, max_steps=10 ** 7,
+                     fixed_steps=args.assistant_steps, peak=args.assistant_lr, warmup=warm)
+    asum.update(params=n_a, lr=args.assistant_lr, warmup=warm, batch=ab,
                 gen_rows_per_batch=n_gen_b, seq=seq, draft_steps_unrolled=J,
                 final_top1_agreement_per_step=asum["final_aux"],
                 loss="soft cross-entropy to the 4-bit target's distribution, mean over the unrolled steps")
@@ -897,7 +914,7 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, float_params, pro
         return errors
 
     seq = sizes.seq
-    windows = eval_windows(held_data, seq + 1, 512)
+    windows = eval_windows(held_data, seq + 1, sizes.ppl_windows)
 
     def perplexity():
         counts = np.bincount(train_data, minlength=sizes.vocab).astype(np.float64) + 1.0
