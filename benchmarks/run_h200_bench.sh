@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The H200 benchmark session behind docs/benchmark_results/*-h200-*.md (one device call, < 10 min).
-# Usage: JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh OUTDIR
+# Usage: JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST   (writes DEST/results.tgz)
 set -u
-out=${1:-out}
-mkdir -p "$out"
+dest=${1:-out}
+out=$(mktemp -d)
+mkdir -p "$dest"
+trap 'tar czf "$dest/results.tgz" -C "$out" .' EXIT
 export PYTHONUNBUFFERED=1
 sb="python3 benchmarks/speculative_bench.py --target 12b --assistant 12b --layers 8"
 # 1. kernels: path table (shapes in priority order) and the qmm tile_m sweep
