@@ -1,0 +1,372 @@
+"""Public API: `generate` (validate on the host, run, cut, report stats) and `make_generate` (the
+jitted function behind it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from . import loop as L
+from . import sampling as S
+from . import verify as V
+
+PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this (fewer recompiles)
+BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    mode: str                      # "speculative" or "classic"
+    block_size: int                # K actually used (1 for classic)
+    verify_width: int              # K, or the padded width
+    rounds: int                    # loop iterations (verify forwards of the whole batch)
+    row_rounds: int                # sum over rows of the rounds each row was active
+    drafted: int
+    accepted: int
+    acceptance_rate: float         # accepted / drafted
+    mean_accepted_len: float       # accepted drafts per active row-round
+    tokens_per_round: float        # emitted tokens per active row-round (first token excluded)
+    accepted_hist: list[int]       # accepted_hist[a]: active row-rounds that accepted a drafts
+    new_tokens: int                # all rows, including the first token from prefill
+    prefill_s: float
+    decode_s: float
+    decode_tokens_per_s: float     # new_tokens / decode_s
+    fallback: str | None = None    # why speculative decoding was not used, if it was asked for
+    probe_logit_diff: float | None = None  # exactness probe: max |wide verify - single steps| logit
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]        # one list per prompt row, cut after the first EOS/stop (inclusive)
+    stats: GenerationStats
+
+
+# --------------------------------------------------------------------------------------------
+# The jitted function
+
+
+_PREFILL = jax.jit(L.prefill, static_argnums=0)  # shared by every Generator (keyed by PrefillSpec)
+_AOT: dict = {}
+
+
+def _aot(fn, tag, static, *args):
+    """An AOT-compiled `fn` for these argument shapes (cached), so that timings exclude compilation."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    sig = (tag, static, tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves))
+    compiled = _AOT.get(sig)
+    if compiled is None:
+        compiled = _AOT[sig] = (fn.lower(static, *args) if static is not None else fn.lower(*args)).compile()
+    return compiled
+
+
+class Generator:
+    """The compiled generation for one static setting (see `make_generate`).
+
+    `gen(target, assistant, prompt, lengths, key, limit=None, stop_ids=None) -> DecodeState` runs
+    prefill and the whole decode in one jit (assistant None when block_size == 1):
+      prompt int32 [B, P] right-padded (any pad id); lengths int32 [B] true lengths (>= 1);
+      key a jax PRNG key; limit int32 [B] per-row budgets in 1..max_new_tokens (default: all
+      max_new_tokens); stop_ids int32 [S] EOS/stop ids padded with -1 (default: none).
+    `gen.inputs(prompt_ids, ...)` builds those arrays from Python lists; `gen.tokens(state)` cuts
+    the output rows. `gen.run(...)` does the same as `gen(...)` through the two halves, prefill
+    (shared by all block sizes) and decode, each compiled ahead of time and timed; generate uses it.
+    """
+
+    def __init__(self, spec: L.LoopSpec):
+        self.spec = spec
+        self._run = jax.jit(lambda t, a, *xs: L.run(spec, t, a, *xs))
+        self._decode = jax.jit(lambda t, a, s: L.decode(spec, t, a, s), donate_argnums=(2,))
+
+    def __call__(self, target, assistant, prompt, lengths, key, limit=None, stop_ids=None):
+        b = prompt.shape[0]
+        if limit is None:
+            limit = jnp.full((b,), self.spec.max_new_tokens, jnp.int32)
+        if stop_ids is None:
+            stop_ids = stop_array(())
+        return self._run(target, assistant, prompt, lengths, key, limit, stop_ids)
+
+    def prefill_spec(self, target, prompt) -> L.PrefillSpec:
+        return self.spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
+
+    def prefill(self, target, prompt, lengths, key, limit, stop_ids):
+        return _PREFILL(self.prefill_spec(target, prompt), target, prompt, lengths, key, limit, stop_ids)
+
+    def decode(self, target, assistant, state):
+        return self._decode(target, assistant, state)
+
+    def run(self, target, assistant, prompt, lengths, key, limit, stop_ids):
+        """-> (state, prefill seconds, decode seconds), compilation excluded."""
+        args = (target, prompt, lengths, key, limit, stop_ids)
+        pre = _aot(_PREFILL, "prefill", self.prefill_spec(target, prompt), *args)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(pre(*args))
+        t1 = time.perf_counter()
+        drafter = assistant if self.spec.speculative else None
+        dec = _aot(self._decode, ("decode", self.spec), None, target, drafter, state)
+        t2 = time.perf_counter()
+        state = jax.block_until_ready(dec(target, drafter, state))
+        t3 = time.perf_counter()
+        return state, t1 - t0, t3 - t2
+
+    def compiled_decode_text(self, target, assistant, state) -> str:
+        """The optimized HLO of the decode loop (to inspect launches per round)."""
+        drafter = assistant if self.spec.speculative else None
+        return _aot(self._decode, ("decode", self.spec), None, target, drafter, state).as_text()
+
+    def inputs(self, prompt_ids, *, max_new_tokens=None, eos_token_ids=(), stop_token_ids=(), seed=0,
+               prompt_width=None):
+        """(prompt, lengths, key, limit, stop_ids) arrays for `gen(target, assistant, *inputs)`."""
+        rows = _as_batch(prompt_ids)
+        n = self.spec.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if not 1 <= n <= self.spec.max_new_tokens:
+            raise ValueError(f"max_new_tokens={n} must be in 1..{self.spec.max_new_tokens} for this Generator")
+        longest = max(len(r) for r in rows)
+        width = prompt_width or _round_up(longest, PROMPT_BUCKET)
+        prompt = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            prompt[i, :len(r)] = r
+        return (jnp.asarray(prompt), jnp.asarray([len(r) for r in rows], jnp.int32),
+                jax.random.key(int(seed)), jnp.full((len(rows),), n, jnp.int32),
+                stop_array((*eos_token_ids, *stop_token_ids)))
+
+    @staticmethod
+    def tokens(state) -> list[list[int]]:
+        out, n = jax.device_get((state.out, state.n_out))
+        return [out[b, :n[b]].tolist() for b in range(out.shape[0])]
+
+
+def stop_array(ids) -> jax.Array:
+    """Stop ids as int32 [S], S a multiple of 4 (>= 4), padded with -1 (matches no token)."""
+    ids = sorted({int(t) for t in ids})
+    size = max(4, _round_up(len(ids), 4))
+    return jnp.asarray(ids + [-1] * (size - len(ids)), jnp.int32)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+_GENERATORS: dict = {}
+
+
+def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None, verify_pad=None,
+                  draft: str = "sample", cache_size: int | None = None) -> Generator:
+    """The jitted generation function for one static setting (cached: equal arguments return the
+    same Generator). block_size=1 is classic decoding (no assistant). max_new_tokens is the output
+    buffer and the largest per-row budget; smaller budgets and EOS/stop ids are runtime inputs.
+    verify_pad: None ($JAXSPEC_MTP_VERIFY_PAD, else verify.DEFAULT_VERIFY_PAD), a bool or a width.
+    cache_size: KV positions per row (None: prompt width + max_new_tokens + verify width).
+    See Generator for the call signature."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    params = S.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, draft=draft)
+    spec = L.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=params,
+                      verify_pad=V.resolve_verify_pad(verify_pad), cache_size=cache_size)
+    gen = _GENERATORS.get(spec)
+    if gen is None:
+        gen = _GENERATORS[spec] = Generator(spec)
+    return gen
+
+
+# --------------------------------------------------------------------------------------------
+# Input handling
+
+
+def _as_batch(prompt_ids) -> list[list[int]]:
+    """One sequence of ints, or a list of them -> a list of rows."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError("prompt_ids must be token ids (ints), not text: tokenize first")
+    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+        arr = np.asarray(prompt_ids)
+        if arr.ndim == 1:
+            prompt_ids = [arr.tolist()]
+        elif arr.ndim == 2:
+            prompt_ids = arr.tolist()
+        else:
+            raise ValueError(f"prompt_ids array must be 1-D or 2-D, got shape {arr.shape}")
+    else:
+        try:
+            prompt_ids = list(prompt_ids)
+        except TypeError:
+            raise ValueError(f"prompt_ids must be a sequence of ints or a list of them, got "
+                             f"{type(prompt_ids).__name__}") from None
+        if len(prompt_ids) == 0:
+            raise ValueError("empty prompt: prompt_ids has no tokens")
+        if not any(_is_sequence(t) for t in prompt_ids):  # one sequence (its items checked below)
+            prompt_ids = [prompt_ids]
+    rows = []
+    for i, row in enumerate(prompt_ids):
+        if not _is_sequence(row):
+            raise ValueError(f"prompt row {i} is not a sequence of ints: {row!r}")
+        row = list(row.tolist() if isinstance(row, (np.ndarray, jax.Array)) else row)
+        bad = [t for t in row if not _is_int(t)]
+        if bad:
+            raise ValueError(f"prompt row {i} has non-integer token ids, e.g. {bad[0]!r}")
+        if len(row) == 0:
+            raise ValueError(f"empty prompt: row {i} has no tokens")
+        rows.append([int(t) for t in row])
+    if not rows:
+        raise ValueError("empty prompt: no rows")
+    return rows
+
+
+def _is_sequence(t) -> bool:
+    return hasattr(t, "__iter__") and not isinstance(t, (str, bytes)) and getattr(t, "ndim", 1) != 0
+
+
+def _is_int(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _default_stop_ids(target) -> tuple[int, ...]:
+    for name in ("eos_token_ids", "eos_token_id"):
+        v = getattr(target.config, name, None)
+        if v is not None:
+            return tuple(int(t) for t in (v if isinstance(v, (list, tuple)) else [v]))
+    return ()
+
+
+def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temperature, top_k, top_p,
+                    eos_token_ids, stop_token_ids, verify_pad, draft, cache_size, seed):
+    """Every check that can fail, on the host, before anything is compiled or run. Returns
+    (resolved verify_pad, stop ids, capacity, padded prompt width)."""
+    if not hasattr(target, "config") or not hasattr(target.config, "vocab_size"):
+        raise ValueError(f"target must be a models.Target, got {type(target).__name__}")
+    vocab = int(target.config.vocab_size)
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    S.validate_sampling(temperature, top_k, top_p, draft)
+    for i, row in enumerate(rows):
+        lo, hi = min(row), max(row)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt row {i} has token id {bad} outside the vocabulary [0, {vocab})")
+    stop = []
+    for name, ids in (("eos_token_ids", eos_token_ids), ("stop_token_ids", stop_token_ids)):
+        ids = [ids] if _is_int(ids) else list(ids or ())
+        for t in ids:
+            if not _is_int(t):
+                raise ValueError(f"{name} must hold integer token ids, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"{name} has token id {t} outside the vocabulary [0, {vocab})")
+        stop += [int(t) for t in ids]
+    if assistant is not None:
+        if not hasattr(assistant, "config") or not hasattr(assistant.config, "backbone_hidden_size"):
+            raise ValueError(f"assistant must be a models.Assistant, got {type(assistant).__name__}")
+        models.check_fit(assistant.config, target.config)
+    pad = V.resolve_verify_pad(verify_pad)
+    batch = len(rows)
+    k = block_size if assistant is not None else 1
+    width = V.verify_width(k, batch, pad, target.matmul)
+    longest = max(len(r) for r in rows)
+    if cache_size is not None:
+        if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 1:
+            raise ValueError(f"cache_size must be None or an integer >= 1, got {cache_size!r}")
+        if longest > cache_size:
+            raise ValueError(f"prompt is longer than the cache: {longest} tokens, cache_size={cache_size}")
+        room = cache_size - longest - max_new_tokens + 1
+        if width > room:
+            what = f"block_size={block_size}" + (f" (verify width {width})" if width != block_size else "")
+            raise ValueError(f"{what} is larger than the cache allows: prompt {longest} + "
+                             f"max_new_tokens {max_new_tokens} - 1 + {width} > cache_size {cache_size}")
+        prompt_width = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, cache_size)
+        capacity = cache_size
+    else:
+        prompt_width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+        capacity = None
+    return pad, tuple(stop), capacity, prompt_width
+
+
+# --------------------------------------------------------------------------------------------
+# generate
+
+
+def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
+             verify_pad=None, draft: str = "sample", cache_size: int | None = None,
+             exactness_probe: bool = True) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
+    `assistant` is given (block_size K: K-1 drafts + one K-wide verify per round), classically
+    otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
+    sampling with temperature / top_k / top_p.
+
+    prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
+    eos_token_ids: None takes the target config's EOS ids when it has any. Generation of a row stops
+    after the first EOS or stop token (kept in the output).
+    verify_pad: None ($JAXSPEC_MTP_VERIFY_PAD or verify.DEFAULT_VERIFY_PAD), bool, or a width.
+    draft: "sample" (draw drafts from q) or "argmax" (T > 0 only).
+    cache_size: KV positions per row (None: just enough).
+    exactness_probe: at T = 0, check once per shape that a K-wide verify is bit-identical to K
+    single steps and fall back to classic decoding with a warning when it is not.
+    """
+    rows = _as_batch(prompt_ids)
+    if eos_token_ids is None:
+        eos_token_ids = _default_stop_ids(target)
+    pad, stop, capacity, prompt_width = validate_inputs(
+        target, assistant, rows, max_new_tokens=max_new_tokens, block_size=block_size,
+        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_ids=eos_token_ids,
+        stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft,
+        cache_size=cache_size, seed=seed)
+    batch = len(rows)
+    k = int(block_size) if assistant is not None else 1
+    fallback = diff = None
+    if assistant is not None and k == 1:
+        fallback = "block_size=1: nothing to draft"
+    if k > 1 and temperature == 0 and exactness_probe:
+        width = V.verify_width(k, batch, pad, target.matmul)
+        exact, diff = V.exactness_probe(target, batch, k, width)
+        if not exact:
+            V.warn_inexact(k, width, diff)
+            fallback = f"exactness probe failed (max |logit diff| {diff:.3g})"
+            k = 1
+    gen = make_generate(block_size=k, max_new_tokens=_round_up(int(max_new_tokens), BUDGET_BUCKET),
+                        temperature=float(temperature), top_k=top_k, top_p=top_p, verify_pad=pad, draft=draft,
+                        cache_size=capacity)
+    prompt, lengths, key, limit, stop_ids = gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop,
+                                                       seed=seed, prompt_width=prompt_width)
+    state, prefill_s, decode_s = gen.run(target, assistant, prompt, lengths, key, limit, stop_ids)
+    result = _result(state, gen.spec, batch, target, prefill_s, decode_s, fallback)
+    result.stats.probe_logit_diff = diff
+    return result
+
+
+def _result(state, spec, batch, target, prefill_s, decode_s, fallback) -> GenerationResult:
+    out, n_out, rounds, row_rounds, drafted, accepted, hist = jax.device_get(
+        (state.out, state.n_out, state.rounds, state.row_rounds, state.drafted, state.accepted, state.hist))
+    tokens = [out[b, :n_out[b]].tolist() for b in range(batch)]
+    new_tokens = int(n_out.sum())
+    row_r = int(row_rounds.sum())
+    drafted, accepted = int(drafted.sum()), int(accepted.sum())
+    stats = GenerationStats(
+        mode="speculative" if spec.speculative else "classic",
+        block_size=spec.block_size, verify_width=spec.width(batch, target.matmul),
+        rounds=int(rounds), row_rounds=row_r, drafted=drafted, accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted_len=accepted / row_r if row_r else 0.0,
+        tokens_per_round=(new_tokens - batch) / row_r if row_r else 0.0,
+        accepted_hist=[int(x) for x in hist], new_tokens=new_tokens,
+        prefill_s=prefill_s, decode_s=decode_s,
+        decode_tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("inf"),
+        fallback=fallback)
+    return GenerationResult(tokens=tokens, stats=stats)

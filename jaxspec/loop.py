@@ -1,0 +1,241 @@
+"""The jitted decode loops: prefill, then every round inside one `lax.while_loop` on device.
+
+One round with block size K (classic decoding is the same machinery with K = 1 and no drafter):
+
+1. draft K-1 tokens with the assistant from (bonus, h_prev), argmax at T = 0, sampled from q (kept)
+   at T > 0;
+2. verify `[bonus, d_0 .. d_{K-2}]` with one target forward (optionally padded, see verify.py);
+3. walk: greedy (first d_i != argmax_i) or modified rejection sampling; the round emits
+   d_0..d_{a-1} plus the target's token at a (a + 1 tokens), truncated to the remaining budget and
+   after the first stop token;
+4. roll the cache back to old + a + 1 (the last emitted token, the next bonus, is not in the cache),
+   carry the verify hidden at a as the next h_prev.
+
+Rows are independent: each has its own lengths, counters and done flag. A finished row keeps its
+cache length, its outputs are no longer written and it counts in no statistic; the loop ends when
+every row is done (or the round guard trips). Nothing goes back to the host between rounds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+import models
+from . import sampling as S
+from . import verify as V
+
+# Query position passed to models.draft_step, relative to the cache length L at the start of a
+# round (after rollback; the bonus token's position is L). 0 is HF's convention, the one
+# models.draft_step documents (mlx-vlm would be -1). Held constant over the round's draft steps.
+DRAFT_POSITION_OFFSET = 0
+
+
+CAPACITY_ROUND = 64  # derived cache sizes are rounded up to this (one prefill serves many K)
+OUT_ROUND = 16       # the output buffer holds max_new_tokens + K rounded up to this
+
+
+# Unroll the K-1 draft steps: on GPU a nested while loop costs a predicate copy to the host per
+# iteration; unrolled, a round has exactly one loop (the rounds themselves).
+DRAFT_UNROLL = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSpec:
+    """Everything static about a prefill; independent of the block size, so classic and
+    speculative runs of one shape share one compiled prefill."""
+
+    sampling: S.SamplingParams
+    max_new_tokens: int
+    capacity: int
+    out_width: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """Everything static about one compiled decode loop. The per-row token budget
+    (<= max_new_tokens) and the stop ids are runtime inputs, so one compiled loop serves many."""
+
+    block_size: int                 # K; 1 means classic decoding
+    max_new_tokens: int             # N >= 1: output buffer size, the largest budget
+    sampling: S.SamplingParams
+    verify_pad: Any = False         # resolved: False, True (qmm threshold) or an int width
+    cache_size: int | None = None   # None: prompt width + N - 1 + verify width, rounded up
+
+    @property
+    def speculative(self) -> bool:
+        return self.block_size > 1
+
+    def width(self, batch: int, matmul) -> int:
+        return V.verify_width(self.block_size, batch, self.verify_pad, matmul)
+
+    def capacity(self, prompt_width: int, batch: int, matmul) -> int:
+        if self.cache_size is not None:
+            return self.cache_size
+        return required_capacity(prompt_width, self.max_new_tokens, self.width(batch, matmul), CAPACITY_ROUND)
+
+    def prefill_spec(self, prompt_width: int, batch: int, matmul) -> PrefillSpec:
+        return PrefillSpec(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                           capacity=self.capacity(prompt_width, batch, matmul),
+                           out_width=self.max_new_tokens + -(-self.block_size // OUT_ROUND) * OUT_ROUND)
+
+
+def required_capacity(prompt_len: int, max_new_tokens: int, width: int, round_to: int = 1) -> int:
+    """Cache positions a run needs: every round writes `width` positions starting at the cache
+    length, which is at most prompt_len + max_new_tokens - 1 (all tokens but the bonus)."""
+    need = prompt_len + max_new_tokens - 1 + width
+    return -(-need // round_to) * round_to
+
+
+@struct.dataclass
+class DecodeState:
+    cache: Any
+    bonus: jax.Array        # int32 [B]: last emitted token, not yet in the cache
+    h_prev: jax.Array       # [B, H]: target hidden (post-norm) at the bonus' predecessor
+    out: jax.Array          # int32 [B, >= N + K]: emitted tokens; row b valid up to n_out[b]
+    n_out: jax.Array        # int32 [B]
+    limit: jax.Array        # int32 [B]: the row's token budget (1..N)
+    stop_ids: jax.Array     # int32 [S]: EOS/stop ids, padded with -1
+    done: jax.Array         # bool [B]
+    key: jax.Array
+    rounds: jax.Array       # int32 []: loop iterations (verify forwards)
+    row_rounds: jax.Array   # int32 [B]: rounds in which the row was active
+    drafted: jax.Array      # int32 [B]
+    accepted: jax.Array     # int32 [B]: accepted draft tokens (before budget/stop truncation)
+    hist: jax.Array         # int32 [K]: active row-rounds by accepted count a ([0] after prefill)
+
+
+def _cache_dtype(target):
+    return V._cache_dtype(target)
+
+
+def _stop_mask(tokens, stop_ids):
+    """tokens [B, T] -> bool [B, T]: is a stop id (stop_ids [S], -1 entries match nothing)."""
+    if stop_ids.shape[0] == 0:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, key: jax.Array,
+            limit: jax.Array, stop_ids: jax.Array) -> DecodeState:
+    """Right-padded prompts [B, P] (any pad id) with true lengths [B] (>= 1), per-row budgets
+    limit [B] (1..N) and stop ids [S] (pad with -1) -> the state after the first token.
+    The K/V of the pad positions are written but lie past each row's length: never visible,
+    overwritten later."""
+    b, p = prompt.shape
+    n = spec.max_new_tokens
+    if p > spec.capacity:
+        raise ValueError(f"prompt width {p} > cache capacity {spec.capacity}")
+    cache = models.init_cache(target.config, b, spec.capacity, _cache_dtype(target))
+    logits, hidden, cache = models.forward(target, prompt, cache)
+    cache = cache.replace(lengths=lengths.astype(jnp.int32))
+    rows = jnp.arange(b)
+    last = lengths - 1
+    key, k_first = jax.random.split(key)
+    first = S.sample(k_first, logits[rows, last], spec.sampling)
+    out = jnp.zeros((b, spec.out_width), jnp.int32).at[:, 0].set(first)
+    limit = jnp.clip(limit.astype(jnp.int32), 1, n)
+    stop_ids = stop_ids.astype(jnp.int32)
+    done = _stop_mask(first[:, None], stop_ids)[:, 0] | (limit <= 1)
+    zeros = jnp.zeros((b,), jnp.int32)
+    return DecodeState(cache=cache, bonus=first, h_prev=hidden[rows, last], out=out,
+                       n_out=jnp.ones((b,), jnp.int32), limit=limit, stop_ids=stop_ids, done=done, key=key,
+                       rounds=jnp.zeros((), jnp.int32), row_rounds=zeros, drafted=zeros,
+                       accepted=zeros, hist=jnp.zeros((0,), jnp.int32))
+
+
+def _draft(spec, assistant, target, state, key):
+    """K-1 draft tokens [B, K-1] and their distributions q [B, K-1, V] (None when greedy)."""
+    k = spec.block_size
+    position = state.cache.lengths + DRAFT_POSITION_OFFSET
+    cache = state.cache
+    params = spec.sampling
+
+    def step(carry, step_key):
+        tok, h = carry
+        logits, h_next = models.draft_step(assistant, target, cache, tok, h, position)
+        d, q = S.draft_choice(step_key, logits, params)
+        return (d, h_next.astype(h.dtype)), (d if q is None else (d, q))
+
+    keys = None if params.greedy else jax.random.split(key, k - 1)  # greedy: no RNG work at all
+    _, ys = jax.lax.scan(step, (state.bonus, state.h_prev), keys, length=k - 1, unroll=DRAFT_UNROLL)
+    if params.greedy:
+        return jnp.swapaxes(ys, 0, 1), None
+    d, q = ys
+    return jnp.swapaxes(d, 0, 1), jnp.swapaxes(q, 0, 1)
+
+
+def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> DecodeState:
+    k = spec.block_size
+    b = state.bonus.shape[0]
+    params = spec.sampling
+    if params.greedy:
+        key = k_draft = k_accept = state.key
+    else:
+        key, k_draft, k_accept = jax.random.split(state.key, 3)
+    old_len = state.cache.lengths
+    if spec.speculative:
+        drafts, q = _draft(spec, assistant, target, state, k_draft)
+        tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
+    else:
+        drafts, q = jnp.zeros((b, 0), jnp.int32), None
+        tokens = state.bonus[:, None]
+    logits, hidden, cache = V.verify_forward(target, tokens, state.cache, spec.width(b, target.matmul))
+    if params.greedy:
+        n_acc, emitted = S.greedy_accept(drafts, logits)
+    else:
+        p = S.probs_from_logits(logits, params)
+        if q is None:
+            q = jnp.zeros((b, 0, p.shape[-1]), jnp.float32)
+        n_acc, emitted = S.speculative_accept(k_accept, drafts, q, p)
+
+    active = ~state.done
+    pos = jnp.arange(k, dtype=jnp.int32)[None, :]
+    count = jnp.minimum(n_acc + 1, state.limit - state.n_out)
+    stop = _stop_mask(emitted, state.stop_ids) & (pos < count[:, None])
+    hit = jnp.any(stop, axis=1)
+    count = jnp.where(hit, jnp.argmax(stop, axis=1).astype(jnp.int32) + 1, count)
+
+    new_out = jax.vmap(lambda o, e, s: jax.lax.dynamic_update_slice(o, e, (s,)))(state.out, emitted, state.n_out)
+    out = jnp.where(active[:, None], new_out, state.out)
+    n_out = state.n_out + jnp.where(active, count, 0)
+    done = state.done | (active & (hit | (n_out >= state.limit)))
+    rows = jnp.arange(b)
+    # The cache keeps every emitted token but the last (the next bonus): old + count, which is
+    # old + a + 1 unless the round was cut by the budget or a stop token (the row is then done).
+    cache = cache.replace(lengths=jnp.where(active, old_len + count, old_len).astype(jnp.int32))
+    last = jnp.maximum(count - 1, 0)  # == a unless the round was cut (the row is then done)
+    bonus = jnp.where(active, emitted[rows, last], state.bonus)
+    h_prev = jnp.where(active[:, None], hidden[rows, last].astype(state.h_prev.dtype), state.h_prev)
+    act = active.astype(jnp.int32)
+    return DecodeState(
+        cache=cache, bonus=bonus, h_prev=h_prev, out=out, n_out=n_out, limit=state.limit,
+        stop_ids=state.stop_ids, done=done, key=key,
+        rounds=state.rounds + 1, row_rounds=state.row_rounds + act,
+        drafted=state.drafted + act * (k - 1), accepted=state.accepted + act * n_acc,
+        hist=state.hist + jnp.sum(jax.nn.one_hot(n_acc, k, dtype=jnp.int32) * act[:, None], axis=0))
+
+
+def decode(spec: LoopSpec, target, assistant, state: DecodeState) -> DecodeState:
+    """All rounds in one `lax.while_loop`. Every round emits >= 1 token per active row, so
+    max_new_tokens rounds always suffice (the guard never trips in a correct run)."""
+    if spec.speculative and assistant is None:
+        raise ValueError("speculative decoding (block_size > 1) needs an assistant")
+    k = spec.block_size
+    if state.out.shape[1] < spec.max_new_tokens + k - 1:
+        raise ValueError(f"output buffer {state.out.shape[1]} < max_new_tokens + block_size - 1")
+    if state.hist.shape[0] != k:
+        state = state.replace(hist=jnp.zeros((k,), jnp.int32))
+
+    def cond(s):
+        return jnp.any(~s.done) & (s.rounds < spec.max_new_tokens)
+
+    return jax.lax.while_loop(cond, lambda s: decode_round(spec, target, assistant, s), state)
+
+
+def run(spec: LoopSpec, target, assistant, prompt, lengths, key, limit, stop_ids) -> DecodeState:
+    pspec = spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
+    return decode(spec, target, assistant, prefill(pspec, target, prompt, lengths, key, limit, stop_ids))

@@ -1,0 +1,144 @@
+"""The target's verify forward, optionally padded, and the start-up exactness probe.
+
+Padded verify (reference section 6): the [B, K] verify block is padded with token 0 to a width P
+where the quantized matmul dispatch picks its tiled path (`select_path(P * B) == "qmm"`), or to an
+explicit width. A `valid` mask hides the pad positions' keys (pad queries still see the real keys,
+so no row is fully masked); logits and hidden are sliced back to K and the cache length is set to
+old + K, so the pad positions' K/V are dropped (and overwritten later). Mathematically exact, not
+bit-exact in general: the tiled kernel sums in a different order.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from pallas_kernels import DispatchConfig, select_path
+
+VERIFY_PAD_ENV = "JAXSPEC_MTP_VERIFY_PAD"
+# The default is decided by the benchmark (docs/loop.md). Until it is measured: off.
+DEFAULT_VERIFY_PAD = False
+PAD_TOKEN = 0
+
+
+def resolve_verify_pad(verify_pad) -> bool | int:
+    """None -> $JAXSPEC_MTP_VERIFY_PAD (0|1) -> DEFAULT_VERIFY_PAD. True: pad to the qmm threshold;
+    an int: pad to that width (must be >= block_size, checked by the caller); False/0: no padding."""
+    if verify_pad is None:
+        raw = os.environ.get(VERIFY_PAD_ENV, "")
+        if raw == "":
+            return DEFAULT_VERIFY_PAD
+        if raw.lower() in ("1", "true", "on", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "off", "no"):
+            return False
+        raise ValueError(f"environment variable {VERIFY_PAD_ENV}={raw!r} must be 0 or 1")
+    if isinstance(verify_pad, (bool, np.bool_)):
+        return bool(verify_pad)
+    if isinstance(verify_pad, (int, np.integer)):
+        if verify_pad < 0:
+            raise ValueError(f"verify_pad={verify_pad}: a pad width must be >= 0")
+        return int(verify_pad) if verify_pad > 0 else False
+    raise ValueError(f"verify_pad must be None, a bool or an int width, got {verify_pad!r}")
+
+
+def qmm_threshold_width(block_size: int, batch: int, matmul: DispatchConfig | None) -> int:
+    """The smallest width P >= block_size with `select_path(P * batch) == "qmm"`."""
+    config = DispatchConfig() if matmul is None else matmul
+    width = block_size
+    while select_path(width * batch, config) != "qmm":
+        width += 1
+    return width
+
+
+def verify_width(block_size: int, batch: int, verify_pad, matmul: DispatchConfig | None) -> int:
+    """The static verify width for a resolved `verify_pad` (K when off, or when K <= 1)."""
+    if block_size <= 1 or verify_pad is False:
+        return block_size
+    if verify_pad is True:
+        return qmm_threshold_width(block_size, batch, matmul)
+    return max(int(verify_pad), block_size)
+
+
+def verify_forward(target, tokens: jax.Array, cache, width: int | None = None):
+    """Target forward over `tokens` [B, K] at the cache's lengths, padded to `width` when larger.
+
+    Returns (logits [B, K, V] float32, hidden [B, K, H], cache with lengths = old + K).
+    """
+    b, k = tokens.shape
+    width = k if width is None else width
+    if width < k:
+        raise ValueError(f"verify width {width} < block {k}")
+    if width == k:
+        return models.forward(target, tokens, cache)
+    old = cache.lengths
+    padded = jnp.concatenate([tokens, jnp.full((b, width - k), PAD_TOKEN, tokens.dtype)], axis=1)
+    valid = jnp.broadcast_to(jnp.arange(width) < k, (b, width))
+    logits, hidden, cache = models.forward(target, padded, cache, valid=valid)
+    return logits[:, :k], hidden[:, :k], cache.replace(lengths=old + k)
+
+
+# --------------------------------------------------------------------------------------------
+# Exactness probe
+
+
+def _probe_impl(target, prefix, block, width, capacity):
+    b = prefix.shape[0]
+    cache = models.init_cache(target.config, b, capacity, _cache_dtype(target))
+    _, _, cache = models.forward(target, prefix, cache)
+    wide_logits, wide_hidden, _ = verify_forward(target, block, cache, width)
+
+    def step(c, tok):  # one [B, 1] forward per token (a scan: one forward body to compile)
+        lg, hd, c = models.forward(target, tok[:, None], c)
+        return c, (lg[:, 0], hd[:, 0])
+
+    _, (step_logits, step_hidden) = jax.lax.scan(step, cache, block.T)
+    return wide_logits, jnp.swapaxes(step_logits, 0, 1), wide_hidden, jnp.swapaxes(step_hidden, 0, 1)
+
+
+_PROBE_CACHE: dict = {}
+
+
+def _cache_dtype(target):
+    """K/V are stored in the target's activation dtype (models.Target.dtype)."""
+    return jnp.dtype(target.dtype)
+
+
+def probe_key(target, batch, block_size, width):
+    leaves = jax.tree_util.tree_leaves(target)
+    return (jax.tree_util.tree_structure(target), tuple((l.shape, str(l.dtype)) for l in leaves),
+            batch, block_size, width)
+
+
+def exactness_probe(target, batch: int, block_size: int, width: int, *, seed: int = 1234,
+                    prefix_len: int = 5) -> tuple[bool, float]:
+    """Compare the logits and hidden of one K-wide verify (padded to `width`) with K single-token
+    steps on a random prefix, bit for bit. Returns (exact, max |logit difference|). Cached per
+    (target structure and shapes, batch, K, width): kernels, not values, decide bitwise equality."""
+    key = probe_key(target, batch, block_size, width)
+    if key in _PROBE_CACHE:
+        return _PROBE_CACHE[key]
+    vocab = int(target.config.vocab_size)
+    rng = np.random.default_rng(seed)
+    prefix = jnp.asarray(rng.integers(0, vocab, (batch, prefix_len)), jnp.int32)
+    block = jnp.asarray(rng.integers(0, vocab, (batch, block_size)), jnp.int32)
+    capacity = prefix_len + max(width, block_size)
+    # A fresh function each time (jit caches by function): the probe runs once per key and must
+    # trace whatever models.forward is now.
+    probe = jax.jit(lambda t, p, b: _probe_impl(t, p, b, width, capacity))
+    wl, sl, wh, sh = jax.device_get(probe(target, prefix, block))
+    exact = bool(np.array_equal(wl, sl) and np.array_equal(wh, sh))
+    diff = float(np.max(np.abs(wl.astype(np.float64) - sl.astype(np.float64))))
+    _PROBE_CACHE[key] = (exact, diff)
+    return exact, diff
+
+
+def warn_inexact(block_size, width, diff):
+    warnings.warn(f"jaxspec: a {block_size}-wide verify (width {width}) is not bit-identical to "
+                  f"{block_size} single-token steps on this target (max |logit diff| {diff:.3g}); "
+                  "greedy speculative decoding would not be byte-identical to classic decoding, "
+                  "falling back to classic decoding", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,472 @@
+"""jaxspec.generate / make_generate: greedy byte parity with classic decoding, batches, EOS and
+budgets, stats, the draft plumbing, the exactness probe, padded verify, bad input.
+
+References are independent of the loop under test: classic output is checked against a
+step-by-step host loop over models.forward (one row at a time, unpadded prefill); speculative
+output against classic output cut on the host; the round-by-round accepted counts against a host
+implementation of the round written from the reference (section 4) with models.draft_step.
+
+The test pair is the tiny preset with weights reshaped so that the assistant agrees with the target
+often but not always (every accepted length occurs): the target's final norm gets random signs
+(no "echo the last token" fixed point) and its blocks are damped, so its next token is mostly a
+bigram of the current one; the assistant computes that bigram (same table and final norm, identity
+pre-projection, damped blocks) plus a little of h_prev and attention.
+"""
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+import models
+import importlib
+G = importlib.import_module("jaxspec.generate")
+from jaxspec import loop as L
+from jaxspec import verify as V
+from models import presets
+from pallas_kernels import DispatchConfig
+
+XLA = DispatchConfig(backend="xla")
+BUDGET = 32
+
+
+def make_pair(seed=0, vocab=256, dtype=jnp.float32, matmul=XLA, target_damp=0.2, assistant_damp=0.03,
+              layers=4):
+    td = presets.tiny_target_dict(vocab_size=vocab, num_hidden_layers=layers,
+                                  layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    tcfg = models.TargetConfig.from_dict(td)
+    acfg = models.AssistantConfig.from_dict(presets.tiny_assistant_dict(td, text=dict(hidden_size=tcfg.hidden_size)))
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    t = presets.random_model(tcfg, k1, dtype=dtype, matmul=matmul)
+    a = presets.random_model(acfg, k2, dtype=dtype, matmul=matmul)
+    rng = np.random.default_rng(seed)
+    h = tcfg.hidden_size
+    tp = dict(t.params)
+    tp["norm"] = jnp.asarray(rng.choice([-1, 1], h) * rng.uniform(0.5, 1.5, h), dtype)
+    post = ("post_attention_layernorm", "post_feedforward_layernorm")
+    for k in tp:
+        if k.endswith(post):
+            tp[k] = tp[k] * target_damp
+    ap = dict(a.params)
+    ap["embed_tokens"], ap["norm"] = tp["embed_tokens"], tp["norm"]
+    mix = assistant_damp * rng.normal(size=(h, h)) / np.sqrt(h)
+    ap["pre_projection"] = jnp.asarray(np.concatenate([np.eye(h), mix], 1), dtype)
+    for k in ap:
+        if k.endswith(post):
+            ap[k] = ap[k] * assistant_damp
+    return t.replace(params=tp), a.replace(params=ap)
+
+
+@functools.lru_cache(maxsize=None)
+def pair(**kw):
+    return make_pair(**kw)
+
+
+def random_prompts(seed, lengths, vocab):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+PROMPT_LENGTHS = (5, 11, 2)
+REF_CAPACITY = 64
+
+
+@functools.lru_cache(maxsize=None)
+def prompts():
+    return tuple(map(tuple, random_prompts(7, PROMPT_LENGTHS, 256)))
+
+
+def cut(row, limit, stops):
+    row = list(row[:limit])
+    for i, t in enumerate(row):
+        if t in stops:
+            return row[:i + 1]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent references
+
+
+FWD = jax.jit(models.forward)
+DRAFT = jax.jit(models.draft_step)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _stepwise(t, feed, n_prompt, steps):
+    """One row, one [1, 1] models.forward per position: the prompt teacher-forced token by token
+    (no padding, no batch), then greedy."""
+    cache = models.init_cache(t.config, 1, REF_CAPACITY, t.dtype)
+
+    def step(carry, i):
+        cache, prev = carry
+        tok = jnp.where(i < n_prompt, feed[i], prev)
+        logits, _, cache = models.forward(t, tok.reshape(1, 1), cache)
+        nxt = jnp.argmax(logits[0, 0]).astype(jnp.int32)
+        return (cache, nxt), nxt
+
+    _, outs = jax.lax.scan(step, (cache, jnp.int32(0)), jnp.arange(steps))
+    return outs
+
+
+def stepwise_classic(t, prompt, n):
+    steps = 16 + n
+    feed = jnp.asarray(list(prompt) + [0] * (steps - len(prompt)), jnp.int32)
+    outs = np.asarray(_stepwise(t, feed, len(prompt), steps))
+    return outs[len(prompt) - 1:len(prompt) - 1 + n].tolist()
+
+
+def host_speculative_rounds(t, a, prompt, k, n):
+    """The greedy MTP round loop of reference section 4, on the host, one row: returns (tokens,
+    accepted count per round). Draft inputs follow models.draft_step's docstring."""
+    fwd, draft = FWD, DRAFT
+    cache = models.init_cache(t.config, 1, REF_CAPACITY, t.dtype)
+    for tok in prompt:
+        logits, hidden, cache = fwd(t, jnp.asarray([[tok]], jnp.int32), cache)
+    bonus, h = int(jnp.argmax(logits[0, -1])), hidden[:, -1]
+    out, accepted = [bonus], []
+    while len(out) < n:
+        pos = cache.lengths
+        drafts, tok, hh = [], jnp.asarray([bonus], jnp.int32), h
+        for _ in range(k - 1):
+            dl, hh = draft(a, t, cache, tok, hh, pos)
+            tok = jnp.argmax(dl, -1).astype(jnp.int32)
+            drafts.append(int(tok[0]))
+        old = cache.lengths
+        logits, hidden, cache = fwd(t, jnp.asarray([[bonus] + drafts], jnp.int32), cache)
+        target = np.asarray(jnp.argmax(logits[0], -1))
+        acc = 0
+        while acc < k - 1 and drafts[acc] == target[acc]:
+            acc += 1
+        accepted.append(acc)
+        out += drafts[:acc] + [int(target[acc])]
+        cache = cache.replace(lengths=old + acc + 1)
+        bonus, h = int(target[acc]), hidden[:, acc]
+    return out[:n], accepted
+
+
+# ---------------------------------------------------------------------------------------------
+# Runners (compiled once per static setting; budgets and stop ids are runtime inputs)
+
+
+def run(k, rows, limits=None, stops=(), seed=0, **kw):
+    t, a = pair()
+    gen = jaxspec.make_generate(block_size=k, max_new_tokens=BUDGET, **kw)
+    prompt, lengths, key, limit, stop_ids = gen.inputs([list(r) for r in rows], eos_token_ids=stops, seed=seed)
+    if limits is not None:
+        limit = jnp.asarray(limits, jnp.int32)
+    state, _, _ = gen.run(t, a, prompt, lengths, key, limit, stop_ids)  # the path generate takes
+    return gen.tokens(state), jax.device_get(state)
+
+
+@functools.lru_cache(maxsize=None)
+def classic_full():
+    return run(1, prompts())[0]
+
+
+def test_classic_matches_stepwise_reference():
+    """The K=1 loop on a ragged, right-padded batch equals per-row unpadded step-by-step decoding."""
+    got = classic_full()
+    for row, p in zip(got, prompts()):
+        assert row == stepwise_classic(pair()[0], p, BUDGET)
+    assert len({tuple(r) for r in got}) == len(got)
+    assert all(len(set(r)) > 4 for r in got)  # the test model does not just repeat a token
+
+
+def _eos_cases(full):
+    """Stop-id sets taken from the reference output: tokens first seen at different offsets."""
+    cases = []
+    for offset in (3, 6, 13):
+        ids = {r[min(offset + i, len(r) - 1)] for i, r in enumerate(full)}
+        cases.append(tuple(sorted(ids)))
+    return cases
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 8])
+def test_greedy_parity_blocks(k):
+    """Speculative == classic, byte for byte, for a ragged batch of 3: full budget, per-row budgets
+    that end mid-block, and EOS ids that hit mid-stream."""
+    full = classic_full()
+    spec, state = run(k, prompts())
+    assert spec == full
+    rr, acc, dr, hist = state.row_rounds, state.accepted, state.drafted, state.hist
+    assert np.all(dr == (k - 1) * rr) and np.all(acc <= dr) and hist.sum() == rr.sum()
+    assert np.all(state.n_out - 1 <= rr * k) and np.all(state.n_out - 1 >= rr)  # a + 1 tokens a round
+    assert hist[1:].sum() > 0 and hist[0] > 0  # drafts both accepted and rejected
+    if k <= 4:
+        assert hist[k - 1] > 0  # whole blocks accepted too
+    assert int(state.rounds) == rr.max()  # the loop ends when the slowest row is done
+
+    limits = [23, 9, 17]
+    spec, state = run(k, prompts(), limits=limits)
+    assert spec == [cut(r, n, ()) for r, n in zip(full, limits)]
+    for stops in _eos_cases(full):
+        spec, state = run(k, prompts(), limits=limits, stops=stops)
+        assert spec == [cut(r, n, stops) for r, n in zip(full, limits)], stops
+        assert all(len(r) < n or r[-1] in stops or len(r) == n for r, n in zip(spec, limits))
+
+
+def test_round_trace_matches_host_reference():
+    """The jitted loop's accepted count per round equals a host implementation of the round
+    (draft K-1 with models.draft_step at position = cache length, verify, walk, roll back, carry
+    the verify hidden at a): this checks the draft inputs, not just the output."""
+    t, a = pair()
+    k, p = 4, list(prompts()[1])
+    ref_tokens, ref_acc = host_speculative_rounds(t, a, p, k, BUDGET)
+    spec, state = run(k, [p])
+    assert spec[0] == ref_tokens
+    assert int(state.row_rounds[0]) == len(ref_acc)
+    assert state.hist.tolist() == np.bincount(ref_acc, minlength=k).tolist()
+    assert sum(ref_acc) > 0
+    # Output positions that are inside a round's block but not its last token (position 0 is the
+    # prefill's token): an EOS or a budget there must cut the block.
+    inside, start = [], 1
+    for acc in ref_acc:
+        inside += list(range(start, start + acc))
+        start += acc + 1
+    eos_at = [j for j in inside if ref_tokens.index(ref_tokens[j]) == j]
+    assert eos_at and inside
+    j = eos_at[len(eos_at) // 2]
+    spec, _ = run(k, [p], stops=(ref_tokens[j],))
+    assert spec[0] == ref_tokens[:j + 1]
+    j = inside[-1]
+    spec, _ = run(k, [p], limits=[j + 1])
+    assert spec[0] == ref_tokens[:j + 1]
+
+
+def test_finished_rows_do_no_counted_work():
+    """Rows that finish early (budget 1, early EOS) stop counting rounds; others go on."""
+    full = classic_full()
+    stops = (full[1][2],)
+    spec, state = run(4, prompts(), limits=[1, BUDGET, BUDGET], stops=stops)
+    assert spec[0] == full[0][:1] and int(state.row_rounds[0]) == 0 and int(state.drafted[0]) == 0
+    assert spec[1] == cut(full[1], BUDGET, stops)
+    assert int(state.row_rounds[1]) <= 2
+    assert spec[2] == cut(full[2], BUDGET, stops)
+    assert int(state.row_rounds[2]) > int(state.row_rounds[1])
+    # a finished row's cache length stops moving: prompt + emitted - 1 (the last token is a bonus)
+    assert state.cache.lengths.tolist() == [PROMPT_LENGTHS[b] + len(spec[b]) - 1 for b in range(3)]
+
+
+def test_generate_api_and_stats():
+    """The public API on a batch and on a single sequence: tokens, stats, timings."""
+    t, a = pair()
+    rows = [list(r) for r in prompts()]
+    c = jaxspec.generate(t, rows, max_new_tokens=20)
+    s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=20, block_size=4, exactness_probe=False)
+    assert c.tokens == [r[:20] for r in classic_full()]
+    assert s.tokens == c.tokens
+    st = s.stats
+    assert st.mode == "speculative" and st.fallback is None and c.stats.mode == "classic"
+    assert st.new_tokens == 60 and st.drafted == 3 * st.row_rounds
+    assert st.acceptance_rate == pytest.approx(st.accepted / st.drafted)
+    assert st.mean_accepted_len == pytest.approx(st.accepted / st.row_rounds)
+    assert st.tokens_per_round == pytest.approx((60 - 3) / st.row_rounds)
+    assert sum(st.accepted_hist) == st.row_rounds and len(st.accepted_hist) == 4
+    assert st.accepted == sum(i * n for i, n in enumerate(st.accepted_hist))
+    assert st.rounds < c.stats.rounds  # fewer verify forwards than classic steps
+    assert st.prefill_s > 0 and st.decode_s > 0
+    assert st.decode_tokens_per_s == pytest.approx(60 / st.decode_s)
+    one = jaxspec.generate(t, rows[0], assistant=a, max_new_tokens=20, block_size=4, exactness_probe=False)
+    assert one.tokens == [c.tokens[0]]
+    assert set(st.as_dict()) >= {"rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_len",
+                                 "tokens_per_round", "accepted_hist", "prefill_s", "decode_s",
+                                 "decode_tokens_per_s"}
+
+
+def test_bf16_parity():
+    """The real activation dtype: bf16 weights, K/V and activations."""
+    t, a = make_pair(seed=3, dtype=jnp.bfloat16)
+    rows = random_prompts(4, (6, 3), 256)
+    c = jaxspec.generate(t, rows, max_new_tokens=24)
+    s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=24, block_size=4, exactness_probe=False)
+    assert s.tokens == c.tokens and s.stats.accepted > 0
+
+
+def test_pallas_backend_parity():
+    """The default (Pallas, interpret mode on CPU) matmul backend (2 layers: interpret mode is slow)."""
+    t, a = make_pair(seed=5, matmul=DispatchConfig(backend="pallas"), layers=2)
+    rows = random_prompts(5, (4, 6), 256)
+    c = jaxspec.generate(t, rows, max_new_tokens=8)
+    s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=8, block_size=3, exactness_probe=False)
+    assert s.tokens == c.tokens and s.stats.accepted > 0
+
+
+def test_no_host_round_trip_in_decode():
+    """The whole decode is one while loop on device: no host callbacks, infeed/outfeed or
+    send/recv in the compiled program."""
+    t, a = pair()
+    gen = jaxspec.make_generate(block_size=4, max_new_tokens=BUDGET)
+    args = gen.inputs([list(r) for r in prompts()])
+    state = gen.prefill(t, *args)
+    hlo = gen.compiled_decode_text(t, a, state)
+    assert hlo.count(" while(") >= 1
+    for bad in ("outfeed", "infeed", " send(", " recv(", "host_callback", "xla_python_cpu_callback",
+                "xla_ffi_python"):
+        assert bad not in hlo, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness probe
+
+
+def test_exactness_probe_and_fallback(monkeypatch):
+    t, a = pair()
+    exact, diff = V.exactness_probe(t, 3, 4, 4)
+    assert exact and diff == 0.0
+    # The probe sees a last-bit difference between the wide and the single-token forward.
+    real_forward = models.forward
+
+    def nudged(target, tokens, cache, **kw):
+        logits, hidden, cache = real_forward(target, tokens, cache, **kw)
+        if tokens.shape[1] > 1:
+            logits = logits.at[:, -1].multiply(1 + 2 ** -20)
+        return logits, hidden, cache
+
+    V._PROBE_CACHE.clear()
+    monkeypatch.setattr(models, "forward", nudged)
+    exact, diff = V.exactness_probe(t, 3, 4, 4)
+    assert not exact and 0 < diff < 1e-3
+    monkeypatch.setattr(models, "forward", real_forward)
+    V._PROBE_CACHE.clear()
+    # generate falls back to classic, with a warning, when the probe fails
+    rows = [list(r) for r in prompts()]
+    monkeypatch.setattr(V, "exactness_probe", lambda *args, **kw: (False, 0.5))
+    with pytest.warns(RuntimeWarning, match="falling back to classic"):
+        s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=12, block_size=4)
+    assert s.stats.mode == "classic" and "probe" in s.stats.fallback
+    assert s.tokens == [r[:12] for r in classic_full()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded verify
+
+
+def test_verify_width():
+    mm = DispatchConfig(backend="xla", multirow_max_rows=8)
+    assert V.verify_width(4, 1, True, mm) == 9
+    assert V.verify_width(4, 2, True, mm) == 5
+    assert V.verify_width(4, 3, True, mm) == 4  # 12 rows already take the tiled path
+    assert V.verify_width(4, 1, False, mm) == 4
+    assert V.verify_width(4, 1, 16, mm) == 16
+    assert V.verify_width(1, 1, True, mm) == 1  # classic: nothing to pad
+    for b in (1, 2, 3, 5):
+        w = V.verify_width(3, b, True, mm)
+        from pallas_kernels import select_path
+        assert select_path(w * b, mm) == "qmm" and (w == 3 or select_path((w - 1) * b, mm) != "qmm")
+
+
+def test_verify_pad_resolution(monkeypatch):
+    monkeypatch.delenv(V.VERIFY_PAD_ENV, raising=False)
+    assert V.resolve_verify_pad(None) is V.DEFAULT_VERIFY_PAD
+    monkeypatch.setenv(V.VERIFY_PAD_ENV, "1")
+    assert V.resolve_verify_pad(None) is True
+    assert V.resolve_verify_pad(False) is False
+    monkeypatch.setenv(V.VERIFY_PAD_ENV, "0")
+    assert V.resolve_verify_pad(None) is False
+    monkeypatch.setenv(V.VERIFY_PAD_ENV, "maybe")
+    with pytest.raises(ValueError, match=V.VERIFY_PAD_ENV):
+        V.resolve_verify_pad(None)
+
+
+def test_padded_verify_forward():
+    """Padded vs unpadded verify forward: same logits/hidden up to rounding (max difference
+    reported), same K/V at the real positions, lengths = old + K (pad K/V dropped). Widths: the
+    qmm threshold, and 20 (past the 16-row bucket of the xla matmuls and the attention, so a
+    genuinely different kernel shape)."""
+    t, _ = pair()
+    k, batch = 4, 2
+    rng = np.random.default_rng(batch)
+    prefix = jnp.asarray(rng.integers(0, 256, (batch, 6)), jnp.int32)
+    block = jnp.asarray(rng.integers(0, 256, (batch, k)), jnp.int32)
+    cache = models.init_cache(t.config, batch, 6 + 20, t.dtype)
+    _, _, cache = jax.jit(models.forward)(t, prefix, cache)
+    cache = cache.replace(lengths=jnp.asarray([6, 4], jnp.int32))  # ragged rows
+    f = jax.jit(V.verify_forward, static_argnums=3)
+    l0, h0, c0 = f(t, block, cache, k)
+    threshold = V.verify_width(k, batch, True, t.matmul)
+    assert threshold == 5
+    for width in (threshold, 20):
+        l1, h1, c1 = f(t, block, cache, width)
+        diff = float(jnp.max(jnp.abs(l0 - l1)))
+        print(f"padded verify (B={batch}, K={k}, width {width}): max |logit diff| = {diff:.3g}")
+        assert l1.shape == l0.shape and h1.shape == h0.shape
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
+        assert c1.lengths.tolist() == c0.lengths.tolist() == (cache.lengths + k).tolist()
+        for b, start in enumerate(cache.lengths.tolist()):
+            for kb0, kb1 in zip(c0.k + c0.v, c1.k + c1.v):
+                np.testing.assert_allclose(np.asarray(kb1[b, start:start + k]),
+                                           np.asarray(kb0[b, start:start + k]), atol=1e-5, rtol=1e-5)
+
+
+def test_padded_verify_token_parity():
+    """B=1, K=4 padded to 9 verify rows (the tiled path's threshold) vs classic."""
+    t, a = pair()
+    batch = 1
+    rows = [list(r) for r in prompts()[1:2]]
+    s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=24, block_size=4, verify_pad=True,
+                         exactness_probe=False)
+    assert s.stats.verify_width > 4 and s.stats.mode == "speculative"
+    assert s.tokens == [r[:24] for r in classic_full()[1:2]]
+    assert s.stats.accepted > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Fail the test if anything reaches the model or the compiler."""
+    def boom(*a, **k):
+        raise AssertionError("compute started before the input was rejected")
+    monkeypatch.setattr(models, "forward", boom)
+    monkeypatch.setattr(G, "_aot", boom)
+    monkeypatch.setattr(V, "exactness_probe", boom)
+
+
+def _mismatched_assistant(**target_overrides):
+    """An assistant built for another target (no weights needed: the check comes first)."""
+    td = presets.tiny_target_dict(**target_overrides)
+    acfg = models.AssistantConfig.from_dict(presets.tiny_assistant_dict(td))
+    return models.Assistant(config=acfg, params={}, matmul=XLA)
+
+
+@pytest.mark.parametrize("kwargs,prompt,match", [
+    (dict(block_size=0), [1, 2], "block_size"),
+    (dict(block_size=-3), [1, 2], "block_size"),
+    (dict(block_size=5, cache_size=12, max_new_tokens=6), [1, 2, 3], r"block_size=5 is larger than the cache allows"),
+    (dict(cache_size=8), list(range(1, 11)), r"prompt is longer than the cache: 10 tokens, cache_size=8"),
+    (dict(), [], "empty prompt"),
+    (dict(), [[1, 2], []], "empty prompt: row 1"),
+    (dict(), [1, 256], r"token id 256 outside the vocabulary \[0, 256\)"),
+    (dict(), [[3], [-1, 2]], r"row 1 has token id -1"),
+    (dict(), [1, 2.5], "non-integer"),
+    (dict(temperature=-0.5), [1, 2], "temperature"),
+    (dict(temperature=1.0, top_p=0.0), [1, 2], "top_p"),
+    (dict(temperature=1.0, top_p=1.01), [1, 2], "top_p"),
+    (dict(temperature=1.0, top_k=0), [1, 2], "top_k"),
+    (dict(max_new_tokens=0), [1, 2], "max_new_tokens"),
+    (dict(verify_pad="yes"), [1, 2], "verify_pad"),
+    (dict(eos_token_ids=[-1]), [1, 2], r"eos_token_ids has token id -1 outside"),
+    (dict(stop_token_ids=[300]), [1, 2], r"stop_token_ids has token id 300 outside"),
+])
+def test_bad_input(no_compute, kwargs, prompt, match):
+    t, a = pair()
+    with pytest.raises(ValueError, match=match):
+        jaxspec.generate(t, prompt, assistant=a, **kwargs)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(hidden_size=32), "backbone_hidden_size=32 != target hidden_size=64"),
+    (dict(vocab_size=128), "vocab_size=128 != target vocab_size=256"),
+    (dict(head_dim=8, global_head_dim=16), "head_dim"),
+])
+def test_assistant_mismatch(no_compute, overrides, match):
+    t, _ = pair()
+    with pytest.raises(ValueError, match=match):
+        jaxspec.generate(t, [1, 2, 3], assistant=_mismatched_assistant(**overrides))

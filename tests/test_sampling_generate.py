@@ -1,0 +1,112 @@
+"""Lossless speculative sampling end to end: the distribution of the first three generated tokens
+equals the target's own (exact, by enumerating a tiny vocabulary), for speculative sampling with
+sampled drafts and with argmax drafts, and for classic sampling; the same statistic rejects a loop
+with a plausible bug (resampling from p instead of the residual on rejection).
+"""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+import models
+from jaxspec import sampling as S
+from test_generate import make_pair
+from test_sampling import np_filter_probs
+
+G = importlib.import_module("jaxspec.generate")
+V_ = 8          # vocabulary
+N = 4000        # sampled sequences (one batch row each)
+PROMPT = [3, 1, 4, 1, 5]
+SETTING = dict(temperature=0.9, top_k=6, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return make_pair(seed=11, vocab=V_, target_damp=0.3, assistant_damp=0.1)
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_pair):
+    """P(x1, x2, x3 | prompt) [V, V, V] from the target's logits on every prefix, filtered with an
+    independent numpy implementation of temperature / top-k / top-p."""
+    t, _ = tiny_pair
+    x1, x2 = np.meshgrid(np.arange(V_), np.arange(V_), indexing="ij")
+    ids = np.concatenate([np.tile(PROMPT, (V_ * V_, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
+    logits = np.asarray(jax.jit(models.logits)(t, jnp.asarray(ids, jnp.int32)), np.float64)
+    n = len(PROMPT)
+    f = lambda lg: np_filter_probs(lg, SETTING["temperature"], SETTING["top_k"], SETTING["top_p"])
+    p1 = f(logits[:1, n - 1])[0]                           # [V]
+    p2 = f(logits[::V_, n]).reshape(V_, V_)                # [x1, x2]
+    p3 = f(logits[:, n + 1]).reshape(V_, V_, V_)           # [x1, x2, x3]
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    assert abs(joint.sum() - 1) < 1e-9
+    return joint.reshape(-1)
+
+
+def empirical(tokens):
+    seqs = np.asarray([r[:3] for r in tokens])
+    assert seqs.shape == (N, 3)
+    codes = seqs[:, 0] * V_ * V_ + seqs[:, 1] * V_ + seqs[:, 2]
+    return np.bincount(codes, minlength=V_ ** 3) / N
+
+
+def tv_threshold(p, rng, trials=400, quantile=0.999):
+    """The TV distance a correct sampler exceeds with probability ~1e-3 at this sample size."""
+    draws = rng.multinomial(N, p, size=trials) / N
+    tvs = 0.5 * np.abs(draws - p).sum(1)
+    return np.quantile(tvs, quantile) * 1.1  # margin for the finite number of trials
+
+
+def _generate(t, a, k, draft="sample", seed=1):
+    return jaxspec.generate(t, [PROMPT] * N, assistant=a if k > 1 else None, max_new_tokens=3, block_size=k,
+                            seed=seed, draft=draft, **SETTING)
+
+
+@pytest.mark.parametrize("k,draft", [(1, "sample"), (3, "sample"), (3, "argmax")])
+def test_first_three_tokens_match_target_distribution(tiny_pair, exact, monkeypatch, k, draft):
+    t, a = tiny_pair
+    monkeypatch.setattr(importlib.import_module("jaxspec.verify"), "exactness_probe",
+                        lambda *x, **kw: pytest.fail("the exactness probe is only for greedy decoding"))
+    r = _generate(t, a, k, draft)
+    emp = empirical(r.tokens)
+    assert np.all(emp[exact == 0] == 0), "a sequence of probability 0 was generated"
+    tv = 0.5 * np.abs(emp - exact).sum()
+    thr = tv_threshold(exact, np.random.default_rng(0))
+    print(f"K={k} draft={draft}: TV {tv:.4f} (threshold {thr:.4f}), "
+          f"acceptance {r.stats.acceptance_rate:.2f}, hist {r.stats.accepted_hist}")
+    assert tv < thr
+    if k > 1:
+        assert r.stats.mode == "speculative"
+        hist = r.stats.accepted_hist
+        assert hist[0] > 0 and hist[-1] > 0  # rejections and full acceptance both occur
+
+
+def test_statistic_rejects_a_biased_loop(tiny_pair, exact, monkeypatch):
+    """Power: a loop that resamples from p (instead of normalize(max(0, p - q))) after a rejection
+    over-produces draft tokens; the same TV test must catch it."""
+    t, a = tiny_pair
+
+    monkeypatch.setattr(S, "speculative_accept", _biased_accept)
+    monkeypatch.setattr(G, "_GENERATORS", {})
+    monkeypatch.setattr(G, "_AOT", {k: v for k, v in G._AOT.items() if k[0] == "prefill"})  # keep prefill
+    r = _generate(t, a, 3)
+    emp = empirical(r.tokens)
+    tv = 0.5 * np.abs(emp - exact).sum()
+    thr = tv_threshold(exact, np.random.default_rng(0))
+    print(f"biased loop: TV {tv:.4f} (threshold {thr:.4f})")
+    assert tv > thr
+
+
+def _biased_accept(key, draft_tokens, q, p):
+    b, k, v = p.shape
+    k_acc, k_res = jax.random.split(key)
+    u_accept = jax.random.uniform(k_acc, (b, k - 1), jnp.float32)
+    u_resample = jax.random.uniform(k_res, (b,), jnp.float32)
+    n_acc, _ = S.speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample)
+    tok = S.sample_from_probs(p[jnp.arange(b), n_acc], u_resample)  # the bug: p, not the residual
+    pos = jnp.arange(k)[None, :]
+    drafts = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], 1)
+    return n_acc, jnp.where(pos < n_acc[:, None], drafts, tok[:, None]).astype(jnp.int32)
