@@ -1,0 +1,229 @@
+"""The `jaxspec` CLI end to end on CPU (a tiny random pair written on the fly, run as
+`python -m jaxspec` subprocesses): text + stats line, --compare, streamed == non-streamed, bad
+input (one line, exit status 2, no traceback unless --debug), `jaxspec bench` forwarding; plus the
+tokenizer helpers.
+
+Compiled programs go to a persistent compilation cache shared with tests/test_notebook.py (same
+tiny shapes), so only the first run of a session compiles.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from jaxspec import cli
+from jaxspec.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer, render_chat_template, train_byte_bpe
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(tempfile.gettempdir(), f"jaxspec-test-compile-cache-{os.getuid()}")
+PROMPT = "def fibonacci(n):"
+MAX_TOKENS = "24"
+STATS = re.compile(r"^stats: speculative K=4 \| (\d+) new tokens \| decode [\d.]+ tok/s \| acceptance [\d.]+% \| "
+                   r"mean accepted length [\d.]+ \| [\d.]+ tokens/round \| .*\| classic [\d.]+ tok/s \| "
+                   r"speedup [\d.]+x \| greedy output identical to classic: yes$")
+
+
+def run_cli(*args, stdin=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               JAXSPEC_COMPILE_CACHE=CACHE, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return subprocess.run([sys.executable, "-m", "jaxspec", *args], cwd=REPO, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return cli.write_tiny_pair(str(root))
+
+
+def gen_args(pair, *extra):
+    return ("generate", PROMPT, "--model", pair[0], "--assistant", pair[1], "--max-tokens", MAX_TOKENS, *extra)
+
+
+# ---- end to end --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain(pair):
+    """The non-streamed run, as JSON (tokens, text, stats, the classic comparison)."""
+    r = run_cli(*gen_args(pair, "--compare", "--json"))
+    assert r.returncode == 0, r.stderr
+    assert "compiling" in r.stderr and "Traceback" not in r.stderr  # the first-call pause is announced
+    return json.loads(r.stdout)
+
+
+def test_generate_json(plain):
+    assert plain["streamed"] is False
+    assert 1 <= len(plain["tokens"]) <= int(MAX_TOKENS) and plain["text"]
+    assert plain["stats"]["mode"] == "speculative" and plain["stats"]["block_size"] == 4
+    assert plain["identical_to_classic"] is True and plain["classic"]["tokens"] == plain["tokens"]
+    assert plain["speedup"] > 0
+
+
+def test_stream_prints_text_then_stats_line(pair, plain):
+    r = run_cli(*gen_args(pair, "--stream", "--compare"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.rstrip("\n").split("\n")
+    assert "\n".join(lines[:-1]) == plain["text"]  # streamed text == non-streamed text
+    m = STATS.match(lines[-1])
+    assert m, lines[-1]
+    assert int(m.group(1)) == len(plain["tokens"])
+    assert "Traceback" not in r.stderr and "streaming is unavailable" not in r.stderr
+
+
+def test_streamed_tokens_equal_non_streamed(pair, plain):
+    r = run_cli(*gen_args(pair, "--json", "--stream", "--stream-rounds", "2"))
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["streamed"] is True
+    assert s["tokens"] == plain["tokens"] and s["text"] == plain["text"]
+    for key in ("accepted_hist", "rounds", "accepted", "drafted", "new_tokens"):
+        assert s["stats"][key] == plain["stats"][key], key
+
+
+def test_default_pair_layout(pair, plain, tmp_path, monkeypatch):
+    """Without --model the embedded pair is used: PAIR/{target,assistant} with one shared
+    PAIR/tokenizer.json (jaxspec.default_pair's layout; $JAXSPEC_DEFAULT_PAIR points elsewhere)."""
+    root = tmp_path / "default_pair"
+    shutil.copytree(pair[0], root / "target")
+    shutil.copytree(pair[1], root / "assistant")
+    os.replace(root / "target" / "tokenizer.json", root / "tokenizer.json")
+    os.remove(root / "target" / "tokenizer_config.json")  # no declared EOS: "<eos>" by name
+    monkeypatch.setenv("JAXSPEC_DEFAULT_PAIR", str(root))
+    assert cli.default_pair_dirs() == (str(root / "target"), str(root / "assistant"))
+    assert load_tokenizer(str(root / "target")).eos_token_ids == (1,)
+    r = run_cli("generate", PROMPT, "--max-tokens", MAX_TOKENS, "--json")  # inherits $JAXSPEC_DEFAULT_PAIR
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == plain["tokens"]
+
+
+# ---- bad input: one line, exit status 2 --------------------------------------------------------
+def _bad(capsys, *argv):
+    rc = cli.main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("jaxspec: error: "), err
+    return err
+
+
+def test_missing_model_dir(capsys, tmp_path):
+    err = _bad(capsys, "generate", "hi", "--model", str(tmp_path / "nope"))
+    assert "does not exist" in err
+
+
+def test_not_a_model_dir(capsys, tmp_path, pair):
+    assert "no config.json" in _bad(capsys, "generate", "hi", "--model", str(tmp_path))
+    # an assistant passed as the target
+    err = _bad(capsys, "generate", "hi", "--model", pair[1])
+    assert "not a usable Gemma 4 target" in err and "assistant" in err
+    # a config.json but no weights
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text"}))
+    assert "no *.safetensors" in _bad(capsys, "generate", "hi", "--model", str(tmp_path))
+
+
+def test_assistant_for_another_target(capsys, tmp_path, pair):
+    other = tmp_path / "other"
+    shutil.copytree(pair[1], other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["backbone_hidden_size"] = 128
+    (other / "config.json").write_text(json.dumps(cfg))
+    err = _bad(capsys, "generate", "hi", "--model", pair[0], "--assistant", str(other))
+    assert "different target" in err and "backbone_hidden_size=128" in err
+
+
+def test_prompt_longer_than_context(capsys, pair):
+    err = _bad(capsys, "generate", "lorem ipsum dolor " * 200, "--model", pair[0], "--assistant", pair[1])
+    assert "longer than the model's context of 256 tokens" in err
+
+
+def test_usage_error(capsys):
+    assert cli.main(["generate"]) == 2  # argparse: the prompt is missing
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_no_default_pair(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "default_pair_dirs", lambda: None)
+    err = _bad(capsys, "generate", "hi")
+    assert "no model given and the embedded default pair is not installed: pass --model DIR" in err
+
+
+def test_bad_sampling_and_missing_tokenizer(capsys, tmp_path, pair):
+    assert "temperature" in _bad(capsys, *gen_args(pair, "--temperature", "-1"))
+    assert "top_p" in _bad(capsys, *gen_args(pair, "--temperature", "0.5", "--top-p", "1.5"))
+    assert "does not exist" in _bad(capsys, *gen_args(pair, "--tokenizer", str(tmp_path / "none.json")))
+    t = tmp_path / "t"
+    shutil.copytree(pair[0], t)
+    os.remove(t / "tokenizer.json")
+    assert "no tokenizer.json" in _bad(capsys, "generate", "hi", "--model", str(t))
+
+
+def test_real_exit_code_and_debug_traceback(tmp_path):
+    r = run_cli("generate", "hi", "--model", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"jaxspec: error: model directory {str(tmp_path / 'nope')!r} does not exist"]
+    r = run_cli("generate", "hi", "--model", str(tmp_path / "nope"), "--debug")
+    assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+# ---- bench forwarding --------------------------------------------------------------------------
+def test_bench_forwards_argv(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "speculative_bench.py"
+    script.write_text("def main(argv):\n    print('bench got', argv)\n    return 3\n")
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", script)
+    assert cli.main(["bench", "--k-values", "2,4"]) == 3
+    assert "bench got ['--k-values', '2,4']" in capsys.readouterr().out
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing" / "speculative_bench.py")
+    assert cli.main(["bench"]) == 2
+    assert "jaxspec bench needs" in capsys.readouterr().err
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+def test_tokenizer_files_and_incremental_decode(pair, tmp_path):
+    tok = load_tokenizer(pair[0])
+    assert tok.eos_token_ids == (1,) and not tok.has_chat_template
+    ids = tok.encode("héllo wörld ☃ 日本語 def f(x):")
+    assert ids[0] == 2  # BOS from tokenizer.json's post-processor
+    assert tok.decode(ids) == "héllo wörld ☃ 日本語 def f(x):"
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push([i]) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)  # multi-byte characters are never split
+
+
+def test_chat_template(tmp_path):
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+                "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    backend = train_byte_bpe(["some text for a tiny tokenizer <start_of_turn> <end_of_turn>"], vocab_size=300)
+    tok = Tokenizer(backend, special_tokens={"bos_token": "<bos>"}, chat_template=template)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    ids = tok.encode_chat("Hi")
+    assert ids.count(2) == 1 and ids[0] == 2  # BOS once (from the template, not the post-processor)
+    # the template files a model directory may carry
+    d = tmp_path / "m"
+    d.mkdir()
+    backend.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<bos>"}, "chat_template": template}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    tok = load_tokenizer(str(d))
+    assert tok.has_chat_template and tok.eos_token_ids == (1, 7)
+    (d / "chat_template.jinja").write_text("{{ raise_exception('no') }}")
+    with pytest.raises(ValueError, match="chat template error: no"):
+        load_tokenizer(str(d)).apply_chat_template([])
+    assert render_chat_template("{{ x | tojson }}", [], x={"a": 1}) == '{"a": 1}'
+
+
+def test_stream_falls_back_when_streaming_is_unavailable(monkeypatch, capsys):
+    from jaxspec import streaming
+
+    def unavailable(*a, **k):
+        raise streaming.StreamingUnavailable("streaming needs jaxspec.loop.decode")
+
+    monkeypatch.setattr(streaming, "stream_generate", unavailable)
+    assert cli._generate_streamed(None, [1], None, None, {}, 1, True, []) is None
+    err = capsys.readouterr().err
+    assert "streaming is unavailable (streaming needs jaxspec.loop.decode); the text is printed at the end" in err
