@@ -53,7 +53,10 @@ def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat
 def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write `new [B, T, ...]` into `buf [B, C, ...]` at per-row offsets `start [B]`.
 
-    The caller guarantees start + T <= C (dynamic_update_slice would clamp, i.e. shift, the write)."""
-    def one(b, n, s):
-        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (s,) + (0,) * (b.ndim - 1))
-    return jax.vmap(one)(buf, new, start.astype(jnp.int32))
+    Positions at or past C are dropped (a scatter, not dynamic_update_slice, which would clamp and
+    so shift the whole write onto valid entries): the padding rows of a bucketed decode step may run
+    past the end of a full cache, the real rows never do."""
+    b, t = new.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    cols = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return buf.at[rows, cols].set(new.astype(buf.dtype), mode="drop")

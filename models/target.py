@@ -56,8 +56,25 @@ def _per_layer_inputs(target: Target, tokens, h0):
     return (ctx + tok) * (2.0 ** -0.5)
 
 
+def row_bucket(target: Target, batch: int) -> int:
+    """Token count every short forward (decode, verify) is computed at, for this batch size.
+
+    A row's result may depend on how many rows an op sees (XLA picks kernels and fusions by shape:
+    on the H200 a [1, 4] verify differed from four [1, 1] steps by up to 0.9 in the logits, on CPU
+    by 1e-6 at B = 1). Computing every forward of T <= bucket tokens at exactly `bucket` tokens
+    makes decode and verify one computation, so greedy speculative decoding is bit-exact by
+    construction. The bucket keeps batch * bucket within the multirow matmul window, where extra
+    rows cost no weight traffic (the kernel reads each weight tile once for up to 16 rows)."""
+    mm = target.matmul or DispatchConfig()
+    window = mm.multirow_max_rows if mm.multirow else 1
+    return max(1, window // batch)
+
+
 def forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid: jax.Array | None = None):
     """Run `tokens [B, T]` int32 at positions `cache.lengths[:, None] + arange(T)`.
+
+    Short blocks (T < row_bucket(target, B)) are padded with token 0 to the bucket and their pad
+    keys hidden; outputs are sliced back to T (see row_bucket for why).
 
     Writes their K/V into the cache at those positions (per row) and returns
     `(logits float32 [B, T, V], hidden [B, T, H] post-final-norm, new_cache)` with
@@ -65,15 +82,32 @@ def forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid: jax.Arr
     a right-padded ragged prefill). A query at position p sees keys k <= p (and k > p - window on
     sliding layers). `valid [B, T]` bool: keys of the new positions where it is False are hidden from
     every query (padding); their queries still produce (meaningless) outputs.
-    Needs `cache.lengths + T <= cache.capacity` for every row (not checked under jit).
+    Needs `cache.lengths + T <= cache.capacity` for every row (not checked under jit; positions past
+    the capacity are dropped, never shifted onto valid entries).
     """
+    check_tokens(tokens, target.config.vocab_size)
+    b, t = tokens.shape
+    bucket = row_bucket(target, b)
+    if t < bucket:
+        pad = bucket - t
+        real = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
+        if valid is not None and valid.shape != (b, t):
+            raise ValueError(f"valid has shape {valid.shape}, expected {(b, t)}")
+        out, hidden, new = _forward(target, jnp.pad(tokens, ((0, 0), (0, pad))), cache,
+                                    valid=jnp.concatenate([real, jnp.zeros((b, pad), bool)], axis=1),
+                                    capacity_tokens=t)
+        return out[:, :t], hidden[:, :t], new.replace(lengths=cache.lengths + t)
+    return _forward(target, tokens, cache, valid=valid, capacity_tokens=t)
+
+
+def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capacity_tokens: int):
     cfg, p, mm = target.config, target.params, target.matmul
-    check_tokens(tokens, cfg.vocab_size)
+    t_real = capacity_tokens
     b, t = tokens.shape
     if cache.batch != b:
         raise ValueError(f"tokens have batch {b} but the cache has batch {cache.batch}")
-    if t > cache.capacity:
-        raise ValueError(f"{t} tokens do not fit a cache of capacity {cache.capacity}")
+    if t_real > cache.capacity:
+        raise ValueError(f"{t_real} tokens do not fit a cache of capacity {cache.capacity}")
     if len(cache.k) != len(cfg.cache_layers):
         raise ValueError(f"cache has {len(cache.k)} K/V buffers, the config needs {len(cfg.cache_layers)}")
     dt = target.dtype

@@ -132,9 +132,13 @@ def assert_verify_equals_decode_steps(t, cache, block):
     np.testing.assert_array_equal(np.asarray(v_logits), np.asarray(jnp.concatenate(d_logits, 1)))
     np.testing.assert_array_equal(np.asarray(v_hidden.astype(jnp.float32)),
                                   np.asarray(jnp.concatenate(d_hidden, 1).astype(jnp.float32)))
-    for a, b in zip(v_cache.k + v_cache.v, c.k + c.v):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     assert np.array_equal(np.asarray(v_cache.lengths), np.asarray(c.lengths))
+    # Valid entries (below each row's length) are identical; past it, the padding of a bucketed
+    # forward leaves junk that no query can see.
+    for a, b in zip(v_cache.k + v_cache.v, c.k + c.v):
+        for r, n in enumerate(np.asarray(c.lengths)):
+            np.testing.assert_array_equal(np.asarray(a[r, :n].astype(jnp.float32)),
+                                          np.asarray(b[r, :n].astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("dtype,quantize", [(jnp.float32, None),
