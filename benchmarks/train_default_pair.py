@@ -94,12 +94,18 @@ class Sizes:
 
 FULL_SIZES = Sizes(vocab=4096, hidden=512, layers=12, full_every=6, heads=8, kv_heads=2, head_dim=64,
                    global_head_dim=128, ffn=1536, window=128, a_hidden=512, a_layers=2, a_heads=8, a_ffn=1536,
-                   seq=256, batch=64, a_batch=64, draft_steps=3, gen_seqs=2048, gen_prompt=128, gen_batch=256,
+                   seq=256, batch=64, a_batch=64, draft_steps=3, gen_seqs=8192, gen_prompt=128, gen_batch=512,
                    prompt_tokens=48, n_prompts=20, eval_new_tokens=64, val_windows=64, ppl_windows=512)
 SMOKE_SIZES = Sizes(vocab=512, hidden=64, layers=3, full_every=3, heads=4, kv_heads=2, head_dim=16,
                     global_head_dim=32, ffn=128, window=16, a_hidden=64, a_layers=2, a_heads=4, a_ffn=128,
                     seq=64, batch=8, a_batch=8, draft_steps=3, gen_seqs=32, gen_prompt=32, gen_batch=16,
                     prompt_tokens=24, n_prompts=4, eval_new_tokens=16, val_windows=8, ppl_windows=64)
+# CPU-sized check of the recipe (a few minutes per phase): not shipped, for judging acceptance trends.
+MEDIUM_SIZES = Sizes(vocab=2048, hidden=128, layers=4, full_every=4, heads=4, kv_heads=2, head_dim=32,
+                     global_head_dim=64, ffn=384, window=64, a_hidden=128, a_layers=2, a_heads=4, a_ffn=384,
+                     seq=128, batch=16, a_batch=16, draft_steps=3, gen_seqs=512, gen_prompt=64, gen_batch=128,
+                     prompt_tokens=32, n_prompts=8, eval_new_tokens=32, val_windows=16, ppl_windows=64)
+PRESETS = {"full": FULL_SIZES, "smoke": SMOKE_SIZES, "medium": MEDIUM_SIZES}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -111,8 +117,11 @@ def log(msg: str) -> None:
 
 
 class Metrics:
-    def __init__(self, path: str):
+    def __init__(self, path: str, keep: bool = False):
         self.path, self.d = path, {}
+        if keep and os.path.isfile(path):
+            with open(path) as f:
+                self.d = json.load(f)
 
     def set(self, key, value):
         self.d[key] = value
@@ -151,7 +160,11 @@ def setup_xla_flags(enabled: bool) -> dict:
         info.update(applied=True, note="already in XLA_FLAGS")
         return info
     env = dict(os.environ, XLA_FLAGS=(current + " " + flag).strip())
-    probe = "import jax, jax.numpy as jnp; print(jax.default_backend(), float(jnp.ones(3).sum()))"
+    probe = ("import jax, jax.numpy as jnp\n"  # the op kinds training uses: gather/scatter-add, bf16 dots, softmax
+             "E = jnp.linspace(-1, 1, 64 * 32, dtype=jnp.float32).reshape(64, 32); ids = jnp.arange(16) % 7\n"
+             "f = lambda E: jnp.sum(jax.nn.log_softmax(jax.lax.dot_general(jnp.take(E, ids, 0).astype(jnp.bfloat16), "
+             "E.astype(jnp.bfloat16), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)))\n"
+             "print(jax.default_backend(), float(jax.jit(jax.grad(f))(E).sum()))")
     try:
         r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
@@ -199,6 +212,8 @@ def find_corpus(max_files: int | None):
         (held if is_heldout(rel) else train).append((rel, text))
     if not train or not held:
         raise RuntimeError(f"corpus split is empty: {len(train)} train / {len(held)} held-out files under {root}")
+    if sum(len(t) for _, t in train) < 5e6 and not max_files:
+        log(f"WARNING: only {sum(len(t) for _, t in train) / 1e6:.1f} MB of training text under {root}")
     listing = "\n".join(r for r, _ in train) + "\n--\n" + "\n".join(r for r, _ in held)
     info = dict(
         stdlib=root, python=platform.python_version(),
@@ -270,6 +285,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and budgets (CPU check of the whole script)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model/data sizes (default: full, or smoke with --smoke)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-seconds", type=float, default=None,
                    help="target training seconds after compilation (also capped by --target-epochs and the deadline)")
@@ -288,8 +305,12 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--gen-frac", type=float, default=0.5,
                    help="fraction of each assistant batch taken from the target's greedy continuations")
+    p.add_argument("--gen-seconds", type=float, default=30.0,
+                   help="stop the greedy generation (after a whole batch) once it has run this long")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N corpus files")
     p.add_argument("--no-deterministic-gpu", dest="deterministic_gpu", action="store_false")
+    p.add_argument("--eval-only", action="store_true",
+                   help="no training: re-measure the pair already in --out (updates metrics.json's eval)")
     p.add_argument("--batch", type=int, default=None, help="override the target batch (windows per step)")
     p.add_argument("--a-batch", type=int, default=None, help="override the assistant batch")
     p.add_argument("--gen-seqs", type=int, default=None, help="override the number of greedy continuations")
@@ -303,7 +324,7 @@ def parse_args(argv=None):
     a.assistant_seconds = a.assistant_seconds if a.assistant_seconds is not None else (20.0 if smoke else 200.0)
     a.assistant_min_seconds = (a.assistant_min_seconds if a.assistant_min_seconds is not None
                                else (60.0 if smoke else 120.0))
-    a.deadline = a.deadline if a.deadline is not None else (600.0 if smoke else 385.0)
+    a.deadline = a.deadline if a.deadline is not None else (600.0 if smoke or a.eval_only else 370.0)
     a.eval_reserve = a.eval_reserve if a.eval_reserve is not None else (40.0 if smoke else 75.0)
     if smoke and a.max_files is None:
         a.max_files = 120
@@ -523,8 +544,9 @@ def run_phase(name, step_call, *, budget_s, end_by, max_steps, fixed_steps, peak
     evals = []
     cut = False
     last_log = time.time()
+    eval_s = 0.0  # time spent in on_eval does not count against the training budget
     while done < total:
-        if time.time() - t0 > budget_s + 5.0:
+        if time.time() - t0 - eval_s > budget_s + 5.0:
             cut = True
             log(f"{name}: wall budget reached at step {done}/{total}: stopping")
             break
@@ -538,7 +560,9 @@ def run_phase(name, step_call, *, budget_s, end_by, max_steps, fixed_steps, peak
                 log(f"{name}: step {done}/{total} loss {lv:.4f}{extra} lr {lr_at(done - 1, total, peak, warmup):.2e}")
                 last_log = time.time()
         if done in eval_at:
+            te = time.time()
             evals.append((done, on_eval(done)))
+            eval_s += time.time() - te
     if on_eval and (not evals or evals[-1][0] != done):
         evals.append((done, on_eval(done)))
     final = float(loss)
@@ -561,7 +585,7 @@ def jax_list(x):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sizes = dataclasses.replace(SMOKE_SIZES if args.smoke else FULL_SIZES)
+    sizes = dataclasses.replace(PRESETS[args.preset or ("smoke" if args.smoke else "full")])
     if args.batch:
         sizes.batch = args.batch
     if args.a_batch:
@@ -569,6 +593,8 @@ def main(argv=None) -> int:
     for name in ("gen_seqs", "n_prompts", "eval_new_tokens", "val_windows", "ppl_windows"):
         if getattr(args, name) is not None:
             setattr(sizes, name, getattr(args, name))
+    if args.eval_only:
+        return eval_only(args)
     os.makedirs(args.out, exist_ok=True)
     metrics = Metrics(os.path.join(args.out, "metrics.json"))
     metrics.set("script", "benchmarks/train_default_pair.py")
@@ -706,7 +732,7 @@ def main(argv=None) -> int:
     target_q = models.quantize_model(models.Target(config=tcfg, params=to_dtype(params, jnp.bfloat16)))
     teacher = {k: (dequantize(v, jnp.bfloat16) if isinstance(v, QuantizedWeight) else v)
                for k, v in target_q.params.items()}
-    q_loss = float(t_val(teacher))
+    q_loss = float(t_val(to_dtype(teacher, jnp.float32)))  # same signature: no recompile
     log(f"target quantized (4-bit g64): held-out loss {q_loss:.4f} (float {state['best_loss']:.4f})")
     tsum["quantized_heldout_loss"] = q_loss
     metrics.set("target_training", tsum)
@@ -734,15 +760,24 @@ def main(argv=None) -> int:
 
     gen_rows = []
     n_gen = sizes.gen_seqs if args.gen_frac > 0 else 0
+    tg = time.time()
     for i in range(0, n_gen, sizes.gen_batch):
-        prompt = sample_windows(dtrain, jax.random.fold_in(k_gen, i), min(sizes.gen_batch, n_gen - i), gp)
+        if gen_rows and time.time() - tg > args.gen_seconds:
+            log(f"greedy generation: {args.gen_seconds:.0f}s reached after {i} rows: stopping")
+            break
+        prompt = sample_windows(dtrain, jax.random.fold_in(k_gen, i), sizes.gen_batch, gp)
         gen_rows.append(greedy(teacher, prompt))
+        gen_rows[-1].block_until_ready()
     if gen_rows:
         dgen = jnp.concatenate(gen_rows, axis=0)
         sample_txt = tok.decode([int(x) for x in np.asarray(dgen[0, gp:gp + 48])])
-        log(f"generated {dgen.shape[0]} greedy continuations of {n_new} tokens; e.g. {sample_txt!r}")
+        log(f"generated {dgen.shape[0]} greedy continuations of {n_new} tokens in {time.time() - tg:.1f}s; "
+            f"e.g. {sample_txt!r}")
     else:
         dgen = None
+    metrics.set("greedy_data", dict(rows=0 if dgen is None else int(dgen.shape[0]), prompt_tokens=gp,
+                                    generated_tokens=n_new, seconds=round(time.time() - tg, 1),
+                                    source="random training windows continued greedily by the 4-bit target"))
     phase_done("quantize_and_generate", t)
 
     # ---- assistant ---------------------------------------------------------------------------------
@@ -833,9 +868,39 @@ def main(argv=None) -> int:
 
     # ---- evaluate what was saved ---------------------------------------------------------------------
     t = time.time()
-    errors = evaluate(args, metrics, sizes, tok, train_data, held_data, params, prompts, on_gpu)
+    del params
+    errors = evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu,
+                      corpus["bytes_per_token"])
     phase_done("eval", t)
     log(f"done in {time.time() - T_START:.1f}s" + (f" with {len(errors)} eval error(s)" if errors else ""))
+    return 1 if errors else 0
+
+
+def eval_only(args) -> int:
+    """Re-run the evaluation of the pair in args.out (its tokenizer, sizes and held-out prompts)."""
+    metrics = Metrics(os.path.join(args.out, "metrics.json"), keep=True)
+    import jax
+    import numpy as np
+    from tokenizers import Tokenizer
+    sizes = dataclasses.replace(PRESETS[args.preset or ("smoke" if args.smoke else "full")])
+    for k, v in metrics.d.get("sizes", {}).items():
+        if hasattr(sizes, k):
+            setattr(sizes, k, v)
+    for name in ("n_prompts", "eval_new_tokens", "ppl_windows"):
+        if getattr(args, name, None) is not None:
+            setattr(sizes, name, getattr(args, name))
+    tok = Tokenizer.from_file(os.path.join(args.out, "tokenizer.json"))
+    train_files, held_files, corpus = find_corpus(args.max_files)
+    train_data = np.concatenate([np.asarray(ids + [EOS], np.int32) for ids in encode_files(tok, [x for _, x in train_files])])
+    held_data = np.concatenate([np.asarray(ids + [EOS], np.int32) for ids in encode_files(tok, [x for _, x in held_files])])
+    with open(os.path.join(args.out, "heldout_prompts.json")) as f:
+        prompts = json.load(f)["prompts"][:sizes.n_prompts]
+    log(f"eval-only on {jax.devices()[0]}: {args.out}, corpus {corpus['n_train_files']}/{corpus['n_heldout_files']} "
+        f"files from {corpus['stdlib']} (Python {corpus['python']})")
+    metrics.set("eval_only_corpus", {k: corpus[k] for k in ("stdlib", "python", "files_sha256")})
+    errors = evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, jax.default_backend() == "gpu",
+                      corpus["train_bytes"] / max(1, train_data.size))
+    log(f"eval-only done in {time.time() - T_START:.1f}s" + (f" with {len(errors)} error(s)" if errors else ""))
     return 1 if errors else 0
 
 
@@ -870,7 +935,7 @@ def pick_prompts(tok, held_files, held_ids, sizes, seed):
     return out
 
 
-def evaluate(args, metrics, sizes, tok, train_data, held_data, float_params, prompts, on_gpu) -> list:
+def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, args_bytes_per_token) -> list:
     """Reload the saved pair and measure it. Each part records an error (and prints its traceback)
     instead of stopping the others. Returns the list of errors."""
     import jax
@@ -927,24 +992,18 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, float_params, pro
         def nll_q(t, x):
             return token_nll(models.logits(t, x[:, :-1]), x[:, 1:])
 
-        @jax.jit
-        def nll_f(p, x):
-            logits, _, _ = target_logits(tq.config, p, x[:, :-1], jnp.bfloat16)
-            return token_nll(logits, x[:, 1:])
-
         bs = 32
-        q_sum = f_sum = 0.0
+        q_sum = 0.0
         for i in range(0, len(windows), bs):
-            x = jnp.asarray(windows[i:i + bs])
-            q_sum += float(jnp.sum(nll_q(tq, x)))
-            f_sum += float(jnp.sum(nll_f(float_params, x)))
+            q_sum += float(jnp.sum(nll_q(tq, jnp.asarray(windows[i:i + bs]))))
         n = labels.size
         return dict(heldout_tokens_scored=int(n), windows=int(len(windows)), window=seq,
-                    unigram_ppl=round(math.exp(uni), 2), target_float_bf16_ppl=round(math.exp(f_sum / n), 3),
-                    target_q4_ppl=round(math.exp(q_sum / n), 3), target_q4_nll=round(q_sum / n, 4),
-                    unigram_nll=round(uni, 4), note="unigram: add-one smoothed training-token frequencies")
-
-    record("perplexity", perplexity)
+                    unigram_ppl=round(math.exp(uni), 2), target_q4_ppl=round(math.exp(q_sum / n), 3),
+                    target_q4_nll=round(q_sum / n, 4), unigram_nll=round(uni, 4),
+                    approx_bits_per_byte=round(q_sum / n / math.log(2) / args_bytes_per_token, 4),
+                    note=("the saved 4-bit target, reloaded, XLA matmul path; unigram: add-one smoothed "
+                          "training-token frequencies; float-vs-4-bit on the training-time held-out windows: "
+                          "target_training.best_heldout_loss / quantized_heldout_loss"))
 
     def speculative():
         import jaxspec
@@ -999,11 +1058,13 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, float_params, pro
                   "mean_accepted_drafts excludes it; speed = summed decode time, compile excluded"))
         return res
 
-    if time.time() - T_START > hard_limit - 30:
-        ev["speculative"] = {"skipped": "out of time"}
-        metrics.set("eval", ev)
-    else:
-        record("speculative", speculative)
+    for name, fn, need in (("perplexity", perplexity, 45), ("speculative", speculative, 30)):
+        if time.time() - T_START > hard_limit - need:
+            ev[name] = {"skipped": "out of time"}
+            metrics.set("eval", ev)
+            log(f"eval {name}: skipped, out of time")
+        else:
+            record(name, fn)
     return errors
 
 
