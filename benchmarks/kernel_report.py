@@ -9,6 +9,10 @@ import json
 from collections import defaultdict
 
 
+COLORS = {"pallas (auto path)": "tab:orange", "pallas:qmv-per-row": "tab:red", "pallas:qmm-forced": "tab:green",
+          "xla:dequant+dot": "tab:purple", "dense-bf16:jnp.dot": "tab:blue"}
+
+
 def load(paths):
     rows = []
     for p in paths:
@@ -76,15 +80,17 @@ def report(rows, md_path, png_path, command):
             series = defaultdict(list)
             for r in table:
                 if (r["n"], r["k"]) == (n, k):
-                    series[f"{r['backend']}:{r['path']}" if r["backend"] != "pallas" or r["path"] == "qmv-per-row"
-                           else "pallas (auto)"].append((r["rows"], r["us"]))
+                    auto = r["backend"] == "pallas" and r["path"] in ("qmv", "multirow", "qmm")
+                    series["pallas (auto path)" if auto else f"{r['backend']}:{r['path']}"].append((r["rows"], r["us"]))
             for name, pts in sorted(series.items()):
-                ax.plot(*zip(*sorted(pts)), "o-", ms=3, label=name)
+                ax.plot(*zip(*sorted(pts)), "o-", ms=3, label=name, color=COLORS.get(name))
             floor = next(r["floor_us"] for r in table if (r["n"], r["k"]) == (n, k) and r["backend"] == "pallas")
             ax.axhline(floor, color="gray", ls=":", label="4-bit floor")
             ax.set_xscale("log", base=2), ax.set_yscale("log"), ax.set_title(f"{n}x{k}", fontsize=9)
             ax.set_xlabel("rows"), ax.set_ylabel("us")
-        axes[0][0].legend(fontsize=6)
+        handles = [plt.Line2D([], [], color=c, marker="o", ms=3, label=n) for n, c in COLORS.items()]
+        handles.append(plt.Line2D([], [], color="gray", ls=":", label="4-bit floor"))
+        axes[0][0].legend(handles=handles, fontsize=6)
         fig.tight_layout()
         fig.savefig(png_path, dpi=100)
 
