@@ -73,6 +73,8 @@ class TargetConfig:
     vocab_size_per_layer_input: int = 0
     use_double_wide_mlp: bool = False
     model_type: str = "gemma4_text"
+    eos_token_ids: tuple[int, ...] = ()          # generate() stops on these by default
+    max_position_embeddings: int | None = None   # the context the model was trained for
 
     def __post_init__(self):
         self.validate()
@@ -93,6 +95,9 @@ class TargetConfig:
             text.setdefault("model_type", "gemma4_unified_text" if mt == "gemma4_unified" else "gemma4_text")
             if "tie_word_embeddings" in d:  # the top-level flag decides the multimodal model's head
                 text["tie_word_embeddings"] = d["tie_word_embeddings"]
+            for key in ("eos_token_id", "max_position_embeddings"):  # often only at the top level
+                if text.get(key) is None and d.get(key) is not None:
+                    text[key] = d[key]
             return cls._from_text_dict(text, outer_type=mt)
         if mt in TARGET_TYPES:
             return cls._from_text_dict(d, outer_type=mt)
@@ -195,6 +200,9 @@ class TargetConfig:
             vocab_size_per_layer_input=int(get("vocab_size_per_layer_input") or 0),
             use_double_wide_mlp=bool(get("use_double_wide_mlp")),
             model_type=mt,
+            eos_token_ids=_eos_ids(d.get("eos_token_id")),
+            max_position_embeddings=(None if d.get("max_position_embeddings") is None
+                                     else _int(d, "max_position_embeddings", None)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -233,6 +241,10 @@ class TargetConfig:
                 d.pop(k)
         if per_layer:
             d["per_layer_config"] = per_layer
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        if self.max_position_embeddings is not None:
+            d["max_position_embeddings"] = self.max_position_embeddings
         return d
 
     # ---- checks --------------------------------------------------------------------------------
@@ -408,6 +420,16 @@ def check_fit(assistant: AssistantConfig, target: TargetConfig) -> None:
                             f"target layer {src} num_key_value_heads={kv}")
     if problems:
         raise ValueError("assistant does not fit the target: " + "; ".join(problems))
+
+
+def _eos_ids(v) -> tuple[int, ...]:
+    """config.json's eos_token_id: absent, an int, or a list of ints."""
+    if v is None:
+        return ()
+    ids = v if isinstance(v, (list, tuple)) else [v]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"eos_token_id must be a non-negative int or a list of them, got {v!r}")
+    return tuple(ids)
 
 
 def _int(d, key, default):

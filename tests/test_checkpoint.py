@@ -228,3 +228,21 @@ def test_params_checked_when_building_a_model():
     p["layers.0.self_attn.q_proj"] = jnp.ones((8, 64))
     with pytest.raises(ValueError, match=r"missing params \['norm'\].*'layers\.0\.self_attn\.q_proj' has shape \(8, 64\)"):
         models.make_target(CFG, p)
+
+
+def test_eos_and_context_length_survive_save_and_load(tmp_path):
+    """eos_token_id (int or list, also from a multimodal config's top level) and
+    max_position_embeddings are parsed, saved and reloaded; generate stops on them by default."""
+    from jaxspec.generate import _default_stop_ids
+    text = {k: v for k, v in TDICT.items() if k not in ("eos_token_id", "max_position_embeddings")}
+    d = {"model_type": "gemma4", "text_config": text, "tie_word_embeddings": False,
+         "eos_token_id": [1, 106], "max_position_embeddings": 4096}
+    cfg = models.TargetConfig.from_dict(d)
+    assert cfg.eos_token_ids == (1, 106) and cfg.max_position_embeddings == 4096
+    t = presets.random_model(cfg, jax.random.PRNGKey(3), dtype=jnp.float32, quantize=None, matmul=XLA)
+    models.save(t, str(tmp_path / "t"))
+    t2 = models.load_target(str(tmp_path / "t"), dtype=jnp.float32, matmul=XLA)
+    assert t2.config.eos_token_ids == (1, 106) and t2.config.max_position_embeddings == 4096
+    assert _default_stop_ids(t2) == (1, 106)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        models.TargetConfig.from_dict({**TDICT, "eos_token_id": "</s>"})
