@@ -19,7 +19,7 @@ The files read from the directory, all optional except tokenizer.json:
 A pair directory (`PAIR/target`, `PAIR/assistant`, as the embedded default pair is laid out) may
 keep one `PAIR/tokenizer.json` for both: it is used when the member directory has none.
 
-Chat templates are Jinja2 (installed with the `dev` extras; `pip install jinja2` otherwise) and are
+Chat templates are Jinja2 (a base dependency) and are
 rendered in a sandbox, the way HF transformers renders them (`messages`, `add_generation_prompt`,
 the special tokens, `raise_exception`, `strftime_now`, the `tojson` filter).
 """
