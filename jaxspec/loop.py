@@ -130,12 +130,12 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     if p > spec.capacity:
         raise ValueError(f"prompt width {p} > cache capacity {spec.capacity}")
     cache = models.init_cache(target.config, b, spec.capacity, _cache_dtype(target))
-    logits, hidden, cache = models.forward(target, prompt, cache)
-    cache = cache.replace(lengths=lengths.astype(jnp.int32))
     rows = jnp.arange(b)
     last = lengths - 1
+    logits, hidden, cache = models.forward(target, prompt, cache, logits_at=last)  # [B, 1, V]
+    cache = cache.replace(lengths=lengths.astype(jnp.int32))
     key, k_first = jax.random.split(key)
-    first = S.sample(k_first, logits[rows, last], spec.sampling)
+    first = S.sample(k_first, logits[:, 0], spec.sampling)
     out = jnp.zeros((b, spec.out_width), jnp.int32).at[:, 0].set(first)
     limit = jnp.clip(limit.astype(jnp.int32), 1, n)
     stop_ids = stop_ids.astype(jnp.int32)

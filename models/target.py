@@ -70,11 +70,15 @@ def row_bucket(target: Target, batch: int) -> int:
     return max(1, window // batch)
 
 
-def forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid: jax.Array | None = None):
+def forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid: jax.Array | None = None,
+            logits_at: jax.Array | None = None):
     """Run `tokens [B, T]` int32 at positions `cache.lengths[:, None] + arange(T)`.
 
     Short blocks (T < row_bucket(target, B)) are padded with token 0 to the bucket and their pad
     keys hidden; outputs are sliced back to T (see row_bucket for why).
+    `logits_at [B]` int32 (optional): compute logits only at that index of each row and return them
+    as `[B, 1, V]` (a prefill needs one position; the full `[B, T, V]` float32 logits of a long
+    prompt over a 262k vocabulary are gigabytes).
 
     Writes their K/V into the cache at those positions (per row) and returns
     `(logits float32 [B, T, V], hidden [B, T, H] post-final-norm, new_cache)` with
@@ -95,12 +99,12 @@ def forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid: jax.Arr
             raise ValueError(f"valid has shape {valid.shape}, expected {(b, t)}")
         out, hidden, new = _forward(target, jnp.pad(tokens, ((0, 0), (0, pad))), cache,
                                     valid=jnp.concatenate([real, jnp.zeros((b, pad), bool)], axis=1),
-                                    capacity_tokens=t)
-        return out[:, :t], hidden[:, :t], new.replace(lengths=cache.lengths + t)
-    return _forward(target, tokens, cache, valid=valid, capacity_tokens=t)
+                                    capacity_tokens=t, logits_at=logits_at)
+        return (out if logits_at is not None else out[:, :t]), hidden[:, :t], new.replace(lengths=cache.lengths + t)
+    return _forward(target, tokens, cache, valid=valid, capacity_tokens=t, logits_at=logits_at)
 
 
-def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capacity_tokens: int):
+def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capacity_tokens: int, logits_at=None):
     cfg, p, mm = target.config, target.params, target.matmul
     t_real = capacity_tokens
     b, t = tokens.shape
@@ -164,7 +168,8 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         h = h * p[pre + "layer_scalar"].astype(dt)
 
     hidden = rms_norm(h, p["norm"], eps)
-    out = linear(hidden, head_weight(target), mm).astype(jnp.float32)
+    at = hidden if logits_at is None else hidden[jnp.arange(b), logits_at.astype(jnp.int32)][:, None]
+    out = linear(at, head_weight(target), mm).astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
         c = cfg.final_logit_softcapping
         out = jnp.tanh(out / c) * c

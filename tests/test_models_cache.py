@@ -159,3 +159,18 @@ def test_row_invariance_on_pallas_backend():
     t = target(jnp.bfloat16, (("bits", 4), ("group_size", 32)), DispatchConfig(), cfg)
     assert_verify_equals_decode_steps(t, random_cache(cfg, jnp.bfloat16, [3], seed=10, cap=8),
                                       rand_ids(11, (1, 2)))
+
+
+def test_logits_at_picks_one_position_per_row():
+    """forward(..., logits_at=idx) returns the full logits at idx (for long and bucketed blocks; the
+    head runs on fewer rows, so equal up to rounding) and leaves hidden and cache alone: prefill
+    needs one position, not [B, T, V]."""
+    t, ids = target(), rand_ids(11, (2, 10))
+    for width in (10, 3):
+        full, h, c = fwd(t, ids[:, :width], fresh())
+        at = jnp.asarray([width - 1, width - 2], jnp.int32)
+        part, h2, c2 = fwd(t, ids[:, :width], fresh(), logits_at=at)
+        assert part.shape == (2, 1, full.shape[-1])
+        assert rel_err(part[:, 0], full[jnp.arange(2), at]) < 1e-5
+        np.testing.assert_array_equal(np.asarray(h2), np.asarray(h))
+        assert np.array_equal(np.asarray(c2.lengths), np.asarray(c.lengths))
