@@ -329,6 +329,23 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
         stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft,
         cache_size=cache_size, seed=seed)
     batch = len(rows)
+    k, fallback, diff = effective_block_size(target, assistant, batch, block_size, temperature, pad,
+                                             exactness_probe)
+    gen = make_generate(block_size=k, max_new_tokens=_round_up(int(max_new_tokens), BUDGET_BUCKET),
+                        temperature=float(temperature), top_k=top_k, top_p=top_p, verify_pad=pad, draft=draft,
+                        cache_size=capacity)
+    prompt, lengths, key, limit, stop_ids = gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop,
+                                                       seed=seed, prompt_width=prompt_width)
+    state, prefill_s, decode_s = gen.run(target, assistant, prompt, lengths, key, limit, stop_ids)
+    result = _result(state, gen.spec, batch, target, prefill_s, decode_s, fallback)
+    result.stats.probe_logit_diff = diff
+    return result
+
+
+def effective_block_size(target, assistant, batch, block_size, temperature, pad, exactness_probe):
+    """(K to run, why speculation was dropped or None, probe logit diff or None). At T = 0 the
+    exactness probe checks once per shape that a K-wide verify is bit-identical to K single steps;
+    when it is not, decoding falls back to classic (K = 1) with a warning."""
     k = int(block_size) if assistant is not None else 1
     fallback = diff = None
     if assistant is not None and k == 1:
@@ -340,15 +357,7 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
             V.warn_inexact(k, width, diff)
             fallback = f"exactness probe failed (max |logit diff| {diff:.3g})"
             k = 1
-    gen = make_generate(block_size=k, max_new_tokens=_round_up(int(max_new_tokens), BUDGET_BUCKET),
-                        temperature=float(temperature), top_k=top_k, top_p=top_p, verify_pad=pad, draft=draft,
-                        cache_size=capacity)
-    prompt, lengths, key, limit, stop_ids = gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop,
-                                                       seed=seed, prompt_width=prompt_width)
-    state, prefill_s, decode_s = gen.run(target, assistant, prompt, lengths, key, limit, stop_ids)
-    result = _result(state, gen.spec, batch, target, prefill_s, decode_s, fallback)
-    result.stats.probe_logit_diff = diff
-    return result
+    return k, fallback, diff
 
 
 def _result(state, spec, batch, target, prefill_s, decode_s, fallback) -> GenerationResult:

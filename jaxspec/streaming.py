@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 
 from . import loop as L
-from . import verify as V
 
 # `jaxspec.generate` is also the name of the function the package exports, so fetch the module itself.
 G = importlib.import_module("jaxspec.generate")
@@ -154,7 +153,7 @@ def _prefill_jit():
 def _internals():
     """The generate.py / loop.py names streaming relies on, or StreamingUnavailable."""
     names = {"_as_batch": G, "_default_stop_ids": G, "validate_inputs": G, "make_generate": G, "_round_up": G,
-             "BUDGET_BUCKET": G, "_result": G, "decode": L, "prefill": L}
+             "BUDGET_BUCKET": G, "_result": G, "effective_block_size": G, "decode": L, "prefill": L}
     missing = [f"{mod.__name__}.{n}" for n, mod in names.items() if not hasattr(mod, n)]
     if missing:
         raise StreamingUnavailable("streaming needs " + ", ".join(missing))
@@ -163,17 +162,7 @@ def _internals():
 def _stream(target, assistant, rows, pad, stop, capacity, prompt_width, *, max_new_tokens, block_size,
             temperature, top_k, top_p, seed, draft, exactness_probe, rounds_per_chunk):
     batch = len(rows)
-    k = int(block_size) if assistant is not None else 1
-    fallback = None
-    if assistant is not None and k == 1:
-        fallback = "block_size=1: nothing to draft"
-    if k > 1 and temperature == 0 and exactness_probe:
-        width = V.verify_width(k, batch, pad, target.matmul)
-        exact, diff = V.exactness_probe(target, batch, k, width)
-        if not exact:
-            V.warn_inexact(k, width, diff)
-            fallback = f"exactness probe failed (max |logit diff| {diff:.3g})"
-            k = 1
+    k, fallback, _ = G.effective_block_size(target, assistant, batch, block_size, temperature, pad, exactness_probe)
     gen = G.make_generate(block_size=k, max_new_tokens=G._round_up(int(max_new_tokens), G.BUDGET_BUCKET),
                           temperature=float(temperature), top_k=top_k, top_p=top_p, verify_pad=pad, draft=draft,
                           cache_size=capacity)
