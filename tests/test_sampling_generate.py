@@ -61,8 +61,10 @@ def tv_threshold(p, rng, trials=400, quantile=0.999):
 
 
 def _generate(t, a, k, draft="sample", seed=1):
+    # eos_token_ids=[]: the reference is the distribution of the first three tokens, with no stopping
+    # on the config's EOS id.
     return jaxspec.generate(t, [PROMPT] * N, assistant=a if k > 1 else None, max_new_tokens=3, block_size=k,
-                            seed=seed, draft=draft, **SETTING)
+                            seed=seed, draft=draft, eos_token_ids=[], **SETTING)
 
 
 @pytest.mark.parametrize("k,draft", [(1, "sample"), (3, "sample"), (3, "argmax")])
