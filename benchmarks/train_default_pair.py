@@ -407,36 +407,14 @@ def assistant_forward(acfg, tcfg, ap: dict, teacher_params: dict, tok, h_prev, k
     """`models.draft_step` for many queries at once: tok [B, Q] (embedded with the target's table),
     h_prev [B, Q, H_target], kv {layer type: (k, v) [B, C, kv, hd]} from the target's cache, lengths [B, Q]
     (the committed cache length each query sees, models.visible_keys), position [B, Q] (RoPE).
-    Returns (logits f32 [B, Q, V], h_next [B, Q, H_target]). Mirrors draft_step line by line; the
-    script checks the two agree before training."""
+    Returns (logits f32 [B, Q, V], h_next [B, Q, H_target]). The layers are models.assistant_stack, the
+    code draft_step runs; the script still checks the two agree before training."""
     import jax.numpy as jnp
     import models
-    from models.layers import apply_rope, attention, linear, mlp, rms_norm, rope_tables
-    a = acfg.text
-    dt = ap["pre_projection"].dtype
-    b, q = tok.shape
-    e = models.embed(models.Target(config=tcfg, params=teacher_params), tok, dt)
-    h = linear(jnp.concatenate([e, h_prev.astype(dt)], axis=-1), ap["pre_projection"], None)
-    eps = a.rms_norm_eps
-    for i in range(a.num_hidden_layers):
-        pre = f"layers.{i}."
-        hd, nq, lt = a.layer_head_dims[i], a.num_attention_heads, a.layer_types[i]
-        k, v = kv[lt]
-        cap = k.shape[1]
-        window = a.sliding_window if lt == SLIDING else None
-        mask = models.visible_keys(lengths.reshape(-1), cap, window).reshape(b, q, cap)
-        cos, sin = rope_tables(position, a.rope(i), hd, dt)
-        xn = rms_norm(h, ap[pre + "input_layernorm"], eps)
-        qh = linear(xn, ap[pre + "self_attn.q_proj"], None).reshape(b, q, nq, hd)
-        qh = apply_rope(rms_norm(qh, ap[pre + "self_attn.q_norm"], eps), cos, sin)
-        o = linear(attention(qh, k, v, mask), ap[pre + "self_attn.o_proj"], None)
-        h = h + rms_norm(o, ap[pre + "post_attention_layernorm"], eps)
-        xn = rms_norm(h, ap[pre + "pre_feedforward_layernorm"], eps)
-        xn = mlp(xn, ap[pre + "mlp.gate_proj"], ap[pre + "mlp.up_proj"], ap[pre + "mlp.down_proj"],
-                 a.hidden_activation, None)
-        h = h + rms_norm(xn, ap[pre + "post_feedforward_layernorm"], eps)
-        h = h * ap[pre + "layer_scalar"].astype(dt)
-    hn = rms_norm(h, ap["norm"], eps)
+    from models.layers import linear
+    assistant = models.Assistant(config=acfg, params=ap)
+    teacher = models.Target(config=tcfg, params=teacher_params)
+    hn = models.assistant_stack(assistant, teacher, tok, h_prev, kv, lengths, position)
     head = ap["embed_tokens"] if acfg.tie_word_embeddings else ap["lm_head"]
     return linear(hn, head, None).astype(jnp.float32), linear(hn, ap["post_projection"], None)
 

@@ -9,7 +9,7 @@
 See docs/models.md for the design and the draft position convention.
 """
 from . import presets
-from .assistant import Assistant, centroid_logits, draft_step, make_assistant, visible_keys
+from .assistant import Assistant, assistant_stack, centroid_logits, draft_step, make_assistant, visible_keys
 from .cache import KVCache, init_cache
 from .checkpoint import (assistant_shapes, load_assistant, load_target, quantize_model, save,
                          target_shapes)
@@ -17,7 +17,7 @@ from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
 from .target import Target, embed, forward, logits, make_target, shared_kv
 
 __all__ = [
-    "Assistant", "AssistantConfig", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
+    "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
     "centroid_logits", "check_fit", "draft_step", "embed", "forward", "init_cache", "load_assistant",
     "load_target", "logits", "make_assistant", "make_target", "presets", "quantize_model", "save",
     "shared_kv", "target_shapes", "visible_keys",

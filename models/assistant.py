@@ -69,7 +69,7 @@ def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.
     """
     acfg, tcfg = assistant.config, target.config
     check_fit(acfg, tcfg)
-    a, p, mm = acfg.text, assistant.params, assistant.matmul
+    p, mm = assistant.params, assistant.matmul
     token = jnp.asarray(token)
     if token.ndim != 1:
         raise ValueError(f"token must be [B], got shape {tuple(token.shape)}")
@@ -78,33 +78,10 @@ def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.
         raise ValueError(f"h_prev has shape {tuple(h_prev.shape)}, expected {(b, tcfg.hidden_size)}")
     if cache.batch != b:
         raise ValueError(f"token has batch {b} but the cache has batch {cache.batch}")
-    dt = assistant.dtype
-    e = embed(target, token, dt)
-    x = jnp.concatenate([e, h_prev.astype(dt)], axis=-1)[:, None, :]
-    h = linear(x, p["pre_projection"], mm)
+    lengths = cache.lengths.astype(jnp.int32)[:, None]
     pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32).reshape(-1), (b,))[:, None]
-    cap = cache.capacity
-    eps = a.rms_norm_eps
-    kv = shared_kv(tcfg, cache)
-    for i in range(a.num_hidden_layers):
-        pre = f"layers.{i}."
-        hd, nq = a.layer_head_dims[i], a.num_attention_heads
-        k_src, v_src = kv[a.layer_types[i]]
-        window = a.sliding_window if a.layer_types[i] == SLIDING else None
-        mask = visible_keys(cache.lengths, cap, window)[:, None, :]
-        cos, sin = rope_tables(pos, a.rope(i), hd, dt)
-        xn = rms_norm(h, p[pre + "input_layernorm"], eps)
-        q = linear(xn, p[pre + "self_attn.q_proj"], mm).reshape(b, 1, nq, hd)
-        q = apply_rope(rms_norm(q, p[pre + "self_attn.q_norm"], eps), cos, sin)
-        o = attention(q, k_src, v_src, mask)
-        o = linear(o, p[pre + "self_attn.o_proj"], mm)
-        h = h + rms_norm(o, p[pre + "post_attention_layernorm"], eps)
-        xn = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
-        xn = mlp(xn, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],
-                 a.hidden_activation, mm)
-        h = h + rms_norm(xn, p[pre + "post_feedforward_layernorm"], eps)
-        h = h * p[pre + "layer_scalar"].astype(dt)
-    hn = rms_norm(h, p["norm"], eps)[:, 0]
+    hn = assistant_stack(assistant, target, token[:, None], h_prev[:, None], shared_kv(tcfg, cache), lengths,
+                         pos)[:, 0]
     h_next = linear(hn, p["post_projection"], mm)
     head = p["embed_tokens"] if acfg.tie_word_embeddings else p["lm_head"]
     if acfg.use_ordered_embeddings:
@@ -112,6 +89,41 @@ def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.
     else:
         out = linear(hn, head, mm).astype(jnp.float32)
     return out, h_next
+
+
+def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_prev: jax.Array, kv: dict,
+                    lengths: jax.Array, position: jax.Array) -> jax.Array:
+    """The assistant's layers for `Q` queries per row at once -> the final-normed hidden `[B, Q, Ha]`.
+
+    tokens `[B, Q]` (embedded with the target's table), h_prev `[B, Q, H_target]`, kv `{layer type:
+    (k, v) [B, C, kv_heads, head_dim]}` (`target.shared_kv`), lengths `[B, Q]` the committed cache
+    length each query sees (`visible_keys`), position `[B, Q]` the RoPE position. `draft_step` is
+    this with Q = 1; training runs every position of a sequence at once through the same code."""
+    a, p, mm = assistant.config.text, assistant.params, assistant.matmul
+    dt = assistant.dtype
+    b, q = tokens.shape
+    e = embed(target, tokens, dt)
+    h = linear(jnp.concatenate([e, h_prev.astype(dt)], axis=-1), p["pre_projection"], mm)
+    eps = a.rms_norm_eps
+    for i in range(a.num_hidden_layers):
+        pre = f"layers.{i}."
+        hd, nq = a.layer_head_dims[i], a.num_attention_heads
+        k_src, v_src = kv[a.layer_types[i]]
+        cap = k_src.shape[1]
+        window = a.sliding_window if a.layer_types[i] == SLIDING else None
+        mask = visible_keys(lengths.reshape(-1), cap, window).reshape(b, q, cap)
+        cos, sin = rope_tables(position, a.rope(i), hd, dt)
+        xn = rms_norm(h, p[pre + "input_layernorm"], eps)
+        qh = linear(xn, p[pre + "self_attn.q_proj"], mm).reshape(b, q, nq, hd)
+        qh = apply_rope(rms_norm(qh, p[pre + "self_attn.q_norm"], eps), cos, sin)
+        o = linear(attention(qh, k_src, v_src, mask), p[pre + "self_attn.o_proj"], mm)
+        h = h + rms_norm(o, p[pre + "post_attention_layernorm"], eps)
+        xn = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
+        xn = mlp(xn, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],
+                 a.hidden_activation, mm)
+        h = h + rms_norm(xn, p[pre + "post_feedforward_layernorm"], eps)
+        h = h * p[pre + "layer_scalar"].astype(dt)
+    return rms_norm(h, p["norm"], eps)
 
 
 def centroid_logits(assistant: Assistant, hn: jax.Array, head) -> jax.Array:
