@@ -21,8 +21,8 @@ N_PROMPTS = 4            # run one at a time (B=1): equal lengths, so one compil
 DTYPE = jnp.bfloat16     # on CPU the XLA path is bit-exact (K-wide verify == K steps) for bf16 at B=1
 NEW_TOKENS = 32
 BLOCK = 4
-MIN_ACCEPTANCE = 0.5     # accepted / drafted over the 4 prompts (training bar on the H200: >= 0.6)
-MIN_TOKENS_PER_ROUND = 2.0  # tokens per verify, the target's own token included
+MIN_ACCEPTANCE = 0.45    # accepted / drafted over the 4 prompts; the shipped stopgap measures 0.56 here
+MIN_TOKENS_PER_ROUND = 2.0  # tokens per verify, the target's own token included (stopgap: 2.58)
 MAX_MB = 40.0
 # The shipped pair is the CPU-trained stopgap (1.1M-param target, docs/default-pair.md): the ~30M
 # GPU-trained pair met the quality bars on the H200 but its weights could not be brought back. Raise
