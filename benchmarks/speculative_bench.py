@@ -17,7 +17,6 @@ Writes DIR/speculative.json, DIR/speculative.md and DIR/speculative.png.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -226,7 +225,7 @@ def gen_stats(target, assistant, rows, k, args, pad):
                      hist=st.accepted_hist, verify_width=st.verify_width)
 
 
-def run_loop(args, target, assistant, out, deadline, fwd):
+def run_loop(args, target, assistant, out, deadline):
     base = target.matmul or DispatchConfig()
     for mr in args.multirow:
         for b in args.batch:
@@ -407,7 +406,7 @@ def main(argv=None):
                 print(f"decode forward {fwd * 1e3:.3f} ms = {meta['decode_pct_of_floor']:.1f}% of the "
                       f"weight-bytes floor ({meta['floor_ms']:.3f} ms)", flush=True)
         if "loop" in args.runs:
-            run_loop(args, target, assistant, rows, deadline, fwd)
+            run_loop(args, target, assistant, rows, deadline)
         if "scaling" in args.runs:
             run_scaling(args, target, rows, deadline)
     finally:

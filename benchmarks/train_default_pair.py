@@ -588,7 +588,7 @@ def main(argv=None) -> int:
     import tokenizers
 
     import models
-    from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize
+    from pallas_kernels import QuantizedWeight, dequantize
 
     on_gpu = jax.default_backend() == "gpu"
     metrics.set("versions", dict(python=platform.python_version(), jax=jax.__version__, optax=optax.__version__,

@@ -9,7 +9,6 @@ bit-exact in general: the tiled kernel sums in a different order.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 
 import models
 from pallas_kernels import DispatchConfig, select_path
+from pallas_kernels.config import env_bool
 
 VERIFY_PAD_ENV = "JAXSPEC_MTP_VERIFY_PAD"
 # The default is decided by the benchmark (docs/loop.md). Until it is measured: off.
@@ -29,14 +29,7 @@ def resolve_verify_pad(verify_pad) -> bool | int:
     """None -> $JAXSPEC_MTP_VERIFY_PAD (0|1) -> DEFAULT_VERIFY_PAD. True: pad to the qmm threshold;
     an int: pad to that width (must be >= block_size, checked by the caller); False/0: no padding."""
     if verify_pad is None:
-        raw = os.environ.get(VERIFY_PAD_ENV, "")
-        if raw == "":
-            return DEFAULT_VERIFY_PAD
-        if raw.lower() in ("1", "true", "on", "yes"):
-            return True
-        if raw.lower() in ("0", "false", "off", "no"):
-            return False
-        raise ValueError(f"environment variable {VERIFY_PAD_ENV}={raw!r} must be 0 or 1")
+        return env_bool(VERIFY_PAD_ENV, DEFAULT_VERIFY_PAD)
     if isinstance(verify_pad, (bool, np.bool_)):
         return bool(verify_pad)
     if isinstance(verify_pad, (int, np.integer)):

@@ -23,7 +23,8 @@ def _env_int(name: str, default):
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _env_bool(name: str, default: bool) -> bool:
+def env_bool(name: str, default: bool) -> bool:
+    """An on/off environment variable (1/true/on/yes, 0/false/off/no; unset or empty: default)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -46,7 +47,7 @@ class DispatchConfig:
     gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).
     """
 
-    multirow: bool = dataclasses.field(default_factory=lambda: _env_bool("JAXSPEC_QMV_MULTIROW", True))
+    multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
     multirow_max_rows: int = dataclasses.field(
         default_factory=lambda: _env_int("JAXSPEC_QMV_MULTIROW_MAX_ROWS", 8))
     qmm_tile_m: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_M", None))

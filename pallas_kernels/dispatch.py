@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import PATHS, DispatchConfig, select_path
-from .kernel import MMA_ROWS, Tiling, launch
+from .kernel import MMA_ROWS, launch
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from .tiling import gemv_tiling, qmm_tiling
 from .xla import dense_matmul, xla_quantized_matmul

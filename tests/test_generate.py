@@ -13,7 +13,6 @@ bigram of the current one; the assistant computes that bigram (same table and fi
 pre-projection, damped blocks) plus a little of h_prev and attention.
 """
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,6 @@ import jaxspec
 import models
 import importlib
 G = importlib.import_module("jaxspec.generate")
-from jaxspec import loop as L
 from jaxspec import verify as V
 from models import presets
 from pallas_kernels import DispatchConfig
@@ -406,7 +404,6 @@ def test_padded_verify_forward():
 def test_padded_verify_token_parity():
     """B=1, K=4 padded to 9 verify rows (the tiled path's threshold) vs classic."""
     t, a = pair()
-    batch = 1
     rows = [list(r) for r in prompts()[1:2]]
     s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=24, block_size=4, verify_pad=True,
                          exactness_probe=False)
@@ -470,3 +467,15 @@ def test_assistant_mismatch(no_compute, overrides, match):
     t, _ = pair()
     with pytest.raises(ValueError, match=match):
         jaxspec.generate(t, [1, 2, 3], assistant=_mismatched_assistant(**overrides))
+
+
+def test_verify_pad_env(monkeypatch):
+    monkeypatch.delenv(V.VERIFY_PAD_ENV, raising=False)
+    assert V.resolve_verify_pad(None) is V.DEFAULT_VERIFY_PAD
+    for raw, want in (("1", True), ("on", True), ("0", False), ("off", False)):
+        monkeypatch.setenv(V.VERIFY_PAD_ENV, raw)
+        assert V.resolve_verify_pad(None) is want
+    assert V.resolve_verify_pad(16) == 16  # an explicit argument wins over the environment
+    monkeypatch.setenv(V.VERIFY_PAD_ENV, "maybe")
+    with pytest.raises(ValueError, match="JAXSPEC_MTP_VERIFY_PAD='maybe' must be 0 or 1"):
+        V.resolve_verify_pad(None)
