@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import empty_call_seconds, environment, hbm_bandwidth, median_time  # noqa: E402
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
 from pallas_kernels.kernel import Tiling, launch  # noqa: E402
-from pallas_kernels.tiling import gemv_tiling  # noqa: E402
+from pallas_kernels.tiling import gemv_tiling, qmm_tiling, split_for  # noqa: E402
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
 ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512]
 GROUP = 64
+START = time.time()
 SET_BYTES = 4 << 30  # weight bytes per timed call, spread over distinct sets (>> 60 MB L2)
 
 
@@ -54,12 +55,24 @@ class Timer:
         self.out = open(out_path, "a")
         self.bw = bw
         self.empty = empty_call_seconds()
+        self.deadline = None
 
     def time_ops(self, op, xs, ws):
         """Per-op seconds of `op(x_i, w_i)` over distinct pairs in one jitted call."""
         f = jax.jit(lambda xs, ws: [op(x, w) for x, w in zip(xs, ws)])
         t = median_time(f, xs, ws, warmup=2, repeats=7)
         return max(t - self.empty, 1e-9) / len(xs)
+
+    def past_deadline(self):
+        return self.deadline is not None and time.time() > self.deadline
+
+    def measure(self, row, op, xs, ws):
+        """Time op over the pairs and record it (or the error: a failed variant must not stop a sweep)."""
+        try:
+            row["us"] = self.time_ops(op, xs, ws) * 1e6
+        except Exception as e:
+            row["error"] = repr(e)[:300]
+        return self.record(**row)
 
     def record(self, **row):
         row["time"] = time.time()
@@ -93,35 +106,31 @@ def check_phase(T, key):
 
 
 def gemv_sweep(T, key, quick):
-    base = Tiling()
-    variants = []
-    for bn in (32, 64, 128, 256):
-        for gps in (1, 2, 4):
-            variants.append(dict(block_n=bn, groups_per_step=gps))
-    variants += [dict(block_n=128, groups_per_step=2, w_left=False), dict(block_n=64, groups_per_step=2, w_left=False),
-                 dict(block_n=128, groups_per_step=2, num_warps=8), dict(block_n=256, groups_per_step=2, num_warps=8),
-                 dict(block_n=128, groups_per_step=2, num_stages=4), dict(block_n=128, groups_per_step=2, num_stages=2),
-                 dict(block_n=64, groups_per_step=4, num_warps=2)]
+    """The GEMV launch around its default: code conversion (int->float "cvt" vs the "bits" trick),
+    block_n, split-K, warps, stages, groups per step. The first session's wider sweep (block_n 32..256,
+    groups 1..4, split 1..16, warps 2..8, stages 2..4, all with "cvt") is in raw/kernels-*-sweep.jsonl."""
+    variants = [dict(convert="cvt"), dict(), dict(block_n=64), dict(block_n=256), dict(split_mult=2),
+                dict(split_mult=4), dict(num_warps=8), dict(num_stages=4), dict(groups_per_step=2),
+                dict(block_n=64, split_mult=2), dict(num_warps=8, split_mult=2)]
     if quick:
-        variants = variants[:6]
-    shapes = [(15360, 3840), (3840, 15360), (262144, 3840)]
-    for n, k in shapes:
+        variants = variants[:3]
+    for n, k in SHAPES:
+        if T.past_deadline():
+            return
         nsets = n_sets_for(qbytes(n, k))
         ws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nsets)]
-        default = gemv_tiling((n, k), GROUP, DispatchConfig())
-        for rows in (1, 8):
+        for rows in ((1, 8) if (n, k) in SHAPES[:2] else (1,)):
             xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (rows, k), jnp.bfloat16) for i in range(nsets)]
             for v in variants:
-                programs_n = -(-n // v["block_n"])
-                for split in sorted({default.split_k if v["block_n"] == default.block_n else
-                                     max(1, min(16, 264 // programs_n)), 1}):
-                    tiling = Tiling(**{**base.__dict__, **v, "split_k": split})
-                    try:
-                        t = T.time_ops(lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, ws)
-                        T.record(phase="sweep", n=n, k=k, rows=rows, tiling=tiling.__dict__, us=t * 1e6,
-                                 floor_us=qbytes(n, k) / T.bw * 1e6)
-                    except Exception as e:  # keep sweeping; record the failure
-                        T.record(phase="sweep", n=n, k=k, rows=rows, tiling=tiling.__dict__, error=repr(e)[:300])
+                v = dict(v)
+                mult = v.pop("split_mult", 1)
+                cfg = DispatchConfig(gemv_block_n=v.pop("block_n", None))
+                default = gemv_tiling((n, k), GROUP, cfg)
+                tiling = Tiling(**{**default.__dict__, **v,
+                                   "split_k": min(default.split_k * mult, k // GROUP)})
+                T.measure(dict(phase="sweep", n=n, k=k, rows=rows, tiling=tiling.__dict__,
+                               floor_us=qbytes(n, k) / T.bw * 1e6),
+                          lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, ws)
         del ws
 
 
@@ -135,6 +144,8 @@ def table_phase(T, key, quick):
         # Every row count on the two MLP shapes; a subset elsewhere (each variant is a compile).
         for rows in (ROWS if (n, k) in SHAPES[:2] and not quick else [1, 4, 8, 16, 64, 512]):
             xs = [jax.random.normal(jax.random.fold_in(key, 5000 + i), (rows, k), jnp.bfloat16) for i in range(nq)]
+            if T.past_deadline():
+                return
             variants = [("pallas", select_path(rows), lambda x, w: quantized_matmul(x, w))]
             if rows in (2, 4, 8):
                 off = DispatchConfig(multirow=False)
@@ -163,19 +174,22 @@ def table_phase(T, key, quick):
 
 
 def tiles_phase(T, key, quick):
+    """qmm: tile_m 16..128 (JAXSPEC_QMM_TILE_M), with and without split-K, against the defaults."""
     for n, k in [(15360, 3840), (3840, 15360)]:
         nq = n_sets_for(qbytes(n, k))
         qws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nq)]
         for rows in (16, 64, 512):
             xs = [jax.random.normal(jax.random.fold_in(key, 3000 + i), (rows, k), jnp.bfloat16) for i in range(nq)]
             for tm in (16, 32, 64, 128):
-                cfg = DispatchConfig(qmm_tile_m=tm)
-                try:
-                    t = T.time_ops(lambda x, w, c=cfg: quantized_matmul(x, w, path="qmm", config=c), xs, qws)
-                    T.record(phase="tiles", n=n, k=k, rows=rows, tile_m=tm, us=t * 1e6,
-                             floor_us=qbytes(n, k) / T.bw * 1e6)
-                except Exception as e:
-                    T.record(phase="tiles", n=n, k=k, rows=rows, tile_m=tm, error=repr(e)[:300])
+                base = qmm_tiling(rows, (n, k), DispatchConfig(qmm_tile_m=tm))
+                programs = -(-n // base.block_n) * -(-rows // tm)
+                for split in sorted({1, split_for(programs, k // GROUP, 132)}):
+                    if T.past_deadline():
+                        return
+                    tiling = Tiling(**{**base.__dict__, "split_k": split})
+                    T.measure(dict(phase="tiles", n=n, k=k, rows=rows, tile_m=tm, split_k=split,
+                                   tiling=tiling.__dict__, floor_us=qbytes(n, k) / T.bw * 1e6),
+                              lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, qws)
         del qws
 
 
@@ -185,15 +199,18 @@ def summary(path):
     for r in rows:
         if r["phase"] == "check":
             print({k: v for k, v in r.items() if k not in ("phase", "time")})
-    print("\n== best gemv tilings (rows=1 / 8) ==")
-    best = {}
+    print("\n== gemv sweep: us (% floor)  convert bn split warps stages gps ==")
     for r in rows:
         if r["phase"] == "sweep" and "us" in r:
-            key = (r["n"], r["k"], r["rows"])
-            if key not in best or r["us"] < best[key]["us"]:
-                best[key] = r
-    for key, r in sorted(best.items()):
-        print(key, f"{r['us']:.1f} us (floor {r['floor_us']:.1f})", r["tiling"])
+            t = r["tiling"]
+            print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
+                  f"{t['convert']:<4} {t['block_n']:>3} {t['split_k']:>3} {t['num_warps']} {t['num_stages']} "
+                  f"{t['groups_per_step']}")
+    print("\n== qmm tiles: us ==")
+    for r in rows:
+        if r["phase"] == "tiles" and "us" in r:
+            print(f"{r['n']:>6}x{r['k']:<6} rows={r['rows']:<4} tile_m={r['tile_m']:<3} split={r['split_k']:<2} "
+                  f"{r['us']:8.1f} us")
     errs = [r for r in rows if "error" in r]
     print(f"\nerrors: {len(errs)}", *(e.get("error", "")[:160] for e in errs[:3]), sep="\n")
     print("\n== table: us (xla) ==")
@@ -208,12 +225,16 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--phase", default="check,sweep,table,tiles")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds after start past which no new measurement starts (then the summary)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kernels.jsonl")
     env = environment()
     bw = hbm_bandwidth()
     T = Timer(path, bw)
+    if args.deadline:
+        T.deadline = START + args.deadline
     T.record(phase="env", **env, hbm_tbps=bw / 1e12, empty_call_us=T.empty * 1e6, argv=sys.argv)
     print(env, f"HBM {bw / 1e12:.2f} TB/s, empty call {T.empty * 1e6:.0f} us", flush=True)
     key = jax.random.key(0)

@@ -28,7 +28,10 @@ MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactl
 class Tiling:
     """One launch shape. block_m/block_n: output tile; groups_per_step: quantization groups loaded per
     loop iteration (bytes in flight); split_k: programs along K (partial sums added outside);
-    w_left: put the dequantized weight tile on the left of the dot (output tile [block_n, block_m])."""
+    w_left: put the dequantized weight tile on the left of the dot (output tile [block_n, block_m]).
+    convert: how codes become dot operands: "bits" ORs each code into the mantissa of a float whose
+    exponent makes the value `offset + code` (no int->float instruction; the offset goes into the
+    bias), "cvt" converts with int->float instructions (always used for float32 dots)."""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -37,6 +40,18 @@ class Tiling:
     w_left: bool = True
     num_warps: int = 4
     num_stages: int = 3
+    convert: str = "bits"
+
+
+def magic_offset(dot_dtype, bits: int):
+    """(exponent bit pattern, value offset) such that `pattern | code` read as dot_dtype equals
+    `offset + code` exactly, or None where the codes do not fit the mantissa (then convert)."""
+    dot_dtype = jnp.dtype(dot_dtype)
+    if dot_dtype == jnp.bfloat16 and bits <= 7:   # [128, 256) has step 1 in bf16 (7 mantissa bits)
+        return 0x4300, 128.0
+    if dot_dtype == jnp.float16 and bits <= 10:   # [1024, 2048) has step 1 in f16
+        return 0x6400, 1024.0
+    return None
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
@@ -53,6 +68,7 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     w_mask = jnp.broadcast_to(col_ok[:, None], (t.block_n, wpg))
     shifts = jnp.arange(epw, dtype=jnp.uint32) * jnp.uint32(bits)
     code_mask = jnp.uint32(2**bits - 1)
+    magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
 
     def one_group(g, acc):
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
@@ -60,8 +76,15 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
         s = pltriton.load(s_ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
         b = pltriton.load(b_ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
-        q = ((w[:, :, None] >> shifts[None, None, :]) & code_mask).reshape(t.block_n, group_size)
-        q = q.astype(jnp.int32).astype(dot_dtype)  # codes are small integers: exact in bf16/f16
+        q = (w[:, :, None] >> shifts[None, None, :]) & code_mask
+        if magic is None:
+            q = q.reshape(t.block_n, group_size).astype(jnp.int32).astype(dot_dtype)  # exact: small ints
+        else:
+            # (pattern | code) is offset + code as a float: one OR per weight instead of a slow
+            # int->float convert. x . (offset + q) = x . q + offset * sum(x), so the bias absorbs it.
+            q = (q | jnp.uint32(magic[0])).reshape(t.block_n, group_size).astype(jnp.uint16)
+            q = jax.lax.bitcast_convert_type(q, dot_dtype)
+            b = b - magic[1] * s
         xd = x.astype(dot_dtype)
         xsum = jnp.sum(x.astype(jnp.float32), axis=1)
         if t.w_left:  # acc is [block_n, block_m]

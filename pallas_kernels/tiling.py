@@ -8,7 +8,16 @@ from .kernel import MMA_ROWS, Tiling
 # there are enough programs (sweep of 2026-11-29, docs/kernels.md: 3840x15360 went 294 -> 69 us
 # with split 8), but keep a few groups per split.
 _TARGET_PROGRAMS = 240
+_QMM_TARGET_PROGRAMS = 132
 _MIN_GROUPS_PER_SPLIT = 4
+
+
+def split_for(programs: int, n_groups: int, target: int) -> int:
+    """The power-of-two K split that brings `programs` up to `target`, keeping a few groups per split."""
+    split = 1
+    while programs * split < target and n_groups // (split * 2) >= _MIN_GROUPS_PER_SPLIT:
+        split *= 2
+    return split
 
 
 def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> Tiling:
@@ -20,10 +29,7 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     if config.gemv_split_k is not None:
         split = config.gemv_split_k
     else:
-        programs = -(-n // block_n)
-        split = 1
-        while programs * split < _TARGET_PROGRAMS and n_groups // (split * 2) >= _MIN_GROUPS_PER_SPLIT:
-            split *= 2
+        split = split_for(-(-n // block_n), n_groups, _TARGET_PROGRAMS)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes.
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=1, split_k=split, w_left=True,
                   num_warps=4, num_stages=3)

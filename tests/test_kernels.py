@@ -52,6 +52,41 @@ def test_each_path_each_dtype(path, rows, dtype, tol):
     assert _rel(y, _ref(x, wd)) < tol
 
 
+@pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, 2), (jnp.bfloat16, 4), (jnp.bfloat16, 8),
+                                        (jnp.float16, 4), (jnp.float16, 8), (jnp.float32, 4)])
+def test_magic_code_conversion_is_exact(dtype, bits):
+    """The kernel's "bits" conversion: (pattern | code) read as a float must be offset + code exactly,
+    for every code; where the codes do not fit the mantissa there must be no pattern."""
+    import ml_dtypes
+    from pallas_kernels.kernel import magic_offset
+    got = magic_offset(dtype, bits)
+    np_dtype = {jnp.bfloat16: ml_dtypes.bfloat16, jnp.float16: np.float16, jnp.float32: np.float32}[dtype]
+    mantissa = {jnp.bfloat16: 7, jnp.float16: 10, jnp.float32: 23}[dtype]
+    if dtype == jnp.float32 or bits > mantissa:
+        assert got is None
+        return
+    pattern, offset = got
+    codes = np.arange(2**bits, dtype=np.uint16)
+    values = (codes | np.uint16(pattern)).view(np_dtype).astype(np.float64)
+    np.testing.assert_array_equal(values, offset + codes.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, 4), (jnp.float16, 4), (jnp.float16, 8)])
+def test_bits_and_cvt_conversions_agree(dtype, bits):
+    """Both code conversions give the product to within one rounding of x's dtype."""
+    from pallas_kernels.kernel import Tiling, launch
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 176, 192, dtype, bits=bits)
+    x = jnp.asarray(rng.standard_normal((5, 192)), dtype)
+    ref = _ref(x, wd)
+    outs = {c: np.asarray(launch(x, qw, Tiling(block_n=64, convert=c, split_k=2), interpret=True), np.float64)
+            for c in ("bits", "cvt")}
+    eps = float(jnp.finfo(dtype).eps)
+    for c, y in outs.items():
+        assert np.all(np.abs(y - ref) <= eps * np.abs(ref) + 1e-3 * np.abs(ref).max()), c
+    assert np.abs(outs["bits"] - outs["cvt"]).max() <= 2 * eps * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32), (4, 128), (8, 128)])
 def test_other_formats(bits, group_size):
     rng = np.random.default_rng()
