@@ -41,7 +41,7 @@ class DispatchConfig:
 
     multirow: use the multirow GEMV for 2..multirow_max_rows rows (else qmv row by row).
     multirow_max_rows: the largest row count sent to multirow; larger goes to qmm.
-    qmm_tile_m/n/k: tiles of the tiled GEMM; tile_m=None picks max(16, min(64, next_pow2(rows))).
+    qmm_tile_m/n/k: tiles of the tiled GEMM; tile_m=None picks 64 (pallas_kernels.tiling.QMM_TILE_M).
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).

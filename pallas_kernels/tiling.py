@@ -35,13 +35,17 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
                   num_warps=4, num_stages=3)
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
+QMM_TILE_M = 64
 
 
 def qmm_tiling(rows: int, shape: tuple[int, int], config: DispatchConfig) -> Tiling:
-    """The tiled GEMM launch: tile_m = max(16, min(64, next_pow2(rows))) unless configured."""
-    block_m = config.qmm_tile_m or max(MMA_ROWS, min(64, _next_pow2(rows)))
+    """The tiled GEMM launch. tile_m 64 unless configured: on the H200 it beat 16, 32 and 128 at 16, 64
+    and 512 rows (32 was the worst everywhere; docs/kernels.md). K is split until there are about
+    one wave of programs: the down projection (3840x15360) went from 308 to 73 us at 64 rows."""
+    n, k = shape
+    block_m = config.qmm_tile_m or QMM_TILE_M
     groups_per_step = max(1, config.qmm_tile_k // 64)
+    programs = -(-n // config.qmm_tile_n) * -(-rows // block_m)
+    split = split_for(programs, k // 64, _QMM_TARGET_PROGRAMS)
     return Tiling(block_m=block_m, block_n=config.qmm_tile_n, groups_per_step=groups_per_step,
-                  split_k=1, w_left=False, num_warps=4, num_stages=3)
+                  split_k=split, w_left=False, num_warps=4, num_stages=3)
