@@ -118,11 +118,13 @@ def prompts(args, vocab, batch):
 # ----------------------------------------------------------------------------------------------
 def forward_time(target, batch, width, k_real, steps=8):
     """Seconds per target forward over [batch, width] tokens (k_real real, the rest padding),
-    inside one jit (a fori_loop of `steps` dependent forwards at a fixed position)."""
+    inside one jit (a fori_loop of `steps` dependent forwards at a fixed position). The model is an
+    argument of the jit, never a closure: captured weights become HLO constants (6.7 GB at 12B) and
+    compiles that take minutes."""
     cap = 256
 
     @jax.jit
-    def run(tokens, cache):
+    def run(target, tokens, cache):
         def body(_, carry):
             toks, c = carry
             if width > k_real:
@@ -137,7 +139,7 @@ def forward_time(target, batch, width, k_real, steps=8):
     cache = models.init_cache(target.config, batch, cap, target.dtype)
     cache = cache.replace(lengths=jnp.full((batch,), 64, jnp.int32))
     tokens = jnp.ones((batch, width), jnp.int32)
-    t_call = median_time(run, tokens, cache, warmup=1, repeats=5)
+    t_call = median_time(run, target, tokens, cache, warmup=1, repeats=5)
     return t_call / steps
 
 
@@ -147,14 +149,15 @@ def draft_time(assistant, target, batch, steps=8):
     h = jnp.ones((batch, target.config.hidden_size), target.dtype)
 
     @jax.jit
-    def run(tok, h):
+    def run(assistant, target, cache, tok, h):
         def body(_, c):
             tok, h = c
             logits, h2 = models.draft_step(assistant, target, cache, tok, h, cache.lengths)
             return jnp.argmax(logits, -1).astype(jnp.int32), h2
         return jax.lax.fori_loop(0, steps, body, (tok, h))
 
-    return median_time(run, jnp.ones((batch,), jnp.int32), h, warmup=1, repeats=5) / steps
+    return median_time(run, assistant, target, cache, jnp.ones((batch,), jnp.int32), h,
+                       warmup=1, repeats=5) / steps
 
 
 def verify_bitwise(target, batch, k):
