@@ -3,7 +3,7 @@
 Skipped when the pair is not installed. Otherwise, on CPU: it loads (4-bit MLX layout, within the size
 budget, assistant fits the target), and on held-out prompts shipped with it greedy speculative decoding
 at K=4 is byte-identical to classic decoding and accepts at least MIN_ACCEPTANCE of the drafts: a
-regression guard with a margin below the >= 0.6 measured when the pair was trained (docs/default-pair.md).
+regression guard with a margin below what the shipped pair measures (docs/default-pair.md).
 """
 import functools
 import os
@@ -17,17 +17,17 @@ from jaxspec import default_pair as dp
 from pallas_kernels import DispatchConfig, QuantizedWeight
 
 XLA = DispatchConfig(backend="xla")
-N_PROMPTS = 4            # run one at a time (B=1): equal lengths, so one compilation serves all
+N_PROMPTS = 8            # run one at a time (B=1): equal lengths, so one compilation serves all
 DTYPE = jnp.bfloat16     # on CPU the XLA path is bit-exact (K-wide verify == K steps) for bf16 at B=1
-NEW_TOKENS = 32
+NEW_TOKENS = 48
 BLOCK = 4
-MIN_ACCEPTANCE = 0.45    # accepted / drafted over the 4 prompts; the shipped stopgap measures 0.56 here
-MIN_TOKENS_PER_ROUND = 2.0  # tokens per verify, the target's own token included (stopgap: 2.58)
+# Accepted / drafted over these 8 prompts x 48 tokens: the shipped pair measures 0.627 here on CPU
+# (bf16, XLA path; 2.83 tokens per round), 0.672 over all 20 prompts x 64 tokens, and 0.73 on the
+# H200 through the Pallas kernels (docs/default-pair.md). The floors leave a margin for platforms.
+MIN_ACCEPTANCE = 0.5
+MIN_TOKENS_PER_ROUND = 2.4  # tokens per verify, the target's own token included
 MAX_MB = 40.0
-# The shipped pair is the CPU-trained stopgap (1.1M-param target, docs/default-pair.md): the ~30M
-# GPU-trained pair met the quality bars on the H200 but its weights could not be brought back. Raise
-# this to 30e6 when that pair is shipped.
-MIN_TARGET_PARAMS = 1e6
+MIN_TARGET_PARAMS = 30e6    # the issue's "at least ~30M parameters" (shipped: 39.6M)
 
 needs_pair = pytest.mark.skipif(
     not dp.default_pair_available(),
