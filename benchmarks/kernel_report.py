@@ -20,7 +20,7 @@ def load(paths):
     return rows
 
 
-def report(rows, md_path, png_path, command):
+def report(rows, md_path, png_path, command, note=None):
     env = next(r for r in rows if r["phase"] == "env")
     out = [f"# Quantized matmul kernels on the {env['device']} ({env['date'][:10]})", "",
            f"JAX {env['jax']}, commit {env['commit']}, measured HBM (elementwise read+write) "
@@ -28,6 +28,8 @@ def report(rows, md_path, png_path, command):
            f"Command: `{command}`", "",
            "Floor = bytes of packed weights + scales + biases / measured HBM bandwidth. Per-op time = "
            "(median call - empty call) / ops per call, each op with its own weight set and activations.", ""]
+    if note:
+        out += [note, ""]
     checks = [r for r in rows if r["phase"] == "check"]
     if checks:
         out += ["## Correctness on the GPU", "", "| N x K | rows | what | result |", "|---|---|---|---|"]
@@ -49,25 +51,27 @@ def report(rows, md_path, png_path, command):
         out += ["## qmm `JAXSPEC_QMM_TILE_M` sweep (us)", ""]
         grid = defaultdict(dict)
         for r in tiles:
-            grid[(r["n"], r["k"], r["rows"])][r["tile_m"]] = r["us"]
+            split = "1" if r.get("split_k", 1) == 1 else "auto"
+            grid[(r["n"], r["k"], r["rows"], split)][r["tile_m"]] = r["us"]
         tms = sorted({r["tile_m"] for r in tiles})
-        out += ["| N x K | rows | " + " | ".join(f"tile_m={t}" for t in tms) + " |", "|---|---|" + "---|" * len(tms)]
-        for (n, k, rws), d in sorted(grid.items()):
-            out.append(f"| {n}x{k} | {rws} | " + " | ".join(f"{d.get(t, float('nan')):.1f}" for t in tms) + " |")
+        out += ["Split-K \"auto\" brings the program count to about one wave (132 SMs), as the default does.", "",
+                "| N x K | rows | split-K | " + " | ".join(f"tile_m={t}" for t in tms) + " |",
+                "|---|---|---|" + "---|" * len(tms)]
+        for (n, k, rws, split), d in sorted(grid.items()):
+            out.append(f"| {n}x{k} | {rws} | {split} | " + " | ".join(f"{d.get(t, float('nan')):.1f}" for t in tms) + " |")
         out.append("")
     sweep = [r for r in rows if r["phase"] == "sweep" and "us" in r]
     if sweep:
-        best = {}
+        out += ["## GEMV launch sweep (rows 1 and 8)", "",
+                "`convert`: how codes become MMA operands (`cvt`: int->float instructions; `bits`: the code "
+                "ORed into a float's mantissa, offset folded into the bias). Other columns: the launch shape.", "",
+                "| N x K | rows | convert | block_n | split_k | warps | stages | groups/step | us | % of floor |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep:
-            key = (r["n"], r["k"], r["rows"])
-            if key not in best or r["us"] < best[key]["us"]:
-                best[key] = r
-        out += ["## GEMV tiling sweep: best per shape", "", "| N x K | rows | us | floor us | tiling |", "|---|---|---|---|---|"]
-        for (n, k, rws), r in sorted(best.items()):
             t = r["tiling"]
-            out.append(f"| {n}x{k} | {rws} | {r['us']:.1f} | {r['floor_us']:.1f} | block_n={t['block_n']} "
-                       f"groups/step={t['groups_per_step']} split_k={t['split_k']} w_left={t['w_left']} "
-                       f"warps={t['num_warps']} stages={t['num_stages']} |")
+            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {t.get('convert', 'cvt')} | {t['block_n']} | {t['split_k']} "
+                       f"| {t['num_warps']} | {t['num_stages']} | {t['groups_per_step']} | {r['us']:.1f} "
+                       f"| {100 * r['floor_us'] / r['us']:.1f} |")
         out.append("")
     open(md_path, "w").write("\n".join(out))
     if png_path and table:
@@ -101,8 +105,9 @@ def main():
     ap.add_argument("--md", required=True)
     ap.add_argument("--png", default=None)
     ap.add_argument("--command", default="python benchmarks/kernel_bench.py --out $OUT")
+    ap.add_argument("--note", default=None, help="a paragraph placed under the header")
     args = ap.parse_args()
-    report(load(args.paths), args.md, args.png, args.command)
+    report(load(args.paths), args.md, args.png, args.command, args.note)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""GPU-only kernel properties (skipped without a GPU). Recorded on the H200 by
-benchmarks/kernel_bench.py --phase check: docs/benchmark_results/kernels-h200-2026-11-29.md."""
+"""GPU-only kernel properties (skipped without a GPU). Run on the H200 at commit c15f057 with
+tests/test_kernels.py compiled through Triton (42 passed: docs/benchmark_results/raw/2026-11-29-c15f057/
+pytest_gpu.log); the same properties at more shapes: kernel_bench.py --phase check."""
 import jax
 import jax.numpy as jnp
 import numpy as np
