@@ -104,12 +104,46 @@ def weight_bytes_per_token(target) -> int:
     return total
 
 
+def resolve_default_pair(args):
+    """`--target default`: the shipped pair, its tokenizer, and its held-out prompts unless others are given."""
+    if args.target != "default":
+        return
+    from jaxspec import default_pair as dp
+    path = dp.default_pair_path()
+    if not dp.default_pair_available(path):
+        raise SystemExit(f"--target default: the default pair is not installed at {path} "
+                         f"(missing {dp.missing_files(path)})")
+    args.target = os.path.join(path, "target")
+    if args.assistant in (None, "default"):
+        args.assistant = None if args.no_assistant else os.path.join(path, "assistant")
+    args.tokenizer = args.tokenizer or os.path.join(path, "tokenizer.json")
+    if not (args.prompts_file or args.prompt_ids or args.prompt):
+        args.default_prompts = [p["ids"] for p in dp.heldout_prompts(path)]
+
+
+def tokenize_prompt(args):
+    """`--prompt TEXT` -> ids, with --tokenizer or the tokenizer.json of the target checkpoint."""
+    from tokenizers import Tokenizer
+    candidates = [args.tokenizer] if args.tokenizer else (
+        [os.path.join(args.target, "tokenizer.json"), os.path.join(args.target, "..", "tokenizer.json")]
+        if os.path.isdir(args.target) else [])
+    for f in candidates:
+        if f and os.path.isfile(f):
+            return Tokenizer.from_file(f).encode(args.prompt).ids
+    raise SystemExit(f"--prompt needs a tokenizer: pass --tokenizer FILE (none found for --target "
+                     f"{args.target!r}; presets have none, use --prompt-ids or --prompt-len there)")
+
+
 def prompts(args, vocab, batch):
     rng = np.random.default_rng(args.seed)
     if args.prompts_file:
         rows = [json.loads(l) for l in open(args.prompts_file) if l.strip()]
     elif args.prompt_ids:
         rows = [json.loads(args.prompt_ids)]
+    elif args.prompt:
+        rows = [tokenize_prompt(args)]
+    elif getattr(args, "default_prompts", None):
+        rows = args.default_prompts
     else:
         rows = [rng.integers(1, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
     return [rows[i % len(rows)] for i in range(batch)]
@@ -343,7 +377,9 @@ def write_report(path, meta, rows):
 
 def build_parser():
     ap = argparse.ArgumentParser(prog="speculative_bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="12b", help="checkpoint dir or preset (tiny, e2b, e4b, 12b, 31b)")
+    ap.add_argument("--target", default="12b",
+                    help="checkpoint dir, preset (tiny, e2b, e4b, 12b, 31b) or 'default' (the shipped pair, "
+                         "its tokenizer and held-out prompts)")
     ap.add_argument("--assistant", default=None, help="checkpoint dir or preset (default: same as --target)")
     ap.add_argument("--no-assistant", action="store_true")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N target layers (preset only)")
@@ -359,6 +395,8 @@ def build_parser():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--prompt-ids", default=None, help="JSON list of token ids")
     ap.add_argument("--prompts-file", default=None, help="JSON lines, one list of token ids per line")
+    ap.add_argument("--prompt", default=None, help="prompt text (needs a tokenizer: --tokenizer or the checkpoint's)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json for --prompt")
     ap.add_argument("--runs", default="forward,loop", type=lambda s: _csv(s))
     ap.add_argument("--scaling-batch", default="1,2,4,8,16,32", type=lambda s: _csv(s, int))
     ap.add_argument("--warmup", type=int, default=1)
@@ -375,6 +413,9 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     args.verify_pad = [_onoff(v) for v in args.verify_pad_raw.split(",")]
+    resolve_default_pair(args)
+    if args.prompt:
+        tokenize_prompt(args)  # a missing tokenizer is an error before any model is built
     if args.assistant is None and not args.no_assistant:
         args.assistant = args.target
     if args.no_assistant:

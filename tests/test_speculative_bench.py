@@ -1,0 +1,67 @@
+"""benchmarks/speculative_bench.py end to end on CPU (XLA matmul path, tiny shapes): the report files
+and their rows, greedy parity against classic decoding measured in the same process, the shipped pair
+through `--target default`, and the prompt options' errors. Timings on CPU mean nothing; the rows'
+structure and the parity/acceptance columns are what is checked."""
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import speculative_bench as sb  # noqa: E402
+from jaxspec import default_pair as dp  # noqa: E402
+
+FAST = ["--backend", "xla", "--warmup", "0", "--repeats", "1"]
+
+
+def _report(out):
+    d = json.load(open(os.path.join(out, "speculative.json")))
+    assert os.path.getsize(os.path.join(out, "speculative.md")) > 0
+    return d["meta"], d["rows"]
+
+
+def test_tiny_preset_forward_loop_and_scaling(tmp_path):
+    out = str(tmp_path / "o")
+    sb.main(["--target", "tiny", "--runs", "forward,loop,scaling", "--k-values", "3", "--multirow", "on,off",
+             "--scaling-batch", "1,2", "--max-tokens", "6", "--dtype", "float32", "--out", out, *FAST])
+    meta, rows = _report(out)
+    assert meta["weight_bytes"] > 0 and meta["what"].startswith("preset tiny")
+    fwd = [r for r in rows if r["run"] == "forward"]
+    assert {(r["multirow"], r["width"]) for r in fwd} == {(True, 1), (True, 3), (False, 1), (False, 3)}
+    assert all(r["ms"] > 0 for r in fwd)
+    [bit] = [r for r in rows if r["run"] == "bitwise"]
+    assert bit["k"] == 3 and bit["equal"] and bit["max_abs_diff"] == 0.0
+    [draft] = [r for r in rows if r["run"] == "draft"]
+    assert draft["ms"] > 0
+    loop = [r for r in rows if r["run"] == "loop"]
+    classic = [r for r in loop if r["mode"] == "classic"]
+    spec = [r for r in loop if r["mode"] == "speculative"]
+    assert len(classic) == 2 and len(spec) == 2  # multirow on and off
+    for r in spec:
+        assert r["greedy_equal"] is True and r["k"] == 3
+        assert r["round_cost"] > 0 and r["speedup"] > 0
+        assert r["new_tokens"] == 6
+    assert [r["batch"] for r in rows if r["run"] == "scaling"] == [1, 2]
+
+
+@pytest.mark.skipif(not dp.default_pair_available(), reason="default pair not installed")
+def test_default_pair_has_real_acceptance(tmp_path):
+    out = str(tmp_path / "o")
+    sb.main(["--target", "default", "--runs", "loop", "--k-values", "4", "--max-tokens", "24", "--out", out, *FAST])
+    meta, rows = _report(out)
+    assert meta["what"] == f"checkpoint {os.path.join(dp.default_pair_path(), 'target')}"
+    [spec] = [r for r in rows if r.get("mode") == "speculative"]
+    # the first held-out prompt (the bench's default prompts when --target default has none given)
+    assert spec["fallback"] is None and spec["greedy_equal"] is True
+    assert spec["acceptance_rate"] > 0.3 and spec["tokens_per_round"] > 1.9
+
+
+def test_prompt_text_needs_a_tokenizer(tmp_path):
+    with pytest.raises(SystemExit, match="--prompt needs a tokenizer"):
+        sb.main(["--target", "tiny", "--prompt", "hello", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--prompt needs a tokenizer"):
+        sb.main(["--target", "tiny", "--prompt", "hello", "--tokenizer", str(tmp_path / "none.json"),
+                 "--out", str(tmp_path)])
