@@ -106,12 +106,13 @@ def check_phase(T, key):
 
 
 def gemv_sweep(T, key, quick):
-    """The GEMV launch around its default: code conversion (int->float "cvt" vs the "bits" trick),
-    block_n, split-K, warps, stages, groups per step. The first session's wider sweep (block_n 32..256,
-    groups 1..4, split 1..16, warps 2..8, stages 2..4, all with "cvt") is in raw/kernels-*-sweep.jsonl."""
-    variants = [dict(convert="cvt"), dict(), dict(block_n=64), dict(block_n=256), dict(split_mult=2),
-                dict(split_mult=4), dict(num_warps=8), dict(num_stages=4), dict(groups_per_step=2),
-                dict(block_n=64, split_mult=2), dict(num_warps=8, split_mult=2)]
+    """The GEMV launch around its default: code conversion ("cvt" vs "bits"), scale/bias prefetch and
+    layout, then block_n, split-K, warps and stages with prefetch. Earlier sweeps (block_n 32..256,
+    groups per step 1..4, split 1..16, warps 2..8, stages 2..4) are in raw/."""
+    pf = dict(prefetch_sb=True)
+    variants = [dict(convert="cvt"), dict(), pf, dict(sb_by_group=True), dict(pf, sb_by_group=True),
+                dict(pf, split_mult=2), dict(pf, split_mult=4), dict(pf, block_n=64), dict(pf, num_warps=8),
+                dict(pf, num_stages=2), dict(split_mult=2)]
     if quick:
         variants = variants[:3]
     for n, k in SHAPES:
@@ -199,13 +200,13 @@ def summary(path):
     for r in rows:
         if r["phase"] == "check":
             print({k: v for k, v in r.items() if k not in ("phase", "time")})
-    print("\n== gemv sweep: us (% floor)  convert bn split warps stages gps ==")
+    print("\n== gemv sweep: us (% floor)  convert bn split warps stages gps prefetch sb_by_group ==")
     for r in rows:
         if r["phase"] == "sweep" and "us" in r:
             t = r["tiling"]
             print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
                   f"{t['convert']:<4} {t['block_n']:>3} {t['split_k']:>3} {t['num_warps']} {t['num_stages']} "
-                  f"{t['groups_per_step']}")
+                  f"{t['groups_per_step']} {'pf' if t.get('prefetch_sb') else '  '} {'kn' if t.get('sb_by_group') else ''}")
     print("\n== qmm tiles: us ==")
     for r in rows:
         if r["phase"] == "tiles" and "us" in r:

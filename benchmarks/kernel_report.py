@@ -65,11 +65,12 @@ def report(rows, md_path, png_path, command, note=None):
         out += ["## GEMV launch sweep (rows 1 and 8)", "",
                 "`convert`: how codes become MMA operands (`cvt`: int->float instructions; `bits`: the code "
                 "ORed into a float's mantissa, offset folded into the bias). Other columns: the launch shape.", "",
-                "| N x K | rows | convert | block_n | split_k | warps | stages | groups/step | us | % of floor |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| N x K | rows | convert | prefetch_sb | sb_by_group | block_n | split_k | warps | stages | groups/step | us | % of floor |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep:
             t = r["tiling"]
-            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {t.get('convert', 'cvt')} | {t['block_n']} | {t['split_k']} "
+            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {t.get('convert', 'cvt')} | {t.get('prefetch_sb', False)} "
+                       f"| {t.get('sb_by_group', False)} | {t['block_n']} | {t['split_k']} "
                        f"| {t['num_warps']} | {t['num_stages']} | {t['groups_per_step']} | {r['us']:.1f} "
                        f"| {100 * r['floor_us'] / r['us']:.1f} |")
         out.append("")

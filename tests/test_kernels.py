@@ -87,6 +87,22 @@ def test_bits_and_cvt_conversions_agree(dtype, bits):
     assert np.abs(outs["bits"] - outs["cvt"]).max() <= 2 * eps * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_scale_loading_variants_are_bitwise_identical(split_k):
+    """prefetch_sb / sb_by_group change only when and how scales and biases are loaded: the results
+    must be bitwise those of the default launch (and match the reference), N not a tile multiple."""
+    from pallas_kernels.kernel import Tiling, launch
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 176, 320, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((5, 320)), jnp.bfloat16)
+    base = Tiling(block_n=64, split_k=split_k)
+    want = np.asarray(launch(x, qw, base, interpret=True).astype(jnp.float32))
+    assert _rel(want, _ref(x, wd)) < 1e-2
+    for v in (dict(prefetch_sb=True), dict(sb_by_group=True), dict(prefetch_sb=True, sb_by_group=True)):
+        got = launch(x, qw, Tiling(**{**base.__dict__, **v}), interpret=True)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=str(v))
+
+
 @pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32), (4, 128), (8, 128)])
 def test_other_formats(bits, group_size):
     rng = np.random.default_rng()

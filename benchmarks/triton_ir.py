@@ -1,0 +1,126 @@
+"""Inspect what Triton makes of our kernel, without a GPU.
+
+    python benchmarks/triton_ir.py --shape 15360,3840 --rows 1 [--set prefetch_sb=True ...] --out DIR
+
+Lowers one `pallas_kernels.kernel.launch` for CUDA (JAX builds the Triton IR on any machine), writes
+DIR/kernel.ttir, and, when the `triton` package is importable (`pip install triton==3.6.0`, the
+version the H200 machine has; it needs no GPU), compiles it for sm_90 and writes kernel.ttgir and
+kernel.ptx, then prints the facts that decided kernel changes so far: registers per thread (ptxas),
+shared memory, and which loads of the main loop Triton pipelined (async copies) and which it left
+as plain loads that every iteration waits for (docs/kernels.md, log entry 3).
+
+Uses JAX internals (the Pallas Triton lowering); a developer tool, not part of the library.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
+from pallas_kernels.kernel import launch  # noqa: E402
+from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
+
+
+def lower_to_ttir(n: int, k: int, rows: int, tiling, group_size: int = 64) -> str:
+    """The Triton IR (text, no debug locations) of one launch, lowered for CUDA on this machine."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    captured = []
+    original = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    qw = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
+                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
+    x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(lambda x, w: launch(x, w, tiling, interpret=False)).trace(x, qw).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = original
+    if len(captured) != 1:
+        raise RuntimeError(f"expected one Triton module, lowered {len(captured)}")
+    return captured[0]
+
+
+def main_loop(ttgir: str) -> str:
+    """The body of the first scf.for (the K loop) in a TTGIR listing."""
+    start = ttgir.find("scf.for")
+    if start < 0:
+        return ""
+    depth, i = 0, ttgir.index("{", start)
+    for j in range(i, len(ttgir)):
+        depth += {"{": 1, "}": -1}.get(ttgir[j], 0)
+        if depth == 0:
+            return ttgir[i:j]
+    return ttgir[i:]
+
+
+def compile_and_report(ttir_path: str, tiling, out: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    kernel = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages))
+    for name in ("ttgir", "ptx"):
+        with open(os.path.join(out, f"kernel.{name}"), "w") as f:
+            f.write(kernel.asm[name])
+    loop = main_loop(kernel.asm["ttgir"])
+    plain = re.findall(r"(%\w+) = tt\.load ", loop)
+    yields = " ".join(re.findall(r"scf\.yield ([^:]*)", loop))
+    carried = [v for v in plain if re.search(re.escape(v) + r"\b", yields)]
+    report = {"shared_bytes": kernel.metadata.shared,
+              "loop_async_copies": loop.count("async_copy_global_to_local"),
+              "loop_plain_loads_waited_for": len(plain) - len(carried),
+              "loop_plain_loads_prefetched": len(carried)}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if os.path.exists(ptxas):
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(out, "kernel.ptx"), "-o", os.devnull],
+                           capture_output=True, text=True)
+        m = re.search(r"Used (\d+) registers", r.stdout + r.stderr)
+        report["registers"] = int(m.group(1)) if m else None
+    return report
+
+
+def _value(v: str):
+    return {"True": True, "False": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="15360,3840", help="N,K of the 4-bit g64 weight")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], help="Tiling field=value over the dispatch's choice")
+    ap.add_argument("--out", default="out/triton_ir")
+    args = ap.parse_args(argv)
+    n, k = (int(v) for v in args.shape.split(","))
+    cfg = DispatchConfig()
+    tiling = gemv_tiling((n, k), 64, cfg) if args.rows <= cfg.multirow_max_rows else qmm_tiling(args.rows, (n, k), cfg)
+    tiling = dataclasses.replace(tiling, **{f: _value(v) for f, v in (s.split("=", 1) for s in args.set)})
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "kernel.ttir")
+    with open(path, "w") as f:
+        f.write(lower_to_ttir(n, k, args.rows, tiling))
+    print(tiling)
+    print(f"wrote {path}")
+    if importlib.util.find_spec("triton") is None:
+        print("triton is not installed: `pip install triton==3.6.0` to compile for sm_90 here")
+        return 0
+    print(compile_and_report(path, tiling, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
