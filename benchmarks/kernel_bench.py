@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import empty_call_seconds, environment, hbm_bandwidth, median_time  # noqa: E402
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
 from pallas_kernels.kernel import Tiling, launch  # noqa: E402
-from pallas_kernels.tiling import gemv_tiling, qmm_tiling, split_for  # noqa: E402
+from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
 ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512]
@@ -174,23 +174,28 @@ def table_phase(T, key, quick):
             del dws
 
 
+QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_warps=8),
+                "prefetch": dict(prefetch_sb=True), "warps 8 + prefetch": dict(num_warps=8, prefetch_sb=True),
+                "block_n 64": dict(block_n=64), "tile_m 128, warps 8": dict(block_m=128, num_warps=8)}
+
+
 def tiles_phase(T, key, quick):
-    """qmm: tile_m 16..128 (JAXSPEC_QMM_TILE_M), with and without split-K, against the defaults."""
+    """qmm around its default (tile_m 64, split-K to one wave): warps, scale prefetch, block_n. The
+    tile_m 16/32/64/128 x split sweep that chose the default: raw/2026-11-29-c15f057/."""
     for n, k in [(15360, 3840), (3840, 15360)]:
         nq = n_sets_for(qbytes(n, k))
         qws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nq)]
         for rows in (16, 64, 512):
             xs = [jax.random.normal(jax.random.fold_in(key, 3000 + i), (rows, k), jnp.bfloat16) for i in range(nq)]
-            for tm in (16, 32, 64, 128):
-                base = qmm_tiling(rows, (n, k), DispatchConfig(qmm_tile_m=tm))
-                programs = -(-n // base.block_n) * -(-rows // tm)
-                for split in sorted({1, split_for(programs, k // GROUP, 132)}):
-                    if T.past_deadline():
-                        return
-                    tiling = Tiling(**{**base.__dict__, "split_k": split})
-                    T.measure(dict(phase="tiles", n=n, k=k, rows=rows, tile_m=tm, split_k=split,
-                                   tiling=tiling.__dict__, floor_us=qbytes(n, k) / T.bw * 1e6),
-                              lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, qws)
+            for name, v in QMM_VARIANTS.items():
+                if T.past_deadline():
+                    return
+                base = qmm_tiling(rows, (n, k), DispatchConfig(qmm_tile_n=v.get("block_n", 128),
+                                                               qmm_tile_m=v.get("block_m")))
+                tiling = Tiling(**{**base.__dict__, **v})
+                T.measure(dict(phase="tiles", n=n, k=k, rows=rows, variant=name, tile_m=tiling.block_m,
+                               split_k=tiling.split_k, tiling=tiling.__dict__, floor_us=qbytes(n, k) / T.bw * 1e6),
+                          lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, qws)
         del qws
 
 
@@ -211,7 +216,7 @@ def summary(path):
     for r in rows:
         if r["phase"] == "tiles" and "us" in r:
             print(f"{r['n']:>6}x{r['k']:<6} rows={r['rows']:<4} tile_m={r['tile_m']:<3} split={r['split_k']:<2} "
-                  f"{r['us']:8.1f} us")
+                  f"{r.get('variant', ''):<20} {r['us']:8.1f} us")
     errs = [r for r in rows if "error" in r]
     print(f"\nerrors: {len(errs)}", *(e.get("error", "")[:160] for e in errs[:3]), sep="\n")
     print("\n== table: us (xla) ==")

@@ -48,17 +48,16 @@ def report(rows, md_path, png_path, command, note=None):
         out.append("")
     tiles = [r for r in rows if r["phase"] == "tiles" and "us" in r]
     if tiles:
-        out += ["## qmm `JAXSPEC_QMM_TILE_M` sweep (us)", ""]
+        out += ["## qmm tiling sweep (us)", ""]
         grid = defaultdict(dict)
-        for r in tiles:
+        for r in tiles:  # older runs swept tile_m x split; newer ones name a variant of the default
             split = "1" if r.get("split_k", 1) == 1 else "auto"
-            grid[(r["n"], r["k"], r["rows"], split)][r["tile_m"]] = r["us"]
-        tms = sorted({r["tile_m"] for r in tiles})
+            grid[(r["n"], r["k"], r["rows"])][r.get("variant") or f"tile_m={r['tile_m']}, split {split}"] = r["us"]
+        cols = list(dict.fromkeys(c for d in grid.values() for c in d))
         out += ["Split-K \"auto\" brings the program count to about one wave (132 SMs), as the default does.", "",
-                "| N x K | rows | split-K | " + " | ".join(f"tile_m={t}" for t in tms) + " |",
-                "|---|---|---|" + "---|" * len(tms)]
-        for (n, k, rws, split), d in sorted(grid.items()):
-            out.append(f"| {n}x{k} | {rws} | {split} | " + " | ".join(f"{d.get(t, float('nan')):.1f}" for t in tms) + " |")
+                "| N x K | rows | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for (n, k, rws), d in sorted(grid.items()):
+            out.append(f"| {n}x{k} | {rws} | " + " | ".join(f"{d.get(c, float('nan')):.1f}" for c in cols) + " |")
         out.append("")
     sweep = [r for r in rows if r["phase"] == "sweep" and "us" in r]
     if sweep:
