@@ -311,7 +311,9 @@ def write_report(path, meta, rows):
     json.dump(dict(meta=meta, rows=rows), open(os.path.join(path, "speculative.json"), "w"), indent=1)
     lines = [f"# speculative_bench — {meta['what']}", "",
              f"{meta['env']['device']}, JAX {meta['env']['jax']}, commit {meta['env']['commit']}, "
-             f"{meta['env']['date']}", "", f"Command: `{meta['command']}`", ""]
+             f"{meta['env']['date']}", "",
+             "Command: `" + "".join(f"{k}={v} " for k, v in meta.get("jaxspec_env", {}).items()
+                                    if k != "JAXSPEC_COMMIT") + f"{meta['command']}`", ""]
     if meta.get("floor_ms"):
         lines += [f"Weight bytes per token: {meta['weight_bytes'] / 1e9:.3f} GB; floor at "
                   f"{meta['hbm_tbps']:.2f} TB/s: {meta['floor_ms']:.3f} ms"
@@ -432,7 +434,8 @@ def main(argv=None):
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
     env = environment()
     meta = dict(what=what, env=env, command="python benchmarks/speculative_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                args={k: v for k, v in vars(args).items()})
+                args={k: v for k, v in vars(args).items()},
+                jaxspec_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXSPEC_")})
     rows: list[dict] = []
     wb = weight_bytes_per_token(target)
     meta["weight_bytes"] = wb

@@ -45,6 +45,8 @@ class DispatchConfig:
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).
+    prefetch_sb: load each group's scales/biases one group ahead in every kernel (bitwise the same
+    results; off until measured on the H200, docs/kernels.md log entry 3). $JAXSPEC_PREFETCH_SB.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -57,6 +59,7 @@ class DispatchConfig:
     interpret: bool | None = None
     gemv_block_n: int | None = None
     gemv_split_k: int | None = None
+    prefetch_sb: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_PREFETCH_SB", False))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -186,6 +186,23 @@ def test_select_path_rule(monkeypatch):
         DispatchConfig()
 
 
+def test_prefetch_knob_reaches_both_launches_and_keeps_results(monkeypatch):
+    from pallas_kernels.tiling import gemv_tiling, qmm_tiling
+    monkeypatch.setenv("JAXSPEC_PREFETCH_SB", "1")
+    on = DispatchConfig()
+    monkeypatch.delenv("JAXSPEC_PREFETCH_SB")
+    off = DispatchConfig()
+    assert on.prefetch_sb and not off.prefetch_sb
+    assert gemv_tiling((96, 320), 64, on).prefetch_sb and qmm_tiling(20, (96, 320), on).prefetch_sb
+    assert not gemv_tiling((96, 320), 64, off).prefetch_sb
+    rng = np.random.default_rng()
+    qw, _ = _case(rng, 96, 320, jnp.bfloat16)
+    for rows in (1, 4, 20):  # qmv, multirow, qmm
+        x = jnp.asarray(rng.standard_normal((rows, 320)), jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(quantized_matmul(x, qw, config=on).astype(jnp.float32)),
+                                      np.asarray(quantized_matmul(x, qw, config=off).astype(jnp.float32)))
+
+
 def test_multirow_off_still_correct():
     rng = np.random.default_rng()
     qw, wd = _case(rng, 96, 128, jnp.float32)
