@@ -66,10 +66,14 @@ class Timer:
     def past_deadline(self):
         return self.deadline is not None and time.time() > self.deadline
 
-    def measure(self, row, op, xs, ws):
-        """Time op over the pairs and record it (or the error: a failed variant must not stop a sweep)."""
+    def measure(self, row, op, xs, ws, nbytes=None):
+        """Time op over the pairs and record it (or the error: a failed variant must not stop a sweep);
+        with nbytes, also the achieved TB/s."""
         try:
-            row["us"] = self.time_ops(op, xs, ws) * 1e6
+            t = self.time_ops(op, xs, ws)
+            row["us"] = t * 1e6
+            if nbytes is not None:
+                row["tbps"] = nbytes / t / 1e12
         except Exception as e:
             row["error"] = repr(e)[:300]
         return self.record(**row)
@@ -157,12 +161,8 @@ def table_phase(T, key, quick):
                 xla = DispatchConfig(backend="xla")
                 variants.append(("xla", "dequant+dot", lambda x, w, c=xla: quantized_matmul(x, w, config=c)))
             for backend, path, op in variants:
-                try:
-                    t = T.time_ops(op, xs, qws)
-                    T.record(phase="table", n=n, k=k, rows=rows, backend=backend, path=path, us=t * 1e6,
-                             floor_us=floor_us, tbps=qb / t / 1e12)
-                except Exception as e:
-                    T.record(phase="table", n=n, k=k, rows=rows, backend=backend, path=path, error=repr(e)[:300])
+                T.measure(dict(phase="table", n=n, k=k, rows=rows, backend=backend, path=path, floor_us=floor_us),
+                          op, xs, qws, nbytes=qb)
         del qws
         if n * k * 2 * nd <= 20 << 30:
             dws = [jax.random.normal(jax.random.fold_in(key, 9000 + i), (n, k), jnp.bfloat16) for i in range(nd)]
@@ -190,7 +190,7 @@ def tiles_phase(T, key, quick):
             for name, v in QMM_VARIANTS.items():
                 if T.past_deadline():
                     return
-                base = qmm_tiling(rows, (n, k), DispatchConfig(qmm_tile_n=v.get("block_n", 128),
+                base = qmm_tiling(rows, (n, k), GROUP, DispatchConfig(qmm_tile_n=v.get("block_n", 128),
                                                                qmm_tile_m=v.get("block_m")))
                 tiling = Tiling(**{**base.__dict__, **v})
                 T.measure(dict(phase="tiles", n=n, k=k, rows=rows, variant=name, tile_m=tiling.block_m,

@@ -141,7 +141,7 @@ def prompts(args, vocab, batch):
     elif args.prompt_ids:
         rows = [json.loads(args.prompt_ids)]
     elif args.prompt:
-        rows = [tokenize_prompt(args)]
+        rows = [args.prompt_tokens]
     elif getattr(args, "default_prompts", None):
         rows = args.default_prompts
     else:
@@ -417,7 +417,7 @@ def main(argv=None):
     args.verify_pad = [_onoff(v) for v in args.verify_pad_raw.split(",")]
     resolve_default_pair(args)
     if args.prompt:
-        tokenize_prompt(args)  # a missing tokenizer is an error before any model is built
+        args.prompt_tokens = tokenize_prompt(args)  # once, and before any model is built
     if args.assistant is None and not args.no_assistant:
         args.assistant = args.target
     if args.no_assistant:

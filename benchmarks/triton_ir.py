@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     n, k = (int(v) for v in args.shape.split(","))
     cfg = DispatchConfig()
-    tiling = gemv_tiling((n, k), 64, cfg) if args.rows <= cfg.multirow_max_rows else qmm_tiling(args.rows, (n, k), cfg)
+    tiling = gemv_tiling((n, k), 64, cfg) if args.rows <= cfg.multirow_max_rows else qmm_tiling(args.rows, (n, k), 64, cfg)
     tiling = dataclasses.replace(tiling, **{f: _value(v) for f, v in (s.split("=", 1) for s in args.set)})
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kernel.ttir")

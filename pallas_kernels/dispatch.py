@@ -67,7 +67,7 @@ def _pallas(x2, qw, path, config):
     rows, k = x2.shape
     interpret = _use_interpret(config)
     if path == "qmm":
-        return launch(x2, qw, qmm_tiling(rows, qw.shape, config), interpret=interpret)
+        return launch(x2, qw, qmm_tiling(rows, qw.shape, qw.group_size, config), interpret=interpret)
     tiling = gemv_tiling(qw.shape, qw.group_size, config)
     if path == "multirow":
         if rows > MMA_ROWS:

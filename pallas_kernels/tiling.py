@@ -38,14 +38,14 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
 QMM_TILE_M = 64
 
 
-def qmm_tiling(rows: int, shape: tuple[int, int], config: DispatchConfig) -> Tiling:
-    """The tiled GEMM launch. tile_m 64 unless configured: on the H200 it beat 16, 32 and 128 at 16, 64
-    and 512 rows (32 was the worst everywhere; docs/kernels.md). K is split until there are about
+def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: DispatchConfig) -> Tiling:
+    """The tiled GEMM launch. tile_m 64 unless configured: on the H200 it was the fastest or tied at
+    16, 64 and 512 rows against 16, 32 and 128 (docs/kernels.md). K is split until there are about
     one wave of programs: the down projection (3840x15360) went from 308 to 73 us at 64 rows."""
     n, k = shape
     block_m = config.qmm_tile_m or QMM_TILE_M
-    groups_per_step = max(1, config.qmm_tile_k // 64)
+    groups_per_step = max(1, config.qmm_tile_k // group_size)
     programs = -(-n // config.qmm_tile_n) * -(-rows // block_m)
-    split = split_for(programs, k // 64, _QMM_TARGET_PROGRAMS)
+    split = split_for(programs, k // group_size, _QMM_TARGET_PROGRAMS)
     return Tiling(block_m=block_m, block_n=config.qmm_tile_n, groups_per_step=groups_per_step,
                   split_k=split, w_left=False, num_warps=4, num_stages=3, prefetch_sb=config.prefetch_sb)

@@ -193,7 +193,7 @@ def test_prefetch_knob_reaches_both_launches_and_keeps_results(monkeypatch):
     monkeypatch.delenv("JAXSPEC_PREFETCH_SB")
     off = DispatchConfig()
     assert on.prefetch_sb and not off.prefetch_sb
-    assert gemv_tiling((96, 320), 64, on).prefetch_sb and qmm_tiling(20, (96, 320), on).prefetch_sb
+    assert gemv_tiling((96, 320), 64, on).prefetch_sb and qmm_tiling(20, (96, 320), 64, on).prefetch_sb
     assert not gemv_tiling((96, 320), 64, off).prefetch_sb
     rng = np.random.default_rng()
     qw, _ = _case(rng, 96, 320, jnp.bfloat16)
