@@ -1,6 +1,6 @@
 """Quantized-matmul kernel benchmark at Gemma-4-12B shapes (run on the GPU).
 
-    python benchmarks/kernel_bench.py --out DIR [--phase check,sweep,table,tiles] [--quick]
+    python benchmarks/kernel_bench.py --out DIR [--phase check,fma,sweep,table,tiles] [--quick]
 
 Writes DIR/kernels.jsonl (one JSON object per measurement) and prints a short table last.
 `benchmarks/kernel_report.py` turns the JSON into docs/benchmark_results/kernels-*.md and a PNG.
@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import empty_call_seconds, environment, hbm_bandwidth, median_time  # noqa: E402
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
+from pallas_kernels.gemv import GemvTiling, gemv_launch  # noqa: E402
 from pallas_kernels.kernel import Tiling, launch  # noqa: E402
-from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
+from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling  # noqa: E402
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
 ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512]
@@ -109,6 +110,43 @@ def check_phase(T, key):
                  equal=bool(jnp.array_equal(a[:16], b)))
 
 
+FMA_VARIANTS = {"default": {}, "split /2": dict(split_mult=0.5), "split x2": dict(split_mult=2),
+                "split /4": dict(split_mult=0.25), "block_n 64": dict(block_n=64), "block_n 256": dict(block_n=256),
+                "no prefetch": dict(prefetch=False), "2 groups/step": dict(groups_per_step=2),
+                "warps 2": dict(num_warps=2), "warps 8": dict(num_warps=8), "stages 2": dict(num_stages=2)}
+
+
+def fma_sweep(T, key, quick):
+    """The CUDA-core GEMV (pallas_kernels/gemv.py) around its default tiling, at 1 and 8 rows on the
+    MLP shapes (every variant) and at 1, 2, 4, 8 rows elsewhere (default only), with the tensor-core
+    GEMV's default for comparison."""
+    for n, k in SHAPES:
+        if T.past_deadline():
+            return
+        nsets = n_sets_for(qbytes(n, k))
+        ws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nsets)]
+        mlp = (n, k) in SHAPES[:2]
+        for rows in ((1, 8, 2, 4) if mlp else (1, 8)):
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (rows, k), jnp.bfloat16) for i in range(nsets)]
+            names = list(FMA_VARIANTS) if mlp and rows in (1, 8) and not quick else ["default"]
+            for name in names + ["mma default"]:
+                if T.past_deadline():
+                    return
+                if name == "mma default":
+                    tiling = gemv_tiling((n, k), GROUP, DispatchConfig(gemv_kernel="mma"))
+                    op = (lambda x, w, tl=tiling: launch(x, w, tl, interpret=False))
+                else:
+                    v = dict(FMA_VARIANTS[name])
+                    mult = v.pop("split_mult", 1)
+                    base = fma_gemv_tiling((n, k), GROUP, DispatchConfig(gemv_block_n=v.pop("block_n", None)))
+                    split = int(min(max(1, base.split_k * mult), k // GROUP))
+                    tiling = GemvTiling(**{**base.__dict__, **v, "split_k": split})
+                    op = (lambda x, w, tl=tiling: gemv_launch(x, w, tl, interpret=False))
+                T.measure(dict(phase="fma", n=n, k=k, rows=rows, variant=name, tiling=tiling.__dict__,
+                               floor_us=qbytes(n, k) / T.bw * 1e6), op, xs, ws)
+        del ws
+
+
 def gemv_sweep(T, key, quick):
     """The GEMV launch around its default: code conversion ("cvt" vs "bits"), scale/bias prefetch and
     layout, then block_n, split-K, warps and stages with prefetch. Earlier sweeps (block_n 32..256,
@@ -129,7 +167,7 @@ def gemv_sweep(T, key, quick):
             for v in variants:
                 v = dict(v)
                 mult = v.pop("split_mult", 1)
-                cfg = DispatchConfig(gemv_block_n=v.pop("block_n", None))
+                cfg = DispatchConfig(gemv_kernel="mma", gemv_block_n=v.pop("block_n", None))
                 default = gemv_tiling((n, k), GROUP, cfg)
                 tiling = Tiling(**{**default.__dict__, **v,
                                    "split_k": min(default.split_k * mult, k // GROUP)})
@@ -212,6 +250,12 @@ def summary(path):
             print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
                   f"{t['convert']:<4} {t['block_n']:>3} {t['split_k']:>3} {t['num_warps']} {t['num_stages']} "
                   f"{t['groups_per_step']} {'pf' if t.get('prefetch_sb') else '  '} {'kn' if t.get('sb_by_group') else ''}")
+    print("\n== fma GEMV: us (% floor), variant, tiling ==")
+    for r in rows:
+        if r["phase"] == "fma" and "us" in r:
+            t = r["tiling"]
+            print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
+                  f"{r['variant']:<14} bn={t['block_n']} split={t['split_k']} w={t['num_warps']}")
     print("\n== qmm tiles: us ==")
     for r in rows:
         if r["phase"] == "tiles" and "us" in r:
@@ -248,6 +292,7 @@ def main():
         t0 = time.time()
         try:
             {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick),
+             "fma": lambda: fma_sweep(T, key, args.quick),
              "table": lambda: table_phase(T, key, args.quick), "tiles": lambda: tiles_phase(T, key, args.quick)}[phase]()
         except Exception:
             traceback.print_exc()

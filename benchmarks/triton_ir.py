@@ -2,12 +2,14 @@
 
     python benchmarks/triton_ir.py --shape 15360,3840 --rows 1 [--set prefetch_sb=True ...] --out DIR
 
-Lowers one `pallas_kernels.kernel.launch` for CUDA (JAX builds the Triton IR on any machine), writes
+Lowers one GEMV/qmm launch as the dispatch would shape it (`--kernel fma` for the CUDA-core GEMV,
+`mma` for the tensor-core kernel) for CUDA (JAX builds the Triton IR on any machine), writes
 DIR/kernel.ttir, and, when the `triton` package is importable (`pip install triton==3.6.0`, the
-version the H200 machine has; it needs no GPU), compiles it for sm_90 and writes kernel.ttgir and
-kernel.ptx, then prints the facts that decided kernel changes so far: registers per thread (ptxas),
-shared memory, and which loads of the main loop Triton pipelined (async copies) and which it left
-as plain loads that every iteration waits for (docs/kernels.md, log entry 3).
+version the H200 machine has; it needs no GPU), compiles it for sm_90 and writes kernel.ttgir,
+kernel.ptx and kernel.sass, then prints the facts that decided kernel changes so far: registers per
+thread (ptxas), shared memory, which loads of the main loop Triton pipelined (async copies) and
+which it left as plain loads that every iteration waits for (docs/kernels.md, log entry 3), and the
+SASS instructions of the main loop per weight a thread handles (log entry 4).
 
 Uses JAX internals (the Pallas Triton lowering); a developer tool, not part of the library.
 """
@@ -26,7 +28,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from collections import Counter  # noqa: E402
+
 from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
+from pallas_kernels.gemv import GemvTiling, gemv_launch  # noqa: E402
 from pallas_kernels.kernel import launch  # noqa: E402
 from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
 
@@ -46,9 +51,10 @@ def lower_to_ttir(n: int, k: int, rows: int, tiling, group_size: int = 64) -> st
                          jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
                          jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+    run = gemv_launch if isinstance(tiling, GemvTiling) else launch
     reg.lowering.lower_jaxpr_to_triton_module = capture
     try:
-        jax.jit(lambda x, w: launch(x, w, tiling, interpret=False)).trace(x, qw).lower(lowering_platforms=("cuda",))
+        jax.jit(lambda x, w: run(x, w, tiling, interpret=False)).trace(x, qw).lower(lowering_platforms=("cuda",))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = original
     if len(captured) != 1:
@@ -67,6 +73,21 @@ def main_loop(ttgir: str) -> str:
         if depth == 0:
             return ttgir[i:j]
     return ttgir[i:]
+
+
+def sass_loop_ops(sass: str) -> Counter:
+    """Opcode counts of the longest backward-branch range (the main loop) of a cuobjdump listing."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins
+             if (m := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
+    if not loops:
+        return Counter()
+    lo, hi = max(loops, key=lambda p: p[1] - p[0])
+    return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for a, t in ins if lo <= a <= hi)
+
+
+def weights_per_thread_step(tiling, group_size: int = 64) -> int:
+    return tiling.block_n * tiling.groups_per_step * group_size // (32 * tiling.num_warps)
 
 
 def compile_and_report(ttir_path: str, tiling, out: str) -> dict:
@@ -91,6 +112,17 @@ def compile_and_report(ttir_path: str, tiling, out: str) -> dict:
                            capture_output=True, text=True)
         m = re.search(r"Used (\d+) registers", r.stdout + r.stderr)
         report["registers"] = int(m.group(1)) if m else None
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    if os.path.exists(cuobjdump):
+        cubin = os.path.join(out, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+        with open(os.path.join(out, "kernel.sass"), "w") as f:
+            f.write(sass)
+        ops = sass_loop_ops(sass)
+        report["loop_instructions_per_weight"] = round(sum(ops.values()) / weights_per_thread_step(tiling), 2)
+        report["loop_ops"] = dict(ops.most_common(10))
     return report
 
 
@@ -102,11 +134,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="15360,3840", help="N,K of the 4-bit g64 weight")
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--kernel", choices=("fma", "mma"), default="fma", help="the GEMV kernel for rows <= 8")
     ap.add_argument("--set", action="append", default=[], help="Tiling field=value over the dispatch's choice")
     ap.add_argument("--out", default="out/triton_ir")
     args = ap.parse_args(argv)
     n, k = (int(v) for v in args.shape.split(","))
-    cfg = DispatchConfig()
+    cfg = DispatchConfig(gemv_kernel=args.kernel)
     tiling = gemv_tiling((n, k), 64, cfg) if args.rows <= cfg.multirow_max_rows else qmm_tiling(args.rows, (n, k), 64, cfg)
     tiling = dataclasses.replace(tiling, **{f: _value(v) for f, v in (s.split("=", 1) for s in args.set)})
     os.makedirs(args.out, exist_ok=True)

@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 BACKENDS = ("pallas", "xla")
+GEMV_KERNELS = ("fma", "mma")
 PATHS = ("qmv", "multirow", "qmm")
 
 
@@ -44,6 +45,8 @@ class DispatchConfig:
     qmm_tile_m/n/k: tiles of the tiled GEMM; tile_m=None picks 64 (pallas_kernels.tiling.QMM_TILE_M).
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
+    gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
+    "mma" (the tensor-core kernel of kernel.py, which qmm also uses). $JAXSPEC_GEMV_KERNEL.
     gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).
     prefetch_sb: load each group's scales/biases one group ahead in every kernel (bitwise the same
     results; off until measured on the H200, docs/kernels.md log entry 3). $JAXSPEC_PREFETCH_SB.
@@ -57,6 +60,7 @@ class DispatchConfig:
     qmm_tile_k: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", 64))
     backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
     interpret: bool | None = None
+    gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "fma"))
     gemv_block_n: int | None = None
     gemv_split_k: int | None = None
     prefetch_sb: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_PREFETCH_SB", False))
@@ -64,6 +68,8 @@ class DispatchConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        if self.gemv_kernel not in GEMV_KERNELS:
+            raise ValueError(f"gemv_kernel={self.gemv_kernel!r}: expected one of {GEMV_KERNELS}")
         if not 1 <= self.multirow_max_rows <= 16:
             raise ValueError(f"multirow_max_rows={self.multirow_max_rows} must be in 1..16 "
                              "(the multirow kernel pads rows to one 16-row MMA tile)")

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import PATHS, DispatchConfig, select_path
+from .gemv import GemvTiling, gemv_launch
 from .kernel import MMA_ROWS, launch
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from .tiling import gemv_tiling, qmm_tiling
@@ -69,11 +70,12 @@ def _pallas(x2, qw, path, config):
     if path == "qmm":
         return launch(x2, qw, qmm_tiling(rows, qw.shape, qw.group_size, config), interpret=interpret)
     tiling = gemv_tiling(qw.shape, qw.group_size, config)
+    run = gemv_launch if isinstance(tiling, GemvTiling) else launch
     if path == "multirow":
         if rows > MMA_ROWS:
             raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
-        return launch(x2, qw, tiling, interpret=interpret)
+        return run(x2, qw, tiling, interpret=interpret)
     # qmv: one launch per row. For rows > 1 this re-reads the weight once per row; it is the
     # behaviour multirow replaces, kept for A/B runs (JAXSPEC_QMV_MULTIROW=0).
-    outs = [launch(x2[i:i + 1], qw, tiling, interpret=interpret) for i in range(rows)]
+    outs = [run(x2[i:i + 1], qw, tiling, interpret=interpret) for i in range(rows)]
     return outs[0] if rows == 1 else jnp.concatenate(outs, axis=0)

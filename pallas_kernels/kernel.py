@@ -144,7 +144,7 @@ def _dot_dtype(x_dtype):
     return jnp.dtype(x_dtype) if jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
 
 
-def _pad_to(a, axis, multiple):
+def pad_to(a, axis, multiple):
     extra = (-a.shape[axis]) % multiple
     if not extra:
         return a
@@ -168,9 +168,9 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
         scales, biases = scales.T, biases.T
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
-        x2 = _pad_to(x2, 0, tiling.block_m)
-        weight = _pad_to(weight, 0, tiling.block_n)
-        scales, biases = (_pad_to(a, 1 if tiling.sb_by_group else 0, tiling.block_n) for a in (scales, biases))
+        x2 = pad_to(x2, 0, tiling.block_m)
+        weight = pad_to(weight, 0, tiling.block_n)
+        scales, biases = (pad_to(a, 1 if tiling.sb_by_group else 0, tiling.block_n) for a in (scales, biases))
     out_rows, out_n = (x2.shape[0], weight.shape[0]) if interpret else (rows, n)
     out_dtype = x2.dtype if split == 1 else jnp.float32
     grid = (pl.cdiv(n, tiling.block_n), pl.cdiv(rows, tiling.block_m), split)

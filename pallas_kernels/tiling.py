@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .config import DispatchConfig
+from .gemv import GemvTiling
 from .kernel import MMA_ROWS, Tiling
 
 # H200: 132 SMs. A GEMV grid smaller than about two waves leaves bandwidth idle, so split K until
@@ -20,9 +21,16 @@ def split_for(programs: int, n_groups: int, target: int) -> int:
     return split
 
 
-def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> Tiling:
+# The fma GEMV holds 8 packed words per thread at block_n 128 (56 registers at one row): about 8
+# programs fit on an SM, so split K until there are about 8 per SM.
+_FMA_TARGET_PROGRAMS = 1024
+
+
+def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> Tiling | GemvTiling:
     """The qmv/multirow launch. Depends only on the weight shape (never on the row count), so a
     row computed alone and the same row computed among others see identical arithmetic."""
+    if config.gemv_kernel == "fma":
+        return fma_gemv_tiling(shape, group_size, config)
     n, k = shape
     block_n = config.gemv_block_n or 128
     n_groups = k // group_size
@@ -33,6 +41,17 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes.
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=1, split_k=split, w_left=True,
                   num_warps=4, num_stages=3, prefetch_sb=config.prefetch_sb)
+
+
+def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:
+    """The CUDA-core GEMV launch (pallas_kernels/gemv.py), from the weight shape only."""
+    n, k = shape
+    block_n = config.gemv_block_n or 128
+    if config.gemv_split_k is not None:
+        split = config.gemv_split_k
+    else:
+        split = split_for(-(-n // block_n), k // group_size, _FMA_TARGET_PROGRAMS)
+    return GemvTiling(block_n=block_n, split_k=split)
 
 
 QMM_TILE_M = 64

@@ -40,14 +40,18 @@ def test_default_dispatch_matches_float64(n, k, rows):
     assert _rel(y, _ref(x, wd)) < 1e-5
 
 
-@pytest.mark.parametrize("path,rows", [("qmv", 1), ("qmv", 3), ("multirow", 4), ("multirow", 16),
-                                       ("qmm", 2), ("qmm", 20)])
+GEMV_KERNELS = ["fma", "mma"]  # the CUDA-core GEMV (default) and the tensor-core one
+
+
+@pytest.mark.parametrize("path,rows,kernel", [("qmv", 1, "fma"), ("qmv", 3, "fma"), ("multirow", 4, "fma"),
+                                              ("multirow", 16, "fma"), ("qmv", 1, "mma"), ("multirow", 4, "mma"),
+                                              ("multirow", 16, "mma"), ("qmm", 2, None), ("qmm", 20, None)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
-def test_each_path_each_dtype(path, rows, dtype, tol):
+def test_each_path_each_dtype(path, rows, kernel, dtype, tol):
     rng = np.random.default_rng()
     qw, wd = _case(rng, 176, 192, dtype)
     x = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
-    y = quantized_matmul(x, qw, path=path)
+    y = quantized_matmul(x, qw, path=path, config=DispatchConfig(gemv_kernel=kernel or "fma"))
     assert y.dtype == dtype
     assert _rel(y, _ref(x, wd)) < tol
 
@@ -127,16 +131,18 @@ def test_leading_dims_and_poisoned_output_is_overwritten():
     np.testing.assert_allclose(y.reshape(6, 96), _ref(x.reshape(6, 128), wd), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", GEMV_KERNELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_multirow_rows_bitwise_equal_qmv(dtype):
+def test_multirow_rows_bitwise_equal_qmv(dtype, kernel):
     """Row i of a multirow launch is bitwise the qmv result for row i alone (greedy parity needs it)."""
     rng = np.random.default_rng()
     qw, _ = _case(rng, 176, 192, dtype)
+    cfg = DispatchConfig(gemv_kernel=kernel)
     for rows in range(2, 9):
         x = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
-        multi = np.asarray(quantized_matmul(x, qw, path="multirow").astype(jnp.float32))
+        multi = np.asarray(quantized_matmul(x, qw, path="multirow", config=cfg).astype(jnp.float32))
         for i in range(rows):
-            alone = np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv").astype(jnp.float32))
+            alone = np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv", config=cfg).astype(jnp.float32))
             np.testing.assert_array_equal(multi[i:i + 1], alone)
 
 
@@ -189,6 +195,7 @@ def test_select_path_rule(monkeypatch):
 def test_prefetch_knob_reaches_both_launches_and_keeps_results(monkeypatch):
     from pallas_kernels.tiling import gemv_tiling, qmm_tiling
     monkeypatch.setenv("JAXSPEC_PREFETCH_SB", "1")
+    monkeypatch.setenv("JAXSPEC_GEMV_KERNEL", "mma")  # the option belongs to the tensor-core kernel
     on = DispatchConfig()
     monkeypatch.delenv("JAXSPEC_PREFETCH_SB")
     off = DispatchConfig()
@@ -201,6 +208,29 @@ def test_prefetch_knob_reaches_both_launches_and_keeps_results(monkeypatch):
         x = jnp.asarray(rng.standard_normal((rows, 320)), jnp.bfloat16)
         np.testing.assert_array_equal(np.asarray(quantized_matmul(x, qw, config=on).astype(jnp.float32)),
                                       np.asarray(quantized_matmul(x, qw, config=off).astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("bits,group_size,k,split_k,gps,dtype", [
+    (4, 64, 320, 3, 2, jnp.float32),    # 5 groups: uneven splits, a half-empty last step
+    (4, 32, 224, 2, 4, jnp.bfloat16),   # 7 groups
+    (8, 128, 384, 1, 2, jnp.float16),   # 3 groups, 4 codes per word
+    (4, 128, 256, 2, 1, jnp.float32)])
+def test_fma_gemv_tilings(bits, group_size, k, split_k, gps, dtype):
+    """The CUDA-core GEMV with split-K and several groups per step, where the groups do not divide
+    evenly (the masked tail must add exact zeros), on every format, with and without the prefetch;
+    rows 1..3 against float64 and against each other bitwise."""
+    from pallas_kernels.gemv import GemvTiling, gemv_launch
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 72, k, dtype, bits=bits, group_size=group_size)
+    x = jnp.asarray(rng.standard_normal((3, k)), dtype)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for prefetch in (True, False):
+        tiling = GemvTiling(block_n=32, groups_per_step=gps, split_k=split_k, prefetch=prefetch)
+        y = gemv_launch(x, qw, tiling, interpret=True)
+        assert y.shape == (3, 72) and y.dtype == dtype
+        assert _rel(y, _ref(x, wd)) < tol
+        one = gemv_launch(x[2:], qw, tiling, interpret=True)
+        np.testing.assert_array_equal(np.asarray(y[2:], np.float32), np.asarray(one, np.float32))
 
 
 def test_multirow_off_still_correct():

@@ -1,25 +1,42 @@
-"""GPU-only kernel properties (skipped without a GPU). Run on the H200 at commit c15f057 with
-tests/test_kernels.py compiled through Triton (42 passed: docs/benchmark_results/raw/2026-11-29-c15f057/
-pytest_gpu.log); the same properties at more shapes: kernel_bench.py --phase check."""
+"""GPU-only kernel properties (skipped without a GPU): the Triton-compiled kernels (the fma GEMV's
+inline PTX has no CPU counterpart: interpret mode runs its jnp twin) against float64 and their
+row invariance at real shapes, with the dispatch's own split-K. The same properties at more shapes:
+kernel_bench.py --phase check. Recorded runs: docs/benchmark_results/raw/*/pytest_gpu.log."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dequantize, quantize, quantized_matmul
+from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul
 
 pytestmark = pytest.mark.gpu
 
 
-def test_kernels_compile_to_triton_and_keep_row_invariance_at_a_real_shape():
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+@pytest.mark.parametrize("n,k", [(3840, 2048), (2048, 3840), (1024, 15360)])
+def test_kernels_compile_to_triton_and_keep_row_invariance_at_a_real_shape(kernel, n, k):
     rng = np.random.default_rng()
-    qw = quantize(jnp.asarray(rng.standard_normal((3840, 2048)) * 0.05, jnp.bfloat16))
-    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
-    hlo = jax.jit(lambda x: quantized_matmul(x, qw)).lower(x).as_text()
+    cfg = DispatchConfig(gemv_kernel=kernel)
+    qw = quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
+    hlo = jax.jit(lambda x: quantized_matmul(x, qw, config=cfg)).lower(x).as_text()
     assert "triton" in hlo.lower(), "the GPU path must lower through Pallas' Triton backend"
-    multi = np.asarray(quantized_matmul(x, qw, path="multirow").astype(jnp.float32))
-    for i in range(8):
-        alone = np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv").astype(jnp.float32))
-        np.testing.assert_array_equal(multi[i:i + 1], alone)
     ref = np.asarray(x, np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
-    assert np.linalg.norm(multi - ref) / np.linalg.norm(ref) < 1e-2
+    for rows in (2, 5, 8):
+        multi = np.asarray(quantized_matmul(x[:rows], qw, path="multirow", config=cfg).astype(jnp.float32))
+        for i in range(rows):
+            alone = np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv", config=cfg).astype(jnp.float32))
+            np.testing.assert_array_equal(multi[i:i + 1], alone)
+        assert np.linalg.norm(multi - ref[:rows]) / np.linalg.norm(ref[:rows]) < 1e-2
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (4, 32), (8, 64), (4, 128)])
+def test_fma_gemv_formats_and_dtypes_on_gpu(bits, group_size):
+    rng = np.random.default_rng()
+    w = rng.standard_normal((1000, 1536)) * 0.05
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)):
+        qw = quantize(jnp.asarray(w, dtype), bits=bits, group_size=group_size)
+        x = jnp.asarray(rng.standard_normal((3, 1536)), dtype)
+        y = np.asarray(quantized_matmul(x, qw, config=DispatchConfig(gemv_kernel="fma")), np.float64)
+        ref = np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol, (dtype, bits, group_size)

@@ -16,9 +16,20 @@ from pallas_kernels.kernel import Tiling  # noqa: E402
 def test_lowers_the_kernel_for_cuda_without_a_gpu(tmp_path):
     ttir = triton_ir.lower_to_ttir(256, 512, 3, Tiling(block_n=64, split_k=2))
     assert "tt.func" in ttir and "tt.dot" in ttir and "scf.for" in ttir
-    assert triton_ir.main(["--shape", "256,512", "--rows", "3", "--set", "prefetch_sb=True",
+    assert triton_ir.main(["--shape", "256,512", "--rows", "3", "--kernel", "mma", "--set", "prefetch_sb=True",
                            "--out", str(tmp_path)]) == 0
     assert "tt.dot" in open(tmp_path / "kernel.ttir").read()
+    # the CUDA-core GEMV: no dot, its code conversion as inline PTX (shift + lop3)
+    assert triton_ir.main(["--shape", "256,512", "--rows", "3", "--out", str(tmp_path)]) == 0
+    ttir = open(tmp_path / "kernel.ttir").read()
+    assert "tt.dot" not in ttir and "lop3.b32" in ttir and "scf.for" in ttir
+
+
+def test_sass_loop_ops_reads_the_longest_backward_branch():
+    sass = ("        /*0000*/  MOV R1, R2 ;\n        /*0010*/  FFMA R1, R2, R3, R1 ;\n"
+            "        /*0020*/  @!P0 LOP3.LUT R4, R1, 0xf, RZ, 0xc0, !PT ;\n"
+            "        /*0030*/  @P1 BRA `(.L_x_1) ;\n        /*0040*/  BRA 0x10 ;\n        /*0050*/  EXIT ;")
+    assert triton_ir.sass_loop_ops(sass) == {"FFMA": 1, "LOP3": 1, "BRA": 2}
 
 
 def test_main_loop_is_the_first_for_body():

@@ -1,0 +1,171 @@
+"""The GEMV kernel for 1..8 rows on CUDA cores ("fma"): no tensor cores, no shared memory, about
+four instructions per weight.
+
+A 4-bit decode reads 0.56 bytes per weight, so at HBM speed an H200 can issue only about four
+instructions per weight. Here each code costs one shift and one LOP3, which put it at the top of a
+float32 mantissa ORed with the exponent of 1.0, so it reads as `1 + q/2^bits` with no int->float
+convert, and one FMA into its input. Per group of g inputs `sum_i x_i (1 + q_i/2^bits) = sum(x) +
+(x.q)/2^bits`, so
+
+    x . (s*q + b) = 2^bits * s * t + (b - 2^bits * s) * sum(x),    t = sum_i x_i (1 + q_i/2^bits)
+
+and scales, biases and the row's group sums touch each group once. The packed words are read as
+stored (MLX layout). The wrapper hands the kernel a float32 copy of the (small) activation as
+`[rows, groups, code, word]`, so code j of a thread's words meets one contiguous vector of inputs,
+and the group sums; XLA fuses that into whatever produced x.
+
+Rows are an unrolled static loop around the same per-row arithmetic, with the unpacked codes
+shared: row i's result is bitwise the same whether it is computed alone or among up to 7 others
+(the row invariance greedy speculative decoding relies on; a launch shape never depends on the row
+count). Each extra row costs one more FMA per weight, so rows=8 costs more than rows=1 here, unlike
+the tensor-core kernel in kernel.py (docs/kernels.md, log entry 4).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .kernel import pad_to
+from .quant import QuantizedWeight
+
+ONE_F32 = 0x3F800000  # the bit pattern of 1.0f
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvTiling:
+    """block_n: output columns per program; groups_per_step: quantization groups per loop iteration
+    (bytes in flight per thread); split_k: programs along K (float32 partial sums added outside);
+    prefetch: load the next step's packed words before this step's arithmetic (software pipelining
+    by hand: Triton's pipeliner only takes loads that feed a `dot`)."""
+
+    block_n: int = 128
+    groups_per_step: int = 1
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    prefetch: bool = True
+
+
+def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling, n_groups, groups_per_split,
+            interpret):
+    t = tiling
+    epw = 32 // bits
+    wpg = w_ref.shape[2]
+    gps = t.groups_per_step
+    pid_n, pid_s = pl.program_id(0), pl.program_id(1)
+    n0 = pid_n * t.block_n
+    col_ok = (n0 + jnp.arange(t.block_n)) < n
+    g_start = pid_s * groups_per_split
+    g_end = jnp.minimum(g_start + groups_per_split, n_groups)
+    steps = pl.cdiv(g_end - g_start, gps)
+    top = 23 - bits  # code bits land at mantissa bits [top, 23): the value is 1 + q / 2^bits
+    code_mask = (2**bits - 1) << top
+
+    def code_as_float(w, shift):  # 1 + q/2^bits for the code that `w << shift` moves to bit `top`
+        if not interpret:  # one shift and one LOP3 ((a & b) | c); from jnp, ptxas emits AND then OR
+            op = f"shl.b32 t, $1, {shift};" if shift >= 0 else f"shr.u32 t, $1, {-shift};"
+            asm = f"{{ .reg .b32 t; {op} lop3.b32 $0, t, {code_mask:#x}, {ONE_F32:#x}, 0xea; }}"
+            return pltriton.elementwise_inline_asm(
+                asm, args=[w], constraints="=r,r", pack=1,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
+        q = (w << shift) if shift >= 0 else (w >> -shift)
+        return jax.lax.bitcast_convert_type((q & jnp.uint32(code_mask)) | jnp.uint32(ONE_F32), jnp.float32)
+
+    def group_ok(g):
+        return (g + jnp.arange(gps)) < g_end
+
+    def load_w(g):  # [block_n, gps, wpg] packed words; groups past the split's end read as 0
+        mask = col_ok[:, None, None] & group_ok(g)[None, :, None]
+        mask = jnp.broadcast_to(mask, (t.block_n, gps, wpg))
+        return pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps), :], mask=mask, other=0)
+
+    def step(i, carry):
+        acc, w = carry
+        g = g_start + i * gps
+        if t.prefetch:
+            w_next = load_w(g + gps)
+        else:
+            w = load_w(g)
+        gmask = group_ok(g)
+        sb_mask = col_ok[:, None] & gmask[None, :]
+        s = pltriton.load(s_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
+        b = pltriton.load(b_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
+        s = s.astype(jnp.float32) * float(2**bits)  # exact: a power-of-two scaling
+        b = b.astype(jnp.float32) - s
+        x_mask = jnp.broadcast_to(gmask[:, None], (gps, wpg))
+        tsum = [None] * rows
+        for j in range(epw):
+            qj = code_as_float(w, top - bits * j)
+            for r in range(rows):
+                # code j of each word meets its input: x[r, g, j, w] (the wrapper's transposed copy)
+                xj = pltriton.load(x_ref.at[jnp.int32(r), pl.ds(g, gps), jnp.int32(j), :], mask=x_mask, other=0)
+                prod = qj * xj[None, :, :]
+                tsum[r] = prod if j == 0 else tsum[r] + prod
+        new = []
+        for r in range(rows):
+            tg = jnp.sum(tsum[r], axis=2)              # [block_n, gps]
+            xg = pltriton.load(xs_ref.at[jnp.int32(r), pl.ds(g, gps)], mask=gmask, other=0)
+            new.append(acc[r] + jnp.sum(s * tg + b * xg[None, :], axis=1))
+        return tuple(new), (w_next if t.prefetch else w)
+
+    acc = tuple(jnp.zeros((t.block_n,), jnp.float32) for _ in range(rows))
+    w0 = load_w(g_start) if t.prefetch else jnp.zeros((t.block_n, gps, wpg), jnp.uint32)
+    acc, _ = jax.lax.fori_loop(0, steps, step, (acc, w0))
+    for r in range(rows):
+        pltriton.store(o_ref.at[pid_s, jnp.int32(r), pl.ds(n0, t.block_n)], acc[r].astype(o_ref.dtype), mask=col_ok)
+
+
+def _pad_by(a, axis, extra):
+    pads = [(0, 0)] * a.ndim
+    pads[axis] = (0, extra)
+    return jnp.pad(a, pads)
+
+
+def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, interpret: bool) -> jax.Array:
+    """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
+    rows, k = x2.shape
+    n = qw.shape[0]
+    g = qw.group_size
+    epw = 32 // qw.bits
+    n_groups = k // g
+    split = max(1, min(tiling.split_k, n_groups))
+    groups_per_split = -(-n_groups // split)
+    split = -(-n_groups // groups_per_split)
+    # Activations as float32 [rows, groups, code, word]: code j of the words of a group meets a
+    # contiguous run of inputs, loaded and used without conversion; and their group sums. One small
+    # XLA fusion (it fuses into the producer of x inside a model).
+    x4 = x2.astype(jnp.float32).reshape(rows, n_groups, g // epw, epw)
+    xs = x4.sum(axis=(2, 3))
+    x4 = x4.swapaxes(2, 3)
+    w3 = qw.weight.reshape(n, n_groups, g // epw)
+    scales, biases = qw.scales, qw.biases
+    if interpret:
+        # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
+        # The last step (and the prefetch past it) may start up to 2 steps past the last group.
+        extra = 2 * tiling.groups_per_step
+        w3 = _pad_by(pad_to(w3, 0, tiling.block_n), 1, extra)
+        scales, biases = (_pad_by(pad_to(a, 0, tiling.block_n), 1, extra) for a in (scales, biases))
+        x4, xs = _pad_by(x4, 1, extra), _pad_by(xs, 1, extra)
+    out_n = w3.shape[0]
+    out_dtype = x2.dtype if split == 1 else jnp.float32
+    kernel = functools.partial(_kernel, rows=rows, n=n, bits=qw.bits, tiling=tiling, n_groups=n_groups,
+                               groups_per_split=groups_per_split, interpret=interpret)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split, rows, out_n), out_dtype),
+        grid=(pl.cdiv(n, tiling.block_n), split),
+        interpret=interpret,
+        compiler_params=None if interpret else pltriton.CompilerParams(
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        name=f"q{qw.bits}gemv_r{rows}_n{tiling.block_n}",
+    )(x4, xs, w3, scales, biases)
+    out = out[:, :, :n]
+    total = out[0]
+    for part in range(1, split):  # a fixed order: the same sum whatever the row count
+        total = total + out[part]
+    return total.astype(x2.dtype)
