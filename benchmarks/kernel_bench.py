@@ -147,6 +147,38 @@ def fma_sweep(T, key, quick):
         del ws
 
 
+LOCALITY_FMA = [(128, 1, 4), (128, 2, 4), (64, 4, 4), (32, 8, 4), (16, 16, 4), (32, 8, 2), (64, 8, 8)]
+LOCALITY_MMA = [(128, 1, 4), (128, 2, 4), (64, 4, 4), (32, 4, 4), (32, 8, 4), (16, 8, 4), (16, 16, 4)]
+
+
+def locality_sweep(T, key, quick):
+    """Both GEMV kernels at 1 and 8 rows with the bytes each row contributes per loop step (block_n
+    rows x groups_per_step x 32 bytes) raised from 32 to 512: tests whether short scattered runs per
+    DRAM page, not instructions, hold both kernels at ~0.55 TB/s (docs/kernels.md, log entry 4).
+    K is split as the dispatch would for that block_n."""
+    from pallas_kernels.tiling import _FMA_TARGET_PROGRAMS, _TARGET_PROGRAMS, split_for
+    for n, k in SHAPES[:2]:
+        nsets = n_sets_for(qbytes(n, k))
+        ws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nsets)]
+        for rows in (1, 8):
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (rows, k), jnp.bfloat16) for i in range(nsets)]
+            for kernel, grid in (("fma", LOCALITY_FMA), ("mma", LOCALITY_MMA)):
+                for bn, gps, warps in grid[:3] if quick else grid:
+                    if T.past_deadline():
+                        return
+                    target = _FMA_TARGET_PROGRAMS if kernel == "fma" else _TARGET_PROGRAMS
+                    split = split_for(-(-n // bn), k // GROUP, target)
+                    if kernel == "fma":
+                        tiling = GemvTiling(block_n=bn, groups_per_step=gps, split_k=split, num_warps=warps)
+                        op = (lambda x, w, tl=tiling: gemv_launch(x, w, tl, interpret=False))
+                    else:
+                        tiling = Tiling(block_n=bn, groups_per_step=gps, split_k=split, num_warps=warps)
+                        op = (lambda x, w, tl=tiling: launch(x, w, tl, interpret=False))
+                    T.measure(dict(phase="locality", n=n, k=k, rows=rows, kernel=kernel, bytes_per_row_step=gps * 32,
+                                   tiling=tiling.__dict__, floor_us=qbytes(n, k) / T.bw * 1e6), op, xs, ws)
+        del ws
+
+
 def gemv_sweep(T, key, quick):
     """The GEMV launch around its default: code conversion ("cvt" vs "bits"), scale/bias prefetch and
     layout, then block_n, split-K, warps and stages with prefetch. Earlier sweeps (block_n 32..256,
@@ -256,6 +288,13 @@ def summary(path):
             t = r["tiling"]
             print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
                   f"{r['variant']:<14} bn={t['block_n']} split={t['split_k']} w={t['num_warps']}")
+    print("\n== locality: us (% floor), kernel, block_n x groups/step (bytes per row per step), split, warps ==")
+    for r in rows:
+        if r["phase"] == "locality" and "us" in r:
+            t = r["tiling"]
+            print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
+                  f"{r['kernel']} {t['block_n']:>3}x{t['groups_per_step']:<2} ({r['bytes_per_row_step']:>3} B) "
+                  f"split={t['split_k']} w={t['num_warps']}")
     print("\n== qmm tiles: us ==")
     for r in rows:
         if r["phase"] == "tiles" and "us" in r:
@@ -293,6 +332,7 @@ def main():
         try:
             {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick),
              "fma": lambda: fma_sweep(T, key, args.quick),
+             "locality": lambda: locality_sweep(T, key, args.quick),
              "table": lambda: table_phase(T, key, args.quick), "tiles": lambda: tiles_phase(T, key, args.quick)}[phase]()
         except Exception:
             traceback.print_exc()

@@ -60,7 +60,7 @@ class DispatchConfig:
     qmm_tile_k: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", 64))
     backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
     interpret: bool | None = None
-    gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "fma"))
+    gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))
     gemv_block_n: int | None = None
     gemv_split_k: int | None = None
     prefetch_sb: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_PREFETCH_SB", False))
