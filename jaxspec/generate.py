@@ -41,7 +41,7 @@ class GenerationStats:
     prefill_s: float
     decode_s: float
     decode_tokens_per_s: float     # new_tokens / decode_s
-    fallback: str | None = None    # why speculative decoding was not used, if it was asked for
+    fallback: str | None = None    # why speculative decoding was not used (or ran a smaller K) when asked for
     probe_logit_diff: float | None = None  # exactness probe: max |wide verify - single steps| logit
 
     def as_dict(self) -> dict[str, Any]:
@@ -343,9 +343,12 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
 
 
 def effective_block_size(target, assistant, batch, block_size, temperature, pad, exactness_probe):
-    """(K to run, why speculation was dropped or None, probe logit diff or None). At T = 0 the
-    exactness probe checks once per shape that a K-wide verify is bit-identical to K single steps;
-    when it is not, decoding falls back to classic (K = 1) with a warning."""
+    """(K to run, why speculation was dropped or shrunk, or None; probe logit diff or None). At T = 0
+    the exactness probe checks once per shape that a K-wide verify is bit-identical to K single
+    steps. When it is not (on the H200 at B = 4, K = 4 the verify's 16 rows leave the multirow
+    window that decode's [4, 2] row bucket stays in), K drops to the row bucket, where verify and
+    decode are one computation, if that still drafts (K >= 2) and passes; else decoding falls back
+    to classic (K = 1). Either way with a warning."""
     k = int(block_size) if assistant is not None else 1
     fallback = diff = None
     if assistant is not None and k == 1:
@@ -354,9 +357,18 @@ def effective_block_size(target, assistant, batch, block_size, temperature, pad,
         width = V.verify_width(k, batch, pad, target.matmul)
         exact, diff = V.exactness_probe(target, batch, k, width)
         if not exact:
-            V.warn_inexact(k, width, diff)
-            fallback = f"exactness probe failed (max |logit diff| {diff:.3g})"
-            k = 1
+            first_diff, bucket = diff, models.row_bucket(target, batch)
+            if 2 <= bucket < k:
+                exact, diff = V.exactness_probe(target, batch, bucket, V.verify_width(bucket, batch, pad, target.matmul))
+            if exact:
+                V.warn_inexact(k, width, first_diff, instead=bucket)
+                fallback = (f"exactness probe failed at K={k} (max |logit diff| {first_diff:.3g}): "
+                            f"ran K={bucket}, the row bucket at B={batch}")
+                k = bucket
+            else:
+                V.warn_inexact(k, width, first_diff)
+                fallback = f"exactness probe failed (max |logit diff| {first_diff:.3g})"
+                k = 1
     return k, fallback, diff
 
 

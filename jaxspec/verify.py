@@ -130,8 +130,10 @@ def exactness_probe(target, batch: int, block_size: int, width: int, *, seed: in
     return exact, diff
 
 
-def warn_inexact(block_size, width, diff):
+def warn_inexact(block_size, width, diff, instead: int | None = None):
+    then = (f"running block size {instead} instead, where verify and decode share one shape" if instead
+            else "falling back to classic decoding")
     warnings.warn(f"jaxspec: a {block_size}-wide verify (width {width}) is not bit-identical to "
                   f"{block_size} single-token steps on this target (max |logit diff| {diff:.3g}); "
-                  "greedy speculative decoding would not be byte-identical to classic decoding, "
-                  "falling back to classic decoding", RuntimeWarning, stacklevel=3)
+                  f"greedy speculative decoding would not be byte-identical to classic decoding, {then}",
+                  RuntimeWarning, stacklevel=3)

@@ -14,11 +14,11 @@ from .cache import KVCache, init_cache
 from .checkpoint import (assistant_shapes, load_assistant, load_target, quantize_model, save,
                          target_shapes)
 from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
-from .target import Target, embed, forward, logits, make_target, shared_kv
+from .target import Target, embed, forward, logits, make_target, row_bucket, shared_kv
 
 __all__ = [
     "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
     "centroid_logits", "check_fit", "draft_step", "embed", "forward", "init_cache", "load_assistant",
-    "load_target", "logits", "make_assistant", "make_target", "presets", "quantize_model", "save",
+    "load_target", "logits", "make_assistant", "make_target", "presets", "quantize_model", "row_bucket", "save",
     "shared_kv", "target_shapes", "visible_keys",
 ]

@@ -339,6 +339,33 @@ def test_exactness_probe_and_fallback(monkeypatch):
     assert s.tokens == [r[:12] for r in classic_full()]
 
 
+def test_failed_probe_shrinks_k_to_the_row_bucket(monkeypatch):
+    """When K fails the probe but the row bucket (where verify and decode are one shape) passes,
+    generate runs the bucket's K rather than dropping speculation; output still equals classic."""
+    t, a = pair()
+    rows = [list(r) for r in prompts()]
+    bucket = models.row_bucket(t, len(rows))
+    assert 2 <= bucket < 4, "this test needs a batch whose row bucket is 2 or 3"
+    asked = []
+
+    def probe(target, batch, k, width):
+        asked.append(k)
+        return (k == bucket, 0.0 if k == bucket else 0.25)
+
+    monkeypatch.setattr(V, "exactness_probe", probe)
+    with pytest.warns(RuntimeWarning, match=f"running block size {bucket} instead"):
+        s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=12, block_size=4)
+    assert asked == [4, bucket]
+    assert s.stats.mode == "speculative" and s.stats.block_size == bucket
+    assert f"ran K={bucket}" in s.stats.fallback and s.stats.probe_logit_diff == 0.0
+    assert s.tokens == [r[:12] for r in classic_full()]
+    # a bucket that fails too: classic
+    monkeypatch.setattr(V, "exactness_probe", lambda *args, **kw: (False, 0.5))
+    with pytest.warns(RuntimeWarning, match="falling back to classic"):
+        c = jaxspec.generate(t, rows, assistant=a, max_new_tokens=12, block_size=4)
+    assert c.stats.mode == "classic" and c.tokens == s.tokens
+
+
 # ---------------------------------------------------------------------------------------------
 # Padded verify
 
