@@ -21,11 +21,13 @@ def load(paths):
 
 
 def report(rows, md_path, png_path, command, note=None):
-    env = next(r for r in rows if r["phase"] == "env")
-    out = [f"# Quantized matmul kernels on the {env['device']} ({env['date'][:10]})", "",
-           f"JAX {env['jax']}, commit {env['commit']}, measured HBM (elementwise read+write) "
-           f"{env['hbm_tbps']:.2f} TB/s, empty jitted call {env['empty_call_us']:.0f} us (subtracted).", "",
-           f"Command: `{command}`", "",
+    envs = [r for r in rows if r["phase"] == "env"]
+    env = envs[0]
+    out = [f"# Quantized matmul kernels on the {env['device']} ({env['date'][:10]})", ""]
+    for e in envs:  # one line per run (several JSON files may be merged)
+        out += [f"JAX {e['jax']}, commit {e['commit']}, measured HBM (elementwise read+write) "
+                f"{e['hbm_tbps']:.2f} TB/s, empty jitted call {e['empty_call_us']:.0f} us (subtracted).", ""]
+    out += [f"Command: `{command}`", "",
            "Floor = bytes of packed weights + scales + biases / measured HBM bandwidth. Per-op time = "
            "(median call - empty call) / ops per call, each op with its own weight set and activations.", ""]
     if note:
@@ -71,6 +73,29 @@ def report(rows, md_path, png_path, command, note=None):
             out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {t.get('convert', 'cvt')} | {t.get('prefetch_sb', False)} "
                        f"| {t.get('sb_by_group', False)} | {t['block_n']} | {t['split_k']} "
                        f"| {t['num_warps']} | {t['num_stages']} | {t['groups_per_step']} | {r['us']:.1f} "
+                       f"| {100 * r['floor_us'] / r['us']:.1f} |")
+        out.append("")
+    fma = [r for r in rows if r["phase"] == "fma" and "us" in r]
+    if fma:
+        out += ["## CUDA-core GEMV (\"fma\", pallas_kernels/gemv.py) around its default, and the tensor-core GEMV", "",
+                "| N x K | rows | variant | block_n | groups/step | split_k | warps | us | % of floor |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in fma:
+            t = r["tiling"]
+            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {r['variant']} | {t['block_n']} | {t['groups_per_step']} "
+                       f"| {t['split_k']} | {t['num_warps']} | {r['us']:.1f} | {100 * r['floor_us'] / r['us']:.1f} |")
+        out.append("")
+    loc = [r for r in rows if r["phase"] == "locality" and "us" in r]
+    if loc:
+        out += ["## Bytes per row per loop step (both GEMV kernels)", "",
+                "A program reads block_n weight rows x groups_per_step x 32 bytes per loop step; rows are "
+                "K/2 bytes apart. K split as the dispatch would for that block_n.", "",
+                "| N x K | rows | kernel | block_n x groups/step | bytes per row per step | split_k | warps | us | % of floor |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in loc:
+            t = r["tiling"]
+            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {r['kernel']} | {t['block_n']} x {t['groups_per_step']} "
+                       f"| {r['bytes_per_row_step']} | {t['split_k']} | {t['num_warps']} | {r['us']:.1f} "
                        f"| {100 * r['floor_us'] / r['us']:.1f} |")
         out.append("")
     open(md_path, "w").write("\n".join(out))
