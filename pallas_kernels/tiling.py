@@ -21,8 +21,7 @@ def split_for(programs: int, n_groups: int, target: int) -> int:
     return split
 
 
-# The fma GEMV holds 8 packed words per thread at block_n 128 (56 registers at one row): about 8
-# programs fit on an SM, so split K until there are about 8 per SM.
+# The fma GEMV: about 8 programs of 4 warps fit on an SM, so split K until there are about 8 per SM.
 _FMA_TARGET_PROGRAMS = 1024
 
 
@@ -44,14 +43,17 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
 
 
 def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:
-    """The CUDA-core GEMV launch (pallas_kernels/gemv.py), from the weight shape only."""
+    """The CUDA-core GEMV launch (pallas_kernels/gemv.py), from the weight shape only. 64 rows x 4
+    groups per loop step (128 bytes of each row): on the H200 at one row 38.8 / 45.1 us on
+    15360x3840 / 3840x15360 against 55.3 / 67.0 for 128 x 1 (docs/kernels.md, log entry 4); at 8
+    rows it is 20% slower than 128 x 1, but one row is what this kernel is for."""
     n, k = shape
-    block_n = config.gemv_block_n or 128
+    block_n = config.gemv_block_n or 64
     if config.gemv_split_k is not None:
         split = config.gemv_split_k
     else:
         split = split_for(-(-n // block_n), k // group_size, _FMA_TARGET_PROGRAMS)
-    return GemvTiling(block_n=block_n, split_k=split)
+    return GemvTiling(block_n=block_n, groups_per_step=4, split_k=split)
 
 
 QMM_TILE_M = 64
