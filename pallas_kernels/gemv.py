@@ -12,13 +12,15 @@ convert, and one FMA into its input. Per group of g inputs `sum_i x_i (1 + q_i/2
 and scales, biases and the row's group sums touch each group once. The packed words are read as
 stored (MLX layout). The wrapper hands the kernel a float32 copy of the (small) activation as
 `[rows, groups, code, word]`, so code j of a thread's words meets one contiguous vector of inputs,
-and the group sums; XLA fuses that into whatever produced x.
+and the group sums.
 
 Rows are an unrolled static loop around the same per-row arithmetic, with the unpacked codes
 shared: row i's result is bitwise the same whether it is computed alone or among up to 7 others
 (the row invariance greedy speculative decoding relies on; a launch shape never depends on the row
 count). Each extra row costs one more FMA per weight, so rows=8 costs more than rows=1 here, unlike
-the tensor-core kernel in kernel.py (docs/kernels.md, log entry 4).
+the tensor-core kernel in kernel.py. Measured on the H200 (docs/kernels.md, log entry 4): faster
+than that kernel at one row (39-57 vs 73 us on 15360x3840, whose floor is 7.7 us: instructions are
+not what bounds it), slower from 4 rows on; so it is an option (gemv_kernel="fma"), not the default.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .kernel import pad_to
+from .kernel import pad_by, pad_to, split_groups
 from .quant import QuantizedWeight
 
 ONE_F32 = 0x3F800000  # the bit pattern of 1.0f
@@ -120,12 +122,6 @@ def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling,
         pltriton.store(o_ref.at[pid_s, jnp.int32(r), pl.ds(n0, t.block_n)], acc[r].astype(o_ref.dtype), mask=col_ok)
 
 
-def _pad_by(a, axis, extra):
-    pads = [(0, 0)] * a.ndim
-    pads[axis] = (0, extra)
-    return jnp.pad(a, pads)
-
-
 def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
     rows, k = x2.shape
@@ -133,12 +129,11 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     g = qw.group_size
     epw = 32 // qw.bits
     n_groups = k // g
-    split = max(1, min(tiling.split_k, n_groups))
-    groups_per_split = -(-n_groups // split)
-    split = -(-n_groups // groups_per_split)
+    split, groups_per_split = split_groups(n_groups, tiling.split_k)
     # Activations as float32 [rows, groups, code, word]: code j of the words of a group meets a
     # contiguous run of inputs, loaded and used without conversion; and their group sums. One small
-    # XLA fusion (it fuses into the producer of x inside a model).
+    # XLA op per call (in the kernel benchmark a launch of its own; whether XLA fuses it into x's
+    # producer inside a model was not checked).
     x4 = x2.astype(jnp.float32).reshape(rows, n_groups, g // epw, epw)
     xs = x4.sum(axis=(2, 3))
     x4 = x4.swapaxes(2, 3)
@@ -148,9 +143,9 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.
         extra = 2 * tiling.groups_per_step
-        w3 = _pad_by(pad_to(w3, 0, tiling.block_n), 1, extra)
-        scales, biases = (_pad_by(pad_to(a, 0, tiling.block_n), 1, extra) for a in (scales, biases))
-        x4, xs = _pad_by(x4, 1, extra), _pad_by(xs, 1, extra)
+        w3 = pad_by(pad_to(w3, 0, tiling.block_n), 1, extra)
+        scales, biases = (pad_by(pad_to(a, 0, tiling.block_n), 1, extra) for a in (scales, biases))
+        x4, xs = pad_by(x4, 1, extra), pad_by(xs, 1, extra)
     out_n = w3.shape[0]
     out_dtype = x2.dtype if split == 1 else jnp.float32
     kernel = functools.partial(_kernel, rows=rows, n=n, bits=qw.bits, tiling=tiling, n_groups=n_groups,

@@ -144,8 +144,7 @@ def _dot_dtype(x_dtype):
     return jnp.dtype(x_dtype) if jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
 
 
-def pad_to(a, axis, multiple):
-    extra = (-a.shape[axis]) % multiple
+def pad_by(a, axis, extra):
     if not extra:
         return a
     pads = [(0, 0)] * a.ndim
@@ -153,14 +152,23 @@ def pad_to(a, axis, multiple):
     return jnp.pad(a, pads)
 
 
+def pad_to(a, axis, multiple):
+    return pad_by(a, axis, (-a.shape[axis]) % multiple)
+
+
+def split_groups(n_groups: int, split_k: int) -> tuple[int, int]:
+    """(programs along K, groups per program) for a requested split: no program left without groups."""
+    split = max(1, min(split_k, n_groups))
+    groups_per_split = -(-n_groups // split)
+    return -(-n_groups // groups_per_split), groups_per_split
+
+
 def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
     rows, k = x2.shape
     n = qw.shape[0]
     n_groups = k // qw.group_size
-    split = max(1, min(tiling.split_k, n_groups))
-    groups_per_split = -(-n_groups // split)
-    split = -(-n_groups // groups_per_split)
+    split, groups_per_split = split_groups(n_groups, tiling.split_k)
     dot_dtype = _dot_dtype(x2.dtype)
     precision = None if dot_dtype != jnp.float32 else jax.lax.Precision.HIGHEST
     weight, scales, biases = qw.weight, qw.scales, qw.biases
