@@ -99,10 +99,14 @@ def check_phase(T, key):
             T.record(phase="check", n=n, k=k, rows=rows, path=select_path(rows), rel_err=rel,
                      finite=bool(jnp.all(jnp.isfinite(y))))
         x = jax.random.normal(jax.random.fold_in(key, 99), (8, k), jnp.bfloat16)
-        multi = quantized_matmul(x, qw, path="multirow")
-        alone = jnp.concatenate([quantized_matmul(x[i:i + 1], qw, path="qmv") for i in range(8)])
-        T.record(phase="check", n=n, k=k, rows=8, what="multirow_vs_qmv_bitwise",
-                 equal=bool(jnp.array_equal(multi, alone)))
+        for kernel in ("mma", "fma"):  # both GEMV kernels, whichever is the default
+            cfg = DispatchConfig(gemv_kernel=kernel)
+            multi = quantized_matmul(x, qw, path="multirow", config=cfg)
+            alone = jnp.concatenate([quantized_matmul(x[i:i + 1], qw, path="qmv", config=cfg) for i in range(8)])
+            ref8 = jnp.dot(x.astype(jnp.float32), wd.T, precision=jax.lax.Precision.HIGHEST)
+            T.record(phase="check", n=n, k=k, rows=8, what=f"multirow_vs_qmv_bitwise ({kernel})",
+                     equal=bool(jnp.array_equal(multi, alone)),
+                     rel_err=float(jnp.linalg.norm(multi.astype(jnp.float32) - ref8) / jnp.linalg.norm(ref8)))
         x16 = jax.random.normal(jax.random.fold_in(key, 7), (32, k), jnp.bfloat16)
         a = quantized_matmul(x16, qw, path="qmm")
         b = quantized_matmul(x16[:16], qw, path="qmm")
@@ -111,15 +115,15 @@ def check_phase(T, key):
 
 
 FMA_VARIANTS = {"default": {}, "split /2": dict(split_mult=0.5), "split x2": dict(split_mult=2),
-                "split /4": dict(split_mult=0.25), "block_n 64": dict(block_n=64), "block_n 256": dict(block_n=256),
+                "split /4": dict(split_mult=0.25), "block_n 128": dict(block_n=128), "block_n 256": dict(block_n=256),
                 "no prefetch": dict(prefetch=False), "2 groups/step": dict(groups_per_step=2),
                 "warps 2": dict(num_warps=2), "warps 8": dict(num_warps=8), "stages 2": dict(num_stages=2)}
 
 
 def fma_sweep(T, key, quick):
-    """The CUDA-core GEMV (pallas_kernels/gemv.py) around its default tiling, at 1 and 8 rows on the
-    MLP shapes (every variant) and at 1, 2, 4, 8 rows elsewhere (default only), with the tensor-core
-    GEMV's default for comparison."""
+    """The CUDA-core GEMV (pallas_kernels/gemv.py) around its default tiling: every variant at 1 and 8
+    rows on the MLP shapes, the default alone at 2 and 4 rows there and at 1 and 8 rows on the other
+    shapes; with the tensor-core GEMV's default for comparison."""
     for n, k in SHAPES:
         if T.past_deadline():
             return

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md (one device call,
-# < 10 min: 585 s of step timeouts). Usage: JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST  (writes DEST/results.tgz)
+# < 10 min: 590 s of step timeouts). Usage: JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST  (writes DEST/results.tgz)
 # Each step has a hard timeout and a softer --time-budget (no new configuration starts after it).
+# Ordered by what the last session (89c8711) left unmeasured; the rows it measured come last.
 set -u
 dest=${1:-out}
 out=$(mktemp -d)
@@ -10,26 +11,23 @@ trap 'tar czf "$dest/results.tgz" -C "$out" .' EXIT
 export PYTHONUNBUFFERED=1
 sb="python3 benchmarks/speculative_bench.py --target 12b --assistant 12b"
 slice="$sb --layers 8"
-# 1. the whole 48-layer 12B: decode at B = 1 against the weight-bytes floor, verify K = 4, bitwise;
-#    then decode again with the kernels' scale prefetch (JAXSPEC_PREFETCH_SB=1, docs/kernels.md entry 3)
-timeout 100 $sb --no-assistant --runs forward --k-values 4 --time-budget 60 --out "$out/full" > "$out/full.log" 2>&1
-JAXSPEC_PREFETCH_SB=1 timeout 70 $sb --no-assistant --runs forward --k-values "" --out "$out/full_pf" \
-    > "$out/full_pf.log" 2>&1
-# 2. 12B slice: verify cost K = 2..8 with multirow on/off, padded K = 2, 4 (tile_m 64), a draft step
-timeout 100 $slice --runs forward --k-values 2,3,4,5,6,8 --multirow on,off --verify-pad on \
-    --pad-k-values 2,4 --qmm-tile-m 64 --time-budget 70 --out "$out/fwd" > "$out/fwd.log" 2>&1
-# 3. the loop on the slice: classic vs speculative K = 4, 2 (unpadded), then K = 4 with multirow off
-timeout 70 $slice --runs loop --k-values 4,2 --max-tokens 32 --time-budget 50 --out "$out/loop" \
-    > "$out/loop.log" 2>&1
-timeout 40 $slice --runs loop --k-values 4 --multirow off --max-tokens 32 --time-budget 20 \
+# 1. where a whole-12B decode forward's time goes: kernel time by kind, idle gaps (profile.md)
+timeout 110 python3 benchmarks/profile_forward.py --target 12b --steps 4 --out "$out/profile" > "$out/profile.log" 2>&1
+# 2. slice: verify cost with multirow off (the seed's linear-in-K regression, at the model level)
+timeout 90 $slice --runs forward --k-values 2,4,8 --multirow off --pad-k-values "" --time-budget 65 \
+    --out "$out/fwd_off" > "$out/fwd_off.log" 2>&1
+# 3. the loop on the slice: K = 2; B = 4 with K = 4 (the probe now shrinks K to the row bucket, 2);
+#    speculative with multirow off
+timeout 60 $slice --runs loop --k-values 2 --max-tokens 32 --time-budget 45 --out "$out/loop_k2" > "$out/loop_k2.log" 2>&1
+timeout 70 $slice --runs loop --batch 4 --k-values 4 --max-tokens 32 --time-budget 55 --out "$out/batch" \
+    > "$out/batch.log" 2>&1
+timeout 60 $slice --runs loop --k-values 4 --multirow off --max-tokens 32 --time-budget 45 \
     --out "$out/loop_mroff" > "$out/loop_mroff.log" 2>&1
-# 4. batched decode on the slice: classic scaling to B = 32, then speculative K = 4 at B = 4
-timeout 80 $slice --no-assistant --runs scaling --scaling-batch 1,2,4,8,16,32 --max-tokens 32 \
-    --time-budget 60 --out "$out/scaling" > "$out/scaling.log" 2>&1
-timeout 40 $slice --runs loop --batch 4 --k-values 4 --max-tokens 32 --time-budget 20 \
-    --out "$out/batch" > "$out/batch.log" 2>&1
-# 5. the shipped default pair: the padded-vs-unpadded A/B with real acceptance (its first held-out
-#    prompt; `train_default_pair.py --eval-only --out DIR` measures all 20 prompts at K = 4)
-timeout 85 python3 benchmarks/speculative_bench.py --target default --runs loop --k-values 4,2 \
-    --verify-pad off,on --qmm-tile-m 64 --max-tokens 64 --time-budget 70 --out "$out/pair" > "$out/pair.log" 2>&1
+# 4. again, the rows measured before: whole 12B decode and verify K = 4; the slice's K = 2..8; the
+#    loop at K = 4; batched scaling; the default pair's padded A/B
+timeout 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/full" > "$out/full.log" 2>&1
+timeout 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \
+    --time-budget 40 --out "$out/fwd" > "$out/fwd.log" 2>&1
+timeout 60 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 --time-budget 45 \
+    --out "$out/scaling" > "$out/scaling.log" 2>&1
 for f in "$out"/*.log; do echo "== $f"; grep -v Warning "$f" | grep -v "^  res = \|^    return rule" | tail -n 25 | cut -c1-300; done

@@ -150,11 +150,11 @@ def prompts(args, vocab, batch):
 
 
 # ----------------------------------------------------------------------------------------------
-def forward_time(target, batch, width, k_real, steps=8):
-    """Seconds per target forward over [batch, width] tokens (k_real real, the rest padding),
-    inside one jit (a fori_loop of `steps` dependent forwards at a fixed position). The model is an
-    argument of the jit, never a closure: captured weights become HLO constants (6.7 GB at 12B) and
-    compiles that take minutes."""
+def forward_loop(target, batch, width, k_real, steps=8):
+    """(jitted fn, its args): `steps` dependent target forwards over [batch, width] tokens (k_real
+    real, the rest padding) at a fixed position, in one fori_loop. The model is an argument of the
+    jit, never a closure: captured weights become HLO constants (6.7 GB at 12B) and compiles that
+    take minutes."""
     cap = 256
 
     @jax.jit
@@ -173,8 +173,13 @@ def forward_time(target, batch, width, k_real, steps=8):
     cache = models.init_cache(target.config, batch, cap, target.dtype)
     cache = cache.replace(lengths=jnp.full((batch,), 64, jnp.int32))
     tokens = jnp.ones((batch, width), jnp.int32)
-    t_call = median_time(run, target, tokens, cache, warmup=1, repeats=5)
-    return t_call / steps
+    return run, (target, tokens, cache)
+
+
+def forward_time(target, batch, width, k_real, steps=8):
+    """Seconds per target forward over [batch, width] tokens (see forward_loop)."""
+    run, args = forward_loop(target, batch, width, k_real, steps)
+    return median_time(run, *args, warmup=1, repeats=5) / steps
 
 
 def draft_time(assistant, target, batch, steps=8):
@@ -259,7 +264,7 @@ def gen_stats(target, assistant, rows, k, args, pad):
     return res, dict(decode_s=decode_s, tokens_per_s=st.new_tokens / decode_s, rounds=st.rounds,
                      acceptance_rate=st.acceptance_rate, mean_accepted_len=st.mean_accepted_len,
                      tokens_per_round=st.tokens_per_round, fallback=st.fallback, new_tokens=st.new_tokens,
-                     hist=st.accepted_hist, verify_width=st.verify_width)
+                     hist=st.accepted_hist, verify_width=st.verify_width, k_run=st.block_size)
 
 
 def run_loop(args, target, assistant, out, deadline):
@@ -294,6 +299,7 @@ def run_loop(args, target, assistant, out, deadline):
                         print(f"  K={k} pad={pad} tile_m={tm}: {spec['tokens_per_s']:.1f} tok/s "
                               f"x{row['speedup']:.2f}, accept {spec['acceptance_rate']:.2f}, "
                               f"round {row['round_cost']:.2f} fwd, parity {row['greedy_equal']}"
+                              + (f", ran K={spec['k_run']}" if spec["k_run"] != k else "")
                               + (f", FALLBACK {spec['fallback']}" if spec["fallback"] else ""), flush=True)
 
 
@@ -341,7 +347,8 @@ def write_report(path, meta, rows):
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lp:
             pred = ", ".join(f"{v:.2f}x" for k, v in r.items() if k.startswith("predicted"))
-            lines.append(f"| {r['mode']} | {r['multirow']} | {r['batch']} | {r.get('k', 1)} | {r.get('verify_pad', '')} "
+            k_col = f"{r.get('k', 1)}" + (f" (ran {r['k_run']})" if r.get("k_run", r.get("k", 1)) != r.get("k", 1) else "")
+            lines.append(f"| {r['mode']} | {r['multirow']} | {r['batch']} | {k_col} | {r.get('verify_pad', '')} "
                          f"| {r.get('tile_m') or ''} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} "
                          f"| {r['acceptance_rate']:.2f} | {r['mean_accepted_len']:.2f} | {r['tokens_per_round']:.2f} "
                          f"| {r.get('round_ms', 0):.2f} | {r.get('round_cost', 1.0):.2f} | {pred} "

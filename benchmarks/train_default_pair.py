@@ -1001,7 +1001,7 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
                 break
             c = jaxspec.generate(tgt, r, max_new_tokens=n_new, block_size=1, eos_token_ids=[EOS])
             s = jaxspec.generate(tgt, r, assistant=ast, max_new_tokens=n_new, block_size=4, eos_token_ids=[EOS])
-            if s.stats.fallback:
+            if s.stats.mode == "classic":  # the probe dropped speculation (not merely a smaller K)
                 fallback = s.stats.fallback
                 s = jaxspec.generate(tgt, r, assistant=ast, max_new_tokens=n_new, block_size=4,
                                      eos_token_ids=[EOS], exactness_probe=False)

@@ -368,7 +368,7 @@ def effective_block_size(target, assistant, batch, block_size, temperature, pad,
             else:
                 V.warn_inexact(k, width, first_diff)
                 fallback = f"exactness probe failed (max |logit diff| {first_diff:.3g})"
-                k = 1
+                k, diff = 1, first_diff
     return k, fallback, diff
 
 

@@ -142,10 +142,11 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.
+        # Poison, not zeros, so the CPU tests see it if a mask fails to hide the padding.
         extra = 2 * tiling.groups_per_step
-        w3 = pad_by(pad_to(w3, 0, tiling.block_n), 1, extra)
-        scales, biases = (pad_by(pad_to(a, 0, tiling.block_n), 1, extra) for a in (scales, biases))
-        x4, xs = pad_by(x4, 1, extra), pad_by(xs, 1, extra)
+        w3 = pad_by(pad_to(w3, 0, tiling.block_n, 0xFFFFFFFF), 1, extra, 0xFFFFFFFF)
+        scales, biases = (pad_by(pad_to(a, 0, tiling.block_n, 1.0), 1, extra, 1.0) for a in (scales, biases))
+        x4, xs = pad_by(x4, 1, extra, 1.0), pad_by(xs, 1, extra, 1.0)
     out_n = w3.shape[0]
     out_dtype = x2.dtype if split == 1 else jnp.float32
     kernel = functools.partial(_kernel, rows=rows, n=n, bits=qw.bits, tiling=tiling, n_groups=n_groups,

@@ -144,16 +144,16 @@ def _dot_dtype(x_dtype):
     return jnp.dtype(x_dtype) if jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
 
 
-def pad_by(a, axis, extra):
+def pad_by(a, axis, extra, value=0):
     if not extra:
         return a
     pads = [(0, 0)] * a.ndim
     pads[axis] = (0, extra)
-    return jnp.pad(a, pads)
+    return jnp.pad(a, pads, constant_values=jnp.asarray(value, a.dtype))
 
 
-def pad_to(a, axis, multiple):
-    return pad_by(a, axis, (-a.shape[axis]) % multiple)
+def pad_to(a, axis, multiple, value=0):
+    return pad_by(a, axis, (-a.shape[axis]) % multiple, value)
 
 
 def split_groups(n_groups: int, split_k: int) -> tuple[int, int]:

@@ -359,11 +359,12 @@ def test_failed_probe_shrinks_k_to_the_row_bucket(monkeypatch):
     assert s.stats.mode == "speculative" and s.stats.block_size == bucket
     assert f"ran K={bucket}" in s.stats.fallback and s.stats.probe_logit_diff == 0.0
     assert s.tokens == [r[:12] for r in classic_full()]
-    # a bucket that fails too: classic
-    monkeypatch.setattr(V, "exactness_probe", lambda *args, **kw: (False, 0.5))
+    # a bucket that fails too: classic, reporting K's own probe difference
+    monkeypatch.setattr(V, "exactness_probe", lambda target, batch, k, width: (False, 0.5 if k == 4 else 0.125))
     with pytest.warns(RuntimeWarning, match="falling back to classic"):
         c = jaxspec.generate(t, rows, assistant=a, max_new_tokens=12, block_size=4)
     assert c.stats.mode == "classic" and c.tokens == s.tokens
+    assert c.stats.probe_logit_diff == 0.5 and "0.5" in c.stats.fallback
 
 
 # ---------------------------------------------------------------------------------------------

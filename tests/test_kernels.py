@@ -44,7 +44,7 @@ GEMV_KERNELS = ["fma", "mma"]  # the CUDA-core GEMV and the tensor-core one (def
 
 
 @pytest.mark.parametrize("path,rows,kernel", [("qmv", 1, "fma"), ("qmv", 3, "fma"), ("multirow", 4, "fma"),
-                                              ("multirow", 16, "fma"), ("qmv", 1, "mma"), ("multirow", 4, "mma"),
+                                              ("multirow", 16, "fma"), ("qmv", 1, "mma"), ("qmv", 3, "mma"), ("multirow", 4, "mma"),
                                               ("multirow", 16, "mma"), ("qmm", 2, None), ("qmm", 20, None)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
 def test_each_path_each_dtype(path, rows, kernel, dtype, tol):
@@ -138,12 +138,13 @@ def test_multirow_rows_bitwise_equal_qmv(dtype, kernel):
     rng = np.random.default_rng()
     qw, _ = _case(rng, 176, 192, dtype)
     cfg = DispatchConfig(gemv_kernel=kernel)
-    for rows in range(2, 9):
-        x = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
-        multi = np.asarray(quantized_matmul(x, qw, path="multirow", config=cfg).astype(jnp.float32))
+    x = jnp.asarray(rng.standard_normal((8, 192)), dtype)
+    alone = [np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv", config=cfg).astype(jnp.float32))
+             for i in range(8)]
+    for rows in range(2, 9):  # each row count is its own launch; row i must not notice the others
+        multi = np.asarray(quantized_matmul(x[:rows], qw, path="multirow", config=cfg).astype(jnp.float32))
         for i in range(rows):
-            alone = np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv", config=cfg).astype(jnp.float32))
-            np.testing.assert_array_equal(multi[i:i + 1], alone)
+            np.testing.assert_array_equal(multi[i:i + 1], alone[i])
 
 
 def test_qmm_rows_do_not_depend_on_other_rows():
@@ -214,7 +215,9 @@ def test_prefetch_knob_reaches_both_launches_and_keeps_results(monkeypatch):
     (4, 64, 320, 3, 2, jnp.float32),    # 5 groups: uneven splits, a half-empty last step
     (4, 32, 224, 2, 4, jnp.bfloat16),   # 7 groups
     (8, 128, 384, 1, 2, jnp.float16),   # 3 groups, 4 codes per word
-    (4, 128, 256, 2, 1, jnp.float32)])
+    (4, 128, 256, 2, 1, jnp.float32),
+    (4, 64, 384, 2, 2, jnp.float32),    # 6 groups, 3 per split: a step straddles each split's end
+    (8, 32, 320, 2, 4, jnp.float16)])   # 10 groups, 5 per split, 4 per step
 def test_fma_gemv_tilings(bits, group_size, k, split_k, gps, dtype):
     """The CUDA-core GEMV with split-K and several groups per step, where the groups do not divide
     evenly (the masked tail must add exact zeros), on every format, with and without the prefetch;

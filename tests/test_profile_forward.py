@@ -1,0 +1,57 @@
+"""benchmarks/profile_forward.py: the trace parsing on a synthetic GPU trace (exact sums), and the
+whole tool end to end on the CPU (host events: only the plumbing is meaningful there)."""
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import profile_forward as pf  # noqa: E402
+
+
+def _meta(pid, name, tid=None, thread=None):
+    if tid is None:
+        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": thread}}
+
+
+def _x(pid, tid, name, ts, dur):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+def test_sums_only_the_device_stream_kernels():
+    trace = {"traceEvents": [
+        _meta(1, "/host:CPU"), _meta(1, None, 7, "python"),
+        _meta(2, "/device:GPU:0"), _meta(2, None, 1, "Stream #13(Compute)"), _meta(2, None, 2, "XLA Ops"),
+        _x(1, 7, "PjitFunction(run)", 0, 500.0),                      # host: not device work
+        _x(2, 2, "fusion.3", 10, 40.0),                               # the op level repeats the kernels
+        _x(2, 1, "q4mm_m16_n128", 10, 12.5), _x(2, 1, "q4mm_m16_n128", 30, 7.5),
+        _x(2, 1, "q4mm_m64_n128", 40, 6.0), _x(2, 1, "q4gemv_r1_n64", 50, 3.0),
+        _x(2, 1, "loop_multiply_fusion", 60, 2.0), _x(2, 1, "nvjet_hsh_64x8_gemm", 70, 4.0),
+        _x(2, 1, "some_custom_thing", 80, 1.0)]}
+    events, source = pf.kernel_events(trace)
+    assert source == "device streams" and len(events) == 7
+    s = pf.summarize(events, forwards=2)
+    kinds = {k: v["us"] for k, v in s["by_kind"].items()}
+    assert kinds == {"4-bit GEMV (tensor cores)": 10.0, "4-bit tiled matmul": 3.0, "dense matmul (XLA/cuBLAS)": 2.0,
+                     "4-bit GEMV (CUDA cores)": 1.5, "XLA fusion": 1.0, "other": 0.5}
+    assert s["by_name"]["q4mm_m16_n128"] == {"us": 10.0, "count": 1.0}
+    assert s["busy_us"] == 18.0
+    assert list(s["by_kind"])[0] == "4-bit GEMV (tensor cores)"  # largest first
+
+
+def test_leaves_drops_containers():
+    evs = [_x(1, 1, "while", 0, 100.0), _x(1, 1, "op_a", 10, 20.0), _x(1, 1, "op_b", 40, 30.0),
+           _x(1, 2, "other_thread", 5, 50.0)]
+    assert sorted(e["name"] for e in pf.leaves(evs)) == ["op_a", "op_b", "other_thread"]
+
+
+def test_end_to_end_on_cpu(tmp_path):
+    assert pf.main(["--target", "tiny", "--steps", "1", "--out", str(tmp_path)]) == 0
+    data = json.load(open(tmp_path / "profile.json"))
+    assert data["wall_us"] > 0 and data["busy_us"] > 0
+    assert "XLA fusion" in data["by_kind"]
+    assert math.isclose(sum(v["us"] for v in data["by_kind"].values()), data["busy_us"], rel_tol=1e-9)
+    text = open(tmp_path / "profile.md").read()
+    assert "| kind |" in text and "preset tiny" in text
