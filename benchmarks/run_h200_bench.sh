@@ -13,6 +13,11 @@ sb="python3 benchmarks/speculative_bench.py --target 12b --assistant 12b"
 slice="$sb --layers 8"
 # 1. where a whole-12B decode forward's time goes: kernel time by kind, idle gaps (profile.md)
 timeout 110 python3 benchmarks/profile_forward.py --target 12b --steps 4 --out "$out/profile" > "$out/profile.log" 2>&1
+#    and the PTX this jaxlib's bundled Triton builds for both GEMVs (docs/kernels.md, next steps)
+for kern in mma fma; do
+    timeout 15 python3 benchmarks/triton_ir.py --device --rows 1 --kernel $kern --out "$out/ptx_$kern" \
+        > "$out/ptx_$kern.log" 2>&1
+done
 # 2. slice: verify cost with multirow off (the seed's linear-in-K regression, at the model level)
 timeout 90 $slice --runs forward --k-values 2,4,8 --multirow off --pad-k-values "" --time-budget 65 \
     --out "$out/fwd_off" > "$out/fwd_off.log" 2>&1
@@ -28,6 +33,6 @@ timeout 60 $slice --runs loop --k-values 4 --multirow off --max-tokens 32 --time
 timeout 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/full" > "$out/full.log" 2>&1
 timeout 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \
     --time-budget 40 --out "$out/fwd" > "$out/fwd.log" 2>&1
-timeout 60 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 --time-budget 45 \
+timeout 30 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 --time-budget 20 \
     --out "$out/scaling" > "$out/scaling.log" 2>&1
 for f in "$out"/*.log; do echo "== $f"; grep -v Warning "$f" | grep -v "^  res = \|^    return rule" | tail -n 25 | cut -c1-300; done

@@ -9,7 +9,9 @@ version the H200 machine has; it needs no GPU), compiles it for sm_90 and writes
 kernel.ptx and kernel.sass, then prints the facts that decided kernel changes so far: registers per
 thread (ptxas), shared memory, which loads of the main loop Triton pipelined (async copies) and
 which it left as plain loads that every iteration waits for (docs/kernels.md, log entry 3), and the
-SASS instructions of the main loop per weight a thread handles (log entry 4).
+SASS instructions of the main loop per weight a thread handles (log entry 4). With --device, on a
+GPU, it reports the PTX this machine's jaxlib actually builds (its bundled Triton, which may differ
+from pip Triton's) the same way.
 
 Uses JAX internals (the Pallas Triton lowering); a developer tool, not part of the library.
 """
@@ -20,6 +22,7 @@ import dataclasses
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -95,9 +98,8 @@ def compile_and_report(ttir_path: str, tiling, out: str) -> dict:
     from triton.backends.compiler import GPUTarget
     kernel = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages))
-    for name in ("ttgir", "ptx"):
-        with open(os.path.join(out, f"kernel.{name}"), "w") as f:
-            f.write(kernel.asm[name])
+    with open(os.path.join(out, "kernel.ttgir"), "w") as f:
+        f.write(kernel.asm["ttgir"])
     loop = main_loop(kernel.asm["ttgir"])
     plain = re.findall(r"(%\w+) = tt\.load ", loop)
     yields = " ".join(re.findall(r"scf\.yield ([^:]*)", loop))
@@ -106,17 +108,34 @@ def compile_and_report(ttir_path: str, tiling, out: str) -> dict:
               "loop_async_copies": loop.count("async_copy_global_to_local"),
               "loop_plain_loads_waited_for": len(plain) - len(carried),
               "loop_plain_loads_prefetched": len(carried)}
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if os.path.exists(ptxas):
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(out, "kernel.ptx"), "-o", os.devnull],
-                           capture_output=True, text=True)
-        m = re.search(r"Used (\d+) registers", r.stdout + r.stderr)
-        report["registers"] = int(m.group(1)) if m else None
-    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-    if os.path.exists(cuobjdump):
-        cubin = os.path.join(out, "kernel.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
+    with open(os.path.join(out, "kernel.ptx"), "w") as f:
+        f.write(kernel.asm["ptx"])
+    report.update(ptx_report(os.path.join(out, "kernel.ptx"), tiling, out))
+    return report
+
+
+def _nvidia_tool(name: str) -> str | None:
+    """ptxas / cuobjdump from pip triton's bundle, else from PATH."""
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+        if os.path.exists(path):
+            return path
+    return shutil.which(name)
+
+
+def ptx_report(ptx_path: str, tiling, out: str) -> dict:
+    """Registers (ptxas -v) and the main loop's SASS instructions per weight a thread handles, for a
+    PTX file compiled for sm_90a (needs ptxas; the SASS part needs cuobjdump)."""
+    report = {}
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    if ptxas is None:
+        return report
+    cubin = os.path.join(out, "kernel.cubin")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", cubin], capture_output=True, text=True)
+    m = re.search(r"Used (\d+) registers", r.stdout + r.stderr)
+    report["registers"] = int(m.group(1)) if m else None
+    if cuobjdump is not None and os.path.exists(cubin):
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
         with open(os.path.join(out, "kernel.sass"), "w") as f:
             f.write(sass)
@@ -124,6 +143,35 @@ def compile_and_report(ttir_path: str, tiling, out: str) -> dict:
         report["loop_instructions_per_weight"] = round(sum(ops.values()) / weights_per_thread_step(tiling), 2)
         report["loop_ops"] = dict(ops.most_common(10))
     return report
+
+
+def device_ptx(n: int, k: int, rows: int, tiling, group_size: int = 64) -> str:
+    """The PTX that this machine's jaxlib builds for one launch with its own bundled Triton (what
+    runs on the GPU; pip Triton's may differ). Needs a GPU and jaxlib > 0.10.2, where Pallas
+    compiles through `jax._src.lib.triton.compile` while lowering (older jaxlib hands the IR to XLA)."""
+    from jax._src.lib import triton as jaxlib_triton
+    captured = []
+    original = jaxlib_triton.compile
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.asm)
+        return result
+
+    qw = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
+                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
+    x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+    run = gemv_launch if isinstance(tiling, GemvTiling) else launch
+    jaxlib_triton.compile = capture
+    try:
+        jax.jit(lambda x, w: run(x, w, tiling, interpret=False)).trace(x, qw).lower()
+    finally:
+        jaxlib_triton.compile = original
+    if len(captured) != 1:
+        raise RuntimeError(f"expected one kernel compiled by jaxlib's Triton, got {len(captured)} "
+                           "(this needs a GPU and jaxlib > 0.10.2)")
+    return captured[0]
 
 
 def _value(v: str):
@@ -138,12 +186,24 @@ def main(argv=None) -> int:
                     help="the GEMV kernel for rows <= 8 (default: the dispatch's, $JAXSPEC_GEMV_KERNEL)")
     ap.add_argument("--set", action="append", default=[], help="Tiling field=value over the dispatch's choice")
     ap.add_argument("--out", default="out/triton_ir")
+    ap.add_argument("--device", action="store_true",
+                    help="on a GPU: report the PTX this machine's jaxlib builds (kernel.device.ptx) instead")
     args = ap.parse_args(argv)
     n, k = (int(v) for v in args.shape.split(","))
     cfg = DispatchConfig() if args.kernel is None else DispatchConfig(gemv_kernel=args.kernel)
     tiling = gemv_tiling((n, k), 64, cfg) if args.rows <= cfg.multirow_max_rows else qmm_tiling(args.rows, (n, k), 64, cfg)
     tiling = dataclasses.replace(tiling, **{f: _value(v) for f, v in (s.split("=", 1) for s in args.set)})
     os.makedirs(args.out, exist_ok=True)
+    if args.device:
+        if jax.default_backend() != "gpu":
+            ap.error("--device needs a GPU (it reports the PTX the GPU's jaxlib builds)")
+        path = os.path.join(args.out, "kernel.device.ptx")
+        with open(path, "w") as f:
+            f.write(device_ptx(n, k, args.rows, tiling))
+        print(tiling)
+        print(f"wrote {path}")
+        print(ptx_report(path, tiling, args.out))
+        return 0
     path = os.path.join(args.out, "kernel.ttir")
     with open(path, "w") as f:
         f.write(lower_to_ttir(n, k, args.rows, tiling))
