@@ -39,15 +39,16 @@ from pallas_kernels.kernel import launch  # noqa: E402
 from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
 
 
-def lower_to_ttir(n: int, k: int, rows: int, tiling, group_size: int = 64) -> str:
-    """The Triton IR (text, no debug locations) of one launch, lowered for CUDA on this machine."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
+def _lower_capturing(module, attr: str, keep, n: int, k: int, rows: int, tiling, group_size: int,
+                     **lower_kwargs) -> list:
+    """Lower one launch (abstract bf16 x, 4-bit weight) with `module.attr` wrapped so that
+    `keep(result)` of each of its calls is collected; the wrapper is removed afterwards."""
     captured = []
-    original = reg.lowering.lower_jaxpr_to_triton_module
+    original = getattr(module, attr)
 
     def capture(*args, **kwargs):
         result = original(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        captured.append(keep(result))
         return result
 
     qw = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
@@ -55,11 +56,20 @@ def lower_to_ttir(n: int, k: int, rows: int, tiling, group_size: int = 64) -> st
                          jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
     run = gemv_launch if isinstance(tiling, GemvTiling) else launch
-    reg.lowering.lower_jaxpr_to_triton_module = capture
+    setattr(module, attr, capture)
     try:
-        jax.jit(lambda x, w: run(x, w, tiling, interpret=False)).trace(x, qw).lower(lowering_platforms=("cuda",))
+        jax.jit(lambda x, w: run(x, w, tiling, interpret=False)).trace(x, qw).lower(**lower_kwargs)
     finally:
-        reg.lowering.lower_jaxpr_to_triton_module = original
+        setattr(module, attr, original)
+    return captured
+
+
+def lower_to_ttir(n: int, k: int, rows: int, tiling, group_size: int = 64) -> str:
+    """The Triton IR (text, no debug locations) of one launch, lowered for CUDA on this machine."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    captured = _lower_capturing(reg.lowering, "lower_jaxpr_to_triton_module",
+                                lambda r: r.module.operation.get_asm(enable_debug_info=False),
+                                n, k, rows, tiling, group_size, lowering_platforms=("cuda",))
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton module, lowered {len(captured)}")
     return captured[0]
@@ -150,24 +160,7 @@ def device_ptx(n: int, k: int, rows: int, tiling, group_size: int = 64) -> str:
     runs on the GPU; pip Triton's may differ). Needs a GPU and jaxlib > 0.10.2, where Pallas
     compiles through `jax._src.lib.triton.compile` while lowering (older jaxlib hands the IR to XLA)."""
     from jax._src.lib import triton as jaxlib_triton
-    captured = []
-    original = jaxlib_triton.compile
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result.asm)
-        return result
-
-    qw = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
-                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
-                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
-    x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
-    run = gemv_launch if isinstance(tiling, GemvTiling) else launch
-    jaxlib_triton.compile = capture
-    try:
-        jax.jit(lambda x, w: run(x, w, tiling, interpret=False)).trace(x, qw).lower()
-    finally:
-        jaxlib_triton.compile = original
+    captured = _lower_capturing(jaxlib_triton, "compile", lambda r: r.asm, n, k, rows, tiling, group_size)
     if len(captured) != 1:
         raise RuntimeError(f"expected one kernel compiled by jaxlib's Triton, got {len(captured)} "
                            "(this needs a GPU and jaxlib > 0.10.2)")
