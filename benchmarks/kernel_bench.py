@@ -43,6 +43,16 @@ def random_qweight(key, n, k, dtype=jnp.bfloat16):
     return QuantizedWeight(words, scales, biases, 4, GROUP)
 
 
+def weight_sets(key, n, k, count):
+    """`count` distinct random 4-bit weights, one per op in a timed call (together several times the L2)."""
+    return [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(count)]
+
+
+def activations(key, seed, shape, count):
+    """`count` distinct bf16 arrays of `shape` (seed offsets keep each phase's inputs its own)."""
+    return [jax.random.normal(jax.random.fold_in(key, seed + i), shape, jnp.bfloat16) for i in range(count)]
+
+
 def qbytes(n, k):
     return n * k // 2 + 2 * 2 * n * (k // GROUP)
 
@@ -128,10 +138,10 @@ def fma_sweep(T, key, quick):
         if T.past_deadline():
             return
         nsets = n_sets_for(qbytes(n, k))
-        ws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nsets)]
+        ws = weight_sets(key, n, k, nsets)
         mlp = (n, k) in SHAPES[:2]
         for rows in ((1, 8, 2, 4) if mlp else (1, 8)):
-            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (rows, k), jnp.bfloat16) for i in range(nsets)]
+            xs = activations(key, 1000, (rows, k), nsets)
             names = list(FMA_VARIANTS) if mlp and rows in (1, 8) and not quick else ["default"]
             for name in names + ["mma default"]:
                 if T.past_deadline():
@@ -163,9 +173,9 @@ def locality_sweep(T, key, quick):
     from pallas_kernels.tiling import _FMA_TARGET_PROGRAMS, _TARGET_PROGRAMS, split_for
     for n, k in SHAPES[:2]:
         nsets = n_sets_for(qbytes(n, k))
-        ws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nsets)]
+        ws = weight_sets(key, n, k, nsets)
         for rows in (1, 8):
-            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (rows, k), jnp.bfloat16) for i in range(nsets)]
+            xs = activations(key, 1000, (rows, k), nsets)
             for kernel, grid in (("fma", LOCALITY_FMA), ("mma", LOCALITY_MMA)):
                 for bn, gps, warps in grid[:3] if quick else grid:
                     if T.past_deadline():
@@ -197,9 +207,9 @@ def gemv_sweep(T, key, quick):
         if T.past_deadline():
             return
         nsets = n_sets_for(qbytes(n, k))
-        ws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nsets)]
+        ws = weight_sets(key, n, k, nsets)
         for rows in ((1, 8) if (n, k) in SHAPES[:2] else (1,)):
-            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (rows, k), jnp.bfloat16) for i in range(nsets)]
+            xs = activations(key, 1000, (rows, k), nsets)
             for v in variants:
                 v = dict(v)
                 mult = v.pop("split_mult", 1)
@@ -218,11 +228,11 @@ def table_phase(T, key, quick):
     for n, k in shapes:
         qb, db = qbytes(n, k), n * k * 2
         nq, nd = n_sets_for(qb), n_sets_for(db, cap=16)
-        qws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nq)]
+        qws = weight_sets(key, n, k, nq)
         floor_us = qb / T.bw * 1e6
         # Every row count on the two MLP shapes; a subset elsewhere (each variant is a compile).
         for rows in (ROWS if (n, k) in SHAPES[:2] and not quick else [1, 4, 8, 16, 64, 512]):
-            xs = [jax.random.normal(jax.random.fold_in(key, 5000 + i), (rows, k), jnp.bfloat16) for i in range(nq)]
+            xs = activations(key, 5000, (rows, k), nq)
             if T.past_deadline():
                 return
             variants = [("pallas", select_path(rows), lambda x, w: quantized_matmul(x, w))]
@@ -239,9 +249,9 @@ def table_phase(T, key, quick):
                           op, xs, qws, nbytes=qb)
         del qws
         if n * k * 2 * nd <= 20 << 30:
-            dws = [jax.random.normal(jax.random.fold_in(key, 9000 + i), (n, k), jnp.bfloat16) for i in range(nd)]
+            dws = activations(key, 9000, (n, k), nd)
             for rows in (1, 64, 512):
-                xs = [jax.random.normal(jax.random.fold_in(key, 7000 + i), (rows, k), jnp.bfloat16) for i in range(nd)]
+                xs = activations(key, 7000, (rows, k), nd)
                 t = T.time_ops(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype), xs, dws)
                 T.record(phase="table", n=n, k=k, rows=rows, backend="dense-bf16", path="jnp.dot", us=t * 1e6,
                          floor_us=db / T.bw * 1e6, tbps=db / t / 1e12)
@@ -258,9 +268,9 @@ def tiles_phase(T, key, quick):
     tile_m 16/32/64/128 x split sweep that chose the default: raw/2026-11-29-c15f057/."""
     for n, k in [(15360, 3840), (3840, 15360)]:
         nq = n_sets_for(qbytes(n, k))
-        qws = [random_qweight(jax.random.fold_in(key, i), n, k) for i in range(nq)]
+        qws = weight_sets(key, n, k, nq)
         for rows in (16, 64, 512):
-            xs = [jax.random.normal(jax.random.fold_in(key, 3000 + i), (rows, k), jnp.bfloat16) for i in range(nq)]
+            xs = activations(key, 3000, (rows, k), nq)
             for name, v in QMM_VARIANTS.items():
                 if T.past_deadline():
                     return
