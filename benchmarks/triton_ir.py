@@ -34,8 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from collections import Counter  # noqa: E402
 
 from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
-from pallas_kernels.gemv import GemvTiling, gemv_launch  # noqa: E402
-from pallas_kernels.kernel import launch  # noqa: E402
+from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
 
 
@@ -55,7 +54,7 @@ def _lower_capturing(module, attr: str, keep, n: int, k: int, rows: int, tiling,
                          jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
                          jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
-    run = gemv_launch if isinstance(tiling, GemvTiling) else launch
+    run = launcher(tiling)
     setattr(module, attr, capture)
     try:
         jax.jit(lambda x, w: run(x, w, tiling, interpret=False)).trace(x, qw).lower(**lower_kwargs)

@@ -64,13 +64,18 @@ def quantized_matmul(x, w, *, path: str | None = None, config: DispatchConfig | 
     return out.astype(x.dtype).reshape(*lead, n)
 
 
+def launcher(tiling):
+    """The launch function for a tiling: the CUDA-core GEMV's or the tensor-core kernel's."""
+    return gemv_launch if isinstance(tiling, GemvTiling) else launch
+
+
 def _pallas(x2, qw, path, config):
     rows, k = x2.shape
     interpret = _use_interpret(config)
     if path == "qmm":
         return launch(x2, qw, qmm_tiling(rows, qw.shape, qw.group_size, config), interpret=interpret)
     tiling = gemv_tiling(qw.shape, qw.group_size, config)
-    run = gemv_launch if isinstance(tiling, GemvTiling) else launch
+    run = launcher(tiling)
     if path == "multirow":
         if rows > MMA_ROWS:
             raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
