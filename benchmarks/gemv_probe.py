@@ -1,0 +1,146 @@
+"""Where a GEMV launch's time goes (run on the GPU): the two GEMV kernels next to Pallas kernels that
+only read the same bytes with the same grid and blocks (no dequantizing, no arithmetic), and an
+XLA reduction over the packed words; each timed with the kernel benchmark's harness.
+
+    python benchmarks/gemv_probe.py --out DIR [--shape 15360x3840] [--rows 1,8]
+    ncu --clock-control none python benchmarks/gemv_probe.py --once ...   # hardware counters
+
+If the stream kernels run at the GEMV's speed, the load structure (grid, block, bytes in flight)
+is the bound, not the dequantizing; if they run near the XLA reduction, the arithmetic is.
+`--once` calls each variant once on one weight set (for ncu, which replays every launch).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import environment, hbm_bandwidth, sync  # noqa: E402
+from kernel_bench import GROUP, Timer, activations, n_sets_for, qbytes, weight_sets  # noqa: E402
+from pallas_kernels import DispatchConfig, quantized_matmul  # noqa: E402
+from pallas_kernels.kernel import split_groups  # noqa: E402
+from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling  # noqa: E402
+
+
+def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb):
+    pid_n, pid_s = pl.program_id(0), pl.program_id(1)
+    n0 = pid_n * block_n
+    col_ok = (n0 + jnp.arange(block_n)) < n
+    g_start = pid_s * groups_per_split
+    g_end = jnp.minimum(g_start + groups_per_split, n_groups)
+    wpg = w_ref.shape[2]
+
+    def step(i, acc):
+        g = g_start + i * gps
+        g_ok = (g + jnp.arange(gps)) < g_end
+        mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (block_n, gps, wpg))
+        w = pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
+        acc = acc + jnp.sum(w, axis=(1, 2))
+        if with_sb:  # the scale and bias bytes the GEMV also reads, folded in as bits
+            sb_mask = col_ok[:, None] & g_ok[None, :]
+            for ref in (s_ref, b_ref):
+                v = pltriton.load(ref.at[pl.ds(n0, block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
+                acc = acc + jnp.sum(jax.lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32), axis=1)
+        return acc
+
+    steps = pl.cdiv(g_end - g_start, gps)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_n,), jnp.uint32))
+    pltriton.store(o_ref.at[pid_s, pl.ds(n0, block_n)], acc, mask=col_ok)
+
+
+def stream(qw, *, block_n, gps, split_k, num_warps=4, num_stages=1, with_sb=True, interpret=None):
+    """Read qw's words (and scales and biases) with a GEMV's grid and blocks; return a checksum."""
+    n, k = qw.shape
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    n_groups = k // qw.group_size
+    split, per_split = split_groups(n_groups, split_k)
+    w3 = qw.weight.reshape(n, n_groups, -1)
+    kern = functools.partial(_stream_kernel, n=n, block_n=block_n, gps=gps, n_groups=n_groups,
+                             groups_per_split=per_split, with_sb=with_sb)
+    return pl.pallas_call(
+        kern, out_shape=jax.ShapeDtypeStruct((split, n), jnp.uint32), grid=(pl.cdiv(n, block_n), split),
+        interpret=interpret, compiler_params=None if interpret else pltriton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages),
+        name=f"stream_n{block_n}_g{gps}_s{split}",
+    )(w3, qw.scales, qw.biases)
+
+
+def variants(shape, rows):
+    """name -> op(x, qw). The GEMVs as the dispatch launches them, and stream kernels with their grids."""
+    mma_t = gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="mma"))
+    fma_t = fma_gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="fma"))
+    mma_cfg, fma_cfg = DispatchConfig(gemv_kernel="mma"), DispatchConfig(gemv_kernel="fma")
+    path = "qmv" if rows == 1 else "multirow"
+    v = {
+        "gemv mma": lambda x, w: quantized_matmul(x, w, path=path, config=mma_cfg),
+        "gemv fma": lambda x, w: quantized_matmul(x, w, path=path, config=fma_cfg),
+        "xla sum(words)": lambda x, w: jnp.sum(w.weight, dtype=jnp.uint32),
+    }
+    for name, t in (("mma", mma_t), ("fma", fma_t)):
+        for stages in (1, 3):
+            v[f"stream {name}-grid st{stages}"] = functools.partial(
+                lambda x, w, t, st: stream(w, block_n=t.block_n, gps=t.groups_per_step, split_k=t.split_k,
+                                           num_stages=st), t=t, st=stages)
+    for block_n, gps, split in ((64, 8, 1), (32, 16, 1), (16, 32, 1), (128, 4, 4), (256, 2, 4), (64, 16, 2)):
+        for warps in (4, 8):
+            v[f"stream n{block_n} g{gps} s{split} w{warps}"] = functools.partial(
+                lambda x, w, b, g, s, nw: stream(w, block_n=b, gps=g, split_k=s, num_warps=nw),
+                b=block_n, g=gps, s=split, nw=warps)
+    return v, {"mma": str(mma_t), "fma": str(fma_t)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out")
+    p.add_argument("--shape", default="15360x3840")
+    p.add_argument("--rows", default="1,8")
+    p.add_argument("--only", default="", help="comma-separated substrings of variant names")
+    p.add_argument("--once", action="store_true", help="one call per variant, for ncu")
+    a = p.parse_args(argv)
+    n, k = (int(s) for s in a.shape.split("x"))
+    os.makedirs(a.out, exist_ok=True)
+    key = jax.random.PRNGKey(0)
+    count = 1 if a.once else n_sets_for(qbytes(n, k))
+    ws = weight_sets(key, n, k, count)
+    env = environment()
+    T = None if a.once else Timer(os.path.join(a.out, "probe.jsonl"), hbm_bandwidth())
+    table = []
+    for rows in (int(r) for r in a.rows.split(",")):
+        xs = activations(key, 1000 * rows, (rows, k), count)
+        ops, tilings = variants((n, k), rows)
+        for name, op in ops.items():
+            if a.only and not any(s in name for s in a.only.split(",")):
+                continue
+            if rows > 1 and not name.startswith("gemv"):
+                continue  # the stream kernels do not depend on rows
+            if a.once:
+                f = jax.jit(op)
+                sync(f(xs[0], ws[0]))
+                sync(f(xs[0], ws[0]))
+                print("ran", name, rows, flush=True)
+                continue
+            row = T.measure(dict(phase="probe", n=n, k=k, rows=rows, variant=name, tilings=tilings, **env),
+                            op, xs, ws, nbytes=qbytes(n, k))
+            table.append(row)
+            print(json.dumps({kk: row.get(kk) for kk in ("variant", "rows", "us", "tbps", "error")}), flush=True)
+    if table:
+        print(f"\n{n}x{k}, floor {qbytes(n, k) / T.bw * 1e6:.1f} us at {T.bw / 1e12:.2f} TB/s (copy probe)")
+        print(f"{'variant':34s} {'rows':>4s} {'us':>8s} {'TB/s':>6s}")
+        for r in table:
+            us = f"{r['us']:8.1f}" if "us" in r else "   error"
+            tb = f"{r['tbps']:6.2f}" if "tbps" in r else ""
+            print(f"{r['variant']:34s} {r['rows']:4d} {us} {tb}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""The stream probe reads every word, scale and bias exactly once (its checksum), whatever its grid."""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+from gemv_probe import stream  # noqa: E402
+from kernel_bench import random_qweight  # noqa: E402
+
+
+@pytest.mark.parametrize("block_n,gps,split", [(16, 1, 1), (32, 2, 2), (16, 4, 2)])
+def test_stream_checksum_counts_every_byte_once(block_n, gps, split):
+    qw = random_qweight(jax.random.PRNGKey(block_n * 10 + gps + split), 64, 512)
+    got = np.asarray(stream(qw, block_n=block_n, gps=gps, split_k=split)).sum(axis=0, dtype=np.uint64)
+    words = np.asarray(qw.weight).astype(np.uint64).sum(axis=1)
+    sb = sum(np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16)).astype(np.uint64).sum(axis=1)
+             for a in (qw.scales, qw.biases))
+    np.testing.assert_array_equal(got % 2**32, (words + sb) % 2**32)
