@@ -28,7 +28,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import environment, hbm_bandwidth, sync  # noqa: E402
 from kernel_bench import GROUP, Timer, activations, n_sets_for, qbytes, weight_sets  # noqa: E402
 from pallas_kernels import DispatchConfig, quantized_matmul  # noqa: E402
-from pallas_kernels.kernel import split_groups  # noqa: E402
+from pallas_kernels.dispatch import launcher  # noqa: E402
+from pallas_kernels.gemv import GemvTiling  # noqa: E402
+from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
 from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling  # noqa: E402
 
 
@@ -96,7 +98,31 @@ def variants(shape, rows):
             v[f"stream n{block_n} g{gps} s{split} w{warps}"] = functools.partial(
                 lambda x, w, b, g, s, nw: stream(w, block_n=b, gps=g, split_k=s, num_warps=nw),
                 b=block_n, g=gps, s=split, nw=warps)
+    # the GEMVs at the launch shapes whose stream kernels read fastest (more bytes per row per step)
+    for b, g, sp, nw in ((64, 8, 4, 4), (64, 8, 4, 8), (32, 16, 4, 4), (64, 16, 2, 8), (16, 32, 2, 4)):
+        t = GemvTiling(block_n=b, groups_per_step=g, split_k=sp, num_warps=nw)
+        v[f"gemv fma n{b} g{g} s{sp} w{nw}"] = functools.partial(lambda x, w, t: launcher(t)(x, w, t, interpret=False), t=t)
+    for b, g, sp in ((128, 4, 4), (64, 8, 2), (64, 16, 2), (128, 2, 4)):
+        t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True)
+        v[f"gemv mma n{b} g{g} s{sp}"] = functools.partial(lambda x, w, t: launcher(t)(x, w, t, interpret=False), t=t)
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
+
+
+def device_times(T, log_dir):
+    """Trace the last timed call once: per op, the device's summed kernel time, our kernels' share,
+    and first-kernel-start to last-kernel-end (what the harness's wall time adds is host cost)."""
+    from profile_forward import kernel_events, read_trace
+    f, xs, ws = T.last
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        sync(f(xs, ws))
+    events, _ = kernel_events(read_trace(log_dir))
+    ops = len(xs)
+    ours = [e for e in events if any(t in e["name"] for t in ("q4", "stream"))]
+    start = min(float(e["ts"]) for e in events)
+    end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in events)
+    return {"device_us": sum(float(e.get("dur", 0.0)) for e in events) / ops,
+            "kernel_us": sum(float(e.get("dur", 0.0)) for e in ours) / ops,
+            "span_us": (end - start) / ops, "kernels_per_op": len(events) / ops}
 
 
 def main(argv=None):
@@ -106,6 +132,8 @@ def main(argv=None):
     p.add_argument("--rows", default="1,8")
     p.add_argument("--only", default="", help="comma-separated substrings of variant names")
     p.add_argument("--once", action="store_true", help="one call per variant, for ncu")
+    p.add_argument("--trace", default="", help="comma-separated substrings: trace these variants once "
+                   "(device kernel time per op next to the harness's)")
     a = p.parse_args(argv)
     n, k = (int(s) for s in a.shape.split("x"))
     os.makedirs(a.out, exist_ok=True)
@@ -124,22 +152,30 @@ def main(argv=None):
             if rows > 1 and not name.startswith("gemv"):
                 continue  # the stream kernels do not depend on rows
             if a.once:
-                f = jax.jit(op)
-                sync(f(xs[0], ws[0]))
-                sync(f(xs[0], ws[0]))
+                sync(jax.jit(op)(xs[0], ws[0]))
                 print("ran", name, rows, flush=True)
                 continue
-            row = T.measure(dict(phase="probe", n=n, k=k, rows=rows, variant=name, tilings=tilings, **env),
-                            op, xs, ws, nbytes=qbytes(n, k))
+            row = dict(phase="probe", n=n, k=k, rows=rows, variant=name, tilings=tilings, **env)
+            if a.trace and any(t in name for t in a.trace.split(",")):
+                try:
+                    T.time_ops(op, xs, ws)
+                    row.update(device_times(T, os.path.join("/tmp/gemv_probe_trace", f"{len(table)}")))
+                except Exception as e:  # a failed trace must not stop the probe
+                    row["trace_error"] = repr(e)[:300]
+            row = T.measure(row, op, xs, ws, nbytes=qbytes(n, k))
             table.append(row)
-            print(json.dumps({kk: row.get(kk) for kk in ("variant", "rows", "us", "tbps", "error")}), flush=True)
+            print(json.dumps({kk: row.get(kk) for kk in ("variant", "rows", "us", "tbps", "kernel_us", "span_us",
+                                                         "error")}), flush=True)
     if table:
         print(f"\n{n}x{k}, floor {qbytes(n, k) / T.bw * 1e6:.1f} us at {T.bw / 1e12:.2f} TB/s (copy probe)")
-        print(f"{'variant':34s} {'rows':>4s} {'us':>8s} {'TB/s':>6s}")
+        print("us: harness wall per op; kernel/span: traced device time per op (our kernels; first start"
+              " to last end)")
+        print(f"{'variant':34s} {'rows':>4s} {'us':>8s} {'TB/s':>6s} {'kernel':>7s} {'span':>7s}")
         for r in table:
             us = f"{r['us']:8.1f}" if "us" in r else "   error"
-            tb = f"{r['tbps']:6.2f}" if "tbps" in r else ""
-            print(f"{r['variant']:34s} {r['rows']:4d} {us} {tb}")
+            tb = f"{r['tbps']:6.2f}" if "tbps" in r else "      "
+            tr = f"{r['kernel_us']:7.1f} {r['span_us']:7.1f}" if "kernel_us" in r else ""
+            print(f"{r['variant']:34s} {r['rows']:4d} {us} {tb} {tr}")
 
 
 if __name__ == "__main__":

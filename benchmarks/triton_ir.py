@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -157,9 +158,16 @@ def ptx_report(ptx_path: str, tiling, out: str) -> dict:
 def device_ptx(n: int, k: int, rows: int, tiling, group_size: int = 64) -> str:
     """The PTX that this machine's jaxlib builds for one launch with its own bundled Triton (what
     runs on the GPU; pip Triton's may differ). Needs a GPU and jaxlib > 0.10.2, where Pallas
-    compiles through `jax._src.lib.triton.compile` while lowering (older jaxlib hands the IR to XLA)."""
-    from jax._src.lib import triton as jaxlib_triton
-    captured = _lower_capturing(jaxlib_triton, "compile", lambda r: r.asm, n, k, rows, tiling, group_size)
+    compiles while lowering, through a module holding `compile` (`jax._src.lib.triton` on jaxlib
+    0.10.x sources; looked up, since jaxlib 0.11.2 keeps it elsewhere; older jaxlib hands the IR to XLA)."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    holders = [m for m in vars(reg).values()
+               if inspect.ismodule(m) and callable(getattr(m, "compile", None)) and "triton" in m.__name__]
+    if not holders:
+        hints = [ln.strip() for ln in inspect.getsource(reg).splitlines() if "compile" in ln or "import" in ln]
+        raise RuntimeError("no Triton compile function found next to Pallas' Triton lowering; it reads:\n  "
+                           + "\n  ".join(hints[:30]))
+    captured = _lower_capturing(holders[0], "compile", lambda r: r.asm, n, k, rows, tiling, group_size)
     if len(captured) != 1:
         raise RuntimeError(f"expected one kernel compiled by jaxlib's Triton, got {len(captured)} "
                            "(this needs a GPU and jaxlib > 0.10.2)")
