@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import environment, hbm_bandwidth, sync  # noqa: E402
+from harness import environment, hbm_bandwidth, no_command_buffers, sync  # noqa: E402
 from kernel_bench import GROUP, Timer, activations, n_sets_for, qbytes, weight_sets  # noqa: E402
 from pallas_kernels import DispatchConfig, quantized_matmul  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
@@ -135,6 +135,8 @@ def main(argv=None):
     p.add_argument("--trace", default="", help="comma-separated substrings: trace these variants once "
                    "(device kernel time per op next to the harness's)")
     a = p.parse_args(argv)
+    if a.trace:
+        no_command_buffers()  # traced kernels must be launched one by one (all variants, for a fair table)
     n, k = (int(s) for s in a.shape.split("x"))
     os.makedirs(a.out, exist_ok=True)
     key = jax.random.PRNGKey(0)

@@ -16,6 +16,16 @@ import jax
 import jax.numpy as jnp
 
 
+def no_command_buffers():
+    """Make XLA launch every kernel on its own instead of replaying runs of them as CUDA graphs
+    (command buffers), whose kernels a profiler trace does not show one by one. Call before the
+    first computation; it changes launch costs, so traced runs report their wall time with it."""
+    flag = "--xla_gpu_enable_command_buffer="
+    current = os.environ.get("XLA_FLAGS", "")
+    if flag not in current:
+        os.environ["XLA_FLAGS"] = (current + " " + flag).strip()
+
+
 def sync(tree):
     jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
     return tree

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import environment, median_time  # noqa: E402
+from harness import environment, median_time, no_command_buffers  # noqa: E402
 from speculative_bench import forward_loop, load_pair, weight_bytes_per_token  # noqa: E402
 
 # Kernel-name patterns, first match wins. Pallas names its kernels (pallas_kernels: q4mm_m16_* is the
@@ -119,7 +119,8 @@ def report(meta: dict, summary: dict, wall_us: float) -> str:
              f"{meta['env']['device']}, JAX {meta['env']['jax']}, commit {meta['env']['commit']}, {meta['env']['date']}", "",
              f"Command: `{meta['command']}`", "",
              f"[B, T] = [{meta['batch']}, {meta['width']}]; {meta['steps']} dependent forwards per call; "
-             f"events from {meta['source']}.", "",
+             f"events from {meta['source']}; XLA command buffers (CUDA graphs) off, so every kernel "
+             "is launched and traced on its own.", "",
              f"Wall per forward {wall_us / 1e3:.3f} ms (median, outside the profiler); kernels "
              f"{summary['busy_us'] / 1e3:.3f} ms; {gaps}. Weight bytes per forward {meta['weight_gb']:.4g} GB.", "",
              "| kind | ms per forward | % of wall | kernels per forward |", "|---|---|---|---|"]
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
     if args.batch < 1 or args.width < 1 or args.steps < 1:
         ap.error("--batch, --width and --steps must be >= 1")
     args.assistant, args.float = None, False
+    no_command_buffers()  # else the kernels replayed inside CUDA graphs are missing from the trace
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     target, _, what = load_pair(args, jnp.bfloat16)

@@ -1,38 +1,53 @@
 #!/usr/bin/env bash
-# The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md (one device call,
-# < 10 min: 590 s of step timeouts). Usage: JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST  (writes DEST/results.tgz)
-# Each step has a hard timeout and a softer --time-budget (no new configuration starts after it).
-# Ordered by what the last session (89c8711) left unmeasured; the rows it measured come last.
+# The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md, as named steps that
+# fit one device call (< 10 min each set). Usage:
+#   JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST [step ...]   (writes DEST/results.tgz)
+# Default steps: all, in the order below (about 800 s: more than one call; name a subset).
+# Each step has a hard timeout and, where the tool has one, a softer --time-budget. The results are
+# re-packed after every step, so a call cut short still returns what finished.
 set -u
 dest=${1:-out}
+shift || true
+steps=${*:-profile fwd_off loop_k2 batch loop_mroff probe ptx full fwd scaling}
 out=$(mktemp -d)
 mkdir -p "$dest"
-trap 'tar czf "$dest/results.tgz" -C "$out" .' EXIT
 export PYTHONUNBUFFERED=1
 sb="python3 benchmarks/speculative_bench.py --target 12b --assistant 12b"
 slice="$sb --layers 8"
-# 1. where a whole-12B decode forward's time goes: kernel time by kind, idle gaps (profile.md)
-timeout 110 python3 benchmarks/profile_forward.py --target 12b --steps 4 --out "$out/profile" > "$out/profile.log" 2>&1
-#    and the PTX this jaxlib's bundled Triton builds for both GEMVs (docs/kernels.md, next steps)
-for kern in mma fma; do
-    timeout 15 python3 benchmarks/triton_ir.py --device --rows 1 --kernel $kern --out "$out/ptx_$kern" \
-        > "$out/ptx_$kern.log" 2>&1
+step() {  # name timeout command...: run, log, re-pack
+    local name=$1 t=$2; shift 2
+    timeout "$t" "$@" > "$out/$name.log" 2>&1
+    echo "== $name (rc $?)"
+    grep -v Warning "$out/$name.log" | grep -v "^  res = \|^    return rule" | tail -n 22 | cut -c1-300
+    tar czf "$dest/results.tgz" -C "$out" .
+}
+for s in $steps; do
+    case $s in
+    # where a whole-12B decode forward's time goes: kernel time by kind, idle gaps (profile.md)
+    profile) step profile 110 python3 benchmarks/profile_forward.py --target 12b --steps 4 --out "$out/profile" ;;
+    # slice: verify cost with multirow off (the seed's linear-in-K regression, at the model level)
+    fwd_off) step fwd_off 85 $slice --runs forward --k-values 2,4,8 --multirow off --pad-k-values "" \
+        --time-budget 60 --out "$out/fwd_off" ;;
+    # the loop on the slice: K = 2; B = 4 with K = 4 (the probe shrinks K to the row bucket, 2);
+    # speculative with multirow off
+    loop_k2) step loop_k2 55 $slice --runs loop --k-values 2 --max-tokens 32 --time-budget 40 --out "$out/loop_k2" ;;
+    batch) step batch 65 $slice --runs loop --batch 4 --k-values 4 --max-tokens 32 --time-budget 50 --out "$out/batch" ;;
+    loop_mroff) step loop_mroff 55 $slice --runs loop --k-values 4 --multirow off --max-tokens 32 \
+        --time-budget 40 --out "$out/loop_mroff" ;;
+    # one GEMV launch's device time next to stream kernels and an XLA reduction (docs/kernels.md)
+    probe) step probe 75 python3 benchmarks/gemv_probe.py --rows 1 --trace gemv,stream,xla \
+        --only "gemv mma,gemv fma,xla,stream mma-grid st1,stream n16 g32 s1 w4" --out "$out/probe" ;;
+    # the PTX this jaxlib's bundled Triton builds for both GEMVs
+    ptx) for kern in mma fma; do
+            step "ptx_$kern" 20 python3 benchmarks/triton_ir.py --device --rows 1 --kernel $kern --out "$out/ptx_$kern"
+        done ;;
+    # the rows measured before: whole 12B decode and verify K = 4; the slice's K = 2..8 and padded
+    # verify; batched scaling
+    full) step full 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/full" ;;
+    fwd) step fwd 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \
+        --time-budget 40 --out "$out/fwd" ;;
+    scaling) step scaling 30 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 \
+        --time-budget 20 --out "$out/scaling" ;;
+    *) echo "unknown step $s" ;;
+    esac
 done
-# 2. slice: verify cost with multirow off (the seed's linear-in-K regression, at the model level)
-timeout 90 $slice --runs forward --k-values 2,4,8 --multirow off --pad-k-values "" --time-budget 65 \
-    --out "$out/fwd_off" > "$out/fwd_off.log" 2>&1
-# 3. the loop on the slice: K = 2; B = 4 with K = 4 (the probe now shrinks K to the row bucket, 2);
-#    speculative with multirow off
-timeout 60 $slice --runs loop --k-values 2 --max-tokens 32 --time-budget 45 --out "$out/loop_k2" > "$out/loop_k2.log" 2>&1
-timeout 70 $slice --runs loop --batch 4 --k-values 4 --max-tokens 32 --time-budget 55 --out "$out/batch" \
-    > "$out/batch.log" 2>&1
-timeout 60 $slice --runs loop --k-values 4 --multirow off --max-tokens 32 --time-budget 45 \
-    --out "$out/loop_mroff" > "$out/loop_mroff.log" 2>&1
-# 4. again, the rows measured before: whole 12B decode and verify K = 4; the slice's K = 2..8; the
-#    loop at K = 4; batched scaling; the default pair's padded A/B
-timeout 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/full" > "$out/full.log" 2>&1
-timeout 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \
-    --time-budget 40 --out "$out/fwd" > "$out/fwd.log" 2>&1
-timeout 30 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 --time-budget 20 \
-    --out "$out/scaling" > "$out/scaling.log" 2>&1
-for f in "$out"/*.log; do echo "== $f"; grep -v Warning "$f" | grep -v "^  res = \|^    return rule" | tail -n 25 | cut -c1-300; done
