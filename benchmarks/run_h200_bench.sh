@@ -2,13 +2,13 @@
 # The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md, as named steps that
 # fit one device call (< 10 min each set). Usage:
 #   JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST [step ...]   (writes DEST/results.tgz)
-# Default steps: all, in the order below (about 800 s: more than one call; name a subset).
+# Default steps: all, in the order below (about 1000 s: more than one call; name a subset).
 # Each step has a hard timeout and, where the tool has one, a softer --time-budget. The results are
 # re-packed after every step, so a call cut short still returns what finished.
 set -u
 dest=${1:-out}
 shift || true
-steps=${*:-profile fwd_off loop_k2 batch loop_mroff probe ptx full fwd scaling}
+steps=${*:-profile fwd_off loops loop_mroff probe ncu ptx full fwd scaling}
 out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
@@ -30,10 +30,18 @@ for s in $steps; do
         --time-budget 60 --out "$out/fwd_off" ;;
     # the loop on the slice: K = 2; B = 4 with K = 4 (the probe shrinks K to the row bucket, 2);
     # speculative with multirow off
-    loop_k2) step loop_k2 55 $slice --runs loop --k-values 2 --max-tokens 32 --time-budget 40 --out "$out/loop_k2" ;;
-    batch) step batch 65 $slice --runs loop --batch 4 --k-values 4 --max-tokens 32 --time-budget 50 --out "$out/batch" ;;
-    loop_mroff) step loop_mroff 55 $slice --runs loop --k-values 4 --multirow off --max-tokens 32 \
-        --time-budget 40 --out "$out/loop_mroff" ;;
+    # (a loop configuration takes 20-40 s to compile and run: 55 s steps finished only the classic row)
+    loops) step loops 210 $slice --runs loop --batch 4,1 --k-values 4,2 --max-tokens 32 --time-budget 160 \
+        --out "$out/loops" ;;
+    loop_mroff) step loop_mroff 100 $slice --runs loop --k-values 4 --multirow off --max-tokens 32 \
+        --time-budget 60 --out "$out/loop_mroff" ;;
+    # Nsight Compute's own kernel durations and DRAM throughput for the GEMVs and two stream kernels
+    # (no preallocation: kernel replay saves and restores device memory)
+    ncu) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu 90 ncu --clock-control none --kernel-name regex:'q4|stream' \
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
+        python3 benchmarks/gemv_probe.py --once --rows 1 --only "gemv mma,gemv fma,stream n16 g32 s1 w4,stream mma-grid st1" \
+        --out "$out/ncu_probe"
+        pkill -9 -f gemv_probe ;;
     # one GEMV launch's device time next to stream kernels and an XLA reduction (docs/kernels.md)
     probe) step probe 75 python3 benchmarks/gemv_probe.py --rows 1 --trace gemv,stream,xla \
         --only "gemv mma,gemv fma,xla,stream mma-grid st1,stream n16 g32 s1 w4" --out "$out/probe" ;;
