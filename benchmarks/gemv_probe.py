@@ -130,7 +130,7 @@ def main(argv=None):
     p.add_argument("--out", default="out")
     p.add_argument("--shape", default="15360x3840")
     p.add_argument("--rows", default="1,8")
-    p.add_argument("--only", default="", help="comma-separated substrings of variant names")
+    p.add_argument("--only", default="", help="comma-separated substrings of variant names (=NAME: exactly)")
     p.add_argument("--once", action="store_true", help="one call per variant, for ncu")
     p.add_argument("--trace", default="", help="comma-separated substrings: trace these variants once "
                    "(device kernel time per op next to the harness's)")
@@ -149,7 +149,7 @@ def main(argv=None):
         xs = activations(key, 1000 * rows, (rows, k), count)
         ops, tilings = variants((n, k), rows)
         for name, op in ops.items():
-            if a.only and not any(s in name for s in a.only.split(",")):
+            if a.only and not any(name == s[1:] if s.startswith("=") else s in name for s in a.only.split(",")):
                 continue
             if rows > 1 and not name.startswith("gemv"):
                 continue  # the stream kernels do not depend on rows
@@ -172,9 +172,9 @@ def main(argv=None):
         print(f"\n{n}x{k}, floor {qbytes(n, k) / T.bw * 1e6:.1f} us at {T.bw / 1e12:.2f} TB/s (copy probe)")
         print("us: harness wall per op; kernel/span: traced device time per op (our kernels; first start"
               " to last end)")
-        print(f"{'variant':34s} {'rows':>4s} {'us':>8s} {'TB/s':>6s} {'kernel':>7s} {'span':>7s}")
+        print(f"{'variant':34s} {'rows':>4s} {'us':>8s} {'old':>6s} {'TB/s':>6s} {'kernel':>7s} {'span':>7s}")
         for r in table:
-            us = f"{r['us']:8.1f}" if "us" in r else "   error"
+            us = f"{r['us']:8.1f} {r['us_old_harness']:6.1f}" if "us" in r else "   error       "
             tb = f"{r['tbps']:6.2f}" if "tbps" in r else "      "
             tr = f"{r['kernel_us']:7.1f} {r['span_us']:7.1f}" if "kernel_us" in r else ""
             print(f"{r['variant']:34s} {r['rows']:4d} {us} {tb} {tr}")
