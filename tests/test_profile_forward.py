@@ -55,3 +55,19 @@ def test_end_to_end_on_cpu(tmp_path):
     assert math.isclose(sum(v["us"] for v in data["by_kind"].values()), data["busy_us"], rel_tol=1e-9)
     text = open(tmp_path / "profile.md").read()
     assert "| kind |" in text and "preset tiny" in text
+
+
+def test_overlapping_stream_kernels_are_all_kept():
+    """Consecutive GPU kernels whose trace timestamps overlap slightly (seen on the H200) are not nested."""
+    evs = [_x(2, 1, "q4mm_m16_n128", 0, 50.0), _x(2, 1, "fusion_1", 49.9, 2.0), _x(2, 1, "q4mm_m16_n128", 51.8, 50.0)]
+    assert [e["name"] for e in pf.leaves(evs)] == ["q4mm_m16_n128", "fusion_1", "q4mm_m16_n128"]
+
+
+def test_from_trace_rebuilds_the_same_summary(tmp_path):
+    assert pf.main(["--target", "tiny", "--steps", "1", "--out", str(tmp_path)]) == 0
+    first = json.load(open(tmp_path / "profile.json"))
+    os.remove(tmp_path / "profile.md")
+    assert pf.main(["--from-trace", "--out", str(tmp_path)]) == 0
+    again = json.load(open(tmp_path / "profile.json"))
+    assert again["by_name"] == first["by_name"] and again["wall_us"] == first["wall_us"]
+    assert "re-summarized" in open(tmp_path / "profile.md").read()
