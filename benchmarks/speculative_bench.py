@@ -257,7 +257,8 @@ def gen_stats(target, assistant, rows, k, args, pad):
     times = []
     for _ in range(args.warmup + args.repeats):
         res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
-                               max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[])
+                               max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[],
+                               exactness_probe=args.exactness_probe)
         times.append(res.stats.decode_s)
     st = res.stats
     decode_s = statistics.median(times[args.warmup:])
@@ -408,6 +409,10 @@ def build_parser():
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json for --prompt")
     ap.add_argument("--runs", default="forward,loop", type=lambda s: _csv(s))
     ap.add_argument("--scaling-batch", default="1,2,4,8,16,32", type=lambda s: _csv(s, int))
+    ap.add_argument("--exactness-probe", default="on", type=_onoff,
+                    help="off: run K as asked even where verify is not bit-identical to decode (with "
+                         "multirow off at B=1 decode runs 1 row and verify K rows, so the probe falls "
+                         "back to classic; off measures the round cost, parity column says what it cost)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)

@@ -65,3 +65,18 @@ def test_prompt_text_needs_a_tokenizer(tmp_path):
     with pytest.raises(SystemExit, match="--prompt needs a tokenizer"):
         sb.main(["--target", "tiny", "--prompt", "hello", "--tokenizer", str(tmp_path / "none.json"),
                  "--out", str(tmp_path)])
+
+
+def test_exactness_probe_off_reaches_generate(tmp_path, monkeypatch):
+    """--exactness-probe off: the probe is never run and K runs as asked (for the multirow-off A/B)."""
+    gen = sys.modules["jaxspec.generate"]  # (the package's `generate` attribute is the function)
+
+    def no_probe(*a, **k):
+        raise AssertionError("the exactness probe ran")
+
+    monkeypatch.setattr(gen.V, "exactness_probe", no_probe)
+    out = str(tmp_path / "o")
+    sb.main(["--target", "tiny", "--runs", "loop", "--k-values", "3", "--multirow", "off", "--exactness-probe", "off",
+             "--max-tokens", "6", "--dtype", "float32", "--out", out, *FAST])
+    [spec] = [r for r in _report(out)[1] if r.get("mode") == "speculative"]
+    assert spec["k_run"] == 3 and spec["fallback"] is None and spec["new_tokens"] == 6
