@@ -44,6 +44,7 @@ def test_tiny_preset_forward_loop_and_scaling(tmp_path):
         assert r["greedy_equal"] is True and r["k"] == 3
         assert r["round_cost"] > 0 and r["speedup"] > 0
         assert r["new_tokens"] == 6
+        assert not any(key.startswith("predicted") for key in r)  # the seed's acceptances are K = 4's
     assert [r["batch"] for r in rows if r["run"] == "scaling"] == [1, 2]
 
 
@@ -57,6 +58,7 @@ def test_default_pair_has_real_acceptance(tmp_path):
     # the first held-out prompt (the bench's default prompts when --target default has none given)
     assert spec["fallback"] is None and spec["greedy_equal"] is True
     assert spec["acceptance_rate"] > 0.3 and spec["tokens_per_round"] > 1.9
+    assert spec["predicted[2.90 tokens/verify]"] == pytest.approx(2.90 / spec["round_cost"])
 
 
 def test_prompt_text_needs_a_tokenizer(tmp_path):
