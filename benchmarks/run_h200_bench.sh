@@ -8,7 +8,7 @@
 set -u
 dest=${1:-out}
 shift || true
-steps=${*:-profile fwd_off loops loop_mroff probe ncu ptx full fwd scaling}
+steps=${*:-profile fwd_off loops loop_mroff probe ncu full fwd scaling}
 out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
@@ -37,20 +37,17 @@ for s in $steps; do
     # session 4; skip it to measure the round cost, the parity column says whether greedy still held)
     loop_mroff) step loop_mroff 100 $slice --runs loop --k-values 4 --multirow off --exactness-probe off \
         --max-tokens 32 --time-budget 60 --out "$out/loop_mroff" ;;
-    # Nsight Compute's own kernel durations and DRAM throughput for the GEMVs and two stream kernels
-    # (no preallocation: kernel replay saves and restores device memory)
+    # Nsight Compute's own kernel durations, DRAM throughput, registers and executed instructions
+    # (the device's truth; triton_ir.py's pip-Triton counts are a proxy) for the GEMVs and two
+    # stream kernels (no preallocation: kernel replay saves and restores device memory)
     ncu) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu 90 ncu --clock-control none --kernel-name regex:'q4|stream' \
-        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
         python3 benchmarks/gemv_probe.py --once --rows 1 --only "gemv mma,gemv fma,stream n16 g32 s1 w4,stream mma-grid st1" \
         --out "$out/ncu_probe"
         pkill -9 -f gemv_probe ;;
     # one GEMV launch's device time next to stream kernels and an XLA reduction (docs/kernels.md)
-    probe) step probe 75 python3 benchmarks/gemv_probe.py --rows 1 --trace gemv,stream,xla \
-        --only "gemv mma,gemv fma,xla,stream mma-grid st1,stream n16 g32 s1 w4" --out "$out/probe" ;;
-    # the PTX this jaxlib's bundled Triton builds for both GEMVs
-    ptx) for kern in mma fma; do
-            step "ptx_$kern" 20 python3 benchmarks/triton_ir.py --device --rows 1 --kernel $kern --out "$out/ptx_$kern"
-        done ;;
+    probe) step probe 75 python3 benchmarks/gemv_probe.py --rows 1,8 --trace gemv,stream,xla \
+        --only "=gemv mma,=gemv fma,=xla sum(words),stream mma-grid st1,stream n16 g32 s1 w4" --out "$out/probe" ;;
     # the rows measured before: whole 12B decode and verify K = 4; the slice's K = 2..8 and padded
     # verify; batched scaling
     full) step full 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/full" ;;

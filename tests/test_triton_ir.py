@@ -51,14 +51,3 @@ def test_prefetch_moves_scale_loads_out_of_the_wait(tmp_path):
     assert reports[False]["loop_plain_loads_waited_for"] == 2 and reports[False]["loop_plain_loads_prefetched"] == 0
     assert reports[True]["loop_plain_loads_waited_for"] == 0 and reports[True]["loop_plain_loads_prefetched"] == 2
     assert reports[True]["loop_async_copies"] == reports[False]["loop_async_copies"] > 0
-
-
-@pytest.mark.gpu
-def test_device_ptx_is_what_this_jaxlib_builds(tmp_path):
-    """On a GPU: the fma GEMV's PTX from jaxlib's own Triton carries the inline lop3 conversion."""
-    from pallas_kernels.gemv import GemvTiling
-    ptx = triton_ir.device_ptx(512, 1024, 2, GemvTiling(block_n=64, groups_per_step=4, split_k=2))
-    assert ".entry" in ptx and "lop3.b32" in ptx
-    assert triton_ir.main(["--shape", "512,1024", "--rows", "2", "--kernel", "fma", "--device",
-                           "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "kernel.device.ptx").read_text().count(".entry") == 1
