@@ -2,13 +2,13 @@
 # The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md, as named steps that
 # fit one device call (< 10 min each set). Usage:
 #   JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST [step ...]   (writes DEST/results.tgz)
-# Default steps: all, in the order below (about 1000 s: more than one call; name a subset).
+# Default steps: all, unmeasured ones first (about 1300 s: more than one call; name a subset).
 # Each step has a hard timeout and, where the tool has one, a softer --time-budget. The results are
 # re-packed after every step, so a call cut short still returns what finished.
 set -u
 dest=${1:-out}
 shift || true
-steps=${*:-profile fwd_off loops loop_mroff probe ncu full fwd scaling}
+steps=${*:-loop_mroff pad_sweep loop_b2 profile fwd_off loops probe ncu full fwd scaling}
 out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
@@ -28,8 +28,7 @@ for s in $steps; do
     # slice: verify cost with multirow off (the seed's linear-in-K regression, at the model level)
     fwd_off) step fwd_off 85 $slice --runs forward --k-values 2,4,8 --multirow off --pad-k-values "" \
         --time-budget 60 --out "$out/fwd_off" ;;
-    # the loop on the slice: K = 2; B = 4 with K = 4 (the probe shrinks K to the row bucket, 2);
-    # speculative with multirow off
+    # the loop on the slice: K = 2; B = 4 with K = 4 (the probe shrinks K to the row bucket, 2)
     # (a loop configuration takes 20-40 s to compile and run: 55 s steps finished only the classic row)
     loops) step loops 210 $slice --runs loop --batch 4,1 --k-values 4,2 --max-tokens 32 --time-budget 160 \
         --out "$out/loops" ;;
@@ -37,6 +36,12 @@ for s in $steps; do
     # session 4; skip it to measure the round cost, the parity column says whether greedy still held)
     loop_mroff) step loop_mroff 100 $slice --runs loop --k-values 4 --multirow off --exactness-probe off \
         --max-tokens 32 --time-budget 60 --out "$out/loop_mroff" ;;
+    # never measured since split-K (session 4): the padded verify's tile_m sweep at K = 2 and 4, and
+    # speculative decoding at B = 2
+    pad_sweep) step pad_sweep 150 $slice --runs forward --k-values 2,4 --pad-k-values 2,4 --verify-pad on \
+        --qmm-tile-m 16,32,64,128 --time-budget 120 --out "$out/pad_sweep" ;;
+    loop_b2) step loop_b2 100 $slice --runs loop --batch 2 --k-values 4 --max-tokens 32 --time-budget 60 \
+        --out "$out/loop_b2" ;;
     # Nsight Compute's own kernel durations, DRAM throughput, registers and executed instructions
     # (the device's truth; triton_ir.py's pip-Triton counts are a proxy) for the GEMVs and two
     # stream kernels (no preallocation: kernel replay saves and restores device memory)
