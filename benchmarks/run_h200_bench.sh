@@ -42,13 +42,15 @@ for s in $steps; do
         --qmm-tile-m 16,32,64,128 --time-budget 120 --out "$out/pad_sweep" ;;
     loop_b2) step loop_b2 100 $slice --runs loop --batch 2 --k-values 4 --max-tokens 32 --time-budget 60 \
         --out "$out/loop_b2" ;;
-    # Nsight Compute's own kernel durations, DRAM throughput, registers and executed instructions
-    # (the device's truth; triton_ir.py's pip-Triton counts are a proxy) for the GEMVs and two
-    # stream kernels (no preallocation: kernel replay saves and restores device memory)
+    # Nsight Compute's own kernel durations, DRAM throughput, registers, executed instructions and
+    # warp stall reasons (the device's truth; triton_ir.py's pip-Triton counts are a proxy) for both
+    # GEMVs at 1 and 8 rows and two stream kernels (no preallocation: kernel replay saves and
+    # restores device memory). Next question (docs/kernels.md): why the fma GEMV costs 20 us at one
+    # row and several times that at 8.
     ncu) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu 90 ncu --clock-control none --kernel-name regex:'q4|stream' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
-        python3 benchmarks/gemv_probe.py --once --rows 1 --only "gemv mma,gemv fma,stream n16 g32 s1 w4,stream mma-grid st1" \
-        --out "$out/ncu_probe"
+        --section WarpStateStats python3 benchmarks/gemv_probe.py --once --rows 1,8 \
+        --only "=gemv mma,=gemv fma,stream n16 g32 s1 w4,=stream mma-grid st1" --out "$out/ncu_probe"
         pkill -9 -f gemv_probe ;;
     # one GEMV launch's device time next to stream kernels and an XLA reduction (docs/kernels.md)
     probe) step probe 75 python3 benchmarks/gemv_probe.py --rows 1,8 --trace gemv,stream,xla \
