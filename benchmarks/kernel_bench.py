@@ -199,13 +199,11 @@ def locality_sweep(T, key, quick):
 
 
 def gemv_sweep(T, key, quick):
-    """The GEMV launch around its default: code conversion ("cvt" vs "bits"), scale/bias prefetch and
-    layout, then block_n, split-K, warps and stages with prefetch. Earlier sweeps (block_n 32..256,
-    groups per step 1..4, split 1..16, warps 2..8, stages 2..4) are in raw/."""
-    pf = dict(prefetch_sb=True)
-    variants = [dict(convert="cvt"), dict(), pf, dict(sb_by_group=True), dict(pf, sb_by_group=True),
-                dict(pf, split_mult=2), dict(pf, split_mult=4), dict(pf, block_n=64), dict(pf, num_warps=8),
-                dict(pf, num_stages=2), dict(split_mult=2)]
+    """The GEMV launch around its default: code conversion ("cvt" vs "bits"), then block_n, split-K,
+    warps and stages. Earlier sweeps (block_n 32..256, groups per step 1..4, split 1..16, warps 2..8,
+    stages 2..4; the scale/bias prefetch and layout options, since removed) are in raw/."""
+    variants = [dict(convert="cvt"), dict(), dict(split_mult=2), dict(split_mult=4), dict(block_n=64),
+                dict(num_warps=8), dict(num_stages=2)]
     if quick:
         variants = variants[:3]
     for n, k in SHAPES:
@@ -264,12 +262,11 @@ def table_phase(T, key, quick):
 
 
 QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_warps=8),
-                "prefetch": dict(prefetch_sb=True), "warps 8 + prefetch": dict(num_warps=8, prefetch_sb=True),
                 "block_n 64": dict(block_n=64), "tile_m 128, warps 8": dict(block_m=128, num_warps=8)}
 
 
 def tiles_phase(T, key, quick):
-    """qmm around its default (tile_m 64, split-K to one wave): warps, scale prefetch, block_n. The
+    """qmm around its default (tile_m 64, split-K to one wave): warps, block_n. The
     tile_m 16/32/64/128 x split sweep that chose the default: raw/2026-11-29-c15f057/."""
     for n, k in [(15360, 3840), (3840, 15360)]:
         nq = n_sets_for(qbytes(n, k))
@@ -294,13 +291,13 @@ def summary(path):
     for r in rows:
         if r["phase"] == "check":
             print({k: v for k, v in r.items() if k not in ("phase", "time")})
-    print("\n== gemv sweep: us (% floor)  convert bn split warps stages gps prefetch sb_by_group ==")
+    print("\n== gemv sweep: us (% floor)  convert bn split warps stages gps ==")
     for r in rows:
         if r["phase"] == "sweep" and "us" in r:
             t = r["tiling"]
             print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
                   f"{t['convert']:<4} {t['block_n']:>3} {t['split_k']:>3} {t['num_warps']} {t['num_stages']} "
-                  f"{t['groups_per_step']} {'pf' if t.get('prefetch_sb') else '  '} {'kn' if t.get('sb_by_group') else ''}")
+                  f"{t['groups_per_step']}")
     print("\n== fma GEMV: us (% floor), variant, tiling ==")
     for r in rows:
         if r["phase"] == "fma" and "us" in r:

@@ -66,7 +66,7 @@ def report(rows, md_path, png_path, command, note=None):
         out += ["## GEMV launch sweep (rows 1 and 8)", "",
                 "`convert`: how codes become MMA operands (`cvt`: int->float instructions; `bits`: the code "
                 "ORed into a float's mantissa, offset folded into the bias). Other columns: the launch shape.", "",
-                "| N x K | rows | convert | prefetch_sb | sb_by_group | block_n | split_k | warps | stages | groups/step | us | % of floor |",
+                "| N x K | rows | convert | prefetch_sb (removed) | sb_by_group (removed) | block_n | split_k | warps | stages | groups/step | us | % of floor |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep:
             t = r["tiling"]

@@ -1,6 +1,6 @@
 """Inspect what Triton makes of our kernel, without a GPU.
 
-    python benchmarks/triton_ir.py --shape 15360,3840 --rows 1 [--set prefetch_sb=True ...] --out DIR
+    python benchmarks/triton_ir.py --shape 15360,3840 --rows 1 [--set groups_per_step=2 ...] --out DIR
 
 Lowers one GEMV/qmm launch as the dispatch would shape it (`--kernel fma` for the CUDA-core GEMV,
 `mma` for the tensor-core kernel) for CUDA (JAX builds the Triton IR on any machine), writes

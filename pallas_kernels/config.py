@@ -48,8 +48,6 @@ class DispatchConfig:
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
     "mma" (the tensor-core kernel of kernel.py, which qmm also uses). $JAXSPEC_GEMV_KERNEL.
     gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).
-    prefetch_sb: load each group's scales/biases one group ahead in every kernel (bitwise the same
-    results; off until measured on the H200, docs/kernels.md log entry 3). $JAXSPEC_PREFETCH_SB.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -63,7 +61,6 @@ class DispatchConfig:
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))
     gemv_block_n: int | None = None
     gemv_split_k: int | None = None
-    prefetch_sb: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_PREFETCH_SB", False))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

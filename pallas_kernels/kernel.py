@@ -32,12 +32,9 @@ class Tiling:
     convert: how codes become dot operands: "bits" ORs each code into the mantissa of a float whose
     exponent makes the value `offset + code` (no int->float instruction; the offset goes into the
     bias), "cvt" converts with int->float instructions (always used for float32 dots).
-    prefetch_sb: load a group's scales and biases one group ahead (carried through the loop). Triton
-    pipelines the weight and activation loads (they feed the dot) but not these, so without it every
-    group waits for two dependent global loads.
-    sb_by_group: read scales and biases transposed to [groups, N] (one contiguous row per group
-    instead of a strided column; launch() transposes them, an extra pass over 1/16 of the weight
-    bytes). Neither option changes the arithmetic: results are bitwise those of the default."""
+    (Two options for loading scales and biases, one group ahead and transposed, were removed after
+    the H200 showed no gain and Nsight Compute put the time in the grid and the per-group chain:
+    docs/kernels.md, log entries 3-5.)"""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -47,8 +44,6 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 3
     convert: str = "bits"
-    prefetch_sb: bool = False
-    sb_by_group: bool = False
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -78,14 +73,9 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     code_mask = jnp.uint32(2**bits - 1)
     magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
 
-    def load_sb(g):  # the scales and biases of group g, [block_n], as stored
-        def one(ref):
-            at = ref.at[g, pl.ds(n0, t.block_n)] if t.sb_by_group else ref.at[pl.ds(n0, t.block_n), g]
-            return pltriton.load(at, mask=col_ok, other=0)
-        return one(s_ref), one(b_ref)
-
-    def as_f32(*a):
-        return tuple(v.astype(jnp.float32) for v in a)
+    def load_sb(g):  # the scales and biases of group g, [block_n], as float32
+        return tuple(pltriton.load(ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
+                     for ref in (s_ref, b_ref))
 
     def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
@@ -109,29 +99,20 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         return acc + d * s[None, :] + xsum[:, None] * b[None, :]
 
     def one_group(g, acc):
-        return group_math(acc, g, *as_f32(*load_sb(g)))
+        return group_math(acc, g, *load_sb(g))
 
     def step(i, acc):  # groups_per_step groups per iteration: more loads in flight
         for j in range(t.groups_per_step):
             acc = one_group(g0 + i * t.groups_per_step + j, acc)
         return acc
 
-    def prefetched(g, carry):  # this group's scales/biases were loaded during the previous group
-        acc, s, b = carry
-        s, b = as_f32(s, b)  # their last use comes before the next loads, so the loop-carried
-        nxt = load_sb(jnp.minimum(g + 1, g1 - 1))  # registers can be reused with no copy at the latch
-        return (group_math(acc, g, s, b), *nxt)
-
     g0 = pid_s * groups_per_split
     g1 = jnp.minimum(g0 + groups_per_split, n_groups)
     shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)
     acc = jnp.zeros(shape, jnp.float32)
-    if t.prefetch_sb:
-        acc = jax.lax.fori_loop(g0, g1, prefetched, (acc, *load_sb(g0)))[0]
-    else:
-        full_steps = (g1 - g0) // t.groups_per_step
-        acc = jax.lax.fori_loop(0, full_steps, step, acc)
-        acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
+    full_steps = (g1 - g0) // t.groups_per_step
+    acc = jax.lax.fori_loop(0, full_steps, step, acc)
+    acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
     if t.w_left:
         acc = acc.T
     pltriton.store(o_ref.at[pid_s, pl.ds(m0, t.block_m), pl.ds(n0, t.block_n)], acc.astype(o_ref.dtype),
@@ -172,13 +153,11 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
     dot_dtype = _dot_dtype(x2.dtype)
     precision = None if dot_dtype != jnp.float32 else jax.lax.Precision.HIGHEST
     weight, scales, biases = qw.weight, qw.scales, qw.biases
-    if tiling.sb_by_group:
-        scales, biases = scales.T, biases.T
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)
         weight = pad_to(weight, 0, tiling.block_n)
-        scales, biases = (pad_to(a, 1 if tiling.sb_by_group else 0, tiling.block_n) for a in (scales, biases))
+        scales, biases = (pad_to(a, 0, tiling.block_n) for a in (scales, biases))
     out_rows, out_n = (x2.shape[0], weight.shape[0]) if interpret else (rows, n)
     out_dtype = x2.dtype if split == 1 else jnp.float32
     grid = (pl.cdiv(n, tiling.block_n), pl.cdiv(rows, tiling.block_m), split)

@@ -91,22 +91,6 @@ def test_bits_and_cvt_conversions_agree(dtype, bits):
     assert np.abs(outs["bits"] - outs["cvt"]).max() <= 2 * eps * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_scale_loading_variants_are_bitwise_identical(split_k):
-    """prefetch_sb / sb_by_group change only when and how scales and biases are loaded: the results
-    must be bitwise those of the default launch (and match the reference), N not a tile multiple."""
-    from pallas_kernels.kernel import Tiling, launch
-    rng = np.random.default_rng()
-    qw, wd = _case(rng, 176, 320, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((5, 320)), jnp.bfloat16)
-    base = Tiling(block_n=64, split_k=split_k)
-    want = np.asarray(launch(x, qw, base, interpret=True).astype(jnp.float32))
-    assert _rel(want, _ref(x, wd)) < 1e-2
-    for v in (dict(prefetch_sb=True), dict(sb_by_group=True), dict(prefetch_sb=True, sb_by_group=True)):
-        got = launch(x, qw, Tiling(**{**base.__dict__, **v}), interpret=True)
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want, err_msg=str(v))
-
-
 @pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32), (4, 128), (8, 128)])
 def test_other_formats(bits, group_size):
     rng = np.random.default_rng()
@@ -191,24 +175,6 @@ def test_select_path_rule(monkeypatch):
     monkeypatch.setenv("JAXSPEC_QMM_TILE_M", "24")
     with pytest.raises(ValueError, match="power of two"):
         DispatchConfig()
-
-
-def test_prefetch_knob_reaches_both_launches_and_keeps_results(monkeypatch):
-    from pallas_kernels.tiling import gemv_tiling, qmm_tiling
-    monkeypatch.setenv("JAXSPEC_PREFETCH_SB", "1")
-    monkeypatch.setenv("JAXSPEC_GEMV_KERNEL", "mma")  # the option belongs to the tensor-core kernel
-    on = DispatchConfig()
-    monkeypatch.delenv("JAXSPEC_PREFETCH_SB")
-    off = DispatchConfig()
-    assert on.prefetch_sb and not off.prefetch_sb
-    assert gemv_tiling((96, 320), 64, on).prefetch_sb and qmm_tiling(20, (96, 320), 64, on).prefetch_sb
-    assert not gemv_tiling((96, 320), 64, off).prefetch_sb
-    rng = np.random.default_rng()
-    qw, _ = _case(rng, 96, 320, jnp.bfloat16)
-    for rows in (1, 4, 20):  # qmv, multirow, qmm
-        x = jnp.asarray(rng.standard_normal((rows, 320)), jnp.bfloat16)
-        np.testing.assert_array_equal(np.asarray(quantized_matmul(x, qw, config=on).astype(jnp.float32)),
-                                      np.asarray(quantized_matmul(x, qw, config=off).astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("bits,group_size,k,split_k,gps,dtype", [

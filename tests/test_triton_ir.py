@@ -1,6 +1,6 @@
-"""benchmarks/triton_ir.py: the Triton IR of our kernel is built on a machine without a GPU, and
-the prefetch option changes which scale/bias loads the K loop waits for (checked in the IR when the
-`triton` compiler is installed; CI has no triton, so that part is skipped there)."""
+"""benchmarks/triton_ir.py: the Triton IR of our kernels is built on a machine without a GPU, and
+the compile report tells the two GEMVs' loops apart (checked when the `triton` compiler is
+installed; CI has no triton, so that part is skipped there)."""
 import importlib.util
 import os
 import sys
@@ -16,7 +16,7 @@ from pallas_kernels.kernel import Tiling  # noqa: E402
 def test_lowers_the_kernel_for_cuda_without_a_gpu(tmp_path):
     ttir = triton_ir.lower_to_ttir(256, 512, 3, Tiling(block_n=64, split_k=2))
     assert "tt.func" in ttir and "tt.dot" in ttir and "scf.for" in ttir
-    assert triton_ir.main(["--shape", "256,512", "--rows", "3", "--kernel", "mma", "--set", "prefetch_sb=True",
+    assert triton_ir.main(["--shape", "256,512", "--rows", "3", "--kernel", "mma", "--set", "groups_per_step=2",
                            "--out", str(tmp_path)]) == 0
     assert "tt.dot" in open(tmp_path / "kernel.ttir").read()
     # the CUDA-core GEMV: no dot, its code conversion as inline PTX (shift + lop3)
@@ -39,15 +39,18 @@ def test_main_loop_is_the_first_for_body():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton compiler not installed")
-def test_prefetch_moves_scale_loads_out_of_the_wait(tmp_path):
+def test_report_tells_the_two_gemv_loops_apart(tmp_path):
+    """The tensor-core GEMV pipelines its weight and activation tiles (async copies) and waits for its
+    two scale/bias loads; the CUDA-core GEMV has no async copies and fewer loop instructions per weight."""
+    from pallas_kernels.gemv import GemvTiling
     reports = {}
-    for pf in (False, True):
-        out = tmp_path / str(pf)
+    for name, tiling in (("mma", Tiling(block_n=128, split_k=2, groups_per_step=1)),
+                         ("fma", GemvTiling(block_n=64, groups_per_step=4, split_k=8))):
+        out = tmp_path / name
         out.mkdir()
         path = out / "kernel.ttir"
-        tiling = Tiling(block_n=128, split_k=2, groups_per_step=1, prefetch_sb=pf)
         path.write_text(triton_ir.lower_to_ttir(15360, 3840, 1, tiling))
-        reports[pf] = triton_ir.compile_and_report(str(path), tiling, str(out))
-    assert reports[False]["loop_plain_loads_waited_for"] == 2 and reports[False]["loop_plain_loads_prefetched"] == 0
-    assert reports[True]["loop_plain_loads_waited_for"] == 0 and reports[True]["loop_plain_loads_prefetched"] == 2
-    assert reports[True]["loop_async_copies"] == reports[False]["loop_async_copies"] > 0
+        reports[name] = triton_ir.compile_and_report(str(path), tiling, str(out))
+    assert reports["mma"]["loop_async_copies"] > 0 and reports["mma"]["loop_plain_loads_waited_for"] == 2
+    assert reports["fma"]["loop_async_copies"] == 0
+    assert 0 < reports["fma"]["loop_instructions_per_weight"] < reports["mma"]["loop_instructions_per_weight"]
