@@ -3,7 +3,8 @@ only read the same bytes with the same grid and blocks (no dequantizing, no arit
 XLA reduction over the packed words; each timed with the kernel benchmark's harness.
 
     python benchmarks/gemv_probe.py --out DIR [--shape 15360x3840] [--rows 1,8]
-    ncu --clock-control none python benchmarks/gemv_probe.py --once ...   # hardware counters
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none python benchmarks/gemv_probe.py --once ...
+        # hardware counters (kernel replay saves and restores device memory: no preallocation)
 
 If the stream kernels run at the GEMV's speed, the load structure (grid, block, bytes in flight)
 is the bound, not the dequantizing; if they run near the XLA reduction, the arithmetic is.

@@ -2,7 +2,7 @@
 # The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md, as named steps that
 # fit one device call (< 10 min each set). Usage:
 #   JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST [step ...]   (writes DEST/results.tgz)
-# Default steps: all, unmeasured ones first (about 1300 s: more than one call; name a subset).
+# Default steps: all, unmeasured ones first (about 1100 s of step timeouts: more than one call; name a subset).
 # Each step has a hard timeout and, where the tool has one, a softer --time-budget. The results are
 # re-packed after every step, so a call cut short still returns what finished.
 set -u
@@ -51,7 +51,7 @@ for s in $steps; do
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
         --section WarpStateStats python3 benchmarks/gemv_probe.py --once --rows 1,8 \
         --only "=gemv mma,=gemv fma,stream n16 g32 s1 w4,=stream mma-grid st1" --out "$out/ncu_probe"
-        pkill -9 -f gemv_probe ;;
+        pkill -9 -f "gemv_probe.py --once" ;;  # ncu's target process outlives a killed ncu (session 4)
     # one GEMV launch's device time next to stream kernels and an XLA reduction (docs/kernels.md)
     probe) step probe 75 python3 benchmarks/gemv_probe.py --rows 1,8 --trace gemv,stream,xla \
         --only "=gemv mma,=gemv fma,=xla sum(words),stream mma-grid st1,stream n16 g32 s1 w4" --out "$out/probe" ;;

@@ -13,9 +13,10 @@ from gemv_probe import stream  # noqa: E402
 from kernel_bench import random_qweight  # noqa: E402
 
 
-@pytest.mark.parametrize("block_n,gps,split", [(16, 1, 1), (32, 2, 2), (16, 4, 2)])
-def test_stream_checksum_counts_every_byte_once(block_n, gps, split):
-    qw = random_qweight(jax.random.PRNGKey(block_n * 10 + gps + split), 64, 512)
+@pytest.mark.parametrize("n,block_n,gps,split", [(64, 16, 1, 1), (64, 32, 2, 2), (64, 16, 4, 2),
+                                                 (72, 32, 2, 3), (80, 64, 4, 3)])  # partial tiles and steps
+def test_stream_checksum_counts_every_byte_once(n, block_n, gps, split):
+    qw = random_qweight(jax.random.PRNGKey(block_n * 10 + gps + split), n, 512)
     got = np.asarray(stream(qw, block_n=block_n, gps=gps, split_k=split)).sum(axis=0, dtype=np.uint64)
     words = np.asarray(qw.weight).astype(np.uint64).sum(axis=1)
     sb = sum(np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16)).astype(np.uint64).sum(axis=1)
