@@ -2,13 +2,13 @@
 # The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md, as named steps that
 # fit one device call (< 10 min each set). Usage:
 #   JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST [step ...]   (writes DEST/results.tgz)
-# Default steps: all, unmeasured ones first (about 1100 s of step timeouts: more than one call; name a subset).
+# Default steps: all, unmeasured ones first (about 1300 s of step timeouts: more than one call; name a subset).
 # Each step has a hard timeout and, where the tool has one, a softer --time-budget. The results are
 # re-packed after every step, so a call cut short still returns what finished.
 set -u
 dest=${1:-out}
 shift || true
-steps=${*:-loop_mroff pad_sweep loop_b2 profile fwd_off loops probe ncu full fwd scaling}
+steps=${*:-loop_mroff pad_sweep loop_b2 loop_full profile fwd_off loops probe ncu full fwd scaling}
 out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
@@ -42,6 +42,9 @@ for s in $steps; do
         --qmm-tile-m 16,32,64,128 --time-budget 120 --out "$out/pad_sweep" ;;
     loop_b2) step loop_b2 100 $slice --runs loop --batch 2 --k-values 4 --max-tokens 32 --time-budget 60 \
         --out "$out/loop_b2" ;;
+    # the whole 48-layer model's K = 4 round (only the 8-layer slice's has been measured)
+    loop_full) step loop_full 200 $sb --runs loop --k-values 4 --max-tokens 32 --time-budget 150 \
+        --out "$out/loop_full" ;;
     # Nsight Compute's own kernel durations, DRAM throughput, registers, executed instructions and
     # warp stall reasons (the device's truth; triton_ir.py's pip-Triton counts are a proxy) for both
     # GEMVs at 1 and 8 rows and two stream kernels (no preallocation: kernel replay saves and
