@@ -78,6 +78,11 @@ def stream(qw, *, block_n, gps, split_k, num_warps=4, num_stages=1, with_sb=True
     )(w3, qw.scales, qw.biases)
 
 
+def launched(tiling):
+    """op(x, qw) running one tiling's kernel directly (the dispatch would pick its own tiling)."""
+    return lambda x, w: launcher(tiling)(x, w, tiling, interpret=False)
+
+
 def variants(shape, rows):
     """name -> op(x, qw). The GEMVs as the dispatch launches them, and stream kernels with their grids."""
     mma_t = gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="mma"))
@@ -102,10 +107,10 @@ def variants(shape, rows):
     # the GEMVs at the launch shapes whose stream kernels read fastest (more bytes per row per step)
     for b, g, sp, nw in ((64, 8, 4, 4), (64, 8, 4, 8), (32, 16, 4, 4), (64, 16, 2, 8), (16, 32, 2, 4)):
         t = GemvTiling(block_n=b, groups_per_step=g, split_k=sp, num_warps=nw)
-        v[f"gemv fma n{b} g{g} s{sp} w{nw}"] = functools.partial(lambda x, w, t: launcher(t)(x, w, t, interpret=False), t=t)
+        v[f"gemv fma n{b} g{g} s{sp} w{nw}"] = launched(t)
     for b, g, sp in ((128, 4, 4), (64, 8, 2), (64, 16, 2), (128, 2, 4)):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True)
-        v[f"gemv mma n{b} g{g} s{sp}"] = functools.partial(lambda x, w, t: launcher(t)(x, w, t, interpret=False), t=t)
+        v[f"gemv mma n{b} g{g} s{sp}"] = launched(t)
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
 
 

@@ -286,32 +286,31 @@ def tiles_phase(T, key, quick):
         del qws
 
 
+def print_launches(rows, phase, title, detail):
+    """One line per timed row of a launch-shape phase: shape, rows, us (% of floor), then
+    `detail(row, tiling)`."""
+    print(f"\n== {title} ==")
+    for r in rows:
+        if r["phase"] == phase and "us" in r:
+            print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
+                  + detail(r, r["tiling"]))
+
+
 def summary(path):
     rows = [json.loads(l) for l in open(path)]
     print("\n== check ==")
     for r in rows:
         if r["phase"] == "check":
             print({k: v for k, v in r.items() if k not in ("phase", "time")})
-    print("\n== gemv sweep: us (% floor)  convert bn split warps stages gps ==")
-    for r in rows:
-        if r["phase"] == "sweep" and "us" in r:
-            t = r["tiling"]
-            print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
-                  f"{t['convert']:<4} {t['block_n']:>3} {t['split_k']:>3} {t['num_warps']} {t['num_stages']} "
-                  f"{t['groups_per_step']}")
-    print("\n== fma GEMV: us (% floor), variant, tiling ==")
-    for r in rows:
-        if r["phase"] == "fma" and "us" in r:
-            t = r["tiling"]
-            print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
-                  f"{r['variant']:<14} bn={t['block_n']} split={t['split_k']} w={t['num_warps']}")
-    print("\n== locality: us (% floor), kernel, block_n x groups/step (bytes per row per step), split, warps ==")
-    for r in rows:
-        if r["phase"] == "locality" and "us" in r:
-            t = r["tiling"]
-            print(f"{r['n']:>6}x{r['k']:<6} r={r['rows']} {r['us']:7.1f} ({100 * r['floor_us'] / r['us']:4.1f}%) "
-                  f"{r['kernel']} {t['block_n']:>3}x{t['groups_per_step']:<2} ({r['bytes_per_row_step']:>3} B) "
-                  f"split={t['split_k']} w={t['num_warps']}")
+    print_launches(rows, "sweep", "gemv sweep: us (% floor)  convert bn split warps stages gps",
+                   lambda r, t: f"{t['convert']:<4} {t['block_n']:>3} {t['split_k']:>3} {t['num_warps']} "
+                                f"{t['num_stages']} {t['groups_per_step']}")
+    print_launches(rows, "fma", "fma GEMV: us (% floor), variant, tiling",
+                   lambda r, t: f"{r['variant']:<14} bn={t['block_n']} split={t['split_k']} w={t['num_warps']}")
+    print_launches(rows, "locality",
+                   "locality: us (% floor), kernel, block_n x groups/step (bytes per row per step), split, warps",
+                   lambda r, t: f"{r['kernel']} {t['block_n']:>3}x{t['groups_per_step']:<2} "
+                                f"({r['bytes_per_row_step']:>3} B) split={t['split_k']} w={t['num_warps']}")
     print("\n== qmm tiles: us ==")
     for r in rows:
         if r["phase"] == "tiles" and "us" in r:

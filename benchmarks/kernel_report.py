@@ -20,6 +20,22 @@ def load(paths):
     return rows
 
 
+def launch_table(rows, phase, title, intro, columns, cells):
+    """A markdown section for one launch-shape phase: N x K, rows, the phase's own columns
+    (`cells(row, tiling)`), then us and % of floor. Empty when the phase has no timed rows."""
+    timed = [r for r in rows if r["phase"] == phase and "us" in r]
+    if not timed:
+        return []
+    cols = ["N x K", "rows", *columns, "us", "% of floor"]
+    out = [f"## {title}", "", *([intro, ""] if intro else []),
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in timed:
+        vals = [f"{r['n']}x{r['k']}", r["rows"], *cells(r, r["tiling"]), f"{r['us']:.1f}",
+                f"{100 * r['floor_us'] / r['us']:.1f}"]
+        out.append("| " + " | ".join(str(v) for v in vals) + " |")
+    return out + [""]
+
+
 def report(rows, md_path, png_path, command, note=None):
     envs = [r for r in rows if r["phase"] == "env"]
     env = envs[0]
@@ -61,43 +77,25 @@ def report(rows, md_path, png_path, command, note=None):
         for (n, k, rws), d in sorted(grid.items()):
             out.append(f"| {n}x{k} | {rws} | " + " | ".join(f"{d.get(c, float('nan')):.1f}" for c in cols) + " |")
         out.append("")
-    sweep = [r for r in rows if r["phase"] == "sweep" and "us" in r]
-    if sweep:
-        out += ["## GEMV launch sweep (rows 1 and 8)", "",
-                "`convert`: how codes become MMA operands (`cvt`: int->float instructions; `bits`: the code "
-                "ORed into a float's mantissa, offset folded into the bias). Other columns: the launch shape.", "",
-                "| N x K | rows | convert | prefetch_sb (removed) | sb_by_group (removed) | block_n | split_k | warps | stages | groups/step | us | % of floor |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sweep:
-            t = r["tiling"]
-            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {t.get('convert', 'cvt')} | {t.get('prefetch_sb', False)} "
-                       f"| {t.get('sb_by_group', False)} | {t['block_n']} | {t['split_k']} "
-                       f"| {t['num_warps']} | {t['num_stages']} | {t['groups_per_step']} | {r['us']:.1f} "
-                       f"| {100 * r['floor_us'] / r['us']:.1f} |")
-        out.append("")
-    fma = [r for r in rows if r["phase"] == "fma" and "us" in r]
-    if fma:
-        out += ["## CUDA-core GEMV (\"fma\", pallas_kernels/gemv.py) around its default, and the tensor-core GEMV", "",
-                "| N x K | rows | variant | block_n | groups/step | split_k | warps | us | % of floor |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for r in fma:
-            t = r["tiling"]
-            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {r['variant']} | {t['block_n']} | {t['groups_per_step']} "
-                       f"| {t['split_k']} | {t['num_warps']} | {r['us']:.1f} | {100 * r['floor_us'] / r['us']:.1f} |")
-        out.append("")
-    loc = [r for r in rows if r["phase"] == "locality" and "us" in r]
-    if loc:
-        out += ["## Bytes per row per loop step (both GEMV kernels)", "",
-                "A program reads block_n weight rows x groups_per_step x 32 bytes per loop step; rows are "
-                "K/2 bytes apart. K split as the dispatch would for that block_n.", "",
-                "| N x K | rows | kernel | block_n x groups/step | bytes per row per step | split_k | warps | us | % of floor |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for r in loc:
-            t = r["tiling"]
-            out.append(f"| {r['n']}x{r['k']} | {r['rows']} | {r['kernel']} | {t['block_n']} x {t['groups_per_step']} "
-                       f"| {r['bytes_per_row_step']} | {t['split_k']} | {t['num_warps']} | {r['us']:.1f} "
-                       f"| {100 * r['floor_us'] / r['us']:.1f} |")
-        out.append("")
+    out += launch_table(
+        rows, "sweep", "GEMV launch sweep (rows 1 and 8)",
+        "`convert`: how codes become MMA operands (`cvt`: int->float instructions; `bits`: the code "
+        "ORed into a float's mantissa, offset folded into the bias). Other columns: the launch shape.",
+        ["convert", "prefetch_sb (removed)", "sb_by_group (removed)", "block_n", "split_k", "warps", "stages",
+         "groups/step"],
+        lambda r, t: [t.get("convert", "cvt"), t.get("prefetch_sb", False), t.get("sb_by_group", False),
+                      t["block_n"], t["split_k"], t["num_warps"], t["num_stages"], t["groups_per_step"]])
+    out += launch_table(
+        rows, "fma", "CUDA-core GEMV (\"fma\", pallas_kernels/gemv.py) around its default, and the tensor-core GEMV",
+        None, ["variant", "block_n", "groups/step", "split_k", "warps"],
+        lambda r, t: [r["variant"], t["block_n"], t["groups_per_step"], t["split_k"], t["num_warps"]])
+    out += launch_table(
+        rows, "locality", "Bytes per row per loop step (both GEMV kernels)",
+        "A program reads block_n weight rows x groups_per_step x 32 bytes per loop step; rows are "
+        "K/2 bytes apart. K split as the dispatch would for that block_n.",
+        ["kernel", "block_n x groups/step", "bytes per row per step", "split_k", "warps"],
+        lambda r, t: [r["kernel"], f"{t['block_n']} x {t['groups_per_step']}", r["bytes_per_row_step"],
+                      t["split_k"], t["num_warps"]])
     open(md_path, "w").write("\n".join(out))
     if png_path and table:
         import matplotlib

@@ -296,8 +296,8 @@ def run_loop(args, target, assistant, out, deadline):
                                    tile_m=tm, **spec, speedup=spec["tokens_per_s"] / classic["tokens_per_s"],
                                    round_ms=round_s * 1e3, round_cost=round_s / per_fwd,
                                    greedy_equal=sres.tokens == cres.tokens)
-                        for name, tpr in SEED_TOKENS_PER_ROUND.items():
-                            if spec["k_run"] == SEED_K:
+                        if spec["k_run"] == SEED_K:
+                            for name, tpr in SEED_TOKENS_PER_ROUND.items():
                                 row[f"predicted[{name}]"] = tpr / row["round_cost"]
                         out.append(row)
                         print(f"  K={k} pad={pad} tile_m={tm}: {spec['tokens_per_s']:.1f} tok/s "
