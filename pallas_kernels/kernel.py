@@ -73,9 +73,10 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     code_mask = jnp.uint32(2**bits - 1)
     magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
 
-    def load_sb(g):  # the scales and biases of group g, [block_n], as float32
-        return tuple(pltriton.load(ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0).astype(jnp.float32)
-                     for ref in (s_ref, b_ref))
+    def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
+        # before either convert: the order the measured kernel had)
+        s, b = (pltriton.load(ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0) for ref in (s_ref, b_ref))
+        return s.astype(jnp.float32), b.astype(jnp.float32)
 
     def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
