@@ -108,6 +108,15 @@ def variants(shape, rows):
     for b, g, sp, nw in ((64, 8, 4, 4), (64, 8, 4, 8), (32, 16, 4, 4), (64, 16, 2, 8), (16, 32, 2, 4)):
         t = GemvTiling(block_n=b, groups_per_step=g, split_k=sp, num_warps=nw)
         v[f"gemv fma n{b} g{g} s{sp} w{nw}"] = launched(t)
+    # the CUDA-core GEMV's launch shapes at the dispatch's own split (registers per row against x
+    # reuse: a thread holds block_n * groups_per_step * 8 / (32 * warps) words, several n rows of them
+    # sharing one loaded input), with and without the hand prefetch
+    for b, g, nw in ((128, 1, 4), (64, 1, 4), (256, 1, 4), (256, 1, 8), (64, 2, 4), (128, 2, 4),
+                     (128, 2, 8), (32, 4, 4), (64, 4, 8), (32, 8, 4), (16, 8, 4), (16, 16, 4)):
+        for pf in (True, False):
+            base = fma_gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="fma", gemv_block_n=b))
+            t = GemvTiling(block_n=b, groups_per_step=g, split_k=base.split_k, num_warps=nw, prefetch=pf)
+            v[f"fma sweep n{b} g{g} w{nw} p{int(pf)}"] = launched(t)
     for b, g, sp in ((128, 4, 4), (64, 8, 2), (64, 16, 2), (128, 2, 4)):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True)
         v[f"gemv mma n{b} g{g} s{sp}"] = launched(t)
