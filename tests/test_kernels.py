@@ -186,15 +186,16 @@ def test_select_path_rule(monkeypatch):
     (8, 32, 320, 2, 4, jnp.float16)])   # 10 groups, 5 per split, 4 per step
 def test_fma_gemv_tilings(bits, group_size, k, split_k, gps, dtype):
     """The CUDA-core GEMV with split-K and several groups per step, where the groups do not divide
-    evenly (the masked tail must add exact zeros), on every format, with and without the prefetch;
+    evenly (the masked tail must add exact zeros), on every format, with and without the prefetch
+    and the word-quad chains;
     rows 1..3 against float64 and against each other bitwise."""
     from pallas_kernels.gemv import GemvTiling, gemv_launch
     rng = np.random.default_rng()
     qw, wd = _case(rng, 72, k, dtype, bits=bits, group_size=group_size)
     x = jnp.asarray(rng.standard_normal((3, k)), dtype)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
-    for prefetch in (True, False):
-        tiling = GemvTiling(block_n=32, groups_per_step=gps, split_k=split_k, prefetch=prefetch)
+    for prefetch, chains in ((True, False), (False, False), (True, True)):
+        tiling = GemvTiling(block_n=32, groups_per_step=gps, split_k=split_k, prefetch=prefetch, chains=chains)
         y = gemv_launch(x, qw, tiling, interpret=True)
         assert y.shape == (3, 72) and y.dtype == dtype
         assert _rel(y, _ref(x, wd)) < tol

@@ -40,3 +40,22 @@ def test_fma_gemv_formats_and_dtypes_on_gpu(bits, group_size):
         y = np.asarray(quantized_matmul(x, qw, config=DispatchConfig(gemv_kernel="fma")), np.float64)
         ref = np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
         assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol, (dtype, bits, group_size)
+
+
+@pytest.mark.parametrize("block_n,gps,chains", [(128, 1, False), (256, 1, True), (64, 4, True)])
+def test_fma_gemv_launch_shapes_on_gpu(block_n, gps, chains):
+    """The CUDA-core GEMV's other launch shapes (gemv_probe's sweep), the word-quad FMA chains among
+    them: float64 accuracy and bitwise row invariance for rows 1..8 at the MLP's shape."""
+    from pallas_kernels.gemv import GemvTiling, gemv_launch
+    from pallas_kernels.tiling import fma_gemv_tiling
+    rng = np.random.default_rng()
+    qw = quantize(jnp.asarray(rng.standard_normal((15360, 3840)) * 0.05, jnp.bfloat16))
+    split = fma_gemv_tiling(qw.shape, 64, DispatchConfig(gemv_kernel="fma", gemv_block_n=block_n)).split_k
+    t = GemvTiling(block_n=block_n, groups_per_step=gps, split_k=split, chains=chains)
+    x = jnp.asarray(rng.standard_normal((8, 3840)), jnp.bfloat16)
+    run = jax.jit(lambda x: gemv_launch(x, qw, t, interpret=False))
+    multi = np.asarray(run(x).astype(jnp.float32))
+    ref = np.asarray(x, np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
+    assert np.linalg.norm(multi - ref) / np.linalg.norm(ref) < 1e-2
+    for i in (0, 3, 7):
+        np.testing.assert_array_equal(np.asarray(run(x[i:i + 1]).astype(jnp.float32)), multi[i:i + 1])
