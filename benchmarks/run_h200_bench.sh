@@ -58,7 +58,7 @@ for s in $steps; do
         --only "=gemv mma,=gemv fma,=fma sweep n128 g1 c0,=fma sweep n256 g1 c1" --out "$out/ncu_probe"
         pkill -9 -f "gemv_probe.py --once" ;;  # ncu's target process outlives a killed ncu (session 4)
     # the CUDA-core GEMV's launch shapes at 1, 4 and 8 rows (does any stay near 20 us at 8 rows?)
-    fmasweep) step fmasweep 200 python3 benchmarks/gemv_probe.py --rows 1,8 \
+    fmasweep) step fmasweep 150 python3 benchmarks/gemv_probe.py --rows 1,8 \
         --only "=gemv mma,=gemv fma,fma sweep" --out "$out/fmasweep" ;;
     # one GEMV launch's device time next to stream kernels and an XLA reduction (docs/kernels.md)
     probe) step probe 75 python3 benchmarks/gemv_probe.py --rows 1,8 --trace gemv,stream,xla \
@@ -66,6 +66,14 @@ for s in $steps; do
     # the rows measured before: whole 12B decode and verify K = 4; the slice's K = 2..8 and padded
     # verify; batched scaling
     full) step full 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/full" ;;
+    # the whole 12B's decode forward with the CUDA-core GEMV at two launch shapes (session 5's sweep
+    # candidates), next to the default in the same call (the `full` step)
+    fwd_fma) JAXSPEC_GEMV_KERNEL=fma JAXSPEC_GEMV_BLOCK_N=256 JAXSPEC_GEMV_GROUPS_PER_STEP=1 JAXSPEC_GEMV_CHAINS=1 \
+        step fwd_fma_n256c 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/fwd_fma_n256c"
+        JAXSPEC_GEMV_KERNEL=fma JAXSPEC_GEMV_BLOCK_N=128 JAXSPEC_GEMV_GROUPS_PER_STEP=1 \
+        step fwd_fma_n128 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/fwd_fma_n128" ;;
+    # the GPU-only kernel tests (Triton-compiled kernels, row invariance at real shapes)
+    pytest_gpu) step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     fwd) step fwd 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \
         --time-budget 40 --out "$out/fwd" ;;
     scaling) step scaling 30 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 \

@@ -48,6 +48,9 @@ class DispatchConfig:
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
     "mma" (the tensor-core kernel of kernel.py, which qmm also uses). $JAXSPEC_GEMV_KERNEL.
     gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).
+    gemv_groups_per_step / gemv_chains: the fma GEMV's groups per loop step (None: its default) and
+    word-quad FMA chains (GemvTiling.chains). $JAXSPEC_GEMV_BLOCK_N, $JAXSPEC_GEMV_GROUPS_PER_STEP and
+    $JAXSPEC_GEMV_CHAINS set these three for A/B runs of a whole model.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -59,8 +62,11 @@ class DispatchConfig:
     backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
     interpret: bool | None = None
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))
-    gemv_block_n: int | None = None
+    gemv_block_n: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_GEMV_BLOCK_N", None))
     gemv_split_k: int | None = None
+    gemv_groups_per_step: int | None = dataclasses.field(
+        default_factory=lambda: _env_int("JAXSPEC_GEMV_GROUPS_PER_STEP", None))
+    gemv_chains: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_CHAINS", False))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -74,6 +80,8 @@ class DispatchConfig:
             v = getattr(self, name)
             if v is not None and (v < 16 or v & (v - 1)):
                 raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton block shapes)")
+        if self.gemv_groups_per_step is not None and self.gemv_groups_per_step < 1:
+            raise ValueError(f"gemv_groups_per_step={self.gemv_groups_per_step} must be >= 1")
         if self.gemv_split_k is not None and self.gemv_split_k < 1:
             raise ValueError(f"gemv_split_k={self.gemv_split_k} must be >= 1")
 

@@ -53,7 +53,8 @@ def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchCon
         split = config.gemv_split_k
     else:
         split = split_for(-(-n // block_n), k // group_size, _FMA_TARGET_PROGRAMS)
-    return GemvTiling(block_n=block_n, groups_per_step=4, split_k=split)
+    return GemvTiling(block_n=block_n, groups_per_step=config.gemv_groups_per_step or 4, split_k=split,
+                      chains=config.gemv_chains)
 
 
 QMM_TILE_M = 64

@@ -177,6 +177,20 @@ def test_select_path_rule(monkeypatch):
         DispatchConfig()
 
 
+def test_fma_gemv_env_overrides_reach_the_tiling(monkeypatch):
+    from pallas_kernels.tiling import gemv_tiling
+    for name, value in (("JAXSPEC_GEMV_KERNEL", "fma"), ("JAXSPEC_GEMV_BLOCK_N", "256"),
+                        ("JAXSPEC_GEMV_GROUPS_PER_STEP", "1"), ("JAXSPEC_GEMV_CHAINS", "1")):
+        monkeypatch.setenv(name, value)
+    t = gemv_tiling((3840, 2048), 64, DispatchConfig())
+    assert (t.block_n, t.groups_per_step, t.chains) == (256, 1, True)
+    monkeypatch.delenv("JAXSPEC_GEMV_CHAINS")
+    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).chains is False
+    monkeypatch.setenv("JAXSPEC_GEMV_GROUPS_PER_STEP", "0")
+    with pytest.raises(ValueError, match="gemv_groups_per_step"):
+        DispatchConfig()
+
+
 @pytest.mark.parametrize("bits,group_size,k,split_k,gps,dtype", [
     (4, 64, 320, 3, 2, jnp.float32),    # 5 groups: uneven splits, a half-empty last step
     (4, 32, 224, 2, 4, jnp.bfloat16),   # 7 groups
