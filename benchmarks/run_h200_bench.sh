@@ -32,6 +32,10 @@ for s in $steps; do
     # (a loop configuration takes 20-40 s to compile and run: 55 s steps finished only the classic row)
     loops) step loops 210 $slice --runs loop --batch 4,1 --k-values 4,2 --max-tokens 32 --time-budget 160 \
         --out "$out/loops" ;;
+    # the multirow window at 16 rows (the tensor-core GEMV's MMA tile: no extra weight traffic), so
+    # that B = 4 keeps K = 4 inside it (session 4: the 16-row verify went to qmm and the probe cut K to 2)
+    loops16) JAXSPEC_QMV_MULTIROW_MAX_ROWS=16 step loops16 200 $slice --runs loop --batch 4,1 --k-values 4 \
+        --max-tokens 32 --time-budget 150 --out "$out/loops16" ;;
     # (with multirow off decode runs 1 row and verify K, so the exactness probe falls back to classic:
     # session 4; skip it to measure the round cost, the parity column says whether greedy still held)
     loop_mroff) step loop_mroff 100 $slice --runs loop --k-values 4 --multirow off --exactness-probe off \
