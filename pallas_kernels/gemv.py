@@ -18,9 +18,9 @@ Rows are an unrolled static loop around the same per-row arithmetic, with the un
 shared: row i's result is bitwise the same whether it is computed alone or among up to 7 others
 (the row invariance greedy speculative decoding relies on; a launch shape never depends on the row
 count). Each extra row costs one more FMA per weight, so rows=8 costs more than rows=1 here, unlike
-the tensor-core kernel in kernel.py. Measured on the H200 (docs/kernels.md, log entry 4): faster
-than that kernel at one row (39-57 vs 73 us on 15360x3840, whose floor is 7.7 us: instructions are
-not what bounds it), slower from 4 rows on; so it is an option (gemv_kernel="fma"), not the default.
+the tensor-core kernel in kernel.py. Measured on the H200 with Nsight Compute (docs/kernels.md, log
+entries 5-6; 15360x3840, floor 7.7 us): 20 us at one row against 54 for that kernel, 79 us at its
+best 8-row launch against 52; so it is an option (gemv_kernel="fma"), not the default.
 """
 from __future__ import annotations
 

@@ -44,9 +44,10 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
 
 def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:
     """The CUDA-core GEMV launch (pallas_kernels/gemv.py), from the weight shape only. 64 rows x 4
-    groups per loop step (128 bytes of each row): on the H200 at one row 38.8 / 45.1 us on
-    15360x3840 / 3840x15360 against 55.3 / 67.0 for 128 x 1 (docs/kernels.md, log entry 4); at 8
-    rows it is 20% slower than 128 x 1, but one row is what this kernel is for."""
+    groups per loop step (128 bytes of each row): on the H200 at one row 20.3 us on 15360x3840
+    against 37.9 for 128 x 1 (Nsight Compute, docs/kernels.md, log entry 6); at 8 rows it spills
+    (114 us; 256 x 1 with chains: 79), but one row is what this kernel is for. The config's
+    gemv_block_n / gemv_groups_per_step / gemv_chains override it."""
     n, k = shape
     block_n = config.gemv_block_n or 64
     if config.gemv_split_k is not None:
