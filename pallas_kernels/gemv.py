@@ -141,6 +141,17 @@ def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling,
         pltriton.store(o_ref.at[pid_s, jnp.int32(r), pl.ds(n0, t.block_n)], acc[r].astype(o_ref.dtype), mask=col_ok)
 
 
+def group_sums(x3: jax.Array) -> jax.Array:
+    """`[rows, groups, g] -> [rows, groups]` sums, each row's in the same order whatever the row count.
+    (XLA's reduce picks its order by shape: on CPU `x.sum(-1)` of 8 rows differed in the last bit
+    from the same rows summed alone, which broke the kernel's row invariance.) Elementwise adds of
+    halves are exact per element and never reassociated."""
+    while x3.shape[-1] > 1:
+        half = x3.shape[-1] // 2
+        x3 = x3[..., :half] + x3[..., half:]
+    return x3[..., 0]
+
+
 def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
     rows, k = x2.shape
@@ -154,7 +165,7 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     # XLA op per call (in the kernel benchmark a launch of its own; whether XLA fuses it into x's
     # producer inside a model was not checked).
     x4 = x2.astype(jnp.float32).reshape(rows, n_groups, g // epw, epw)
-    xs = x4.sum(axis=(2, 3))
+    xs = group_sums(x2.astype(jnp.float32).reshape(rows, n_groups, g))
     x4 = x4.swapaxes(2, 3)
     wpg = g // epw
     if tiling.chains and wpg % 4:
