@@ -9,7 +9,8 @@ Runs (--runs, comma separated):
            in classic forwards, multirow on/off; one assistant draft step; bitwise verify == decode.
   loop     jaxspec.generate classic vs speculative for every (multirow, K, B, verify_pad, tile_m):
            decode tokens/s (prefill excluded, first token counted), speedup, acceptance, mean
-           accepted length, tokens per round, round cost in classic forwards, greedy parity.
+           accepted length, tokens per round, round cost in classic forwards, draft and verify ms
+           per round (timed as separate calls at the round's shapes), greedy parity.
   scaling  classic aggregate tokens/s at each --scaling-batch.
 Every configuration is its own compiled function, warmed up before timing; medians over repeats.
 Writes DIR/speculative.json, DIR/speculative.md and DIR/speculative.png.
@@ -270,6 +271,19 @@ def gen_stats(target, assistant, rows, k, args, pad):
                      hist=st.accepted_hist, verify_width=st.verify_width, k_run=st.block_size)
 
 
+def round_phases(target, batch, spec, draft_step_ms, round_ms):
+    """A round's draft and verify milliseconds, timed as separate jitted calls at the round's shapes
+    (the loop is one jitted function: its phases cannot be timed inside it): K-1 assistant steps, one
+    verify forward of the width the loop ran; the rest is acceptance and bookkeeping. Empty when
+    the loop fell back to classic decoding."""
+    k = spec["k_run"]
+    if k < 2:
+        return {}
+    verify_ms = forward_time(target, batch, spec["verify_width"], k) * 1e3
+    draft_ms = (k - 1) * draft_step_ms
+    return dict(draft_ms=draft_ms, verify_ms=verify_ms, other_ms=round_ms - draft_ms - verify_ms)
+
+
 def run_loop(args, target, assistant, out, deadline):
     base = target.matmul or DispatchConfig()
     for mr in args.multirow:
@@ -283,6 +297,7 @@ def run_loop(args, target, assistant, out, deadline):
                   f"({per_fwd * 1e3:.2f} ms/step)", flush=True)
             if assistant is None:
                 continue
+            draft_step_ms = draft_time(assistant, tgt, b) * 1e3  # one assistant step at this batch
             for k in args.k_values:
                 for pad in args.verify_pad:
                     for tm in (args.qmm_tile_m if pad else [None]):
@@ -296,6 +311,7 @@ def run_loop(args, target, assistant, out, deadline):
                                    tile_m=tm, **spec, speedup=spec["tokens_per_s"] / classic["tokens_per_s"],
                                    round_ms=round_s * 1e3, round_cost=round_s / per_fwd,
                                    greedy_equal=sres.tokens == cres.tokens)
+                        row.update(round_phases(t, b, spec, draft_step_ms, row["round_ms"]))
                         if spec["k_run"] == SEED_K:
                             for name, tpr in SEED_TOKENS_PER_ROUND.items():
                                 row[f"predicted[{name}]"] = tpr / row["round_cost"]
@@ -315,6 +331,10 @@ def run_scaling(args, target, out, deadline):
         _, classic = gen_stats(target, None, rows, 1, args, False)
         out.append(dict(run="scaling", batch=b, **classic))
         print(f"scaling classic B={b}: {classic['tokens_per_s']:.1f} tok/s aggregate", flush=True)
+
+
+def _ms(v):
+    return "" if v is None else f"{v:.2f}"
 
 
 def write_report(path, meta, rows):
@@ -347,15 +367,16 @@ def write_report(path, meta, rows):
     if lp:
         lines += ["## Decode loop", "",
                   "| mode | multirow | B | K | pad | tile_m | tok/s | speedup | accept | mean acc. len | tok/round "
-                  "| round ms | round cost | predicted (seed accept.) | greedy == classic |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| round ms | draft ms | verify ms | round cost | predicted (seed accept.) | greedy == classic |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in lp:
             pred = ", ".join(f"{v:.2f}x" for k, v in r.items() if k.startswith("predicted"))
             k_col = f"{r.get('k', 1)}" + (f" (ran {r['k_run']})" if r.get("k_run", r.get("k", 1)) != r.get("k", 1) else "")
             lines.append(f"| {r['mode']} | {r['multirow']} | {r['batch']} | {k_col} | {r.get('verify_pad', '')} "
                          f"| {r.get('tile_m') or ''} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} "
                          f"| {r['acceptance_rate']:.2f} | {r['mean_accepted_len']:.2f} | {r['tokens_per_round']:.2f} "
-                         f"| {r.get('round_ms', 0):.2f} | {r.get('round_cost', 1.0):.2f} | {pred} "
+                         f"| {r.get('round_ms', 0):.2f} | {_ms(r.get('draft_ms'))} | {_ms(r.get('verify_ms'))} "
+                         f"| {r.get('round_cost', 1.0):.2f} | {pred} "
                          f"| {r.get('greedy_equal', '')}{' FALLBACK: ' + r['fallback'] if r.get('fallback') else ''} |")
         lines.append("")
     sc = [r for r in rows if r["run"] == "scaling"]

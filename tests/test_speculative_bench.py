@@ -43,6 +43,9 @@ def test_tiny_preset_forward_loop_and_scaling(tmp_path):
     for r in spec:
         assert r["greedy_equal"] is True and r["k"] == 3
         assert r["round_cost"] > 0 and r["speedup"] > 0
+        # the round's phases, timed apart: K - 1 draft steps at the draft row's cost, one verify
+        assert r["draft_ms"] > 0 and r["verify_ms"] > 0
+        assert abs(r["draft_ms"] + r["verify_ms"] + r["other_ms"] - r["round_ms"]) < 1e-6
         assert r["new_tokens"] == 6
         assert not any(key.startswith("predicted") for key in r)  # the seed's acceptances are K = 4's
     assert [r["batch"] for r in rows if r["run"] == "scaling"] == [1, 2]
