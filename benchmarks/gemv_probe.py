@@ -118,7 +118,9 @@ def variants(shape, rows):
             base = fma_gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="fma", gemv_block_n=b))
             t = GemvTiling(block_n=b, groups_per_step=g, split_k=base.split_k, chains=chains)
             v[f"fma sweep n{b} g{g} c{int(chains)}"] = launched(t)
-    for b, g, sp in ((128, 4, 4), (64, 8, 2), (64, 16, 2), (128, 2, 4)):
+    # (128 x 1 at split 4 and 8: one group per step keeps 127 registers, so 4 programs fit an SM and
+    # 480 programs run in one wave with half the groups each; docs/kernels.md, "Next steps")
+    for b, g, sp in ((128, 4, 4), (64, 8, 2), (64, 16, 2), (128, 2, 4), (128, 1, 4), (128, 1, 8), (64, 1, 8)):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True)
         v[f"gemv mma n{b} g{g} s{sp}"] = launched(t)
     return v, {"mma": str(mma_t), "fma": str(fma_t)}

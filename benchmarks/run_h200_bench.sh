@@ -54,12 +54,14 @@ for s in $steps; do
     # GEMVs at 1 and 8 rows and two stream kernels (no preallocation: kernel replay saves and
     # restores device memory). Next question (docs/kernels.md): why the fma GEMV costs 20 us at one
     # row and several times that at 8.
-    # (session 5: plus the memory, compute, scheduler and instruction sections, and two fma launches)
+    # (session 5: plus the memory, compute, scheduler and instruction sections, the best 8-row fma
+    # launch, and the tensor-core GEMV split further at one group per step: the group-chain test)
     ncu) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu 150 ncu --clock-control none --kernel-name regex:'q4|stream' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section SchedulerStats --section InstructionStats python3 benchmarks/gemv_probe.py --once --rows 1,8 \
-        --only "=gemv mma,=gemv fma,=fma sweep n128 g1 c0,=fma sweep n256 g1 c1" --out "$out/ncu_probe"
+        --only "=gemv mma,=gemv fma,=fma sweep n256 g1 c1,=gemv mma n128 g1 s4,=gemv mma n128 g1 s8,=gemv mma n64 g1 s8" \
+        --out "$out/ncu_probe"
         pkill -9 -f "gemv_probe.py --once" ;;  # ncu's target process outlives a killed ncu (session 4)
     # the CUDA-core GEMV's launch shapes at 1, 4 and 8 rows (does any stay near 20 us at 8 rows?)
     fmasweep) step fmasweep 150 python3 benchmarks/gemv_probe.py --rows 1,8 \
