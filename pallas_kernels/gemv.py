@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .kernel import pad_by, pad_to, split_groups
+from .kernel import fold_splits, pad_by, pad_to, split_groups
 from .quant import QuantizedWeight
 
 ONE_F32 = 0x3F800000  # the bit pattern of 1.0f
@@ -195,8 +195,4 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
             num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name=f"q{qw.bits}gemv_r{rows}_n{tiling.block_n}",
     )(x4, xs, w3, scales, biases)
-    out = out[:, :, :n]
-    total = out[0]
-    for part in range(1, split):  # a fixed order: the same sum whatever the row count
-        total = total + out[part]
-    return total.astype(x2.dtype)
+    return fold_splits(out[:, :, :n]).astype(x2.dtype)

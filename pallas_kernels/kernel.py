@@ -145,6 +145,16 @@ def split_groups(n_groups: int, split_k: int) -> tuple[int, int]:
     return -(-n_groups // groups_per_split), groups_per_split
 
 
+def fold_splits(parts: jax.Array) -> jax.Array:
+    """Sum split-K partials `[split, rows, N]` over the split in a fixed order. Elementwise adds keep
+    every row's sum independent of the row count; XLA's reduce may pick its order by shape (it did
+    for the fma GEMV's group sums on CPU: docs/kernels.md, log entry 6)."""
+    total = parts[0]
+    for part in range(1, parts.shape[0]):
+        total = total + parts[part]
+    return total
+
+
 def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
     rows, k = x2.shape
@@ -175,6 +185,4 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
         name=f"q{qw.bits}mm_m{tiling.block_m}_n{tiling.block_n}",
     )(x2, weight, scales, biases)
     out = out[:, :rows, :n]
-    if split == 1:
-        return out[0]
-    return out.sum(axis=0).astype(x2.dtype)
+    return fold_splits(out).astype(x2.dtype)
