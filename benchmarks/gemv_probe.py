@@ -110,9 +110,8 @@ def variants(shape, rows):
         v[f"gemv fma n{b} g{g} s{sp} w{nw}"] = launched(t)
     # the CUDA-core GEMV's launch shapes at the dispatch's own split (registers per row against x
     # reuse: a thread holds block_n * groups_per_step * 8 / (32 * warps) words, several n rows of them
-    # sharing one loaded input), with and without the hand prefetch
-    # (session 5: with chains, one FMA chain per word quad; the no-prefetch and 8-warp launches lost
-    # at 8 rows in session 5's first sweep and were dropped from it)
+    # sharing one loaded input), with and without word-quad chains (the no-prefetch and 8-warp
+    # launches lost at 8 rows in session 5's first sweep and were dropped)
     for b, g in ((128, 1), (256, 1), (64, 2), (128, 2), (64, 4), (32, 8)):
         for chains in (False, True):
             base = fma_gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="fma", gemv_block_n=b))

@@ -164,14 +164,13 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     # contiguous run of inputs, loaded and used without conversion; and their group sums. One small
     # XLA op per call (in the kernel benchmark a launch of its own; whether XLA fuses it into x's
     # producer inside a model was not checked).
-    x4 = x2.astype(jnp.float32).reshape(rows, n_groups, g // epw, epw)
-    xs = group_sums(x2.astype(jnp.float32).reshape(rows, n_groups, g))
-    x4 = x4.swapaxes(2, 3)
     wpg = g // epw
     if tiling.chains and wpg % 4:
         raise ValueError(f"GemvTiling.chains needs a multiple of 4 words per group, got {wpg}")
     word_shape = (wpg // 4, 4) if tiling.chains else (wpg,)
-    x4 = x4.reshape(x4.shape[:3] + word_shape)
+    x3 = x2.astype(jnp.float32).reshape(rows, n_groups, g)
+    xs = group_sums(x3)
+    x4 = x3.reshape(rows, n_groups, wpg, epw).swapaxes(2, 3).reshape((rows, n_groups, epw) + word_shape)
     w3 = qw.weight.reshape((n, n_groups) + word_shape)
     scales, biases = qw.scales, qw.biases
     if interpret:
