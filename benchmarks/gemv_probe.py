@@ -13,6 +13,7 @@ is the bound, not the dequantizing; if they run near the XLA reduction, the arit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -122,6 +123,13 @@ def variants(shape, rows):
     for b, g, sp in ((128, 4, 4), (64, 8, 2), (64, 16, 2), (128, 2, 4), (128, 1, 4), (128, 1, 8), (64, 1, 8)):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True)
         v[f"gemv mma n{b} g{g} s{sp}"] = launched(t)
+    # the code unpacking: the dispatch's launch with the pre-session-6 broadcast unpack (a shared-
+    # memory load and store per weight) against the join unpack at other grids (log entry 7)
+    v["gemv mma bcast"] = launched(dataclasses.replace(mma_t, unpack="broadcast"))
+    for b, g, sp, nw in ((128, 1, 4, 4), (128, 1, 8, 4), (64, 1, 4, 4), (64, 1, 8, 4), (256, 1, 2, 4),
+                         (256, 1, 4, 8), (128, 2, 2, 4), (128, 1, 2, 8)):
+        t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True, num_warps=nw)
+        v[f"mma join n{b} g{g} s{sp} w{nw}"] = launched(t)
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
 
 

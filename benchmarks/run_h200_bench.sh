@@ -63,6 +63,13 @@ for s in $steps; do
         --only "=gemv mma,=gemv fma,=fma sweep n256 g1 c1,=gemv mma n128 g1 s4,=gemv mma n128 g1 s8,=gemv mma n64 g1 s8" \
         --out "$out/ncu_probe"
         pkill -9 -f "gemv_probe.py --once" ;;  # ncu's target process outlives a killed ncu (session 4)
+    # session 6: the tensor-core GEMV's code unpacking (join against the old broadcast) and its grid,
+    # with occupancy limits and shared-memory traffic (kernel time, not harness time)
+    ncu_unpack) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_unpack 280 ncu --clock-control none --kernel-name regex:'q4' \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio \
+        python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,=gemv mma bcast,mma join" \
+        --out "$out/ncu_unpack_probe"
+        pkill -9 -f "gemv_probe.py --once" ;;
     # the CUDA-core GEMV's launch shapes at 1, 4 and 8 rows (does any stay near 20 us at 8 rows?)
     fmasweep) step fmasweep 150 python3 benchmarks/gemv_probe.py --rows 1,8 \
         --only "=gemv mma,=gemv fma,fma sweep" --out "$out/fmasweep" ;;

@@ -32,6 +32,12 @@ class Tiling:
     convert: how codes become dot operands: "bits" ORs each code into the mantissa of a float whose
     exponent makes the value `offset + code` (no int->float instruction; the offset goes into the
     bias), "cvt" converts with int->float instructions (always used for float32 dots).
+    unpack: how a tile of packed words becomes the [block_n, group_size] code tile. "join": each
+    thread that holds a word extracts all its codes (one shift and mask per code, in the word's own
+    layout) and pairwise stacks (Triton `join`, which keeps the new axis in the thread) interleave
+    them into input order; "broadcast": broadcast the words to [block_n, words, codes] and shift,
+    where Triton spreads the codes of one word over 8 threads, each re-reading the word from shared
+    memory and storing one 16-bit code back (a shared-memory load and store per weight: log entry 7).
     (Two options for loading scales and biases, one group ahead and transposed, were removed after
     the H200 showed no gain and Nsight Compute put the time in the grid and the per-group chain:
     docs/kernels.md, log entries 3-5.)"""
@@ -44,6 +50,7 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 3
     convert: str = "bits"
+    unpack: str = "join"
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -55,6 +62,18 @@ def magic_offset(dot_dtype, bits: int):
     if dot_dtype == jnp.float16 and bits <= 10:   # [1024, 2048) has step 1 in f16
         return 0x6400, 1024.0
     return None
+
+
+def interleave(codes: list) -> jax.Array:
+    """`codes[j]` `[n, words]` (code j of each word) -> `[n, words, len(codes)]` with code j of word w
+    at `[n, w, j]`, by pairwise stacks along a new last axis only (what Pallas lowers to Triton's
+    `join`). Each level pairs codes whose indices differ in the highest remaining bit, so the axes
+    come out highest bit first: row-major order is j itself. len(codes) must be a power of two."""
+    while len(codes) > 1:
+        half = len(codes) // 2
+        codes = [jnp.stack([codes[j], codes[j + half]], axis=-1) for j in range(half)]
+    (q,) = codes
+    return q.reshape(*q.shape[:2], -1)
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
@@ -82,14 +101,20 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
                           mask=x_mask, other=0)
         w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
-        q = (w[:, :, None] >> shifts[None, None, :]) & code_mask
-        if magic is None:
-            q = q.reshape(t.block_n, group_size).astype(jnp.int32).astype(dot_dtype)  # exact: small ints
-        else:
+
+        def as_operand(c):  # codes -> dot operand values, elementwise (any layout)
+            if magic is None:
+                return c.astype(jnp.int32).astype(dot_dtype)  # exact: small ints
             # (pattern | code) is offset + code as a float: one OR per weight instead of a slow
             # int->float convert. x . (offset + q) = x . q + offset * sum(x), so the bias absorbs it.
-            q = (q | jnp.uint32(magic[0])).reshape(t.block_n, group_size).astype(jnp.uint16)
-            q = jax.lax.bitcast_convert_type(q, dot_dtype)
+            return jax.lax.bitcast_convert_type((c | jnp.uint32(magic[0])).astype(jnp.uint16), dot_dtype)
+
+        if t.unpack == "join":  # converted before the joins: they move 16-bit values
+            q = interleave([as_operand((w >> jnp.uint32(bits * j)) & code_mask) for j in range(epw)])
+        else:
+            q = as_operand((w[:, :, None] >> shifts[None, None, :]) & code_mask)
+        q = q.reshape(t.block_n, group_size)
+        if magic is not None:
             b = b - magic[1] * s
         xd = x.astype(dot_dtype)
         xsum = jnp.sum(x.astype(jnp.float32), axis=1)
