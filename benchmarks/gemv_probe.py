@@ -33,7 +33,7 @@ from pallas_kernels import DispatchConfig, quantized_matmul  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.gemv import GemvTiling  # noqa: E402
 from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
-from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling  # noqa: E402
+from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling  # noqa: E402
 
 
 def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb):
@@ -89,6 +89,12 @@ def variants(shape, rows):
     mma_t = gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="mma"))
     fma_t = fma_gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="fma"))
     mma_cfg, fma_cfg = DispatchConfig(gemv_kernel="mma"), DispatchConfig(gemv_kernel="fma")
+    if rows > MMA_ROWS:  # the tiled GEMM, both bodies, next to a bf16 dense matmul of the same shape
+        qmm = {d: qmm_tiling(rows, shape, GROUP, DispatchConfig(dequant=d)) for d in ("codes", "weights")}
+        v = {f"qmm {d}": launched(t) for d, t in qmm.items()}
+        dense = jax.random.normal(jax.random.PRNGKey(7), shape, jnp.bfloat16)  # a captured constant operand
+        v["bf16 dot"] = lambda x, w: x @ dense.T
+        return v, {k: str(t) for k, t in qmm.items()}
     path = "qmv" if rows == 1 else "multirow"
     v = {
         "gemv mma": lambda x, w: quantized_matmul(x, w, path=path, config=mma_cfg),
@@ -130,6 +136,12 @@ def variants(shape, rows):
                          (256, 1, 4, 8), (128, 2, 2, 4), (128, 1, 2, 8)):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True, num_warps=nw)
         v[f"mma join n{b} g{g} s{sp} w{nw}"] = launched(t)
+    # dequantize-first (s*q + b per weight, one accumulating dot per step of g groups; dq_kernel.py)
+    for b, g, sp, nw in ((128, 1, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (64, 2, 4, 4),
+                         (64, 4, 4, 4), (64, 2, 8, 4), (256, 2, 2, 8)):
+        t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True, num_warps=nw,
+                   dequant="weights")
+        v[f"mma dq n{b} g{g} s{sp} w{nw}"] = launched(t)
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
 
 

@@ -70,6 +70,13 @@ for s in $steps; do
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,=gemv mma bcast,mma join" \
         --out "$out/ncu_unpack_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
+    # session 6: the dequantize-first body (dq_kernel.py) at GEMV grids, and both bodies in the tiled
+    # GEMM at 64 rows next to a bf16 dot (the same metrics)
+    ncu_dq) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_dq 280 ncu --clock-control none --kernel-name regex:'q4|gemm|cutlass|nvjet|sm90' \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio \
+        python3 benchmarks/gemv_probe.py --once --rows 1,8,64 --only "=gemv mma,mma dq,qmm,bf16 dot" \
+        --out "$out/ncu_dq_probe"
+        pkill -9 -f "gemv_probe.py --once" ;;
     # the CUDA-core GEMV's launch shapes at 1, 4 and 8 rows (does any stay near 20 us at 8 rows?)
     fmasweep) step fmasweep 150 python3 benchmarks/gemv_probe.py --rows 1,8 \
         --only "=gemv mma,=gemv fma,fma sweep" --out "$out/fmasweep" ;;
@@ -85,6 +92,9 @@ for s in $steps; do
         step fwd_fma_n256c 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/fwd_fma_n256c"
         JAXSPEC_GEMV_KERNEL=fma JAXSPEC_GEMV_BLOCK_N=128 JAXSPEC_GEMV_GROUPS_PER_STEP=1 \
         step fwd_fma_n128 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 --out "$out/fwd_fma_n128" ;;
+    # the whole 12B decode forward with the dequantize-first body, 2 groups per step (next to `full`)
+    full_dq) JAXSPEC_DEQUANT=weights JAXSPEC_GEMV_GROUPS_PER_STEP=2 step full_dq 80 $sb --no-assistant --runs forward \
+        --k-values 4 --time-budget 45 --out "$out/full_dq" ;;
     # the GPU-only kernel tests (Triton-compiled kernels, row invariance at real shapes)
     pytest_gpu) step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     fwd) step fwd 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \

@@ -11,6 +11,7 @@ import os
 
 BACKENDS = ("pallas", "xla")
 GEMV_KERNELS = ("fma", "mma")
+DEQUANTS = ("codes", "weights")
 PATHS = ("qmv", "multirow", "qmm")
 
 
@@ -50,7 +51,12 @@ class DispatchConfig:
     gemv_block_n / gemv_split_k: GEMV tiling overrides (None: chosen from the weight shape).
     gemv_groups_per_step / gemv_chains: the fma GEMV's groups per loop step (None: its default) and
     word-quad FMA chains (GemvTiling.chains). $JAXSPEC_GEMV_BLOCK_N, $JAXSPEC_GEMV_GROUPS_PER_STEP and
-    $JAXSPEC_GEMV_CHAINS set these three for A/B runs of a whole model.
+    $JAXSPEC_GEMV_CHAINS set these three for A/B runs of a whole model ($JAXSPEC_GEMV_SPLIT_K the split;
+    groups per step applies to the tensor-core GEMV too).
+    dequant: how the tensor-core kernel (mma GEMV and qmm) uses the codes: "codes" (exact codes on
+    the tensor cores, each group's scale and bias applied to the small product) or "weights" (every
+    weight dequantized to s*q + b in the dot dtype first, one accumulating dot per loop step;
+    pallas_kernels/dq_kernel.py). $JAXSPEC_DEQUANT.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -63,16 +69,19 @@ class DispatchConfig:
     interpret: bool | None = None
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))
     gemv_block_n: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_GEMV_BLOCK_N", None))
-    gemv_split_k: int | None = None
+    gemv_split_k: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_GEMV_SPLIT_K", None))
     gemv_groups_per_step: int | None = dataclasses.field(
         default_factory=lambda: _env_int("JAXSPEC_GEMV_GROUPS_PER_STEP", None))
     gemv_chains: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_CHAINS", False))
+    dequant: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT", "codes"))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {BACKENDS}")
         if self.gemv_kernel not in GEMV_KERNELS:
             raise ValueError(f"gemv_kernel={self.gemv_kernel!r}: expected one of {GEMV_KERNELS}")
+        if self.dequant not in DEQUANTS:
+            raise ValueError(f"dequant={self.dequant!r}: expected one of {DEQUANTS}")
         if not 1 <= self.multirow_max_rows <= 16:
             raise ValueError(f"multirow_max_rows={self.multirow_max_rows} must be in 1..16 "
                              "(the multirow kernel pads rows to one 16-row MMA tile)")

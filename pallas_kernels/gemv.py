@@ -32,11 +32,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import codes
 from .kernel import fold_splits, pad_by, pad_to, split_groups
 from .quant import QuantizedWeight
-
-ONE_F32 = 0x3F800000  # the bit pattern of 1.0f
-
 
 @dataclasses.dataclass(frozen=True)
 class GemvTiling:
@@ -68,25 +66,8 @@ def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling,
     g_end = jnp.minimum(g_start + groups_per_split, n_groups)
     steps = pl.cdiv(g_end - g_start, gps)
     top = 23 - bits  # code bits land at mantissa bits [top, 23): the value is 1 + q / 2^bits
-    code_mask = (2**bits - 1) << top
-
-    def code_as_float(w, shift):  # 1 + q/2^bits for the code that `w << shift` moves to bit `top`
-        if not interpret:  # one shift and one LOP3 ((a & b) | c); from jnp, ptxas emits AND then OR
-            op = f"shl.b32 t, $1, {shift};" if shift >= 0 else f"shr.u32 t, $1, {-shift};"
-            asm = f"{{ .reg .b32 t; {op} lop3.b32 $0, t, {code_mask:#x}, {ONE_F32:#x}, 0xea; }}"
-            return pltriton.elementwise_inline_asm(
-                asm, args=[w], constraints="=r,r", pack=1,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
-        q = (w << shift) if shift >= 0 else (w >> -shift)
-        return jax.lax.bitcast_convert_type((q & jnp.uint32(code_mask)) | jnp.uint32(ONE_F32), jnp.float32)
-
-    def fma(a, b, c):  # a * b + c in one rounding: the device's Triton (XLA's) leaves `a * b + c`
-        # as FMUL + FADD (Nsight Compute: 0 fused FP32 instructions), a third more instructions at 8 rows
-        if interpret:
-            return a * b + c
-        return pltriton.elementwise_inline_asm(
-            "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+    code_as_float = functools.partial(codes.code_as_float, bits=bits, interpret=interpret)
+    fma = functools.partial(codes.fma, interpret=interpret)
 
     def group_ok(g):
         return (g + jnp.arange(gps)) < g_end

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .codes import interleave
+from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
@@ -38,6 +40,9 @@ class Tiling:
     them into input order; "broadcast": broadcast the words to [block_n, words, codes] and shift,
     where Triton spreads the codes of one word over 8 threads, each re-reading the word from shared
     memory and storing one 16-bit code back (a shared-memory load and store per weight: log entry 7).
+    dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
+    "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
+    (dq_kernel.py; join unpack only).
     (Two options for loading scales and biases, one group ahead and transposed, were removed after
     the H200 showed no gain and Nsight Compute put the time in the grid and the per-group chain:
     docs/kernels.md, log entries 3-5.)"""
@@ -51,6 +56,7 @@ class Tiling:
     num_stages: int = 3
     convert: str = "bits"
     unpack: str = "join"
+    dequant: str = "codes"
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -62,18 +68,6 @@ def magic_offset(dot_dtype, bits: int):
     if dot_dtype == jnp.float16 and bits <= 10:   # [1024, 2048) has step 1 in f16
         return 0x6400, 1024.0
     return None
-
-
-def interleave(codes: list) -> jax.Array:
-    """`codes[j]` `[n, words]` (code j of each word) -> `[n, words, len(codes)]` with code j of word w
-    at `[n, w, j]`, by pairwise stacks along a new last axis only (what Pallas lowers to Triton's
-    `join`). Each level pairs codes whose indices differ in the highest remaining bit, so the axes
-    come out highest bit first: row-major order is j itself. len(codes) must be a power of two."""
-    while len(codes) > 1:
-        half = len(codes) // 2
-        codes = [jnp.stack([codes[j], codes[j + half]], axis=-1) for j in range(half)]
-    (q,) = codes
-    return q.reshape(*q.shape[:2], -1)
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
@@ -197,9 +191,18 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
     out_rows, out_n = (x2.shape[0], weight.shape[0]) if interpret else (rows, n)
     out_dtype = x2.dtype if split == 1 else jnp.float32
     grid = (pl.cdiv(n, tiling.block_n), pl.cdiv(rows, tiling.block_m), split)
-    kernel = functools.partial(
-        _kernel, rows=rows, n=n, bits=qw.bits, group_size=qw.group_size, tiling=tiling,
-        n_groups=n_groups, groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision)
+    common = dict(rows=rows, n=n, bits=qw.bits, group_size=qw.group_size, tiling=tiling, n_groups=n_groups,
+                  groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision)
+    if tiling.dequant == "weights":
+        kernel = functools.partial(dq_body, interpret=interpret, **common)
+        weight = weight.reshape(weight.shape[0], n_groups, -1)
+        if interpret:  # a last step may run past the last group: poison there, hidden by the masks
+            extra = tiling.groups_per_step
+            weight = pad_by(weight, 1, extra, 0xFFFFFFFF)
+            scales, biases = (pad_by(a, 1, extra, 1.0) for a in (scales, biases))
+            x2 = pad_by(x2, 1, extra * qw.group_size, 1.0)
+    else:
+        kernel = functools.partial(_kernel, **common)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, out_rows, out_n), out_dtype),
@@ -207,7 +210,7 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
         interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages),
-        name=f"q{qw.bits}mm_m{tiling.block_m}_n{tiling.block_n}",
+        name=f"q{qw.bits}mm{'dq' if tiling.dequant == 'weights' else ''}_m{tiling.block_m}_n{tiling.block_n}",
     )(x2, weight, scales, biases)
     out = out[:, :rows, :n]
     return fold_splits(out).astype(x2.dtype)

@@ -38,8 +38,8 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     else:
         split = split_for(-(-n // block_n), n_groups, _TARGET_PROGRAMS)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes.
-    return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=1, split_k=split, w_left=True,
-                  num_warps=4, num_stages=3)
+    return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
+                  split_k=split, w_left=True, num_warps=4, num_stages=3, dequant=config.dequant)
 
 
 def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:
@@ -71,4 +71,4 @@ def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: Dispa
     programs = -(-n // config.qmm_tile_n) * -(-rows // block_m)
     split = split_for(programs, k // group_size, _QMM_TARGET_PROGRAMS)
     return Tiling(block_m=block_m, block_n=config.qmm_tile_n, groups_per_step=groups_per_step,
-                  split_k=split, w_left=False, num_warps=4, num_stages=3)
+                  split_k=split, w_left=False, num_warps=4, num_stages=3, dequant=config.dequant)

@@ -1,0 +1,48 @@
+"""From packed words to dot operands, shared by the kernels: the interleave of a word's codes into
+input order (kernel.py, dq_kernel.py), and two element-wise instructions the Triton that XLA bundles
+does not emit from jnp code, as inline PTX (plain jnp in interpret mode): a fused multiply-add, and
+a code put at the top of a float32 mantissa with one shift and one LOP3 (gemv.py, dq_kernel.py)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+ONE_F32 = 0x3F800000  # the bit pattern of 1.0f
+
+
+def fma(a, b, c, *, interpret: bool):
+    """a * b + c in one rounding, float32. The device's Triton (XLA's) leaves `a * b + c` as FMUL +
+    FADD (Nsight Compute: 0 fused FP32 instructions, docs/kernels.md log entry 6)."""
+    if interpret:
+        return a * b + c
+    return pltriton.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def code_as_float(w, shift: int, bits: int, *, interpret: bool):
+    """float32 `1 + q / 2**bits` for the code q that `w << shift` (a right shift if negative) moves to
+    mantissa bits [23 - bits, 23): the code ORed under the exponent of 1.0, so no int->float convert.
+    On the GPU one shift and one LOP3 ((a & b) | c; from jnp, ptxas emits AND then OR)."""
+    code_mask = (2**bits - 1) << (23 - bits)
+    if not interpret:
+        op = f"shl.b32 t, $1, {shift};" if shift >= 0 else f"shr.u32 t, $1, {-shift};"
+        asm = f"{{ .reg .b32 t; {op} lop3.b32 $0, t, {code_mask:#x}, {ONE_F32:#x}, 0xea; }}"
+        return pltriton.elementwise_inline_asm(
+            asm, args=[w], constraints="=r,r", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
+    q = (w << shift) if shift >= 0 else (w >> -shift)
+    return jax.lax.bitcast_convert_type((q & jnp.uint32(code_mask)) | jnp.uint32(ONE_F32), jnp.float32)
+
+
+def interleave(codes: list) -> jax.Array:
+    """`codes[j]` `[..., words]` (code j of each word) -> `[..., words, len(codes)]` with code j of word
+    w at `[..., w, j]`, by pairwise stacks along a new last axis only (what Pallas lowers to Triton's
+    `join`). Each level pairs codes whose indices differ in the highest remaining bit, so the axes
+    come out highest bit first: row-major order is j itself. len(codes) must be a power of two."""
+    shape = codes[0].shape
+    while len(codes) > 1:
+        half = len(codes) // 2
+        codes = [jnp.stack([codes[j], codes[j + half]], axis=-1) for j in range(half)]
+    return codes[0].reshape(*shape, -1)

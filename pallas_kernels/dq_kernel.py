@@ -1,0 +1,70 @@
+"""The dequantize-first body of the tensor-core kernel (`Tiling.dequant="weights"`): each weight becomes
+`s*q + b` in the dot's dtype before the dot, so one accumulating `dot` per loop step covers
+`groups_per_step` groups and the accumulator stays in the MMA unit.
+
+The other body (kernel.py, `dequant="codes"`) multiplies the exact codes and applies each group's
+scale and bias to the small product, which costs a synchronous MMA and an epilogue per group; this
+one costs a float32 FMA and a rounding per weight instead. Per code: one shift and one LOP3 put it
+into a float32 mantissa as `1 + q/2^bits` (codes.code_as_float), one FMA gives `s*q + b` (scale and
+bias pre-folded per group: `2^bits*s * (1 + q/2^bits) + (b - 2^bits*s)`), then a conversion to bf16/f16
+(one instruction per two weights). The codes of a word are interleaved into input order with joins
+(codes.interleave), as in the other body. Weights are rounded once to the dot dtype, as
+`dequantize(qw, dtype)` would round them; float32 dots keep them in float32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from . import codes as C
+
+
+def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
+            groups_per_split, dot_dtype, precision, interpret):
+    """w_ref is the packed weight as `[N, groups, words per group]`."""
+    t = tiling
+    epw = 32 // bits
+    gps = t.groups_per_step
+    wpg = w_ref.shape[2]
+    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m0, n0 = pid_m * t.block_m, pid_n * t.block_n
+    row_ok = (m0 + jnp.arange(t.block_m)) < rows
+    col_ok = (n0 + jnp.arange(t.block_n)) < n
+    g_start = pid_s * groups_per_split
+    g_end = jnp.minimum(g_start + groups_per_split, n_groups)
+    top = 23 - bits
+    code_as_float = functools.partial(C.code_as_float, bits=bits, interpret=interpret)
+    fma = functools.partial(C.fma, interpret=interpret)
+
+    def step(i, acc):
+        g = g_start + i * gps
+        g_ok = (g + jnp.arange(gps)) < g_end   # groups past the split's end load as zeros
+        k_ok = (g * group_size + jnp.arange(gps * group_size)) < g_end * group_size
+        x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, gps * group_size)],
+                          mask=row_ok[:, None] & k_ok[None, :], other=0)
+        w_mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (t.block_n, gps, wpg))
+        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps), :], mask=w_mask, other=0)
+        sb_mask = col_ok[:, None] & g_ok[None, :]
+        s, b = (pltriton.load(ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0).astype(jnp.float32)
+                for ref in (s_ref, b_ref))
+        s = s * float(2**bits)        # exact: a power-of-two scaling
+        b = jnp.broadcast_to((b - s)[:, :, None], w.shape)
+        s = jnp.broadcast_to(s[:, :, None], w.shape)
+        # code j of every word, dequantized: s*q + b = 2^bits*s * (1 + q/2^bits) + (b - 2^bits*s)
+        codes = [fma(code_as_float(w, top - bits * j), s, b).astype(dot_dtype) for j in range(epw)]
+        q = C.interleave(codes).reshape(t.block_n, gps * group_size)
+        xd = x.astype(dot_dtype)
+        if t.w_left:  # acc is [block_n, block_m]
+            return acc + pltriton.dot(q, xd, trans_b=True, precision=precision)
+        return acc + pltriton.dot(xd, q, trans_b=True, precision=precision)
+
+    shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)
+    acc = jax.lax.fori_loop(0, pl.cdiv(g_end - g_start, gps), step, jnp.zeros(shape, jnp.float32))
+    if t.w_left:
+        acc = acc.T
+    pltriton.store(o_ref.at[pid_s, pl.ds(m0, t.block_m), pl.ds(n0, t.block_n)], acc.astype(o_ref.dtype),
+                   mask=row_ok[:, None] & col_ok[None, :])
