@@ -136,6 +136,12 @@ def variants(shape, rows):
                          (256, 1, 4, 8), (128, 2, 2, 4), (128, 1, 2, 8)):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True, num_warps=nw)
         v[f"mma join n{b} g{g} s{sp} w{nw}"] = launched(t)
+    # the paired unpack (two codes per shift + LOP3) and the scale/bias prefetch, at two grids
+    for b, sp in ((128, 2), (64, 8), (64, 4), (128, 4)):
+        for u, pf in (("pairs", False), ("pairs", True), ("join", True)):
+            t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack=u,
+                       prefetch_sb=pf)
+            v[f"mma {u}{' pf' if pf else ''} n{b} s{sp}"] = launched(t)
     # dequantize-first (s*q + b per weight, one accumulating dot per step of g groups; dq_kernel.py)
     for b, g, sp, nw in ((128, 1, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (64, 2, 4, 4),
                          (64, 4, 4, 4), (64, 2, 8, 4), (256, 2, 2, 8)):

@@ -95,6 +95,19 @@ for s in $steps; do
     # the whole 12B decode forward with the dequantize-first body, 2 groups per step (next to `full`)
     full_dq) JAXSPEC_DEQUANT=weights JAXSPEC_GEMV_GROUPS_PER_STEP=2 step full_dq 80 $sb --no-assistant --runs forward \
         --k-values 4 --time-budget 45 --out "$out/full_dq" ;;
+    # session 6: the ncu of the paired unpack and the scale/bias prefetch; whole-12B forwards at
+    # the GEMV grid of 64-row tiles split to ~1920 programs (the ncu's fastest join launch)
+    ncu_pairs) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_pairs 200 ncu --clock-control none --kernel-name regex:'q4' \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio \
+        python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma pairs,mma join pf,=mma join n64 g1 s8 w4" \
+        --out "$out/ncu_pairs_probe"
+        pkill -9 -f "gemv_probe.py --once" ;;
+    full_n64) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=1920 step full_n64 80 $sb --no-assistant \
+        --runs forward --k-values 4 --time-budget 45 --out "$out/full_n64" ;;
+    full_n64_960) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=960 step full_n64_960 80 $sb --no-assistant \
+        --runs forward --k-values 4 --time-budget 45 --out "$out/full_n64_960" ;;
+    full_n128_960) JAXSPEC_GEMV_TARGET_PROGRAMS=960 step full_n128_960 80 $sb --no-assistant \
+        --runs forward --k-values 4 --time-budget 45 --out "$out/full_n128_960" ;;
     # the GPU-only kernel tests (Triton-compiled kernels, row invariance at real shapes)
     pytest_gpu) step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     fwd) step fwd 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \

@@ -36,13 +36,44 @@ def code_as_float(w, shift: int, bits: int, *, interpret: bool):
     return jax.lax.bitcast_convert_type((q & jnp.uint32(code_mask)) | jnp.uint32(ONE_F32), jnp.float32)
 
 
-def interleave(codes: list) -> jax.Array:
+def interleave(codes: list, pairs: list | None = None) -> jax.Array:
     """`codes[j]` `[..., words]` (code j of each word) -> `[..., words, len(codes)]` with code j of word
     w at `[..., w, j]`, by pairwise stacks along a new last axis only (what Pallas lowers to Triton's
     `join`). Each level pairs codes whose indices differ in the highest remaining bit, so the axes
-    come out highest bit first: row-major order is j itself. len(codes) must be a power of two."""
-    shape = codes[0].shape
-    while len(codes) > 1:
+    come out highest bit first: row-major order is j itself. len(codes) must be a power of two.
+    `pairs` (instead of codes): the first level already made, `pairs[j]` = codes j and j + half."""
+    if pairs is None:
         half = len(codes) // 2
-        codes = [jnp.stack([codes[j], codes[j + half]], axis=-1) for j in range(half)]
-    return codes[0].reshape(*shape, -1)
+        pairs = [jnp.stack([codes[j], codes[j + half]], axis=-1) for j in range(half)]
+    shape = pairs[0].shape[:-1]
+    while len(pairs) > 1:
+        half = len(pairs) // 2
+        pairs = [jnp.stack([pairs[j], pairs[j + half]], axis=-1) for j in range(half)]
+    return pairs[0].reshape(*shape, -1)
+
+
+def code_pairs(w, bits: int, pattern: int, dtype, *, interpret: bool) -> list:
+    """For a magic-pattern conversion (kernel.magic_offset: `pattern | code` reads as offset + code in
+    the 16-bit dtype): `pairs[j]` `[..., words, 2]` holds codes j and j + half of each word as that
+    dtype. Code j + half sits exactly 16 bits above code j, so one shift and one LOP3 make both halves
+    of a 32-bit register (the usual bf16x2 unpack), where per-code extraction spends two each."""
+    epw = 32 // bits
+    half = epw // 2
+    mask = (2**bits - 1) * 0x10001
+    both = pattern * 0x10001
+    pairs = []
+    for j in range(half):
+        if interpret:
+            v = ((w >> jnp.uint32(bits * j)) & jnp.uint32(mask)) | jnp.uint32(both)
+            lo, hi = ((v >> jnp.uint32(sh)) & jnp.uint32(0xFFFF) for sh in (0, 16))
+            lo, hi = (jax.lax.bitcast_convert_type(c.astype(jnp.uint16), dtype) for c in (lo, hi))
+        else:
+            # One asm per half (Pallas lowers a multi-result inline asm wrongly in JAX 0.10): both
+            # compute the same register, which ptxas computes once, and read one half of it.
+            op = f"shr.u32 t, $1, {bits * j};" if j else "mov.b32 t, $1;"
+            lo, hi = (pltriton.elementwise_inline_asm(
+                f"{{ .reg .b32 t; .reg .b16 d; {op} lop3.b32 t, t, {mask:#x}, {both:#x}, 0xea; mov.b32 {halves}, t; }}",
+                args=[w], constraints="=h,r", pack=1,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, dtype)])[0] for halves in ("{$0, d}", "{d, $0}"))
+        pairs.append(jnp.stack([lo, hi], axis=-1))
+    return pairs

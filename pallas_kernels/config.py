@@ -52,7 +52,8 @@ class DispatchConfig:
     gemv_groups_per_step / gemv_chains: the fma GEMV's groups per loop step (None: its default) and
     word-quad FMA chains (GemvTiling.chains). $JAXSPEC_GEMV_BLOCK_N, $JAXSPEC_GEMV_GROUPS_PER_STEP and
     $JAXSPEC_GEMV_CHAINS set these three for A/B runs of a whole model ($JAXSPEC_GEMV_SPLIT_K the split;
-    groups per step applies to the tensor-core GEMV too).
+    groups per step applies to the tensor-core GEMV too). gemv_target_programs: the program count
+    the split-K rule aims for when gemv_split_k is None ($JAXSPEC_GEMV_TARGET_PROGRAMS).
     dequant: how the tensor-core kernel (mma GEMV and qmm) uses the codes: "codes" (exact codes on
     the tensor cores, each group's scale and bias applied to the small product) or "weights" (every
     weight dequantized to s*q + b in the dot dtype first, one accumulating dot per loop step;
@@ -70,6 +71,8 @@ class DispatchConfig:
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))
     gemv_block_n: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_GEMV_BLOCK_N", None))
     gemv_split_k: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_GEMV_SPLIT_K", None))
+    gemv_target_programs: int | None = dataclasses.field(
+        default_factory=lambda: _env_int("JAXSPEC_GEMV_TARGET_PROGRAMS", None))
     gemv_groups_per_step: int | None = dataclasses.field(
         default_factory=lambda: _env_int("JAXSPEC_GEMV_GROUPS_PER_STEP", None))
     gemv_chains: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_CHAINS", False))
@@ -91,6 +94,8 @@ class DispatchConfig:
                 raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton block shapes)")
         if self.gemv_groups_per_step is not None and self.gemv_groups_per_step < 1:
             raise ValueError(f"gemv_groups_per_step={self.gemv_groups_per_step} must be >= 1")
+        if self.gemv_target_programs is not None and self.gemv_target_programs < 1:
+            raise ValueError(f"gemv_target_programs={self.gemv_target_programs} must be >= 1")
         if self.gemv_split_k is not None and self.gemv_split_k < 1:
             raise ValueError(f"gemv_split_k={self.gemv_split_k} must be >= 1")
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .codes import interleave
+from .codes import code_pairs, interleave
 from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
@@ -40,6 +40,10 @@ class Tiling:
     them into input order; "broadcast": broadcast the words to [block_n, words, codes] and shift,
     where Triton spreads the codes of one word over 8 threads, each re-reading the word from shared
     memory and storing one 16-bit code back (a shared-memory load and store per weight: log entry 7).
+    "pairs": as "join", with codes j and j + half of a word made together in one 32-bit register
+    (shift + LOP3 per two codes; bf16/f16 magic conversion only, else "join").
+    prefetch_sb: load the next group's scales and biases before this group's math (one group per
+    step only); Triton pipelines only the loads that feed the dot, so each group waits on these.
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
@@ -57,6 +61,7 @@ class Tiling:
     convert: str = "bits"
     unpack: str = "join"
     dequant: str = "codes"
+    prefetch_sb: bool = False
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -71,7 +76,7 @@ def magic_offset(dot_dtype, bits: int):
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision):
+            groups_per_split, dot_dtype, precision, interpret):
     t = tiling
     epw = 32 // bits            # codes per uint32 word
     wpg = group_size // epw     # words per group
@@ -103,7 +108,9 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
             # int->float convert. x . (offset + q) = x . q + offset * sum(x), so the bias absorbs it.
             return jax.lax.bitcast_convert_type((c | jnp.uint32(magic[0])).astype(jnp.uint16), dot_dtype)
 
-        if t.unpack == "join":  # converted before the joins: they move 16-bit values
+        if t.unpack == "pairs" and magic is not None:
+            q = interleave(None, code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret))
+        elif t.unpack in ("join", "pairs"):  # converted before the joins: they move 16-bit values
             q = interleave([as_operand((w >> jnp.uint32(bits * j)) & code_mask) for j in range(epw)])
         else:
             q = as_operand((w[:, :, None] >> shifts[None, None, :]) & code_mask)
@@ -121,6 +128,11 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     def one_group(g, acc):
         return group_math(acc, g, *load_sb(g))
 
+    def prefetched(g, carry):  # this group's scales and biases came with the carry
+        acc, s, b = carry
+        nxt = load_sb(jnp.minimum(g + 1, g1 - 1))
+        return (group_math(acc, g, s, b), *nxt)
+
     def step(i, acc):  # groups_per_step groups per iteration: more loads in flight
         for j in range(t.groups_per_step):
             acc = one_group(g0 + i * t.groups_per_step + j, acc)
@@ -130,9 +142,12 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     g1 = jnp.minimum(g0 + groups_per_split, n_groups)
     shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)
     acc = jnp.zeros(shape, jnp.float32)
-    full_steps = (g1 - g0) // t.groups_per_step
-    acc = jax.lax.fori_loop(0, full_steps, step, acc)
-    acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
+    if t.prefetch_sb:
+        acc = jax.lax.fori_loop(g0, g1, prefetched, (acc, *load_sb(g0)))[0]
+    else:
+        full_steps = (g1 - g0) // t.groups_per_step
+        acc = jax.lax.fori_loop(0, full_steps, step, acc)
+        acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
     if t.w_left:
         acc = acc.T
     pltriton.store(o_ref.at[pid_s, pl.ds(m0, t.block_m), pl.ds(n0, t.block_n)], acc.astype(o_ref.dtype),
@@ -202,7 +217,7 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
             scales, biases = (pad_by(a, 1, extra, 1.0) for a in (scales, biases))
             x2 = pad_by(x2, 1, extra * qw.group_size, 1.0)
     else:
-        kernel = functools.partial(_kernel, **common)
+        kernel = functools.partial(_kernel, interpret=interpret, **common)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, out_rows, out_n), out_dtype),

@@ -36,7 +36,7 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     if config.gemv_split_k is not None:
         split = config.gemv_split_k
     else:
-        split = split_for(-(-n // block_n), n_groups, _TARGET_PROGRAMS)
+        split = split_for(-(-n // block_n), n_groups, config.gemv_target_programs or _TARGET_PROGRAMS)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes.
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
                   split_k=split, w_left=True, num_warps=4, num_stages=3, dequant=config.dequant)
@@ -53,7 +53,7 @@ def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchCon
     if config.gemv_split_k is not None:
         split = config.gemv_split_k
     else:
-        split = split_for(-(-n // block_n), k // group_size, _FMA_TARGET_PROGRAMS)
+        split = split_for(-(-n // block_n), k // group_size, config.gemv_target_programs or _FMA_TARGET_PROGRAMS)
     return GemvTiling(block_n=block_n, groups_per_step=config.gemv_groups_per_step or 4, split_k=split,
                       chains=config.gemv_chains)
 
