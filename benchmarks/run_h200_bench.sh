@@ -108,6 +108,9 @@ for s in $steps; do
         --runs forward --k-values 4 --time-budget 45 --out "$out/full_n64_960" ;;
     full_n128_960) JAXSPEC_GEMV_TARGET_PROGRAMS=960 step full_n128_960 80 $sb --no-assistant \
         --runs forward --k-values 4 --time-budget 45 --out "$out/full_n128_960" ;;
+    # the tiled GEMM's two bodies at 64 rows next to a bf16 dot, and the GEMV default (harness times)
+    probe64) step probe64 120 python3 benchmarks/gemv_probe.py --rows 1,8,64 --only "=gemv mma,qmm,bf16 dot" \
+        --out "$out/probe64" ;;
     # the GPU-only kernel tests (Triton-compiled kernels, row invariance at real shapes)
     pytest_gpu) step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     fwd) step fwd 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \

@@ -59,7 +59,7 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 3
     convert: str = "bits"
-    unpack: str = "join"
+    unpack: str = "pairs"
     dequant: str = "codes"
     prefetch_sb: bool = False
 

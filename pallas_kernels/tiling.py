@@ -5,10 +5,12 @@ from .config import DispatchConfig
 from .gemv import GemvTiling
 from .kernel import MMA_ROWS, Tiling
 
-# H200: 132 SMs. A GEMV grid smaller than about two waves leaves bandwidth idle, so split K until
-# there are enough programs (sweep of 2026-11-29, docs/kernels.md: 3840x15360 went 294 -> 69 us
-# with split 8), but keep a few groups per split.
-_TARGET_PROGRAMS = 240
+# H200: 132 SMs. The tensor-core GEMV is latency-bound per group (docs/kernels.md, log entry 7), so
+# it wants many small programs resident per SM: 64-row tiles with K split to ~1920 programs (about
+# 15 per SM) ran 15360x3840 in 35 us against 41.3 for 128-row tiles at 240, and the whole-12B decode
+# forward in 10.06 ms against 10.78 (and 10.31 at 960 programs). Keep a few groups per split.
+_TARGET_PROGRAMS = 1920
+_GEMV_BLOCK_N = 64
 _QMM_TARGET_PROGRAMS = 132
 _MIN_GROUPS_PER_SPLIT = 4
 
@@ -31,7 +33,7 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     if config.gemv_kernel == "fma":
         return fma_gemv_tiling(shape, group_size, config)
     n, k = shape
-    block_n = config.gemv_block_n or 128
+    block_n = config.gemv_block_n or _GEMV_BLOCK_N
     n_groups = k // group_size
     if config.gemv_split_k is not None:
         split = config.gemv_split_k

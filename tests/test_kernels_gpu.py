@@ -59,3 +59,31 @@ def test_fma_gemv_launch_shapes_on_gpu(block_n, gps, chains):
     assert np.linalg.norm(multi - ref) / np.linalg.norm(ref) < 1e-2
     for i in (0, 3, 7):
         np.testing.assert_array_equal(np.asarray(run(x[i:i + 1]).astype(jnp.float32)), multi[i:i + 1])
+
+
+@pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, 4), (jnp.float16, 8), (jnp.float32, 4)])
+def test_tensor_core_unpacks_and_bodies_on_gpu(dtype, bits):
+    """The Triton builds of the code unpacks (the paired unpack's inline PTX has no CPU counterpart)
+    and the scale/bias prefetch give bitwise the same product at a real shape; the dequantize-first
+    body agrees with float64 and is row invariant."""
+    from pallas_kernels.kernel import Tiling, launch
+    rng = np.random.default_rng()
+    qw = quantize(jnp.asarray(rng.standard_normal((3840, 2048)) * 0.05, dtype), bits=bits)
+    x = jnp.asarray(rng.standard_normal((8, 2048)), dtype)
+    ref = np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+
+    def run(**kw):
+        t = Tiling(block_n=64, split_k=4, **kw)
+        return np.asarray(jax.jit(lambda x: launch(x, qw, t, interpret=False))(x).astype(jnp.float32))
+
+    base = run(unpack="broadcast")
+    assert np.linalg.norm(base - ref) / np.linalg.norm(ref) < tol
+    for kw in (dict(unpack="join"), dict(unpack="pairs"), dict(unpack="pairs", prefetch_sb=True)):
+        np.testing.assert_array_equal(run(**kw), base, err_msg=str(kw))
+    for gps in (1, 2):
+        t = Tiling(block_n=64, split_k=4, groups_per_step=gps, dequant="weights")
+        f = jax.jit(lambda x: launch(x, qw, t, interpret=False))
+        multi = np.asarray(f(x).astype(jnp.float32))
+        assert np.linalg.norm(multi - ref) / np.linalg.norm(ref) < tol, gps
+        np.testing.assert_array_equal(np.asarray(f(x[3:4]).astype(jnp.float32)), multi[3:4])

@@ -1,0 +1,86 @@
+"""The tensor-core kernel's variants (pallas_kernels/kernel.py, dq_kernel.py) against float64 and each
+other: the three code unpacks and the scale/bias prefetch change only how values move, so their
+results must be bitwise equal; the dequantize-first body rounds each weight once to the dot dtype,
+so it must agree with float64 to that rounding and keep bitwise row invariance."""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul
+from pallas_kernels.kernel import Tiling, launch
+from pallas_kernels.tiling import gemv_tiling, qmm_tiling
+
+
+def _case(rng, n, k, dtype, bits=4, group_size=64):
+    qw = quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.5, dtype), bits=bits, group_size=group_size)
+    return qw, np.asarray(dequantize(qw, jnp.float32), np.float64)
+
+
+def _rel(a, ref):
+    return np.linalg.norm(np.asarray(a, np.float64) - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, 4), (jnp.float16, 8), (jnp.bfloat16, 2), (jnp.float32, 4)])
+def test_unpacks_and_prefetch_are_bitwise_equal(dtype, bits):
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 80, 320, dtype, bits=bits)
+    x = jnp.asarray(rng.standard_normal((3, 320)), dtype)
+    outs = {}
+    for unpack in ("broadcast", "join", "pairs"):
+        for prefetch in (False, True):
+            t = Tiling(block_n=32, split_k=2, unpack=unpack, prefetch_sb=prefetch)
+            outs[unpack, prefetch] = np.asarray(launch(x, qw, t, interpret=True).astype(jnp.float32))
+    base = outs["broadcast", False]
+    assert _rel(base, np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
+    for key, y in outs.items():
+        np.testing.assert_array_equal(y, base, err_msg=str(key))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
+@pytest.mark.parametrize("k,gps,split", [(320, 2, 2), (448, 3, 1), (256, 1, 3)])
+def test_dequantize_first_body_matches_float64(dtype, tol, k, gps, split):
+    """Uneven splits and a last step past a split's end (5 or 7 groups over 2..3 per step)."""
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 72, k, dtype)
+    x = jnp.asarray(rng.standard_normal((5, k)), dtype)
+    for w_left, block_m in ((True, 16), (False, 16)):
+        t = Tiling(block_m=block_m, block_n=32, groups_per_step=gps, split_k=split, w_left=w_left,
+                   dequant="weights")
+        y = launch(x, qw, t, interpret=True)
+        assert y.shape == (5, 72) and y.dtype == dtype
+        assert _rel(y, np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < tol
+
+
+def test_dequantize_first_dispatch_keeps_row_invariance(monkeypatch):
+    monkeypatch.setenv("JAXSPEC_DEQUANT", "weights")
+    monkeypatch.setenv("JAXSPEC_GEMV_GROUPS_PER_STEP", "2")
+    cfg = DispatchConfig()
+    assert gemv_tiling((96, 320), 64, cfg).dequant == "weights" and gemv_tiling((96, 320), 64, cfg).groups_per_step == 2
+    assert qmm_tiling(32, (96, 320), 64, cfg).dequant == "weights"
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 96, 320, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((8, 320)), jnp.bfloat16)
+    multi = np.asarray(quantized_matmul(x, qw, config=cfg).astype(jnp.float32))
+    for i in (0, 5, 7):
+        alone = np.asarray(quantized_matmul(x[i:i + 1], qw, config=cfg).astype(jnp.float32))
+        np.testing.assert_array_equal(multi[i:i + 1], alone)
+    assert _rel(multi, np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
+    big = jnp.asarray(rng.standard_normal((20, 320)), jnp.bfloat16)  # the qmm path with this body
+    assert _rel(quantized_matmul(big, qw, config=cfg), np.asarray(big.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
+
+
+def test_new_config_fields_validate_and_reach_the_tiling(monkeypatch):
+    monkeypatch.setenv("JAXSPEC_GEMV_TARGET_PROGRAMS", "64")
+    monkeypatch.setenv("JAXSPEC_GEMV_BLOCK_N", "32")
+    assert gemv_tiling((256, 4096), 64, DispatchConfig()).split_k == 8      # 8 n-blocks x 8 = 64 programs
+    monkeypatch.setenv("JAXSPEC_GEMV_TARGET_PROGRAMS", "16")
+    assert gemv_tiling((256, 4096), 64, DispatchConfig()).split_k == 2
+    monkeypatch.setenv("JAXSPEC_GEMV_SPLIT_K", "4")
+    assert gemv_tiling((256, 4096), 64, DispatchConfig()).split_k == 4
+    monkeypatch.setenv("JAXSPEC_DEQUANT", "both")
+    with pytest.raises(ValueError, match="dequant"):
+        DispatchConfig()
+    monkeypatch.setenv("JAXSPEC_DEQUANT", "codes")
+    monkeypatch.setenv("JAXSPEC_GEMV_TARGET_PROGRAMS", "0")
+    with pytest.raises(ValueError, match="gemv_target_programs"):
+        DispatchConfig()
