@@ -92,7 +92,8 @@ def variants(shape, rows):
     if rows > MMA_ROWS:  # the tiled GEMM, both bodies, next to a bf16 dense matmul of the same shape
         qmm = {d: qmm_tiling(rows, shape, GROUP, DispatchConfig(dequant=d)) for d in ("codes", "weights")}
         v = {f"qmm {d}": launched(t) for d, t in qmm.items()}
-        for g, bm, nw in ((2, 64, 4), (4, 64, 4), (4, 128, 8)):  # the dequantize-first body, longer dots
+        v["qmm default"] = lambda x, w: quantized_matmul(x, w)
+        for g, bm, nw in ((1, 64, 4), (4, 64, 4), (2, 128, 8)):  # the dequantize-first body, other dots
             t = dataclasses.replace(qmm["weights"], groups_per_step=g, block_m=bm, num_warps=nw)
             v[f"qmm weights g{g} m{bm} w{nw}"] = launched(t)
         dense = jax.random.normal(jax.random.PRNGKey(7), shape, jnp.bfloat16)  # a captured constant operand

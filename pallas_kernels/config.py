@@ -43,7 +43,8 @@ class DispatchConfig:
 
     multirow: use the multirow GEMV for 2..multirow_max_rows rows (else qmv row by row).
     multirow_max_rows: the largest row count sent to multirow; larger goes to qmm.
-    qmm_tile_m/n/k: tiles of the tiled GEMM; tile_m=None picks 64 (pallas_kernels.tiling.QMM_TILE_M).
+    qmm_tile_m/n/k: tiles of the tiled GEMM; tile_m=None picks 64 (pallas_kernels.tiling.QMM_TILE_M),
+    tile_k=None 128 for the dequantize-first body and 64 (one group) for the codes body.
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
@@ -57,7 +58,8 @@ class DispatchConfig:
     dequant: how the tensor-core kernel (mma GEMV and qmm) uses the codes: "codes" (exact codes on
     the tensor cores, each group's scale and bias applied to the small product) or "weights" (every
     weight dequantized to s*q + b in the dot dtype first, one accumulating dot per loop step;
-    pallas_kernels/dq_kernel.py). $JAXSPEC_DEQUANT.
+    pallas_kernels/dq_kernel.py). None: "codes" for the GEMV, "weights" for qmm (the faster of each
+    on the H200, docs/kernels.md log entry 7). $JAXSPEC_DEQUANT sets both.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -65,7 +67,7 @@ class DispatchConfig:
         default_factory=lambda: _env_int("JAXSPEC_QMV_MULTIROW_MAX_ROWS", 8))
     qmm_tile_m: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_M", None))
     qmm_tile_n: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_N", 128))
-    qmm_tile_k: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", 64))
+    qmm_tile_k: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", None))
     backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
     interpret: bool | None = None
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))
@@ -76,14 +78,14 @@ class DispatchConfig:
     gemv_groups_per_step: int | None = dataclasses.field(
         default_factory=lambda: _env_int("JAXSPEC_GEMV_GROUPS_PER_STEP", None))
     gemv_chains: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_CHAINS", False))
-    dequant: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT", "codes"))
+    dequant: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT") or None)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {BACKENDS}")
         if self.gemv_kernel not in GEMV_KERNELS:
             raise ValueError(f"gemv_kernel={self.gemv_kernel!r}: expected one of {GEMV_KERNELS}")
-        if self.dequant not in DEQUANTS:
+        if self.dequant is not None and self.dequant not in DEQUANTS:
             raise ValueError(f"dequant={self.dequant!r}: expected one of {DEQUANTS}")
         if not 1 <= self.multirow_max_rows <= 16:
             raise ValueError(f"multirow_max_rows={self.multirow_max_rows} must be in 1..16 "

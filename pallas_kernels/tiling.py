@@ -41,7 +41,7 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
         split = split_for(-(-n // block_n), n_groups, config.gemv_target_programs or _TARGET_PROGRAMS)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes.
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
-                  split_k=split, w_left=True, num_warps=4, num_stages=3, dequant=config.dequant)
+                  split_k=split, w_left=True, num_warps=4, num_stages=3, dequant=config.dequant or "codes")
 
 
 def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:
@@ -69,8 +69,9 @@ def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: Dispa
     one wave of programs: the down projection (3840x15360) went from 308 to 73 us at 64 rows."""
     n, k = shape
     block_m = config.qmm_tile_m or QMM_TILE_M
-    groups_per_step = max(1, config.qmm_tile_k // group_size)
+    dequant = config.dequant or "weights"
+    groups_per_step = max(1, (config.qmm_tile_k or (128 if dequant == "weights" else 64)) // group_size)
     programs = -(-n // config.qmm_tile_n) * -(-rows // block_m)
     split = split_for(programs, k // group_size, _QMM_TARGET_PROGRAMS)
     return Tiling(block_m=block_m, block_n=config.qmm_tile_n, groups_per_step=groups_per_step,
-                  split_k=split, w_left=False, num_warps=4, num_stages=3, dequant=config.dequant)
+                  split_k=split, w_left=False, num_warps=4, num_stages=3, dequant=dequant)
