@@ -7,7 +7,8 @@ a [block_m, block_n] tile, and scale/bias touch only that tile. The qmv and mult
 kernel with block_m = 16 (the smallest MMA tile) and the same weight tiling, so row i's arithmetic
 is identical whether it is computed alone or with up to 15 others: greedy speculative decoding
 depends on that. Rows beyond the real ones are masked loads (no memory traffic) and zeros.
-The qmm path is the same kernel with a taller block_m.
+The qmm path runs with a taller block_m, by default with the other body (dq_kernel.py), which
+dequantizes each weight before the dot; `launch` picks the body from `Tiling.dequant`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
+UNPACKS = ("pairs", "join", "broadcast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +49,7 @@ class Tiling:
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
-    (Two options for loading scales and biases, one group ahead and transposed, were removed after
-    the H200 showed no gain and Nsight Compute put the time in the grid and the per-group chain:
-    docs/kernels.md, log entries 3-5.)"""
+    (prefetch_sb lost on the H200 twice, log entries 3 and 7; it stays for A/B runs.)"""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -62,6 +62,12 @@ class Tiling:
     unpack: str = "pairs"
     dequant: str = "codes"
     prefetch_sb: bool = False
+
+    def __post_init__(self):
+        if self.unpack not in UNPACKS:
+            raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
+        if self.dequant not in ("codes", "weights"):
+            raise ValueError(f"Tiling.dequant={self.dequant!r}: expected 'codes' or 'weights'")
 
 
 def magic_offset(dot_dtype, bits: int):

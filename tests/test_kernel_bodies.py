@@ -84,3 +84,10 @@ def test_new_config_fields_validate_and_reach_the_tiling(monkeypatch):
     monkeypatch.setenv("JAXSPEC_GEMV_TARGET_PROGRAMS", "0")
     with pytest.raises(ValueError, match="gemv_target_programs"):
         DispatchConfig()
+
+
+def test_tiling_rejects_unknown_unpack_and_body():
+    with pytest.raises(ValueError, match="unpack"):
+        Tiling(unpack="gather")
+    with pytest.raises(ValueError, match="dequant"):
+        Tiling(dequant="both")
