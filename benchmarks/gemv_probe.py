@@ -146,6 +146,11 @@ def variants(shape, rows):
             t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack=u,
                        prefetch_sb=pf)
             v[f"mma {u}{' pf' if pf else ''} n{b} s{sp}"] = launched(t)
+    # the kpairs unpack (the pairs read as the MMA operand, no shared-memory round trip in pip
+    # Triton's build; log entry 7) at the default grid and two others
+    for b, sp in ((64, 8), (64, 4), (128, 4)):
+        t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack="kpairs")
+        v[f"mma kpairs n{b} s{sp}"] = launched(t)
     # dequantize-first (s*q + b per weight, one accumulating dot per step of g groups; dq_kernel.py)
     for b, g, sp, nw in ((128, 1, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (64, 2, 4, 4),
                          (64, 4, 4, 4), (64, 2, 8, 4), (256, 2, 2, 8)):

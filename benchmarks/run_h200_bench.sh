@@ -47,7 +47,8 @@ for s in $steps; do
     loop_b2) step loop_b2 100 $slice --runs loop --batch 2 --k-values 4 --max-tokens 32 --time-budget 60 \
         --out "$out/loop_b2" ;;
     # the whole 48-layer model's K = 4 round (only the 8-layer slice's has been measured)
-    loop_full) step loop_full 200 $sb --runs loop --k-values 4 --max-tokens 32 --time-budget 150 \
+    # (session 6: 200 s ended after the classic row; building and compiling both loops takes most of it)
+    loop_full) step loop_full 320 $sb --runs loop --k-values 4 --max-tokens 32 --time-budget 270 \
         --out "$out/loop_full" ;;
     # Nsight Compute's own kernel durations, DRAM throughput, registers, executed instructions and
     # warp stall reasons (the device's truth; triton_ir.py's pip-Triton counts are a proxy) for both
@@ -102,6 +103,11 @@ for s in $steps; do
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma pairs,mma join pf,=mma join n64 g1 s8 w4" \
         --out "$out/ncu_pairs_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
+    # next (session 7): the kpairs unpack against the default, kernel alone (docs/kernels.md, next steps)
+    ncu_kpairs) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_kpairs 200 ncu --clock-control none --kernel-name regex:'q4' \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio \
+        python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma kpairs" --out "$out/ncu_kpairs_probe"
+        pkill -9 -f "gemv_probe.py --once" ;;
     full_n64) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=1920 step full_n64 80 $sb --no-assistant \
         --runs forward --k-values 4 --time-budget 45 --out "$out/full_n64" ;;
     full_n64_960) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=960 step full_n64_960 80 $sb --no-assistant \
@@ -112,7 +118,7 @@ for s in $steps; do
     probe64) step probe64 120 python3 benchmarks/gemv_probe.py --rows 1,8,64 --only "=gemv mma,qmm,bf16 dot" \
         --out "$out/probe64" ;;
     # the GPU-only kernel tests (Triton-compiled kernels, row invariance at real shapes)
-    pytest_gpu) step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
+    pytest_gpu) step pytest_gpu 260 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     fwd) step fwd 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \
         --time-budget 40 --out "$out/fwd" ;;
     scaling) step scaling 30 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 \

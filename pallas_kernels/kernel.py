@@ -25,7 +25,7 @@ from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
-UNPACKS = ("pairs", "join", "broadcast")
+UNPACKS = ("pairs", "join", "broadcast", "kpairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,10 @@ class Tiling:
     where Triton spreads the codes of one word over 8 threads, each re-reading the word from shared
     memory and storing one 16-bit code back (a shared-memory load and store per weight: log entry 7).
     "pairs": as "join", with codes j and j + half of a word made together in one 32-bit register
-    (shift + LOP3 per two codes; bf16/f16 magic conversion only, else "join").
+    (shift + LOP3 per two codes; bf16/f16 magic conversion only, else "join"). "kpairs": the pairs
+    go to the tensor cores as they are made, one K = 2*words dot per pair, with x reordered to match
+    by the wrapper; pip Triton then reads them as the MMA operand without the shared-memory round
+    trip and barrier of the other unpacks (log entry 7; unmeasured on the H200).
     prefetch_sb: load the next group's scales and biases before this group's math (one group per
     step only); Triton pipelines only the loads that feed the dot, so each group waits on these.
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
@@ -81,6 +84,21 @@ def magic_offset(dot_dtype, bits: int):
     return None
 
 
+def uses_kpairs(tiling: Tiling, dot_dtype, bits: int) -> bool:
+    """Whether the codes body runs the "kpairs" unpack: it needs the magic conversion and the weight
+    on the left of the dot (else it falls back to "pairs")."""
+    return (tiling.unpack == "kpairs" and tiling.w_left and tiling.convert == "bits"
+            and magic_offset(dot_dtype, bits) is not None)
+
+
+def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
+    """x's inputs reordered within each group from [word, half, j] to [j, word, half]: the inputs of
+    code pair j (codes j and j + half of every word) become one contiguous run of 2*words."""
+    wpg = group_size * bits // 32
+    rows, k = x2.shape
+    return x2.reshape(rows, k // group_size, wpg, 2, -1).transpose(0, 1, 4, 2, 3).reshape(rows, k)
+
+
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
             groups_per_split, dot_dtype, precision, interpret):
     t = tiling
@@ -96,24 +114,21 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     shifts = jnp.arange(epw, dtype=jnp.uint32) * jnp.uint32(bits)
     code_mask = jnp.uint32(2**bits - 1)
     magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
+    kpairs = uses_kpairs(t, dot_dtype, bits)
 
     def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
         # before either convert: the order the measured kernel had)
         s, b = (pltriton.load(ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0) for ref in (s_ref, b_ref))
         return s.astype(jnp.float32), b.astype(jnp.float32)
 
-    def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
-        x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
-                          mask=x_mask, other=0)
-        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
+    def as_operand(c):  # codes -> dot operand values, elementwise (any layout)
+        if magic is None:
+            return c.astype(jnp.int32).astype(dot_dtype)  # exact: small ints
+        # (pattern | code) is offset + code as a float: one OR per weight instead of a slow
+        # int->float convert. x . (offset + q) = x . q + offset * sum(x), so the bias absorbs it.
+        return jax.lax.bitcast_convert_type((c | jnp.uint32(magic[0])).astype(jnp.uint16), dot_dtype)
 
-        def as_operand(c):  # codes -> dot operand values, elementwise (any layout)
-            if magic is None:
-                return c.astype(jnp.int32).astype(dot_dtype)  # exact: small ints
-            # (pattern | code) is offset + code as a float: one OR per weight instead of a slow
-            # int->float convert. x . (offset + q) = x . q + offset * sum(x), so the bias absorbs it.
-            return jax.lax.bitcast_convert_type((c | jnp.uint32(magic[0])).astype(jnp.uint16), dot_dtype)
-
+    def tile_product(w, x):  # the whole [block_n, group_size] code tile, one dot
         if t.unpack == "pairs" and magic is not None:
             q = interleave(None, code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret))
         elif t.unpack in ("join", "pairs"):  # converted before the joins: they move 16-bit values
@@ -121,14 +136,33 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         else:
             q = as_operand((w[:, :, None] >> shifts[None, None, :]) & code_mask)
         q = q.reshape(t.block_n, group_size)
+        xd = x.astype(dot_dtype)
+        if t.w_left:
+            return pltriton.dot(q, xd, trans_b=True, precision=precision)
+        return pltriton.dot(xd, q, trans_b=True, precision=precision)
+
+    def pairs_product(w, g):  # "kpairs": one K = 2*words dot per code pair, on the pairs as made
+        d = None
+        xm = jnp.broadcast_to(row_ok[:, None], (t.block_m, 2 * wpg))
+        for j, p in enumerate(code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret)):
+            # [block_n, words, 2] -> [block_n, 2*words] keeps each bf16x2 register whole, so Triton
+            # can read it as the MMA operand; the wrapper put pair j's inputs together (kpairs_order)
+            cols = pl.ds(g * group_size + j * 2 * wpg, 2 * wpg)
+            xj = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), cols], mask=xm, other=0).astype(dot_dtype)
+            dj = pltriton.dot(p.reshape(t.block_n, 2 * wpg), xj, trans_b=True, precision=precision)
+            d = dj if d is None else d + dj
+        return d
+
+    def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
+        x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
+                          mask=x_mask, other=0)
+        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
+        d = pairs_product(w, g) if kpairs else tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
-        xd = x.astype(dot_dtype)
         xsum = jnp.sum(x.astype(jnp.float32), axis=1)
         if t.w_left:  # acc is [block_n, block_m]
-            d = pltriton.dot(q, xd, trans_b=True, precision=precision)
             return acc + d * s[:, None] + b[:, None] * xsum[None, :]
-        d = pltriton.dot(xd, q, trans_b=True, precision=precision)
         return acc + d * s[None, :] + xsum[:, None] * b[None, :]
 
     def one_group(g, acc):
@@ -212,6 +246,8 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
     out_rows, out_n = (x2.shape[0], weight.shape[0]) if interpret else (rows, n)
     out_dtype = x2.dtype if split == 1 else jnp.float32
     grid = (pl.cdiv(n, tiling.block_n), pl.cdiv(rows, tiling.block_m), split)
+    if tiling.dequant == "codes" and uses_kpairs(tiling, dot_dtype, qw.bits):
+        x2 = kpairs_order(x2, qw.group_size, qw.bits)
     common = dict(rows=rows, n=n, bits=qw.bits, group_size=qw.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision)
     if tiling.dequant == "weights":

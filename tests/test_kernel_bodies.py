@@ -36,6 +36,32 @@ def test_unpacks_and_prefetch_are_bitwise_equal(dtype, bits):
         np.testing.assert_array_equal(y, base, err_msg=str(key))
 
 
+@pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, 4), (jnp.float16, 8), (jnp.bfloat16, 2)])
+def test_kpairs_unpack_matches_float64_and_keeps_row_invariance(dtype, bits):
+    """One dot per code pair sums the group's products in another order than one dot of the whole
+    group, so it is compared with float64, and its rows with themselves computed alone."""
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 80, 320, dtype, bits=bits)
+    x = jnp.asarray(rng.standard_normal((6, 320)), dtype)
+    t = Tiling(block_n=32, split_k=2, unpack="kpairs")
+    multi = np.asarray(launch(x, qw, t, interpret=True).astype(jnp.float32))
+    assert _rel(multi, np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
+    for i in (0, 4):
+        alone = np.asarray(launch(x[i:i + 1], qw, t, interpret=True).astype(jnp.float32))
+        np.testing.assert_array_equal(multi[i:i + 1], alone)
+
+
+def test_kpairs_falls_back_where_it_cannot_run():
+    """float32 dots (no magic conversion) and the weight on the right run the "pairs" unpack."""
+    rng = np.random.default_rng()
+    qw, _ = _case(rng, 48, 192, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 192)), jnp.float32)
+    for w_left in (True, False):
+        got, want = (np.asarray(launch(x, qw, Tiling(block_n=16, w_left=w_left, unpack=u), interpret=True))
+                     for u in ("kpairs", "pairs"))
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
 @pytest.mark.parametrize("k,gps,split", [(320, 2, 2), (448, 3, 1), (256, 1, 3)])
 def test_dequantize_first_body_matches_float64(dtype, tol, k, gps, split):
