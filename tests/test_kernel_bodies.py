@@ -62,8 +62,8 @@ def test_kpairs_falls_back_where_it_cannot_run():
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
-@pytest.mark.parametrize("k,gps,split", [(320, 2, 2), (448, 3, 1), (256, 1, 3)])
+@pytest.mark.parametrize("dtype,tol,k,gps,split", [(jnp.float32, 1e-5, 320, 2, 2), (jnp.bfloat16, 1e-2, 448, 3, 1),
+                                                    (jnp.float16, 2e-3, 256, 1, 3), (jnp.bfloat16, 1e-2, 320, 2, 2)])
 def test_dequantize_first_body_matches_float64(dtype, tol, k, gps, split):
     """Uneven splits and a last step past a split's end (5 or 7 groups over 2..3 per step)."""
     rng = np.random.default_rng()
