@@ -154,6 +154,8 @@ def ptx_report(ptx_path: str, tiling, out: str) -> dict:
         ops = sass_loop_ops(sass)
         report["loop_instructions_per_weight"] = round(sum(ops.values()) / weights_per_thread_step(tiling), 2)
         report["loop_ops"] = dict(ops.most_common(10))
+        # the MMA operand's trip through shared memory (log entry 7): stores, loads, barriers
+        report["loop_shared_ops"] = {op: ops.get(op, 0) for op in ("STS", "LDS", "LDSM", "BAR")}
     return report
 
 

@@ -77,3 +77,17 @@ def code_pairs(w, bits: int, pattern: int, dtype, *, interpret: bool) -> list:
                 result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, dtype)])[0] for halves in ("{$0, d}", "{d, $0}"))
         pairs.append(jnp.stack([lo, hi], axis=-1))
     return pairs
+
+
+def pairs_in_k_order(pairs: list) -> jax.Array:
+    """`pairs[j]` `[n, words, 2]` (code_pairs) -> `[n, len(pairs) * words * 2]` ordered [j, word, half].
+    Stacks on new last axes (joins), then one transpose moves the pair index ahead of the words: the
+    two halves of every 32-bit register stay neighbours along K, which is how the MMA operand holds
+    bf16/f16 pairs, so Triton needs no shuffle through shared memory (pip Triton's sm_90 build)."""
+    n = pairs[0].shape[0]
+    while len(pairs) > 1:  # highest index bit first, as in interleave
+        half = len(pairs) // 2
+        pairs = [jnp.stack([pairs[j], pairs[j + half]], axis=-1) for j in range(half)]
+    (q,) = pairs
+    j_axes = tuple(range(3, q.ndim))
+    return jnp.transpose(q, (0, *j_axes, 1, 2)).reshape(n, -1)

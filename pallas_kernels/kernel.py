@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .codes import code_pairs, interleave
+from .codes import code_pairs, interleave, pairs_in_k_order
 from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
@@ -44,9 +44,9 @@ class Tiling:
     memory and storing one 16-bit code back (a shared-memory load and store per weight: log entry 7).
     "pairs": as "join", with codes j and j + half of a word made together in one 32-bit register
     (shift + LOP3 per two codes; bf16/f16 magic conversion only, else "join"). "kpairs": the pairs
-    go to the tensor cores as they are made, one K = 2*words dot per pair, with x reordered to match
-    by the wrapper; pip Triton then reads them as the MMA operand without the shared-memory round
-    trip and barrier of the other unpacks (log entry 7; unmeasured on the H200).
+    stay whole, ordered along K as [pair j, word, half] (codes.pairs_in_k_order) with x reordered to
+    match by the wrapper; pip Triton then reads them as the MMA operand without the shared-memory
+    round trip and barrier of the other unpacks (log entry 7; unmeasured on the H200).
     prefetch_sb: load the next group's scales and biases before this group's math (one group per
     step only); Triton pipelines only the loads that feed the dot, so each group waits on these.
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
@@ -92,8 +92,8 @@ def uses_kpairs(tiling: Tiling, dot_dtype, bits: int) -> bool:
 
 
 def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
-    """x's inputs reordered within each group from [word, half, j] to [j, word, half]: the inputs of
-    code pair j (codes j and j + half of every word) become one contiguous run of 2*words."""
+    """x's inputs reordered within each group from [word, half, j] to [j, word, half], the order of
+    codes.pairs_in_k_order: code pair j (codes j and j + half of every word) is one run of 2*words."""
     wpg = group_size * bits // 32
     rows, k = x2.shape
     return x2.reshape(rows, k // group_size, wpg, 2, -1).transpose(0, 1, 4, 2, 3).reshape(rows, k)
@@ -129,7 +129,9 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         return jax.lax.bitcast_convert_type((c | jnp.uint32(magic[0])).astype(jnp.uint16), dot_dtype)
 
     def tile_product(w, x):  # the whole [block_n, group_size] code tile, one dot
-        if t.unpack == "pairs" and magic is not None:
+        if kpairs:  # x comes in the same order (the wrapper's kpairs_order)
+            q = pairs_in_k_order(code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret))
+        elif t.unpack == "pairs" and magic is not None:
             q = interleave(None, code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret))
         elif t.unpack in ("join", "pairs"):  # converted before the joins: they move 16-bit values
             q = interleave([as_operand((w >> jnp.uint32(bits * j)) & code_mask) for j in range(epw)])
@@ -141,23 +143,11 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
             return pltriton.dot(q, xd, trans_b=True, precision=precision)
         return pltriton.dot(xd, q, trans_b=True, precision=precision)
 
-    def pairs_product(w, g):  # "kpairs": one K = 2*words dot per code pair, on the pairs as made
-        d = None
-        xm = jnp.broadcast_to(row_ok[:, None], (t.block_m, 2 * wpg))
-        for j, p in enumerate(code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret)):
-            # [block_n, words, 2] -> [block_n, 2*words] keeps each bf16x2 register whole, so Triton
-            # can read it as the MMA operand; the wrapper put pair j's inputs together (kpairs_order)
-            cols = pl.ds(g * group_size + j * 2 * wpg, 2 * wpg)
-            xj = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), cols], mask=xm, other=0).astype(dot_dtype)
-            dj = pltriton.dot(p.reshape(t.block_n, 2 * wpg), xj, trans_b=True, precision=precision)
-            d = dj if d is None else d + dj
-        return d
-
     def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
                           mask=x_mask, other=0)
         w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
-        d = pairs_product(w, g) if kpairs else tile_product(w, x)
+        d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
         xsum = jnp.sum(x.astype(jnp.float32), axis=1)

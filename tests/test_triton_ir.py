@@ -59,6 +59,23 @@ def test_report_tells_the_gemv_loops_apart(tmp_path):
     assert reports["fma"]["loop_async_copies"] == 0
 
     def shared_ops(r):
-        return sum(r["loop_ops"].get(op, 0) for op in ("LDS", "STS"))
+        return r["loop_shared_ops"]["LDS"] + r["loop_shared_ops"]["STS"]
     assert 0 < shared_ops(reports["pairs"]) < shared_ops(reports["broadcast"]) / 4
     assert 0 < reports["pairs"]["loop_instructions_per_weight"] < reports["broadcast"]["loop_instructions_per_weight"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton compiler not installed")
+def test_kpairs_keeps_the_mma_operand_out_of_shared_memory(tmp_path):
+    """The default launch shape (64-row tiles): the kpairs unpack stores less to shared memory,
+    waits at fewer barriers and issues fewer loop instructions than the pairs unpack."""
+    reports = {}
+    for unpack in ("pairs", "kpairs"):
+        out = tmp_path / unpack
+        out.mkdir()
+        path = out / "kernel.ttir"
+        tiling = Tiling(block_n=64, split_k=8, unpack=unpack)
+        path.write_text(triton_ir.lower_to_ttir(15360, 3840, 1, tiling))
+        reports[unpack] = triton_ir.compile_and_report(str(path), tiling, str(out))
+    pairs, kpairs = (reports[u]["loop_shared_ops"] for u in ("pairs", "kpairs"))
+    assert kpairs["STS"] < pairs["STS"] and kpairs["BAR"] < pairs["BAR"] and kpairs["LDSM"] < pairs["LDSM"]
+    assert reports["kpairs"]["loop_instructions_per_weight"] < reports["pairs"]["loop_instructions_per_weight"]
