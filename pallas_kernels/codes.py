@@ -36,20 +36,20 @@ def code_as_float(w, shift: int, bits: int, *, interpret: bool):
     return jax.lax.bitcast_convert_type((q & jnp.uint32(code_mask)) | jnp.uint32(ONE_F32), jnp.float32)
 
 
-def interleave(codes: list, pairs: list | None = None) -> jax.Array:
+def stack_halves(parts: list) -> jax.Array:
+    """Pairwise stacks along new last axes only (what Pallas lowers to Triton's `join`, which keeps
+    the new axis inside the thread): each level pairs parts j and j + half, so the new axes come out
+    highest index bit first and read j itself in row-major order. len(parts) must be a power of two."""
+    while len(parts) > 1:
+        half = len(parts) // 2
+        parts = [jnp.stack([parts[j], parts[j + half]], axis=-1) for j in range(half)]
+    return parts[0]
+
+
+def interleave(codes: list) -> jax.Array:
     """`codes[j]` `[..., words]` (code j of each word) -> `[..., words, len(codes)]` with code j of word
-    w at `[..., w, j]`, by pairwise stacks along a new last axis only (what Pallas lowers to Triton's
-    `join`). Each level pairs codes whose indices differ in the highest remaining bit, so the axes
-    come out highest bit first: row-major order is j itself. len(codes) must be a power of two.
-    `pairs` (instead of codes): the first level already made, `pairs[j]` = codes j and j + half."""
-    if pairs is None:
-        half = len(codes) // 2
-        pairs = [jnp.stack([codes[j], codes[j + half]], axis=-1) for j in range(half)]
-    shape = pairs[0].shape[:-1]
-    while len(pairs) > 1:
-        half = len(pairs) // 2
-        pairs = [jnp.stack([pairs[j], pairs[j + half]], axis=-1) for j in range(half)]
-    return pairs[0].reshape(*shape, -1)
+    w at `[..., w, j]` (stack_halves)."""
+    return stack_halves(codes).reshape(*codes[0].shape, -1)
 
 
 def code_pairs(w, bits: int, pattern: int, dtype, *, interpret: bool) -> list:
@@ -85,9 +85,6 @@ def pairs_in_k_order(pairs: list) -> jax.Array:
     two halves of every 32-bit register stay neighbours along K, which is how the MMA operand holds
     bf16/f16 pairs, so Triton needs no shuffle through shared memory (pip Triton's sm_90 build)."""
     n = pairs[0].shape[0]
-    while len(pairs) > 1:  # highest index bit first, as in interleave
-        half = len(pairs) // 2
-        pairs = [jnp.stack([pairs[j], pairs[j + half]], axis=-1) for j in range(half)]
-    (q,) = pairs
+    q = stack_halves(pairs)  # [n, words, half, pair index bits...]
     j_axes = tuple(range(3, q.ndim))
     return jnp.transpose(q, (0, *j_axes, 1, 2)).reshape(n, -1)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .codes import code_pairs, interleave, pairs_in_k_order
+from .codes import code_pairs, interleave, pairs_in_k_order, stack_halves
+from .config import DEQUANTS
 from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
@@ -69,8 +70,8 @@ class Tiling:
     def __post_init__(self):
         if self.unpack not in UNPACKS:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
-        if self.dequant not in ("codes", "weights"):
-            raise ValueError(f"Tiling.dequant={self.dequant!r}: expected 'codes' or 'weights'")
+        if self.dequant not in DEQUANTS:
+            raise ValueError(f"Tiling.dequant={self.dequant!r}: expected one of {DEQUANTS}")
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -85,10 +86,10 @@ def magic_offset(dot_dtype, bits: int):
 
 
 def uses_kpairs(tiling: Tiling, dot_dtype, bits: int) -> bool:
-    """Whether the codes body runs the "kpairs" unpack: it needs the magic conversion and the weight
-    on the left of the dot (else it falls back to "pairs")."""
-    return (tiling.unpack == "kpairs" and tiling.w_left and tiling.convert == "bits"
-            and magic_offset(dot_dtype, bits) is not None)
+    """Whether the launch runs the "kpairs" unpack: only the codes body has it, and it needs the magic
+    conversion and the weight on the left of the dot (else the codes body falls back to "pairs")."""
+    return (tiling.unpack == "kpairs" and tiling.dequant == "codes" and tiling.w_left
+            and tiling.convert == "bits" and magic_offset(dot_dtype, bits) is not None)
 
 
 def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
@@ -132,7 +133,8 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         if kpairs:  # x comes in the same order (the wrapper's kpairs_order)
             q = pairs_in_k_order(code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret))
         elif t.unpack == "pairs" and magic is not None:
-            q = interleave(None, code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret))
+            # [block_n, words, half, pair index bits]: code h * half + j of each word, input order
+            q = stack_halves(code_pairs(w, bits, magic[0], dot_dtype, interpret=interpret))
         elif t.unpack in ("join", "pairs"):  # converted before the joins: they move 16-bit values
             q = interleave([as_operand((w >> jnp.uint32(bits * j)) & code_mask) for j in range(epw)])
         else:
@@ -236,7 +238,7 @@ def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: boo
     out_rows, out_n = (x2.shape[0], weight.shape[0]) if interpret else (rows, n)
     out_dtype = x2.dtype if split == 1 else jnp.float32
     grid = (pl.cdiv(n, tiling.block_n), pl.cdiv(rows, tiling.block_m), split)
-    if tiling.dequant == "codes" and uses_kpairs(tiling, dot_dtype, qw.bits):
+    if uses_kpairs(tiling, dot_dtype, qw.bits):
         x2 = kpairs_order(x2, qw.group_size, qw.bits)
     common = dict(rows=rows, n=n, bits=qw.bits, group_size=qw.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision)
