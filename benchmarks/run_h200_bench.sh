@@ -103,11 +103,14 @@ for s in $steps; do
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma pairs,mma join pf,=mma join n64 g1 s8 w4" \
         --out "$out/ncu_pairs_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
-    # next (session 7): the kpairs unpack against the default, kernel alone (docs/kernels.md, next steps)
+    # the kpairs unpack against the pairs unpack, kernel alone (docs/kernels.md, log entry 8)
     ncu_kpairs) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_kpairs 200 ncu --clock-control none --kernel-name regex:'q4' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio \
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma kpairs" --out "$out/ncu_kpairs_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
+    # the GEMV's previous default unpack, for the whole-model A/B against kpairs (log entry 8)
+    full_pairs) JAXSPEC_GEMV_UNPACK=pairs step full_pairs 80 $sb --no-assistant --runs forward --k-values 4 \
+        --time-budget 45 --out "$out/full_pairs" ;;
     full_n64) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=1920 step full_n64 80 $sb --no-assistant \
         --runs forward --k-values 4 --time-budget 45 --out "$out/full_n64" ;;
     full_n64_960) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=960 step full_n64_960 80 $sb --no-assistant \

@@ -12,6 +12,7 @@ import os
 BACKENDS = ("pallas", "xla")
 GEMV_KERNELS = ("fma", "mma")
 DEQUANTS = ("codes", "weights")
+UNPACKS = ("pairs", "join", "broadcast", "kpairs")  # kernel.Tiling.unpack
 PATHS = ("qmv", "multirow", "qmm")
 
 
@@ -60,6 +61,8 @@ class DispatchConfig:
     weight dequantized to s*q + b in the dot dtype first, one accumulating dot per loop step;
     pallas_kernels/dq_kernel.py). None: "codes" for the GEMV, "weights" for qmm (the faster of each
     on the H200, docs/kernels.md log entry 7). $JAXSPEC_DEQUANT sets both.
+    gemv_unpack: how the tensor-core GEMV's codes body unpacks words (kernel.Tiling.unpack). None:
+    "kpairs" (29.1 us against 34.9 for "pairs" on 15360x3840, log entry 8). $JAXSPEC_GEMV_UNPACK.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -79,6 +82,8 @@ class DispatchConfig:
         default_factory=lambda: _env_int("JAXSPEC_GEMV_GROUPS_PER_STEP", None))
     gemv_chains: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_CHAINS", False))
     dequant: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT") or None)
+    gemv_unpack: str | None = dataclasses.field(
+        default_factory=lambda: os.environ.get("JAXSPEC_GEMV_UNPACK") or None)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -87,6 +92,8 @@ class DispatchConfig:
             raise ValueError(f"gemv_kernel={self.gemv_kernel!r}: expected one of {GEMV_KERNELS}")
         if self.dequant is not None and self.dequant not in DEQUANTS:
             raise ValueError(f"dequant={self.dequant!r}: expected one of {DEQUANTS}")
+        if self.gemv_unpack is not None and self.gemv_unpack not in UNPACKS:
+            raise ValueError(f"gemv_unpack={self.gemv_unpack!r}: expected one of {UNPACKS}")
         if not 1 <= self.multirow_max_rows <= 16:
             raise ValueError(f"multirow_max_rows={self.multirow_max_rows} must be in 1..16 "
                              "(the multirow kernel pads rows to one 16-row MMA tile)")

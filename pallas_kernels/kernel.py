@@ -21,12 +21,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .codes import code_pairs, interleave, pairs_in_k_order, stack_halves
-from .config import DEQUANTS
+from .config import DEQUANTS, UNPACKS
 from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
-UNPACKS = ("pairs", "join", "broadcast", "kpairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Tiling:
     (shift + LOP3 per two codes; bf16/f16 magic conversion only, else "join"). "kpairs": the pairs
     stay whole, ordered along K as [pair j, word, half] (codes.pairs_in_k_order) with x reordered to
     match by the wrapper; pip Triton then reads them as the MMA operand without the shared-memory
-    round trip and barrier of the other unpacks (log entry 7; unmeasured on the H200).
+    round trip and barrier of the other unpacks (29.1 against 34.9 us for "pairs": log entry 8).
     prefetch_sb: load the next group's scales and biases before this group's math (one group per
     step only); Triton pipelines only the loads that feed the dot, so each group waits on these.
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);

@@ -107,6 +107,13 @@ def test_new_config_fields_validate_and_reach_the_tiling(monkeypatch):
     with pytest.raises(ValueError, match="dequant"):
         DispatchConfig()
     monkeypatch.setenv("JAXSPEC_DEQUANT", "codes")
+    assert gemv_tiling((256, 4096), 64, DispatchConfig()).unpack == "kpairs"  # the GEMV default
+    monkeypatch.setenv("JAXSPEC_GEMV_UNPACK", "join")
+    assert gemv_tiling((256, 4096), 64, DispatchConfig()).unpack == "join"
+    monkeypatch.setenv("JAXSPEC_GEMV_UNPACK", "gather")
+    with pytest.raises(ValueError, match="gemv_unpack='gather'"):
+        DispatchConfig()
+    monkeypatch.setenv("JAXSPEC_GEMV_UNPACK", "")
     monkeypatch.setenv("JAXSPEC_GEMV_TARGET_PROGRAMS", "0")
     with pytest.raises(ValueError, match="gemv_target_programs"):
         DispatchConfig()
