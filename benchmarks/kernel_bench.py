@@ -1,6 +1,7 @@
 """Quantized-matmul kernel benchmark at Gemma-4-12B shapes (run on the GPU).
 
     python benchmarks/kernel_bench.py --out DIR [--phase check,fma,sweep,table,tiles] [--quick]
+                                      [--shapes 262144x3840,4096x3840] [--deadline SECONDS]
 
 Writes DIR/kernels.jsonl (one JSON object per measurement) and prints a short table last.
 `benchmarks/kernel_report.py` turns the JSON into docs/benchmark_results/kernels-*.md and a PNG.
@@ -227,8 +228,8 @@ def gemv_sweep(T, key, quick):
         del ws
 
 
-def table_phase(T, key, quick):
-    shapes = SHAPES[:2] if quick else SHAPES
+def table_phase(T, key, quick, only=None):
+    shapes = only or (SHAPES[:2] if quick else SHAPES)
     for n, k in shapes:
         qb, db = qbytes(n, k), n * k * 2
         nq, nd = n_sets_for(qb), n_sets_for(db, cap=16)
@@ -330,9 +331,17 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--phase", default="check,sweep,table,tiles")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=None,
+                    help="table phase only: NxK,NxK of SHAPES (default: all, or the two MLP shapes with --quick)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after start past which no new measurement starts (then the summary)")
     args = ap.parse_args()
+    only = None
+    if args.shapes:
+        only = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        unknown = [s for s in only if s not in SHAPES]
+        if unknown:
+            ap.error(f"--shapes {unknown}: not among the benchmark shapes {SHAPES}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kernels.jsonl")
     env = environment()
@@ -349,7 +358,7 @@ def main():
             {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick),
              "fma": lambda: fma_sweep(T, key, args.quick),
              "locality": lambda: locality_sweep(T, key, args.quick),
-             "table": lambda: table_phase(T, key, args.quick), "tiles": lambda: tiles_phase(T, key, args.quick)}[phase]()
+             "table": lambda: table_phase(T, key, args.quick, only), "tiles": lambda: tiles_phase(T, key, args.quick)}[phase]()
         except Exception:
             traceback.print_exc()
         print(f"phase {phase} took {time.time() - t0:.0f}s", flush=True)
