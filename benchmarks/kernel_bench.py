@@ -264,7 +264,10 @@ def table_phase(T, key, quick, only=None):
 
 
 QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_warps=8),
-                "block_n 64": dict(block_n=64), "tile_m 128, warps 8": dict(block_m=128, num_warps=8)}
+                "block_n 64": dict(block_n=64), "tile_m 128, warps 8": dict(block_m=128, num_warps=8),
+                # fewer dequantizations of each weight tile at 512 rows (one per 128 or 256 rows)
+                "tile_m 128, n 256, warps 8": dict(block_m=128, block_n=256, num_warps=8),
+                "tile_m 256, warps 8": dict(block_m=256, num_warps=8)}
 
 
 def tiles_phase(T, key, quick):
@@ -273,7 +276,7 @@ def tiles_phase(T, key, quick):
     for n, k in [(15360, 3840), (3840, 15360)]:
         nq = n_sets_for(qbytes(n, k))
         qws = weight_sets(key, n, k, nq)
-        for rows in (16, 64, 512):
+        for rows in ((64, 512) if quick else (16, 64, 512)):
             xs = activations(key, 3000, (rows, k), nq)
             for name, v in QMM_VARIANTS.items():
                 if T.past_deadline():
