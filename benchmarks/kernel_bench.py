@@ -267,18 +267,24 @@ QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_w
                 "block_n 64": dict(block_n=64), "tile_m 128, warps 8": dict(block_m=128, num_warps=8),
                 # fewer dequantizations of each weight tile at 512 rows (one per 128 or 256 rows)
                 "tile_m 128, n 256, warps 8": dict(block_m=128, block_n=256, num_warps=8),
-                "tile_m 256, warps 8": dict(block_m=256, num_warps=8)}
+                "tile_m 256, warps 8": dict(block_m=256, num_warps=8),
+                # 256 x 128 with 3 stages asks 240 KiB of shared memory (the H200 has 227): 2 stages
+                "tile_m 256, warps 8, stages 2": dict(block_m=256, num_warps=8, num_stages=2),
+                "tile_m 128, n 256, warps 8, stages 2": dict(block_m=128, block_n=256, num_warps=8, num_stages=2),
+                "tile_m 128, n 256, warps 4": dict(block_m=128, block_n=256)}
 
 
-def tiles_phase(T, key, quick):
+def tiles_phase(T, key, quick, rows_list=None, names=None):
     """qmm around its default (tile_m 64, split-K to one wave): warps, block_n. The
     tile_m 16/32/64/128 x split sweep that chose the default: raw/2026-11-29-c15f057/."""
     for n, k in [(15360, 3840), (3840, 15360)]:
         nq = n_sets_for(qbytes(n, k))
         qws = weight_sets(key, n, k, nq)
-        for rows in ((64, 512) if quick else (16, 64, 512)):
+        for rows in rows_list or ((64, 512) if quick else (16, 64, 512)):
             xs = activations(key, 3000, (rows, k), nq)
             for name, v in QMM_VARIANTS.items():
+                if names and name not in names:
+                    continue
                 if T.past_deadline():
                     return
                 base = qmm_tiling(rows, (n, k), GROUP, DispatchConfig(qmm_tile_n=v.get("block_n", 128),
@@ -336,6 +342,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=None,
                     help="table phase only: NxK,NxK of SHAPES (default: all, or the two MLP shapes with --quick)")
+    ap.add_argument("--tile-rows", default=None, help="tiles phase only: row counts, e.g. 512")
+    ap.add_argument("--tile-variants", default=None, help="tiles phase only: QMM_VARIANTS names, ';'-separated")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after start past which no new measurement starts (then the summary)")
     args = ap.parse_args()
@@ -361,7 +369,9 @@ def main():
             {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick),
              "fma": lambda: fma_sweep(T, key, args.quick),
              "locality": lambda: locality_sweep(T, key, args.quick),
-             "table": lambda: table_phase(T, key, args.quick, only), "tiles": lambda: tiles_phase(T, key, args.quick)}[phase]()
+             "table": lambda: table_phase(T, key, args.quick, only), "tiles": lambda: tiles_phase(
+                 T, key, args.quick, args.tile_rows and [int(r) for r in args.tile_rows.split(",")],
+                 args.tile_variants and args.tile_variants.split(";"))}[phase]()
         except Exception:
             traceback.print_exc()
         print(f"phase {phase} took {time.time() - t0:.0f}s", flush=True)
