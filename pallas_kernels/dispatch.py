@@ -73,7 +73,8 @@ def _pallas(x2, qw, path, config):
     rows, k = x2.shape
     interpret = _use_interpret(config)
     if path == "qmm":
-        return launch(x2, qw, qmm_tiling(rows, qw.shape, qw.group_size, config), interpret=interpret)
+        tiling = qmm_tiling(rows, qw.shape, qw.group_size, config, x_itemsize=x2.dtype.itemsize)
+        return launch(x2, qw, tiling, interpret=interpret)
     tiling = gemv_tiling(qw.shape, qw.group_size, config)
     run = launcher(tiling)
     if path == "multirow":

@@ -63,17 +63,27 @@ def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchCon
 
 
 QMM_TILE_M = 64
+# From this many rows on, 256-row tiles (8 warps; 2 stages: 3 ask 240 KiB of shared memory): each
+# weight tile is dequantized once per 256 rows instead of 64. H200, dequantize-first body, 512 rows:
+# 220-227 us against 264-267 (15360x3840) and 238-246 against 262-270 (3840x15360); 256 rows 3-8%
+# faster; 128 rows slower (131-141 against 79-84). docs/kernels.md, log entry 8.
+QMM_TALL_ROWS = 256
 
 
-def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: DispatchConfig) -> Tiling:
+def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: DispatchConfig,
+               x_itemsize: int = 2) -> Tiling:
     """The tiled GEMM launch. tile_m 64 unless configured: on the H200 it was the fastest or tied at
-    16, 64 and 512 rows against 16, 32 and 128 (docs/kernels.md). K is split until there are about
-    one wave of programs: the down projection (3840x15360) went from 308 to 73 us at 64 rows."""
+    16, 64 and 512 rows against 16, 32 and 128 (docs/kernels.md); 256 from QMM_TALL_ROWS rows for the
+    dequantize-first body with 16-bit x (a float32 x tile that tall does not fit shared memory).
+    K is split until there are about one wave of programs: the down projection (3840x15360) went
+    from 308 to 73 us at 64 rows."""
     n, k = shape
-    block_m = config.qmm_tile_m or QMM_TILE_M
     dequant = config.dequant or "weights"
+    tall = (config.qmm_tile_m is None and rows >= QMM_TALL_ROWS and dequant == "weights" and x_itemsize <= 2)
+    block_m = 256 if tall else config.qmm_tile_m or QMM_TILE_M
     groups_per_step = max(1, (config.qmm_tile_k or (128 if dequant == "weights" else 64)) // group_size)
     programs = -(-n // config.qmm_tile_n) * -(-rows // block_m)
     split = split_for(programs, k // group_size, _QMM_TARGET_PROGRAMS)
     return Tiling(block_m=block_m, block_n=config.qmm_tile_n, groups_per_step=groups_per_step,
-                  split_k=split, w_left=False, num_warps=4, num_stages=3, dequant=dequant)
+                  split_k=split, w_left=False, num_warps=8 if tall else 4, num_stages=2 if tall else 3,
+                  dequant=dequant)

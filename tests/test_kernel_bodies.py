@@ -124,3 +124,22 @@ def test_tiling_rejects_unknown_unpack_and_body():
         Tiling(unpack="gather")
     with pytest.raises(ValueError, match="dequant"):
         Tiling(dequant="both")
+
+
+def test_qmm_takes_tall_tiles_from_256_rows_of_16_bit_x():
+    """256-row tiles from QMM_TALL_ROWS rows (dequantize-first body, 16-bit x only: a float32 tile that
+    tall overflows shared memory); below, or when tile_m is configured, 64. The tall launch against
+    float64 in interpret mode (one program: a small weight)."""
+    cfg = DispatchConfig()
+    tall = qmm_tiling(256, (96, 320), 64, cfg)
+    assert (tall.block_m, tall.num_warps, tall.num_stages) == (256, 8, 2)
+    assert qmm_tiling(255, (96, 320), 64, cfg).block_m == 64
+    assert qmm_tiling(512, (96, 320), 64, cfg, x_itemsize=4).block_m == 64
+    assert qmm_tiling(512, (96, 320), 64, cfg.replace(qmm_tile_m=32)).block_m == 32
+    assert qmm_tiling(512, (96, 320), 64, cfg.replace(dequant="codes")).block_m == 64
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 48, 128, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((260, 128)), jnp.bfloat16)
+    y = quantized_matmul(x, qw)  # 260 rows: two 256-row tiles, the second mostly masked
+    assert y.shape == (260, 48)
+    assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2

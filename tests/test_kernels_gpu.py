@@ -91,3 +91,17 @@ def test_tensor_core_unpacks_and_bodies_on_gpu(dtype, bits):
         multi = np.asarray(f(x).astype(jnp.float32))
         assert np.linalg.norm(multi - ref) / np.linalg.norm(ref) < tol, gps
         np.testing.assert_array_equal(np.asarray(f(x[3:4]).astype(jnp.float32)), multi[3:4])
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
+def test_qmm_at_prefill_rows_on_gpu(dtype, tol):
+    """qmm at 256 and 520 rows through the dispatch: bf16 takes the 256-row tiles (8 warps, 2 stages),
+    float32 keeps 64-row tiles (a 256-row float32 tile overflows shared memory)."""
+    rng = np.random.default_rng()
+    qw = quantize(jnp.asarray(rng.standard_normal((2048, 3840)) * 0.05, dtype))
+    wd = np.asarray(dequantize(qw, jnp.float32), np.float64)
+    for rows in (256, 520):
+        x = jnp.asarray(rng.standard_normal((rows, 3840)), dtype)
+        y = np.asarray(jax.jit(lambda x: quantized_matmul(x, qw))(x).astype(jnp.float32), np.float64)
+        ref = np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ wd.T
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol, rows
