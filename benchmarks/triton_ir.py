@@ -38,13 +38,15 @@ from collections import Counter  # noqa: E402
 
 from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
+from pallas_kernels.kernel import launch_many  # noqa: E402
 from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
 
 
 def _lower_capturing(module, attr: str, keep, n: int, k: int, rows: int, tiling, group_size: int,
-                     **lower_kwargs) -> list:
-    """Lower one launch (abstract bf16 x, 4-bit weight) with `module.attr` wrapped so that
-    `keep(result)` of each of its calls is collected; the wrapper is removed afterwards."""
+                     many=None, **lower_kwargs) -> list:
+    """Lower one launch (abstract bf16 x, 4-bit weight; or with `many`, a tuple of Ns, one
+    kernel.launch_many over weights of those Ns) with `module.attr` wrapped so that `keep(result)`
+    of each of its calls is collected; the wrapper is removed afterwards."""
     captured = []
     original = getattr(module, attr)
 
@@ -53,11 +55,17 @@ def _lower_capturing(module, attr: str, keep, n: int, k: int, rows: int, tiling,
         captured.append(keep(result))
         return result
 
-    qw = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
-                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
-                         jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
+    def weight(n):
+        return QuantizedWeight(jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
+                               jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
+
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
-    run = launcher(tiling)
+    if many:
+        qw = tuple(weight(m) for m in many)
+        run = lambda x, ws, tiling, interpret: launch_many(x, ws, tiling, interpret=interpret)  # noqa: E731
+    else:
+        qw, run = weight(n), launcher(tiling)
     setattr(module, attr, capture)
     try:
         jax.jit(lambda x, w: run(x, w, tiling, interpret=False)).trace(x, qw).lower(**lower_kwargs)
@@ -66,12 +74,12 @@ def _lower_capturing(module, attr: str, keep, n: int, k: int, rows: int, tiling,
     return captured
 
 
-def lower_to_ttir(n: int, k: int, rows: int, tiling, group_size: int = 64) -> str:
+def lower_to_ttir(n: int, k: int, rows: int, tiling, group_size: int = 64, many=None) -> str:
     """The Triton IR (text, no debug locations) of one launch, lowered for CUDA on this machine."""
     from jax._src.pallas.triton import pallas_call_registration as reg
     captured = _lower_capturing(reg.lowering, "lower_jaxpr_to_triton_module",
                                 lambda r: r.module.operation.get_asm(enable_debug_info=False),
-                                n, k, rows, tiling, group_size, lowering_platforms=("cuda",))
+                                n, k, rows, tiling, group_size, many, lowering_platforms=("cuda",))
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton module, lowered {len(captured)}")
     return captured[0]
@@ -170,16 +178,21 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", choices=("fma", "mma"), default=None,
                     help="the GEMV kernel for rows <= 8 (default: the dispatch's, $JAXSPEC_GEMV_KERNEL)")
     ap.add_argument("--set", action="append", default=[], help="Tiling field=value over the dispatch's choice")
+    ap.add_argument("--many", default=None,
+                    help="N1,N2,...: one launch over weights of these Ns (kernel.launch_many), K from --shape")
     ap.add_argument("--out", default="out/triton_ir")
     args = ap.parse_args(argv)
     n, k = (int(v) for v in args.shape.split(","))
+    many = tuple(int(v) for v in args.many.split(",")) if args.many else None
+    if many:
+        n = sum(many)  # the dispatch tiles a fused launch by the summed N
     cfg = DispatchConfig() if args.kernel is None else DispatchConfig(gemv_kernel=args.kernel)
     tiling = gemv_tiling((n, k), 64, cfg) if args.rows <= cfg.multirow_max_rows else qmm_tiling(args.rows, (n, k), 64, cfg)
     tiling = dataclasses.replace(tiling, **{f: _value(v) for f, v in (s.split("=", 1) for s in args.set)})
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kernel.ttir")
     with open(path, "w") as f:
-        f.write(lower_to_ttir(n, k, args.rows, tiling))
+        f.write(lower_to_ttir(n, k, args.rows, tiling, many=many))
     print(tiling)
     print(f"wrote {path}")
     if importlib.util.find_spec("triton") is None:

@@ -8,8 +8,8 @@ weight tile read once for all rows), more -> qmm (tiled). See `select_path`, `Di
 This package knows nothing about models.
 """
 from .config import DispatchConfig, select_path
-from .dispatch import quantized_matmul
+from .dispatch import quantized_matmul, quantized_matmul_many
 from .quant import QuantizedWeight, dequantize, quantize, take_rows
 
 __all__ = ["DispatchConfig", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
-           "select_path", "take_rows"]
+           "quantized_matmul_many", "select_path", "take_rows"]

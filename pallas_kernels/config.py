@@ -63,6 +63,9 @@ class DispatchConfig:
     on the H200, docs/kernels.md log entry 7). $JAXSPEC_DEQUANT sets both.
     gemv_unpack: how the tensor-core GEMV's codes body unpacks words (kernel.Tiling.unpack). None:
     "kpairs" (29.1 us against 34.9 for "pairs" on 15360x3840, log entry 8). $JAXSPEC_GEMV_UNPACK.
+    fused_launch: quantized_matmul_many runs weights of one format in one tensor-core launch
+    (kernel.launch_many) instead of one launch each. Off until measured on a GPU (docs/kernels.md,
+    next steps). $JAXSPEC_FUSED_LAUNCH.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -84,6 +87,7 @@ class DispatchConfig:
     dequant: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT") or None)
     gemv_unpack: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get("JAXSPEC_GEMV_UNPACK") or None)
+    fused_launch: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_FUSED_LAUNCH", False))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

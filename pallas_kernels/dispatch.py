@@ -1,4 +1,5 @@
-"""quantized_matmul: validate, flatten rows, pick the path statically from the row count, launch."""
+"""quantized_matmul: validate, flatten rows, pick the path statically from the row count, launch.
+quantized_matmul_many: several weights on one x, in one launch where they share a format."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 
 from .config import PATHS, DispatchConfig, select_path
 from .gemv import GemvTiling, gemv_launch
-from .kernel import MMA_ROWS, launch
+from .kernel import MMA_ROWS, launch, launch_many, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from .tiling import gemv_tiling, qmm_tiling
 from .xla import dense_matmul, xla_quantized_matmul
@@ -39,6 +40,42 @@ def _check(x, w):
         raise ValueError(f"K mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}) but the weight is "
                          f"[N={n}, K={k}]")
     return n, k
+
+
+def quantized_matmul_many(x, weights, *, path: str | None = None,
+                          config: DispatchConfig | None = None) -> tuple[jax.Array, ...]:
+    """`tuple(quantized_matmul(x, w, path=path, config=config) for w in weights)`. With
+    `config.fused_launch` ($JAXSPEC_FUSED_LAUNCH=1), QuantizedWeights of one format (bits, group size,
+    K, scale dtype) on the tensor-core kernel run in one launch (`kernel.launch_many`): a layer's
+    q/k/v or gate/up then cost one launch and one wave tail. Its tiling comes from the weights'
+    summed N, so it depends on the weights only: rows stay invariant. Anything else (float weights,
+    mixed formats, the xla backend, the CUDA-core GEMV, qmv row by row) runs one call per weight."""
+    config = DispatchConfig() if config is None else config
+    weights = tuple(weights)
+    if not weights:
+        raise ValueError("quantized_matmul_many needs at least one weight")
+    x = jnp.asarray(x)
+    ns = [_check(x, w)[0] for w in weights]
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path={path!r}: expected one of {PATHS} or None")
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    chosen = path or (select_path(rows, config) if rows else None)
+    fusable = (config.fused_launch and len(weights) > 1 and rows > 0 and config.backend == "pallas"
+               and all(isinstance(w, QuantizedWeight) for w in weights) and same_format(weights)
+               and (chosen == "qmm" or (config.gemv_kernel == "mma" and (rows == 1 or chosen == "multirow"))))
+    if chosen == "multirow" and rows > MMA_ROWS:
+        raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
+    if not fusable:
+        return tuple(quantized_matmul(x, w, path=path, config=config) for w in weights)
+    first = weights[0]
+    shape = (sum(ns), k)
+    if chosen == "qmm":
+        tiling = qmm_tiling(rows, shape, first.group_size, config, x_itemsize=x.dtype.itemsize)
+    else:
+        tiling = gemv_tiling(shape, first.group_size, config)
+    outs = launch_many(x.reshape(rows, k), weights, tiling, interpret=_use_interpret(config))
+    return tuple(o.reshape(*lead, n) for o, n in zip(outs, ns))
 
 
 def quantized_matmul(x, w, *, path: str | None = None, config: DispatchConfig | None = None) -> jax.Array:

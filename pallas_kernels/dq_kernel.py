@@ -24,13 +24,14 @@ from . import codes as C
 
 
 def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret):
-    """w_ref is the packed weight as `[N, groups, words per group]`."""
+            groups_per_split, dot_dtype, precision, interpret, pids):
+    """w_ref is the packed weight as `[N, groups, words per group]`; pids: this program's (N block
+    within this weight, M block, K split), from kernel.launch_many (several weights in one grid)."""
     t = tiling
     epw = 32 // bits
     gps = t.groups_per_step
     wpg = w_ref.shape[2]
-    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pid_n, pid_m, pid_s = pids
     m0, n0 = pid_m * t.block_m, pid_n * t.block_n
     row_ok = (m0 + jnp.arange(t.block_m)) < rows
     col_ok = (n0 + jnp.arange(t.block_n)) < n

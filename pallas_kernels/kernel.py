@@ -100,11 +100,11 @@ def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret):
+            groups_per_split, dot_dtype, precision, interpret, pids):
     t = tiling
     epw = 32 // bits            # codes per uint32 word
     wpg = group_size // epw     # words per group
-    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pid_n, pid_m, pid_s = pids
     m0 = pid_m * t.block_m
     n0 = pid_n * t.block_n
     row_ok = (m0 + jnp.arange(t.block_m)) < rows
@@ -220,45 +220,84 @@ def fold_splits(parts: jax.Array) -> jax.Array:
     return total
 
 
+def _through_weights(x_ref, *refs, body, ns, blocks, **common):
+    """The grid's N axis runs through the weights one after another, each over its own
+    ceil(N_i / block_n) blocks; a program computes one tile of one weight with `body`. The program
+    ids are read here, outside the branches (interpret mode cannot lower them inside one)."""
+    count = len(ns)
+    w_refs, o_refs = refs[:3 * count], refs[3 * count:]
+    pid, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if count == 1:
+        body(x_ref, *w_refs, o_refs[0], n=ns[0], pids=(pid, pid_m, pid_s), **common)
+        return
+    start = 0
+    for i, (n, nb) in enumerate(zip(ns, blocks)):
+        @pl.when((pid >= start) & (pid < start + nb))
+        def _(i=i, n=n, start=start):
+            body(x_ref, *w_refs[3 * i:3 * i + 3], o_refs[i], n=n, pids=(pid - start, pid_m, pid_s), **common)
+        start += nb
+
+
+def same_format(qws) -> bool:
+    """Whether QuantizedWeights can share a launch: the same bits, group size, K and scale dtype."""
+    a = qws[0]
+    return all((q.bits, q.group_size, q.shape[1], q.scales.dtype) == (a.bits, a.group_size, a.shape[1], a.scales.dtype)
+               for q in qws)
+
+
 def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
+    return launch_many(x2, (qw,), tiling, interpret=interpret)[0]
+
+
+def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple[jax.Array, ...]:
+    """`tuple(launch(x2, qw, tiling) for qw in qws)` in one launch, bitwise the same (every program
+    runs the same body on its own tile): the projections that read one x (q/k/v, gate/up) cost one
+    launch and one wave tail instead of several. The weights must share a format (`same_format`)."""
+    if not same_format(qws):
+        raise ValueError("launch_many: the weights differ in bits, group size, K or scale dtype: "
+                         f"{[(q.bits, q.group_size, q.shape, q.scales.dtype) for q in qws]}")
     rows, k = x2.shape
-    n = qw.shape[0]
-    n_groups = k // qw.group_size
+    first = qws[0]
+    n_groups = k // first.group_size
     split, groups_per_split = split_groups(n_groups, tiling.split_k)
     dot_dtype = _dot_dtype(x2.dtype)
     precision = None if dot_dtype != jnp.float32 else jax.lax.Precision.HIGHEST
-    weight, scales, biases = qw.weight, qw.scales, qw.biases
+    ns = tuple(qw.shape[0] for qw in qws)
+    arrays = [(qw.weight, qw.scales, qw.biases) for qw in qws]
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)
-        weight = pad_to(weight, 0, tiling.block_n)
-        scales, biases = (pad_to(a, 0, tiling.block_n) for a in (scales, biases))
-    out_rows, out_n = (x2.shape[0], weight.shape[0]) if interpret else (rows, n)
+        arrays = [tuple(pad_to(a, 0, tiling.block_n) for a in wsb) for wsb in arrays]
+    out_rows = x2.shape[0] if interpret else rows
+    out_ns = [wsb[0].shape[0] for wsb in arrays] if interpret else ns
     out_dtype = x2.dtype if split == 1 else jnp.float32
-    grid = (pl.cdiv(n, tiling.block_n), pl.cdiv(rows, tiling.block_m), split)
-    if uses_kpairs(tiling, dot_dtype, qw.bits):
-        x2 = kpairs_order(x2, qw.group_size, qw.bits)
-    common = dict(rows=rows, n=n, bits=qw.bits, group_size=qw.group_size, tiling=tiling, n_groups=n_groups,
-                  groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision)
+    blocks = tuple(pl.cdiv(n, tiling.block_n) for n in ns)
+    grid = (sum(blocks), pl.cdiv(rows, tiling.block_m), split)
+    if uses_kpairs(tiling, dot_dtype, first.bits):
+        x2 = kpairs_order(x2, first.group_size, first.bits)
+    common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
+                  groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision,
+                  interpret=interpret)
     if tiling.dequant == "weights":
-        kernel = functools.partial(dq_body, interpret=interpret, **common)
-        weight = weight.reshape(weight.shape[0], n_groups, -1)
+        body = dq_body
+        arrays = [(w.reshape(w.shape[0], n_groups, -1), s, b) for w, s, b in arrays]
         if interpret:  # a last step may run past the last group: poison there, hidden by the masks
             extra = tiling.groups_per_step
-            weight = pad_by(weight, 1, extra, 0xFFFFFFFF)
-            scales, biases = (pad_by(a, 1, extra, 1.0) for a in (scales, biases))
-            x2 = pad_by(x2, 1, extra * qw.group_size, 1.0)
+            arrays = [(pad_by(w, 1, extra, 0xFFFFFFFF), pad_by(s, 1, extra, 1.0), pad_by(b, 1, extra, 1.0))
+                      for w, s, b in arrays]
+            x2 = pad_by(x2, 1, extra * first.group_size, 1.0)
     else:
-        kernel = functools.partial(_kernel, interpret=interpret, **common)
-    out = pl.pallas_call(
+        body = _kernel
+    kernel = functools.partial(_through_weights, body=body, ns=ns, blocks=blocks, **common)
+    outs = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split, out_rows, out_n), out_dtype),
+        out_shape=tuple(jax.ShapeDtypeStruct((split, out_rows, on), out_dtype) for on in out_ns),
         grid=grid,
         interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages),
-        name=f"q{qw.bits}mm{'dq' if tiling.dequant == 'weights' else ''}_m{tiling.block_m}_n{tiling.block_n}",
-    )(x2, weight, scales, biases)
-    out = out[:, :rows, :n]
-    return fold_splits(out).astype(x2.dtype)
+        name=f"q{first.bits}mm{'dq' if tiling.dequant == 'weights' else ''}_m{tiling.block_m}_n{tiling.block_n}"
+             + (f"_x{len(qws)}" if len(qws) > 1 else ""),
+    )(x2, *(a for wsb in arrays for a in wsb))
+    return tuple(fold_splits(o[:, :rows, :n]).astype(x2.dtype) for o, n in zip(outs, ns))

@@ -105,3 +105,27 @@ def test_qmm_at_prefill_rows_on_gpu(dtype, tol):
         y = np.asarray(jax.jit(lambda x: quantized_matmul(x, qw))(x).astype(jnp.float32), np.float64)
         ref = np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ wd.T
         assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol, rows
+
+
+def test_fused_launch_on_gpu():
+    """kernel.launch_many's Triton build (one branch per weight): bitwise the separate launches of the
+    same tiling at gate/up-like and q/k/v-like shapes, and rows invariant through the dispatch."""
+    from pallas_kernels import quantized_matmul_many
+    from pallas_kernels.kernel import launch, launch_many
+    from pallas_kernels.tiling import gemv_tiling
+    rng = np.random.default_rng()
+    cfg = DispatchConfig(fused_launch=True)
+    for ns in ((3840, 3840), (2048, 1024, 1024)):
+        qws = [quantize(jnp.asarray(rng.standard_normal((n, 2048)) * 0.05, jnp.bfloat16)) for n in ns]
+        x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+        t = gemv_tiling((sum(ns), 2048), 64, cfg)
+        together = jax.jit(lambda x: launch_many(x, qws, t, interpret=False))(x)
+        for got, qw in zip(together, qws):
+            alone = jax.jit(lambda x, qw=qw: launch(x, qw, t, interpret=False))(x)
+            np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(alone.astype(jnp.float32)))
+            ref = np.asarray(x, np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
+            assert np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref) < 1e-2
+        multi = quantized_matmul_many(x, qws, config=cfg)
+        one = quantized_matmul_many(x[5:6], qws, config=cfg)
+        for a, m in zip(one, multi):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(m[5:6].astype(jnp.float32)))

@@ -25,6 +25,14 @@ def test_lowers_the_kernel_for_cuda_without_a_gpu(tmp_path):
     assert "tt.dot" not in ttir and "lop3.b32" in ttir and "scf.for" in ttir
 
 
+def test_lowers_a_fused_launch_for_cuda(tmp_path):
+    """kernel.launch_many: one Triton function, one branch (scf.if) and one K loop per weight."""
+    assert triton_ir.main(["--shape", "256,512", "--many", "128,64,64", "--rows", "1", "--kernel", "mma",
+                           "--out", str(tmp_path)]) == 0
+    ttir = open(tmp_path / "kernel.ttir").read()
+    assert ttir.count("tt.func ") == 1 and ttir.count("scf.if") >= 3 and ttir.count("tt.dot") >= 3
+
+
 def test_sass_loop_ops_reads_the_longest_backward_branch():
     sass = ("        /*0000*/  MOV R1, R2 ;\n        /*0010*/  FFMA R1, R2, R3, R1 ;\n"
             "        /*0020*/  @!P0 LOP3.LUT R4, R1, 0xf, RZ, 0xc0, !PT ;\n"
