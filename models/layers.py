@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import DispatchConfig, quantized_matmul
+from pallas_kernels import DispatchConfig, quantized_matmul, quantized_matmul_many
 
 from .config import RopeConfig
 
@@ -24,6 +24,12 @@ _NEG = float(np.finfo(np.float32).min)  # finite: a fully masked (padding) row s
 def linear(x: jax.Array, w, matmul: DispatchConfig | None) -> jax.Array:
     """`x @ w.T` for a float `[N, K]` weight or a QuantizedWeight; output in x's dtype."""
     return quantized_matmul(x, w, config=matmul)
+
+
+def linear_many(x: jax.Array, ws, matmul: DispatchConfig | None) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each w, in one kernel launch where the dispatch can (the projections that
+    read one x: q/k/v, gate/up; DispatchConfig.fused_launch)."""
+    return quantized_matmul_many(x, ws, config=matmul)
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
@@ -68,7 +74,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def mlp(x: jax.Array, gate, up, down, act: str, matmul) -> jax.Array:
-    return linear(activation(linear(x, gate, matmul), act) * linear(x, up, matmul), down, matmul)
+    g, u = linear_many(x, (gate, up), matmul)
+    return linear(activation(g, act) * u, down, matmul)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

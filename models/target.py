@@ -14,8 +14,8 @@ from pallas_kernels import DispatchConfig, take_rows
 
 from .cache import KVCache, init_cache, write_rows
 from .config import TargetConfig
-from .layers import (activation, apply_rope, attention, causal_mask, linear, mlp, rms_norm, rope_tables,
-                     scale_of)
+from .layers import (activation, apply_rope, attention, causal_mask, linear, linear_many, mlp, rms_norm,
+                     rope_tables, scale_of)
 
 
 @struct.dataclass
@@ -142,12 +142,13 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         cos, sin = tables[key]
 
         x = rms_norm(h, p[pre + "input_layernorm"], eps)
-        q = linear(x, p[pre + "self_attn.q_proj"], mm).reshape(b, t, nq, hd)
-        q = apply_rope(rms_norm(q, p[pre + "self_attn.q_norm"], eps), cos, sin)
+        names = ["q_proj"] + ([] if cfg.kv_shared(i) else ["k_proj"] if cfg.k_eq_v(i) else ["k_proj", "v_proj"])
+        q, *kv = linear_many(x, [p[pre + "self_attn." + name] for name in names], mm)
+        q = apply_rope(rms_norm(q.reshape(b, t, nq, hd), p[pre + "self_attn.q_norm"], eps), cos, sin)
         slot = cfg.cache_slot(i)
-        if not cfg.kv_shared(i):
-            kr = linear(x, p[pre + "self_attn.k_proj"], mm).reshape(b, t, nkv, hd)
-            vr = kr if cfg.k_eq_v(i) else linear(x, p[pre + "self_attn.v_proj"], mm).reshape(b, t, nkv, hd)
+        if kv:
+            kr = kv[0].reshape(b, t, nkv, hd)
+            vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, nkv, hd)
             k = apply_rope(rms_norm(kr, p[pre + "self_attn.k_norm"], eps), cos, sin)
             v = rms_norm(vr, None, eps)
             ks[slot] = write_rows(ks[slot], k, start)
