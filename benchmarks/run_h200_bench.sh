@@ -111,6 +111,11 @@ for s in $steps; do
     # the GEMV's previous default unpack, for the whole-model A/B against kpairs (log entry 8)
     full_pairs) JAXSPEC_GEMV_UNPACK=pairs step full_pairs 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_pairs" ;;
+    # next: q/k/v and gate/up in one launch each (kernel.launch_many), against `full` (docs/kernels.md)
+    full_fused) JAXSPEC_FUSED_LAUNCH=1 step full_fused 80 $sb --no-assistant --runs forward --k-values 4 \
+        --time-budget 45 --out "$out/full_fused" ;;
+    loop_fused) JAXSPEC_FUSED_LAUNCH=1 step loop_fused 320 $sb --runs loop --k-values 4 --max-tokens 32 \
+        --time-budget 270 --out "$out/loop_fused" ;;
     full_n64) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=1920 step full_n64 80 $sb --no-assistant \
         --runs forward --k-values 4 --time-budget 45 --out "$out/full_n64" ;;
     full_n64_960) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=960 step full_n64_960 80 $sb --no-assistant \
