@@ -116,10 +116,11 @@ def test_leading_dims_and_poisoned_output_is_overwritten():
 
 
 @pytest.mark.parametrize("kernel", GEMV_KERNELS)
-@pytest.mark.parametrize("dtype,k", [(jnp.float32, 192), (jnp.bfloat16, 192), (jnp.float32, 512)])
+@pytest.mark.parametrize("dtype,k", [(jnp.bfloat16, 192), (jnp.float32, 512)])
 def test_multirow_rows_bitwise_equal_qmv(dtype, k, kernel):
     """Row i of a multirow launch is bitwise the qmv result for row i alone (greedy parity needs it).
-    (K = 512 catches the fma GEMV's group sums depending on the row count through XLA's reduce.)"""
+    (K = 512 catches the fma GEMV's group sums depending on the row count through XLA's reduce; a
+    float32 case at K = 192 added nothing to it and cost CI 42 s.)"""
     rng = np.random.default_rng()
     qw, _ = _case(rng, 176, k, dtype)
     cfg = DispatchConfig(gemv_kernel=kernel)
