@@ -38,7 +38,7 @@ from collections import Counter  # noqa: E402
 
 from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
-from pallas_kernels.kernel import launch_many  # noqa: E402
+from pallas_kernels.kernel import Tiling, launch_many  # noqa: E402
 from pallas_kernels.tiling import gemv_tiling, qmm_tiling  # noqa: E402
 
 
@@ -189,6 +189,8 @@ def main(argv=None) -> int:
     cfg = DispatchConfig() if args.kernel is None else DispatchConfig(gemv_kernel=args.kernel)
     tiling = gemv_tiling((n, k), 64, cfg) if args.rows <= cfg.multirow_max_rows else qmm_tiling(args.rows, (n, k), 64, cfg)
     tiling = dataclasses.replace(tiling, **{f: _value(v) for f, v in (s.split("=", 1) for s in args.set)})
+    if many and not isinstance(tiling, Tiling):
+        ap.error("--many needs the tensor-core kernel (kernel.launch_many); the fma GEMV has no fused launch")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kernel.ttir")
     with open(path, "w") as f:

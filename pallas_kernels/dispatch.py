@@ -64,10 +64,10 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     fusable = (config.fused_launch and len(weights) > 1 and rows > 0 and config.backend == "pallas"
                and all(isinstance(w, QuantizedWeight) for w in weights) and same_format(weights)
                and (chosen == "qmm" or (config.gemv_kernel == "mma" and (rows == 1 or chosen == "multirow"))))
-    if chosen == "multirow" and rows > MMA_ROWS:
-        raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
     if not fusable:
         return tuple(quantized_matmul(x, w, path=path, config=config) for w in weights)
+    if chosen == "multirow" and rows > MMA_ROWS:  # as quantized_matmul's pallas path says it
+        raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
     first = weights[0]
     shape = (sum(ns), k)
     if chosen == "qmm":

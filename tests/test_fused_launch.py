@@ -66,6 +66,11 @@ def test_quantized_matmul_many_falls_back_and_rejects_bad_input():
     with pytest.raises(ValueError, match="K mismatch"):
         quantized_matmul_many(x, (qa, quantize(jnp.asarray(rng.standard_normal((8, 192)), jnp.bfloat16))),
                               config=fused)
+    many = jnp.asarray(rng.standard_normal((17, 128)), jnp.bfloat16)   # forced multirow past 16 rows:
+    with pytest.raises(ValueError, match="at most 16 rows"):             # refused where the kernel runs,
+        quantized_matmul_many(many, (qa, qb), path="multirow", config=fused)
+    xla = DispatchConfig(fused_launch=True, backend="xla")               # not where it does not
+    assert quantized_matmul_many(many, (qa, qb), path="multirow", config=xla)[1].shape == (17, 40)
     with pytest.raises(ValueError, match="at least one weight"):
         quantized_matmul_many(x, (), config=fused)
     with pytest.raises(ValueError, match="differ in bits"):
