@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from .config import PATHS, DispatchConfig, select_path
 from .gemv import GemvTiling, gemv_launch
-from .kernel import MMA_ROWS, launch, launch_many, same_format
+from .kernel import MMA_ROWS, Tiling, launch, launch_many, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from .tiling import gemv_tiling, qmm_tiling
 from .xla import dense_matmul, xla_quantized_matmul
@@ -66,15 +66,7 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
                and (chosen == "qmm" or (config.gemv_kernel == "mma" and (rows == 1 or chosen == "multirow"))))
     if not fusable:
         return tuple(quantized_matmul(x, w, path=path, config=config) for w in weights)
-    if chosen == "multirow" and rows > MMA_ROWS:  # as quantized_matmul's pallas path says it
-        raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
-    first = weights[0]
-    shape = (sum(ns), k)
-    if chosen == "qmm":
-        tiling = qmm_tiling(rows, shape, first.group_size, config, x_itemsize=x.dtype.itemsize)
-    else:
-        tiling = gemv_tiling(shape, first.group_size, config)
-    outs = launch_many(x.reshape(rows, k), weights, tiling, interpret=_use_interpret(config))
+    outs = _pallas(x.reshape(rows, k), weights, chosen, config)
     return tuple(o.reshape(*lead, n) for o, n in zip(outs, ns))
 
 
@@ -97,7 +89,7 @@ def quantized_matmul(x, w, *, path: str | None = None, config: DispatchConfig | 
     elif config.backend == "xla":
         out = xla_quantized_matmul(x2, w)
     else:
-        out = _pallas(x2, w, select_path(rows, config) if path is None else path, config)
+        out = _pallas(x2, (w,), select_path(rows, config) if path is None else path, config)[0]
     return out.astype(x.dtype).reshape(*lead, n)
 
 
@@ -106,19 +98,25 @@ def launcher(tiling):
     return gemv_launch if isinstance(tiling, GemvTiling) else launch
 
 
-def _pallas(x2, qw, path, config):
+def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
+    """The Pallas launch for QuantizedWeights of one format on x2 `[rows, K]`, tiled as one weight of
+    their summed N (several weights only where kernel.launch_many runs them: quantized_matmul_many)."""
     rows, k = x2.shape
     interpret = _use_interpret(config)
+    shape, group_size = (sum(qw.shape[0] for qw in qws), k), qws[0].group_size
     if path == "qmm":
-        tiling = qmm_tiling(rows, qw.shape, qw.group_size, config, x_itemsize=x2.dtype.itemsize)
-        return launch(x2, qw, tiling, interpret=interpret)
-    tiling = gemv_tiling(qw.shape, qw.group_size, config)
+        tiling = qmm_tiling(rows, shape, group_size, config, x_itemsize=x2.dtype.itemsize)
+        return launch_many(x2, qws, tiling, interpret=interpret)
+    tiling = gemv_tiling(shape, group_size, config)
+    if path == "multirow" and rows > MMA_ROWS:
+        raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
+    if isinstance(tiling, Tiling) and (path == "multirow" or rows == 1):
+        return launch_many(x2, qws, tiling, interpret=interpret)
+    (qw,) = qws  # the CUDA-core GEMV and qmv row by row launch one weight at a time
     run = launcher(tiling)
     if path == "multirow":
-        if rows > MMA_ROWS:
-            raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
-        return run(x2, qw, tiling, interpret=interpret)
+        return (run(x2, qw, tiling, interpret=interpret),)
     # qmv: one launch per row. For rows > 1 this re-reads the weight once per row; it is the
     # behaviour multirow replaces, kept for A/B runs (JAXSPEC_QMV_MULTIROW=0).
     outs = [run(x2[i:i + 1], qw, tiling, interpret=interpret) for i in range(rows)]
-    return outs[0] if rows == 1 else jnp.concatenate(outs, axis=0)
+    return (outs[0] if rows == 1 else jnp.concatenate(outs, axis=0),)

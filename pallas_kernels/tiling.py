@@ -66,8 +66,9 @@ QMM_TILE_M = 64
 # From this many rows on, 256-row tiles (8 warps; 2 stages: 3 ask 240 KiB of shared memory): each
 # weight tile is dequantized once per 256 rows instead of 64. H200, dequantize-first body, 512 rows:
 # 220-227 us against 264-267 (15360x3840) and 238-246 against 262-270 (3840x15360); 256 rows 3-8%
-# faster; 128 rows slower (131-141 against 79-84). docs/kernels.md, log entry 8.
+# faster; 128 rows slower (131-141 against 79-102). docs/kernels.md, log entry 8.
 QMM_TALL_ROWS = 256
+QMM_TALL_TILE_M = 256
 
 
 def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: DispatchConfig,
@@ -80,7 +81,7 @@ def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: Dispa
     n, k = shape
     dequant = config.dequant or "weights"
     tall = (config.qmm_tile_m is None and rows >= QMM_TALL_ROWS and dequant == "weights" and x_itemsize <= 2)
-    block_m = 256 if tall else config.qmm_tile_m or QMM_TILE_M
+    block_m = QMM_TALL_TILE_M if tall else config.qmm_tile_m or QMM_TILE_M
     groups_per_step = max(1, (config.qmm_tile_k or (128 if dequant == "weights" else 64)) // group_size)
     programs = -(-n // config.qmm_tile_n) * -(-rows // block_m)
     split = split_for(programs, k // group_size, _QMM_TARGET_PROGRAMS)
