@@ -64,8 +64,9 @@ class DispatchConfig:
     gemv_unpack: how the tensor-core GEMV's codes body unpacks words (kernel.Tiling.unpack). None:
     "kpairs" (29.1 us against 34.9 for "pairs" on 15360x3840, log entry 8). $JAXSPEC_GEMV_UNPACK.
     fused_launch: quantized_matmul_many runs weights of one format in one tensor-core launch
-    (kernel.launch_many) instead of one launch each. Off until measured on a GPU (docs/kernels.md,
-    next steps). $JAXSPEC_FUSED_LAUNCH.
+    (kernel.launch_many) instead of one launch each. On: the whole-12B decode forward took 8.50 and
+    8.61 ms against 8.93 and 8.88 unfused (H200, docs/kernels.md, log entry 9). $JAXSPEC_FUSED_LAUNCH=0
+    turns it off.
     """
 
     multirow: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_QMV_MULTIROW", True))
@@ -87,7 +88,7 @@ class DispatchConfig:
     dequant: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT") or None)
     gemv_unpack: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get("JAXSPEC_GEMV_UNPACK") or None)
-    fused_launch: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_FUSED_LAUNCH", False))
+    fused_launch: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_FUSED_LAUNCH", True))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
