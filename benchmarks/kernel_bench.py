@@ -27,7 +27,7 @@ from harness import empty_call_seconds, empty_call_with_seconds, environment, hb
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
 from pallas_kernels.gemv import GemvTiling, gemv_launch  # noqa: E402
 from pallas_kernels.kernel import Tiling, launch  # noqa: E402
-from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling  # noqa: E402
+from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling, split_for  # noqa: E402
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
 ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512]
@@ -271,29 +271,54 @@ QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_w
                 # 256 x 128 with 3 stages asks 240 KiB of shared memory (the H200 has 227): 2 stages
                 "tile_m 256, warps 8, stages 2": dict(block_m=256, num_warps=8, num_stages=2),
                 "tile_m 128, n 256, warps 8, stages 2": dict(block_m=128, block_n=256, num_warps=8, num_stages=2),
-                "tile_m 128, n 256, warps 4": dict(block_m=128, block_n=256)}
+                "tile_m 128, n 256, warps 4": dict(block_m=128, block_n=256),
+                # session 8: the dequantized weight tile on the left of the dot (the operand Hopper's
+                # wgmma can take from registers; x on the left needs the weight in shared memory)
+                "w_left": dict(w_left=True),
+                "w_left, tile_m 256, warps 8, stages 2": dict(w_left=True, block_m=256, num_warps=8, num_stages=2),
+                "w_left, n 64, tile_m 256, warps 4, stages 2": dict(w_left=True, block_n=64, block_m=256, num_stages=2),
+                # the GEMV's grid (64-column tiles, K split to ~1920 programs) at 64-row tiles, both bodies
+                "gemv grid, codes": dict(block_n=64, dequant="codes", unpack="kpairs", w_left=True,
+                                         groups_per_step=1, split_target=1920),
+                "gemv grid, dq": dict(block_n=64, w_left=True, split_target=1920),
+                "n 64, split 1920": dict(block_n=64, split_target=1920)}
 
 
-def tiles_phase(T, key, quick, rows_list=None, names=None):
-    """qmm around its default (tile_m 64, split-K to one wave): warps, block_n. The
-    tile_m 16/32/64/128 x split sweep that chose the default: raw/2026-11-29-c15f057/."""
-    for n, k in [(15360, 3840), (3840, 15360)]:
+def tiles_phase(T, key, quick, rows_list=None, names=None, shapes=None):
+    """qmm around its default (tile_m 64, split-K to one wave): warps, block_n, the operand order and
+    the GEMV's grid, next to the bf16 dot of the same shape and rows. The tile_m 16/32/64/128 x split
+    sweep that chose the default: raw/2026-11-29-c15f057/."""
+    for n, k in shapes or [(15360, 3840), (3840, 15360)]:
         nq = n_sets_for(qbytes(n, k))
         qws = weight_sets(key, n, k, nq)
-        for rows in rows_list or ((64, 512) if quick else (16, 64, 512)):
+        row_counts = rows_list or ((64, 512) if quick else (16, 64, 512))
+        for rows in row_counts:
             xs = activations(key, 3000, (rows, k), nq)
             for name, v in QMM_VARIANTS.items():
                 if names and name not in names:
                     continue
                 if T.past_deadline():
                     return
+                v = dict(v)
+                target = v.pop("split_target", None)
                 base = qmm_tiling(rows, (n, k), GROUP, DispatchConfig(qmm_tile_n=v.get("block_n", 128),
                                                                qmm_tile_m=v.get("block_m")))
                 tiling = Tiling(**{**base.__dict__, **v})
+                if target:
+                    programs = -(-n // tiling.block_n) * -(-rows // tiling.block_m)
+                    tiling = Tiling(**{**tiling.__dict__, "split_k": split_for(programs, k // GROUP, target)})
                 T.measure(dict(phase="tiles", n=n, k=k, rows=rows, variant=name, tile_m=tiling.block_m,
                                split_k=tiling.split_k, tiling=tiling.__dict__, floor_us=qbytes(n, k) / T.bw * 1e6),
                           lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, qws)
         del qws
+        dense_sets = n_sets_for(n * k * 2, cap=16)
+        dws = activations(key, 9000, (n, k), dense_sets)
+        for rows in row_counts:
+            xs = activations(key, 7000, (rows, k), dense_sets)
+            t = T.time_ops(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype), xs, dws)
+            T.record(phase="tiles", n=n, k=k, rows=rows, variant="bf16 dot", tile_m="-", split_k="-",
+                     us=t * 1e6, floor_us=n * k * 2 / T.bw * 1e6)
+        del dws
 
 
 def print_launches(rows, phase, title, detail):
@@ -341,7 +366,8 @@ def main():
     ap.add_argument("--phase", default="check,sweep,table,tiles")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=None,
-                    help="table phase only: NxK,NxK of SHAPES (default: all, or the two MLP shapes with --quick)")
+                    help="table and tiles phases: NxK,NxK of SHAPES (default: table all, or the two MLP shapes "
+                         "with --quick; tiles the two MLP shapes)")
     ap.add_argument("--tile-rows", default=None, help="tiles phase only: row counts, e.g. 512")
     ap.add_argument("--tile-variants", default=None, help="tiles phase only: QMM_VARIANTS names, ';'-separated")
     ap.add_argument("--deadline", type=float, default=None,
@@ -371,7 +397,7 @@ def main():
              "locality": lambda: locality_sweep(T, key, args.quick),
              "table": lambda: table_phase(T, key, args.quick, only), "tiles": lambda: tiles_phase(
                  T, key, args.quick, args.tile_rows and [int(r) for r in args.tile_rows.split(",")],
-                 args.tile_variants and args.tile_variants.split(";"))}[phase]()
+                 args.tile_variants and args.tile_variants.split(";"), only)}[phase]()
         except Exception:
             traceback.print_exc()
         print(f"phase {phase} took {time.time() - t0:.0f}s", flush=True)
