@@ -200,15 +200,17 @@ def locality_sweep(T, key, quick):
         del ws
 
 
-def gemv_sweep(T, key, quick):
-    """The GEMV launch around its default: code conversion ("cvt" vs "bits"), then block_n, split-K,
-    warps and stages. Earlier sweeps (block_n 32..256, groups per step 1..4, split 1..16, warps 2..8,
-    stages 2..4; the scale/bias prefetch and layout options, since removed) are in raw/."""
-    variants = [dict(convert="cvt"), dict(), dict(split_mult=2), dict(split_mult=4), dict(block_n=64),
-                dict(num_warps=8), dict(num_stages=2)]
+def gemv_sweep(T, key, quick, only=None):
+    """The GEMV launch around its default: code conversion ("cvt" vs "bits"), then split-K, block_n,
+    groups per step, warps and stages (re-swept in session 8 around the kpairs unpack). Earlier
+    sweeps (block_n 32..256, groups per step 1..4, split 1..16, warps 2..8, stages 2..4; the
+    scale/bias prefetch and layout options, since removed) are in raw/."""
+    variants = [dict(convert="cvt"), dict(), dict(split_mult=2), dict(split_mult=4), dict(split_mult=0.5),
+                dict(block_n=32), dict(block_n=128), dict(groups_per_step=2), dict(num_warps=8),
+                dict(num_warps=2), dict(num_stages=2), dict(num_stages=4)]
     if quick:
         variants = variants[:3]
-    for n, k in SHAPES:
+    for n, k in only or SHAPES:
         if T.past_deadline():
             return
         nsets = n_sets_for(qbytes(n, k))
@@ -221,7 +223,7 @@ def gemv_sweep(T, key, quick):
                 cfg = DispatchConfig(gemv_kernel="mma", gemv_block_n=v.pop("block_n", None))
                 default = gemv_tiling((n, k), GROUP, cfg)
                 tiling = Tiling(**{**default.__dict__, **v,
-                                   "split_k": min(default.split_k * mult, k // GROUP)})
+                                   "split_k": max(1, min(int(default.split_k * mult), k // GROUP))})
                 T.measure(dict(phase="sweep", n=n, k=k, rows=rows, tiling=tiling.__dict__,
                                floor_us=qbytes(n, k) / T.bw * 1e6),
                           lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, ws)
@@ -366,7 +368,7 @@ def main():
     ap.add_argument("--phase", default="check,sweep,table,tiles")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=None,
-                    help="table and tiles phases: NxK,NxK of SHAPES (default: table all, or the two MLP shapes "
+                    help="sweep, table and tiles phases: NxK,NxK of SHAPES (default: table all, or the two MLP shapes "
                          "with --quick; tiles the two MLP shapes)")
     ap.add_argument("--tile-rows", default=None, help="tiles phase only: row counts, e.g. 512")
     ap.add_argument("--tile-variants", default=None, help="tiles phase only: QMM_VARIANTS names, ';'-separated")
@@ -392,7 +394,7 @@ def main():
     for phase in args.phase.split(","):
         t0 = time.time()
         try:
-            {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick),
+            {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick, only),
              "fma": lambda: fma_sweep(T, key, args.quick),
              "locality": lambda: locality_sweep(T, key, args.quick),
              "table": lambda: table_phase(T, key, args.quick, only), "tiles": lambda: tiles_phase(
