@@ -56,6 +56,7 @@ class DispatchConfig:
     $JAXSPEC_GEMV_CHAINS set these three for A/B runs of a whole model ($JAXSPEC_GEMV_SPLIT_K the split;
     groups per step applies to the tensor-core GEMV too). gemv_target_programs: the program count
     the split-K rule aims for when gemv_split_k is None ($JAXSPEC_GEMV_TARGET_PROGRAMS).
+    gemv_num_stages: the tensor-core GEMV's pipeline stages (None: 3; $JAXSPEC_GEMV_STAGES), for A/B runs.
     dequant: how the tensor-core kernel (mma GEMV and qmm) uses the codes: "codes" (exact codes on
     the tensor cores, each group's scale and bias applied to the small product) or "weights" (every
     weight dequantized to s*q + b in the dot dtype first, one accumulating dot per loop step;
@@ -85,6 +86,7 @@ class DispatchConfig:
     gemv_groups_per_step: int | None = dataclasses.field(
         default_factory=lambda: _env_int("JAXSPEC_GEMV_GROUPS_PER_STEP", None))
     gemv_chains: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_CHAINS", False))
+    gemv_num_stages: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_GEMV_STAGES", None))
     dequant: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT") or None)
     gemv_unpack: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get("JAXSPEC_GEMV_UNPACK") or None)
@@ -106,6 +108,8 @@ class DispatchConfig:
             v = getattr(self, name)
             if v is not None and (v < 16 or v & (v - 1)):
                 raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton block shapes)")
+        if self.gemv_num_stages is not None and self.gemv_num_stages < 1:
+            raise ValueError(f"gemv_num_stages={self.gemv_num_stages} must be >= 1")
         if self.gemv_groups_per_step is not None and self.gemv_groups_per_step < 1:
             raise ValueError(f"gemv_groups_per_step={self.gemv_groups_per_step} must be >= 1")
         if self.gemv_target_programs is not None and self.gemv_target_programs < 1:

@@ -42,7 +42,7 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes;
     # the kpairs unpack skips the code tile's shared-memory round trip (log entry 8).
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
-                  split_k=split, w_left=True, num_warps=4, num_stages=3, dequant=config.dequant or "codes",
+                  split_k=split, w_left=True, num_warps=4, num_stages=config.gemv_num_stages or 3, dequant=config.dequant or "codes",
                   unpack=config.gemv_unpack or "kpairs")
 
 

@@ -191,6 +191,13 @@ def test_fma_gemv_env_overrides_reach_the_tiling(monkeypatch):
     monkeypatch.setenv("JAXSPEC_GEMV_GROUPS_PER_STEP", "0")
     with pytest.raises(ValueError, match="gemv_groups_per_step"):
         DispatchConfig()
+    monkeypatch.delenv("JAXSPEC_GEMV_GROUPS_PER_STEP")
+    monkeypatch.setenv("JAXSPEC_GEMV_KERNEL", "mma")
+    monkeypatch.setenv("JAXSPEC_GEMV_STAGES", "2")      # the tensor-core GEMV's stages
+    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).num_stages == 2
+    monkeypatch.setenv("JAXSPEC_GEMV_STAGES", "0")
+    with pytest.raises(ValueError, match="gemv_num_stages"):
+        DispatchConfig()
 
 
 @pytest.mark.parametrize("bits,group_size,k,split_k,gps,dtype", [
