@@ -207,7 +207,7 @@ def gemv_sweep(T, key, quick, only=None):
     scale/bias prefetch and layout options, since removed) are in raw/."""
     variants = [dict(convert="cvt"), dict(), dict(split_mult=2), dict(split_mult=4), dict(split_mult=0.5),
                 dict(block_n=32), dict(block_n=128), dict(groups_per_step=2), dict(num_warps=8),
-                dict(num_warps=2), dict(num_stages=2), dict(num_stages=4)]
+                dict(num_warps=2), dict(num_stages=3), dict(num_stages=4)]
     if quick:
         variants = variants[:3]
     for n, k in only or SHAPES:

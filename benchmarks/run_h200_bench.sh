@@ -116,9 +116,9 @@ for s in $steps; do
         --time-budget 45 --out "$out/full_fused" ;;
     loop_fused) JAXSPEC_FUSED_LAUNCH=1 step loop_fused 320 $sb --runs loop --k-values 4 --max-tokens 32 \
         --time-budget 270 --out "$out/loop_fused" ;;
-    # session 8: the GEMV at 2 pipeline stages (the kernel sweep's best on 3840x15360), against `full`
-    full_st2) JAXSPEC_GEMV_STAGES=2 step full_st2 80 $sb --no-assistant --runs forward --k-values 4 \
-        --time-budget 45 --out "$out/full_st2" ;;
+    # session 8: the GEMV at 3 pipeline stages (the default until log entry 9; 2 now), against `full`
+    full_st3) JAXSPEC_GEMV_STAGES=3 step full_st3 80 $sb --no-assistant --runs forward --k-values 4 \
+        --time-budget 45 --out "$out/full_st3" ;;
     full_n64) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=1920 step full_n64 80 $sb --no-assistant \
         --runs forward --k-values 4 --time-budget 45 --out "$out/full_n64" ;;
     full_n64_960) JAXSPEC_GEMV_BLOCK_N=64 JAXSPEC_GEMV_TARGET_PROGRAMS=960 step full_n64_960 80 $sb --no-assistant \
