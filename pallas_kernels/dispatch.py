@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from .config import PATHS, DispatchConfig, select_path
 from .gemv import GemvTiling, gemv_launch
-from .kernel import MMA_ROWS, Tiling, launch, launch_many, same_format
+from .kernel import MMA_ROWS, launch, launch_many, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from .tiling import gemv_tiling, qmm_tiling
 from .xla import dense_matmul, xla_quantized_matmul
@@ -63,7 +63,7 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     chosen = path or (select_path(rows, config) if rows else None)
     fusable = (config.fused_launch and len(weights) > 1 and rows > 0 and config.backend == "pallas"
                and all(isinstance(w, QuantizedWeight) for w in weights) and same_format(weights)
-               and (chosen == "qmm" or (config.gemv_kernel == "mma" and (rows == 1 or chosen == "multirow"))))
+               and _tensor_core_launch(chosen, rows, config))
     if not fusable:
         return tuple(quantized_matmul(x, w, path=path, config=config) for w in weights)
     outs = _pallas(x.reshape(rows, k), weights, chosen, config)
@@ -98,19 +98,26 @@ def launcher(tiling):
     return gemv_launch if isinstance(tiling, GemvTiling) else launch
 
 
+def _tensor_core_launch(path: str, rows: int, config: DispatchConfig) -> bool:
+    """Whether `path` at `rows` runs as one tensor-core launch (kernel.launch_many, which can take
+    several weights): qmm, and the mma GEMV at one row or multirow. Not the CUDA-core GEMV, and not
+    qmv row by row."""
+    return path == "qmm" or (config.gemv_kernel == "mma" and (path == "multirow" or rows == 1))
+
+
 def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
     """The Pallas launch for QuantizedWeights of one format on x2 `[rows, K]`, tiled as one weight of
     their summed N (several weights only where kernel.launch_many runs them: quantized_matmul_many)."""
     rows, k = x2.shape
     interpret = _use_interpret(config)
     shape, group_size = (sum(qw.shape[0] for qw in qws), k), qws[0].group_size
-    if path == "qmm":
-        tiling = qmm_tiling(rows, shape, group_size, config, x_itemsize=x2.dtype.itemsize)
-        return launch_many(x2, qws, tiling, interpret=interpret)
-    tiling = gemv_tiling(shape, group_size, config)
     if path == "multirow" and rows > MMA_ROWS:
         raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
-    if isinstance(tiling, Tiling) and (path == "multirow" or rows == 1):
+    if path == "qmm":
+        tiling = qmm_tiling(rows, shape, group_size, config, x_itemsize=x2.dtype.itemsize)
+    else:
+        tiling = gemv_tiling(shape, group_size, config)
+    if _tensor_core_launch(path, rows, config):
         return launch_many(x2, qws, tiling, interpret=interpret)
     (qw,) = qws  # the CUDA-core GEMV and qmv row by row launch one weight at a time
     run = launcher(tiling)
