@@ -47,12 +47,11 @@ class Tiling:
     stay whole, ordered along K as [pair j, word, half] (codes.pairs_in_k_order) with x reordered to
     match by the wrapper; pip Triton then reads them as the MMA operand without the shared-memory
     round trip and barrier of the other unpacks (29.1 against 34.9 us for "pairs": log entry 8).
-    prefetch_sb: load the next group's scales and biases before this group's math (one group per
-    step only); Triton pipelines only the loads that feed the dot, so each group waits on these.
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
-    (prefetch_sb lost on the H200 twice, log entries 3 and 7; it stays for A/B runs.)"""
+    (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
+    and was removed in session 8.)"""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -64,7 +63,6 @@ class Tiling:
     convert: str = "bits"
     unpack: str = "pairs"
     dequant: str = "codes"
-    prefetch_sb: bool = False
 
     def __post_init__(self):
         if self.unpack not in UNPACKS:
@@ -159,11 +157,6 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     def one_group(g, acc):
         return group_math(acc, g, *load_sb(g))
 
-    def prefetched(g, carry):  # this group's scales and biases came with the carry
-        acc, s, b = carry
-        nxt = load_sb(jnp.minimum(g + 1, g1 - 1))
-        return (group_math(acc, g, s, b), *nxt)
-
     def step(i, acc):  # groups_per_step groups per iteration: more loads in flight
         for j in range(t.groups_per_step):
             acc = one_group(g0 + i * t.groups_per_step + j, acc)
@@ -173,12 +166,9 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     g1 = jnp.minimum(g0 + groups_per_split, n_groups)
     shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)
     acc = jnp.zeros(shape, jnp.float32)
-    if t.prefetch_sb:
-        acc = jax.lax.fori_loop(g0, g1, prefetched, (acc, *load_sb(g0)))[0]
-    else:
-        full_steps = (g1 - g0) // t.groups_per_step
-        acc = jax.lax.fori_loop(0, full_steps, step, acc)
-        acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
+    full_steps = (g1 - g0) // t.groups_per_step
+    acc = jax.lax.fori_loop(0, full_steps, step, acc)
+    acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
     if t.w_left:
         acc = acc.T
     pltriton.store(o_ref.at[pid_s, pl.ds(m0, t.block_m), pl.ds(n0, t.block_n)], acc.astype(o_ref.dtype),
