@@ -2,7 +2,7 @@
 # The H200 benchmark session behind docs/benchmark_results/speculative-h200-*.md, as named steps that
 # fit one device call (< 10 min each set). Usage:
 #   JAXSPEC_COMMIT=<sha> bash benchmarks/run_h200_bench.sh DEST [step ...]   (writes DEST/results.tgz)
-# Default steps: all, unmeasured ones first (about 1300 s of step timeouts: more than one call; name a subset).
+# Default steps: all, unmeasured ones first (about 1700 s of step timeouts: more than one call; name a subset).
 # Each step has a hard timeout and, where the tool has one, a softer --time-budget. The results are
 # re-packed after every step, so a call cut short still returns what finished.
 set -u
@@ -47,8 +47,9 @@ for s in $steps; do
     loop_b2) step loop_b2 100 $slice --runs loop --batch 2 --k-values 4 --max-tokens 32 --time-budget 60 \
         --out "$out/loop_b2" ;;
     # the whole 48-layer model's K = 4 round (only the 8-layer slice's has been measured)
-    # (session 6: 200 s ended after the classic row; building and compiling both loops takes most of it)
-    loop_full) step loop_full 320 $sb --runs loop --k-values 4 --max-tokens 32 --time-budget 270 \
+    # (session 6: 200 s ended after the classic row; building and compiling both loops takes most of it;
+    # session 8: 320 s ended after the classic row too, with fused launches: give it a call of its own)
+    loop_full) step loop_full 560 $sb --runs loop --k-values 4 --max-tokens 32 --time-budget 500 \
         --out "$out/loop_full" ;;
     # Nsight Compute's own kernel durations, DRAM throughput, registers, executed instructions and
     # warp stall reasons (the device's truth; triton_ir.py's pip-Triton counts are a proxy) for both
@@ -96,11 +97,11 @@ for s in $steps; do
     # the whole 12B decode forward with the dequantize-first body, 2 groups per step (next to `full`)
     full_dq) JAXSPEC_DEQUANT=weights JAXSPEC_GEMV_GROUPS_PER_STEP=2 step full_dq 80 $sb --no-assistant --runs forward \
         --k-values 4 --time-budget 45 --out "$out/full_dq" ;;
-    # session 6: the ncu of the paired unpack and the scale/bias prefetch; whole-12B forwards at
+    # session 6: the ncu of the paired unpack (and of a scale/bias prefetch, since removed); whole-12B forwards at
     # the GEMV grid of 64-row tiles split to ~1920 programs (the ncu's fastest join launch)
     ncu_pairs) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_pairs 200 ncu --clock-control none --kernel-name regex:'q4' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio \
-        python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma pairs,mma join pf,=mma join n64 g1 s8 w4" \
+        python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma pairs,=mma join n64 g1 s8 w4" \
         --out "$out/ncu_pairs_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
     # the kpairs unpack against the pairs unpack, kernel alone (docs/kernels.md, log entry 8)
@@ -111,11 +112,9 @@ for s in $steps; do
     # the GEMV's previous default unpack, for the whole-model A/B against kpairs (log entry 8)
     full_pairs) JAXSPEC_GEMV_UNPACK=pairs step full_pairs 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_pairs" ;;
-    # next: q/k/v and gate/up in one launch each (kernel.launch_many), against `full` (docs/kernels.md)
-    full_fused) JAXSPEC_FUSED_LAUNCH=1 step full_fused 80 $sb --no-assistant --runs forward --k-values 4 \
-        --time-budget 45 --out "$out/full_fused" ;;
-    loop_fused) JAXSPEC_FUSED_LAUNCH=1 step loop_fused 320 $sb --runs loop --k-values 4 --max-tokens 32 \
-        --time-budget 270 --out "$out/loop_fused" ;;
+    # q/k/v and gate/up as one launch per weight (the default before log entry 9), against `full`
+    full_unfused) JAXSPEC_FUSED_LAUNCH=0 step full_unfused 80 $sb --no-assistant --runs forward --k-values 4 \
+        --time-budget 45 --out "$out/full_unfused" ;;
     # session 8: the GEMV at 3 pipeline stages (the default until log entry 9; 2 now), against `full`
     full_st3) JAXSPEC_GEMV_STAGES=3 step full_st3 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_st3" ;;
