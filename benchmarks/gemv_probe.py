@@ -146,10 +146,13 @@ def variants(shape, rows):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack="pairs")
         v[f"mma pairs n{b} s{sp}"] = launched(t)
     # the kpairs unpack (the pairs read as the MMA operand, no shared-memory round trip in pip
-    # Triton's build; log entry 7) at the default grid and two others
+    # Triton's build; log entry 7) at the default grid and two others, at 2 pipeline stages (the
+    # default since log entry 9) and 3
     for b, sp in ((64, 8), (64, 4), (128, 4)):
-        t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack="kpairs")
-        v[f"mma kpairs n{b} s{sp}"] = launched(t)
+        for stages in (2, 3):
+            t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack="kpairs",
+                       num_stages=stages)
+            v[f"mma kpairs n{b} s{sp} st{stages}"] = launched(t)
     # dequantize-first (s*q + b per weight, one accumulating dot per step of g groups; dq_kernel.py)
     for b, g, sp, nw in ((128, 1, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (64, 2, 4, 4),
                          (64, 4, 4, 4), (64, 2, 8, 4), (256, 2, 2, 8)):
