@@ -279,7 +279,8 @@ QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_w
                 "w_left": dict(w_left=True),
                 "w_left, tile_m 256, warps 8, stages 2": dict(w_left=True, block_m=256, num_warps=8, num_stages=2),
                 "w_left, n 64, tile_m 256, warps 4, stages 2": dict(w_left=True, block_n=64, block_m=256, num_stages=2),
-                # the GEMV's grid (64-column tiles, K split to ~1920 programs) at 64-row tiles, both bodies
+                # the GEMV's grid (64-column tiles, K split to ~1920 programs), both bodies (row tiles as
+                # the dispatch's: 64, or 256 from QMM_TALL_ROWS rows)
                 "gemv grid, codes": dict(block_n=64, dequant="codes", unpack="kpairs", w_left=True,
                                          groups_per_step=1, split_target=1920),
                 "gemv grid, dq": dict(block_n=64, w_left=True, split_target=1920),
@@ -313,13 +314,17 @@ def tiles_phase(T, key, quick, rows_list=None, names=None, shapes=None):
                                split_k=tiling.split_k, tiling=tiling.__dict__, floor_us=qbytes(n, k) / T.bw * 1e6),
                           lambda x, w, tl=tiling: launch(x, w, tl, interpret=False), xs, qws)
         del qws
+        if names and "bf16 dot" not in names:
+            continue
         dense_sets = n_sets_for(n * k * 2, cap=16)
         dws = activations(key, 9000, (n, k), dense_sets)
         for rows in row_counts:
+            if T.past_deadline():
+                return
             xs = activations(key, 7000, (rows, k), dense_sets)
-            t = T.time_ops(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype), xs, dws)
-            T.record(phase="tiles", n=n, k=k, rows=rows, variant="bf16 dot", tile_m="-", split_k="-",
-                     us=t * 1e6, floor_us=n * k * 2 / T.bw * 1e6)
+            T.measure(dict(phase="tiles", n=n, k=k, rows=rows, variant="bf16 dot", tile_m="-", split_k="-",
+                           floor_us=n * k * 2 / T.bw * 1e6),
+                      lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype), xs, dws)
         del dws
 
 
@@ -368,10 +373,11 @@ def main():
     ap.add_argument("--phase", default="check,sweep,table,tiles")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=None,
-                    help="sweep, table and tiles phases: NxK,NxK of SHAPES (default: table all, or the two MLP shapes "
-                         "with --quick; tiles the two MLP shapes)")
+                    help="sweep, table and tiles phases: NxK,NxK of SHAPES (default: sweep and table all, table "
+                         "the two MLP shapes with --quick; tiles the two MLP shapes)")
     ap.add_argument("--tile-rows", default=None, help="tiles phase only: row counts, e.g. 512")
-    ap.add_argument("--tile-variants", default=None, help="tiles phase only: QMM_VARIANTS names, ';'-separated")
+    ap.add_argument("--tile-variants", default=None,
+                    help="tiles phase only: QMM_VARIANTS names and/or 'bf16 dot', ';'-separated")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after start past which no new measurement starts (then the summary)")
     args = ap.parse_args()

@@ -104,10 +104,11 @@ for s in $steps; do
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma pairs,=mma join n64 g1 s8 w4" \
         --out "$out/ncu_pairs_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
-    # the kpairs unpack against the pairs unpack, kernel alone (docs/kernels.md, log entry 8)
+    # the kpairs unpack against the pairs unpack, kernel alone (docs/kernels.md, log entry 8; the
+    # dispatch's "gemv mma" runs kpairs now, so set JAXSPEC_GEMV_UNPACK=pairs for the old pair)
     ncu_kpairs) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_kpairs 200 ncu --clock-control none --kernel-name regex:'q4' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio \
-        python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma kpairs" --out "$out/ncu_kpairs_probe"
+        python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma kpairs n64 s8 st3" --out "$out/ncu_kpairs_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
     # next (docs/kernels.md): why 2 pipeline stages beat 3 in the whole model (log entry 9): residency
     # (shared memory per program, occupancy limits) or latency, kernel alone
