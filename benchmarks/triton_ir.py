@@ -62,8 +62,7 @@ def _lower_capturing(module, attr: str, keep, n: int, k: int, rows: int, tiling,
 
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
     if many:
-        qw = tuple(weight(m) for m in many)
-        run = lambda x, ws, tiling, interpret: launch_many(x, ws, tiling, interpret=interpret)  # noqa: E731
+        qw, run = tuple(weight(m) for m in many), launch_many
     else:
         qw, run = weight(n), launcher(tiling)
     setattr(module, attr, capture)

@@ -42,12 +42,17 @@ def _check(x, w):
     return n, k
 
 
+def _check_path(path):
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path={path!r}: expected one of {PATHS} or None")
+
+
 def quantized_matmul_many(x, weights, *, path: str | None = None,
                           config: DispatchConfig | None = None) -> tuple[jax.Array, ...]:
     """`tuple(quantized_matmul(x, w, path=path, config=config) for w in weights)`. With
     `config.fused_launch` (the default; $JAXSPEC_FUSED_LAUNCH=0 turns it off), QuantizedWeights of
-    one format (bits, group size, K, scale dtype) on the tensor-core kernel run in one launch (`kernel.launch_many`): a layer's
-    q/k/v or gate/up then cost one launch and one wave tail. Its tiling comes from the weights'
+    one format (bits, group size, K, scale dtype) on the tensor-core kernel run in one launch
+    (`kernel.launch_many`): a layer's q/k/v or gate/up then cost one launch and one wave tail. Its tiling comes from the weights'
     summed N, so it depends on the weights only: rows stay invariant. Anything else (float weights,
     mixed formats, the xla backend, the CUDA-core GEMV, qmv row by row) runs one call per weight."""
     config = DispatchConfig() if config is None else config
@@ -56,8 +61,7 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
         raise ValueError("quantized_matmul_many needs at least one weight")
     x = jnp.asarray(x)
     ns = [_check(x, w)[0] for w in weights]
-    if path is not None and path not in PATHS:
-        raise ValueError(f"path={path!r}: expected one of {PATHS} or None")
+    _check_path(path)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     chosen = path or (select_path(rows, config) if rows else None)
@@ -77,8 +81,7 @@ def quantized_matmul(x, w, *, path: str | None = None, config: DispatchConfig | 
     config = DispatchConfig() if config is None else config
     x = jnp.asarray(x)
     n, k = _check(x, w)
-    if path is not None and path not in PATHS:
-        raise ValueError(f"path={path!r}: expected one of {PATHS} or None")
+    _check_path(path)
     lead = x.shape[:-1]
     rows = math.prod(lead)
     if rows == 0:

@@ -43,8 +43,8 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     # the kpairs unpack skips the code tile's shared-memory round trip (log entry 8). Two pipeline
     # stages: the whole-12B decode forward 8.38/8.43 ms against 8.65/8.64 at three (log entry 9).
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
-                  split_k=split, w_left=True, num_warps=4, num_stages=config.gemv_num_stages or 2, dequant=config.dequant or "codes",
-                  unpack=config.gemv_unpack or "kpairs")
+                  split_k=split, w_left=True, num_warps=4, num_stages=config.gemv_num_stages or 2,
+                  dequant=config.dequant or "codes", unpack=config.gemv_unpack or "kpairs")
 
 
 def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:
