@@ -153,6 +153,16 @@ def variants(shape, rows):
             t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack="kpairs",
                        num_stages=stages)
             v[f"mma kpairs n{b} s{sp} st{stages}"] = launched(t)
+    # session 9: the dispatch's launch reading kernel-side layouts (Tiling.sb_kn: scales and biases
+    # [K/g, N], one contiguous run per group; Tiling.w_tiles: each group's word tile contiguous), at 2
+    # and 3 stages: is the GEMV's long-scoreboard wait (7 cycles per instruction at 2 stages) the
+    # scattered scale/bias loads or the words' 32-byte row pieces? (ncu: kernel time only, the
+    # wrapper's rearrangement is a separate kernel)
+    for sb_kn, w_tiles, name in ((True, False, "sbkn"), (False, True, "tiles"), (True, True, "both")):
+        for stages in (2, 3):
+            t = dataclasses.replace(mma_t, sb_kn=sb_kn, w_tiles=w_tiles, num_stages=stages)
+            v[f"mma layout {name} st{stages}"] = launched(t)
+    v["mma layout both g2"] = launched(dataclasses.replace(mma_t, sb_kn=True, w_tiles=True, groups_per_step=2))
     # dequantize-first (s*q + b per weight, one accumulating dot per step of g groups; dq_kernel.py)
     for b, g, sp, nw in ((128, 1, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (64, 2, 4, 4),
                          (64, 4, 4, 4), (64, 2, 8, 4), (256, 2, 2, 8)):

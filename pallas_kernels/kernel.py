@@ -51,7 +51,11 @@ class Tiling:
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
     (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
-    and was removed in session 8.)"""
+    and was removed in session 8.)
+    sb_kn / w_tiles (codes body only): the kernel reads scales and biases as [K/g, N] (a group's
+    block_n values are one contiguous run instead of block_n loads 2*K/g bytes apart) / the words
+    as [N/block_n, K/g, block_n, words] (a group's tile is one contiguous run). The wrapper
+    (`kernel_layout`) rearranges the MLX arrays; an experiment on load latency (log entry 10)."""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -63,12 +67,16 @@ class Tiling:
     convert: str = "bits"
     unpack: str = "pairs"
     dequant: str = "codes"
+    sb_kn: bool = False
+    w_tiles: bool = False
 
     def __post_init__(self):
         if self.unpack not in UNPACKS:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
         if self.dequant not in DEQUANTS:
             raise ValueError(f"Tiling.dequant={self.dequant!r}: expected one of {DEQUANTS}")
+        if (self.sb_kn or self.w_tiles) and self.dequant != "codes":
+            raise ValueError("Tiling.sb_kn/w_tiles: only the codes body reads those layouts")
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -116,7 +124,8 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
 
     def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
         # before either convert: the order the measured kernel had)
-        s, b = (pltriton.load(ref.at[pl.ds(n0, t.block_n), g], mask=col_ok, other=0) for ref in (s_ref, b_ref))
+        at = (lambda ref: ref.at[g, pl.ds(n0, t.block_n)]) if t.sb_kn else (lambda ref: ref.at[pl.ds(n0, t.block_n), g])
+        s, b = (pltriton.load(at(ref), mask=col_ok, other=0) for ref in (s_ref, b_ref))
         return s.astype(jnp.float32), b.astype(jnp.float32)
 
     def as_operand(c):  # codes -> dot operand values, elementwise (any layout)
@@ -145,7 +154,10 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
                           mask=x_mask, other=0)
-        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
+        if t.w_tiles:  # [N/block_n, K/g, block_n, words], padded to whole tiles by kernel_layout
+            w = pltriton.load(w_ref.at[pid_n, g])
+        else:
+            w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
         d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
@@ -208,6 +220,17 @@ def fold_splits(parts: jax.Array) -> jax.Array:
     for part in range(1, parts.shape[0]):
         total = total + parts[part]
     return total
+
+
+def kernel_layout(w, s, b, tiling: Tiling, n_groups: int):
+    """The MLX arrays (words [N, K*bits/32], scales and biases [N, K/g]) in the layout the tiling's
+    kernel reads (Tiling.sb_kn, Tiling.w_tiles)."""
+    if tiling.w_tiles:
+        w = pad_to(w, 0, tiling.block_n)
+        w = w.reshape(-1, tiling.block_n, n_groups, w.shape[1] // n_groups).transpose(0, 2, 1, 3)
+    if tiling.sb_kn:
+        s, b = s.T, b.T
+    return w, s, b
 
 
 def _through_weights(x_ref, *refs, body, ns, blocks, **common):
@@ -279,6 +302,7 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
             x2 = pad_by(x2, 1, extra * first.group_size, 1.0)
     else:
         body = _kernel
+        arrays = [kernel_layout(*wsb, tiling, n_groups) for wsb in arrays]
     kernel = functools.partial(_through_weights, body=body, ns=ns, blocks=blocks, **common)
     outs = pl.pallas_call(
         kernel,
