@@ -9,7 +9,7 @@ This package knows nothing about models.
 """
 from .config import DispatchConfig, select_path
 from .dispatch import quantized_matmul, quantized_matmul_many
-from .quant import QuantizedWeight, dequantize, quantize, take_rows
+from .quant import QuantizedWeight, dequantize, quantize, take_rows, with_sb_layout
 
 __all__ = ["DispatchConfig", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
-           "quantized_matmul_many", "select_path", "take_rows"]
+           "quantized_matmul_many", "select_path", "take_rows", "with_sb_layout"]

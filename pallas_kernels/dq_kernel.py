@@ -24,7 +24,7 @@ from . import codes as C
 
 
 def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn):
     """w_ref is the packed weight as `[N, groups, words per group]`; pids: this program's (N block
     within this weight, M block, K split), from kernel.launch_many (several weights in one grid)."""
     t = tiling
@@ -50,8 +50,13 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         w_mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (t.block_n, gps, wpg))
         w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps), :], mask=w_mask, other=0)
         sb_mask = col_ok[:, None] & g_ok[None, :]
-        s, b = (pltriton.load(ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0).astype(jnp.float32)
-                for ref in (s_ref, b_ref))
+        if sb_kn:  # [K/g, N] ("kn" weights): load [gps, block_n], contiguous along N
+            s, b = (pltriton.load(ref.at[pl.ds(g, gps), pl.ds(n0, t.block_n)], mask=sb_mask.T, other=0).T
+                    for ref in (s_ref, b_ref))
+        else:
+            s, b = (pltriton.load(ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
+                    for ref in (s_ref, b_ref))
+        s, b = s.astype(jnp.float32), b.astype(jnp.float32)
         s = s * float(2**bits)        # exact: a power-of-two scaling
         b = jnp.broadcast_to((b - s)[:, :, None], w.shape)
         s = jnp.broadcast_to(s[:, :, None], w.shape)

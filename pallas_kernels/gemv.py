@@ -153,7 +153,8 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     xs = group_sums(x3)
     x4 = x3.reshape(rows, n_groups, wpg, epw).swapaxes(2, 3).reshape((rows, n_groups, epw) + word_shape)
     w3 = qw.weight.reshape((n, n_groups) + word_shape)
-    scales, biases = qw.scales, qw.biases
+    # (this A/B kernel reads MLX's [N, K/g]: a "kn" weight pays one transpose per call here)
+    scales, biases = qw.sb_nk()
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.

@@ -51,11 +51,8 @@ class Tiling:
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
     (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
-    and was removed in session 8.)
-    sb_kn / w_tiles (codes body only): the kernel reads scales and biases as [K/g, N] (a group's
-    block_n values are one contiguous run instead of block_n loads 2*K/g bytes apart) / the words
-    as [N/block_n, K/g, block_n, words] (a group's tile is one contiguous run). The wrapper
-    (`kernel_layout`) rearranges the MLX arrays; an experiment on load latency (log entry 10)."""
+    and was removed in session 8. So were word tiles stored contiguously per group: 29.2 -> 27.3 us
+    alone, and no gain over the "kn" scale layout at 3 stages, log entry 10.)"""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -67,16 +64,12 @@ class Tiling:
     convert: str = "bits"
     unpack: str = "pairs"
     dequant: str = "codes"
-    sb_kn: bool = False
-    w_tiles: bool = False
 
     def __post_init__(self):
         if self.unpack not in UNPACKS:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
         if self.dequant not in DEQUANTS:
             raise ValueError(f"Tiling.dequant={self.dequant!r}: expected one of {DEQUANTS}")
-        if (self.sb_kn or self.w_tiles) and self.dequant != "codes":
-            raise ValueError("Tiling.sb_kn/w_tiles: only the codes body reads those layouts")
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -106,7 +99,7 @@ def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn):
     t = tiling
     epw = 32 // bits            # codes per uint32 word
     wpg = group_size // epw     # words per group
@@ -124,7 +117,9 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
 
     def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
         # before either convert: the order the measured kernel had)
-        at = (lambda ref: ref.at[g, pl.ds(n0, t.block_n)]) if t.sb_kn else (lambda ref: ref.at[pl.ds(n0, t.block_n), g])
+        # ("kn" weights: the block_n values are one contiguous run; MLX's "nk": block_n loads 2*K/g
+        # bytes apart, 2.3x the global-load sectors of the whole kernel, log entry 10)
+        at = (lambda ref: ref.at[g, pl.ds(n0, t.block_n)]) if sb_kn else (lambda ref: ref.at[pl.ds(n0, t.block_n), g])
         s, b = (pltriton.load(at(ref), mask=col_ok, other=0) for ref in (s_ref, b_ref))
         return s.astype(jnp.float32), b.astype(jnp.float32)
 
@@ -154,10 +149,7 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
                           mask=x_mask, other=0)
-        if t.w_tiles:  # [N/block_n, K/g, block_n, words], padded to whole tiles by kernel_layout
-            w = pltriton.load(w_ref.at[pid_n, g])
-        else:
-            w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
+        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
         d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
@@ -222,17 +214,6 @@ def fold_splits(parts: jax.Array) -> jax.Array:
     return total
 
 
-def kernel_layout(w, s, b, tiling: Tiling, n_groups: int):
-    """The MLX arrays (words [N, K*bits/32], scales and biases [N, K/g]) in the layout the tiling's
-    kernel reads (Tiling.sb_kn, Tiling.w_tiles)."""
-    if tiling.w_tiles:
-        w = pad_to(w, 0, tiling.block_n)
-        w = w.reshape(-1, tiling.block_n, n_groups, w.shape[1] // n_groups).transpose(0, 2, 1, 3)
-    if tiling.sb_kn:
-        s, b = s.T, b.T
-    return w, s, b
-
-
 def _through_weights(x_ref, *refs, body, ns, blocks, **common):
     """The grid's N axis runs through the weights one after another, each over its own
     ceil(N_i / block_n) blocks; a program computes one tile of one weight with `body`. The program
@@ -252,10 +233,10 @@ def _through_weights(x_ref, *refs, body, ns, blocks, **common):
 
 
 def same_format(qws) -> bool:
-    """Whether QuantizedWeights can share a launch: the same bits, group size, K and scale dtype."""
-    a = qws[0]
-    return all((q.bits, q.group_size, q.shape[1], q.scales.dtype) == (a.bits, a.group_size, a.shape[1], a.scales.dtype)
-               for q in qws)
+    """Whether QuantizedWeights can share a launch: the same bits, group size, K, scale dtype and layout."""
+    def fmt(q):
+        return q.bits, q.group_size, q.shape[1], q.scales.dtype, q.sb_layout
+    return all(fmt(q) == fmt(qws[0]) for q in qws)
 
 
 def launch(x2: jax.Array, qw: QuantizedWeight, tiling: Tiling, *, interpret: bool) -> jax.Array:
@@ -268,8 +249,8 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     runs the same body on its own tile): the projections that read one x (q/k/v, gate/up) cost one
     launch and one wave tail instead of several. The weights must share a format (`same_format`)."""
     if not same_format(qws):
-        raise ValueError("launch_many: the weights differ in bits, group size, K or scale dtype: "
-                         f"{[(q.bits, q.group_size, q.shape, q.scales.dtype) for q in qws]}")
+        raise ValueError("launch_many: the weights differ in bits, group size, K, scale dtype or layout: "
+                         f"{[(q.bits, q.group_size, q.shape, q.scales.dtype, q.sb_layout) for q in qws]}")
     rows, k = x2.shape
     first = qws[0]
     n_groups = k // first.group_size
@@ -278,10 +259,13 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     precision = None if dot_dtype != jnp.float32 else jax.lax.Precision.HIGHEST
     ns = tuple(qw.shape[0] for qw in qws)
     arrays = [(qw.weight, qw.scales, qw.biases) for qw in qws]
+    sb_kn = first.sb_layout == "kn"
+    n_axis, g_axis = (1, 0) if sb_kn else (0, 1)  # of the scales and biases
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)
-        arrays = [tuple(pad_to(a, 0, tiling.block_n) for a in wsb) for wsb in arrays]
+        arrays = [(pad_to(w, 0, tiling.block_n), pad_to(s, n_axis, tiling.block_n), pad_to(b, n_axis, tiling.block_n))
+                  for w, s, b in arrays]
     out_rows = x2.shape[0] if interpret else rows
     out_ns = [wsb[0].shape[0] for wsb in arrays] if interpret else ns
     out_dtype = x2.dtype if split == 1 else jnp.float32
@@ -291,18 +275,17 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
         x2 = kpairs_order(x2, first.group_size, first.bits)
     common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision,
-                  interpret=interpret)
+                  interpret=interpret, sb_kn=sb_kn)
     if tiling.dequant == "weights":
         body = dq_body
         arrays = [(w.reshape(w.shape[0], n_groups, -1), s, b) for w, s, b in arrays]
         if interpret:  # a last step may run past the last group: poison there, hidden by the masks
             extra = tiling.groups_per_step
-            arrays = [(pad_by(w, 1, extra, 0xFFFFFFFF), pad_by(s, 1, extra, 1.0), pad_by(b, 1, extra, 1.0))
+            arrays = [(pad_by(w, 1, extra, 0xFFFFFFFF), pad_by(s, g_axis, extra, 1.0), pad_by(b, g_axis, extra, 1.0))
                       for w, s, b in arrays]
             x2 = pad_by(x2, 1, extra * first.group_size, 1.0)
     else:
         body = _kernel
-        arrays = [kernel_layout(*wsb, tiling, n_groups) for wsb in arrays]
     kernel = functools.partial(_through_weights, body=body, ns=ns, blocks=blocks, **common)
     outs = pl.pallas_call(
         kernel,

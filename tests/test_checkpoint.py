@@ -13,7 +13,7 @@ import models
 from models import presets
 from models.checkpoint import LINEAR
 from models.config import FULL, SLIDING
-from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize
+from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize, with_sb_layout
 
 mx = pytest.importorskip("mlx.core")
 
@@ -95,8 +95,10 @@ def test_quantize_on_load_matches_mlx_quantize(tmp_path):
         assert isinstance(w, QuantizedWeight)
         wq, s, b = mx.quantize(to_mx(t.params[name]), group_size=32, bits=4)
         np.testing.assert_array_equal(np.asarray(w.weight), np.array(wq), err_msg=name)
-        np.testing.assert_array_equal(np.asarray(w.scales, np.float32), np.array(s.astype(mx.float32)))
-        np.testing.assert_array_equal(np.asarray(w.biases, np.float32), np.array(b.astype(mx.float32)))
+        assert w.sb_layout == "kn"  # stored as the kernels read it; the values are MLX's
+        ws, wb = w.sb_nk()
+        np.testing.assert_array_equal(np.asarray(ws, np.float32), np.array(s.astype(mx.float32)))
+        np.testing.assert_array_equal(np.asarray(wb, np.float32), np.array(b.astype(mx.float32)))
     assert not isinstance(q.params["norm"], QuantizedWeight) and q.params["norm"].dtype == jnp.bfloat16
 
 
@@ -111,8 +113,10 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
     assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.layers.0.mlp.down_proj"]["bits"] == 8
     t2 = models.load_target(str(tmp_path / "t"), dtype=jnp.bfloat16, matmul=XLA)
     assert t2.config == t.config and set(t2.params) == set(t.params)
+    assert t2.params["layers.0.mlp.down_proj"].sb_layout == "kn"  # loaded in the kernels' layout
+    mlx = lambda w: with_sb_layout(w, "nk") if isinstance(w, QuantizedWeight) else w
     for name, w in t.params.items():
-        for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(t2.params[name])):
+        for a, b in zip(jax.tree.leaves(mlx(w)), jax.tree.leaves(mlx(t2.params[name]))):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
     # MLX reads the written format: its dequantize equals ours
     arrays = {}

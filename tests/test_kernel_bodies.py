@@ -143,20 +143,3 @@ def test_qmm_takes_tall_tiles_from_256_rows_of_16_bit_x():
     assert y.shape == (260, 48)
     assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
 
-
-@pytest.mark.parametrize("unpack,sb_kn,w_tiles", [("kpairs", True, False), ("kpairs", False, True),
-                                                   ("join", True, True)])
-def test_kernel_side_layouts_are_bitwise_equal_to_mlx(unpack, sb_kn, w_tiles):
-    """Reading scales/biases as [K/g, N] or the words as whole tiles moves the same values: bitwise
-    the default layout's result, at an N that is not a multiple of block_n (the tiles are padded)."""
-    rng = np.random.default_rng()
-    qw, wd = _case(rng, 72, 320, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((3, 320)), jnp.bfloat16)
-    base_t = Tiling(block_n=32, split_k=2, unpack=unpack)
-    base = np.asarray(launch(x, qw, base_t, interpret=True).astype(jnp.float32))
-    got = launch(x, qw, Tiling(block_n=32, split_k=2, unpack=unpack, sb_kn=sb_kn, w_tiles=w_tiles), interpret=True)
-    assert got.shape == (3, 72)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), base)
-    assert _rel(base, np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
-    with pytest.raises(ValueError, match="codes body"):
-        Tiling(dequant="weights", sb_kn=sb_kn, w_tiles=w_tiles)

@@ -129,3 +129,21 @@ def test_fused_launch_on_gpu():
         one = quantized_matmul_many(x[5:6], qws, config=cfg)
         for a, m in zip(one, multi):
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(m[5:6].astype(jnp.float32)))
+
+
+def test_kn_scale_layout_on_gpu():
+    """Weights stored with scales/biases as [K/g, N] (what models store) through every path the
+    model takes (GEMV 1 and 8 rows, fused q/k/v-style launch, qmm at 64 and 300 rows: both bodies'
+    Triton loads of that layout): bitwise the MLX layout's result. N = 2000 is not a multiple of any
+    tile, so the masked columns are exercised."""
+    from pallas_kernels import quantized_matmul_many, with_sb_layout
+    rng = np.random.default_rng()
+    qws = [quantize(jnp.asarray(rng.standard_normal((n, 3840)) * 0.05, jnp.bfloat16)) for n in (2000, 512)]
+    kns = [with_sb_layout(q, "kn") for q in qws]
+    for rows in (1, 8, 64, 300):
+        x = jnp.asarray(rng.standard_normal((rows, 3840)), jnp.bfloat16)
+        for q, kn in zip(qws, kns):
+            np.testing.assert_array_equal(np.asarray(quantized_matmul(x, kn).astype(jnp.float32)),
+                                          np.asarray(quantized_matmul(x, q).astype(jnp.float32)))
+        for a, b in zip(quantized_matmul_many(x, kns), quantized_matmul_many(x, qws)):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
