@@ -36,7 +36,7 @@ from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
 from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling  # noqa: E402
 
 
-def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb):
+def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb, sb_kn):
     pid_n, pid_s = pl.program_id(0), pl.program_id(1)
     n0 = pid_n * block_n
     col_ok = (n0 + jnp.arange(block_n)) < n
@@ -51,9 +51,13 @@ def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, gro
         w = pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
         acc = acc + jnp.sum(w, axis=(1, 2))
         if with_sb:  # the scale and bias bytes the GEMV also reads, folded in as bits
-            sb_mask = col_ok[:, None] & g_ok[None, :]
             for ref in (s_ref, b_ref):
-                v = pltriton.load(ref.at[pl.ds(n0, block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
+                if sb_kn:  # [K/g, N] ("kn" weights)
+                    v = pltriton.load(ref.at[pl.ds(g, gps), pl.ds(n0, block_n)],
+                                      mask=g_ok[:, None] & col_ok[None, :], other=0).T
+                else:
+                    v = pltriton.load(ref.at[pl.ds(n0, block_n), pl.ds(g, gps)],
+                                      mask=col_ok[:, None] & g_ok[None, :], other=0)
                 acc = acc + jnp.sum(jax.lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32), axis=1)
         return acc
 
@@ -70,7 +74,7 @@ def stream(qw, *, block_n, gps, split_k, num_warps=4, num_stages=1, with_sb=True
     split, per_split = split_groups(n_groups, split_k)
     w3 = qw.weight.reshape(n, n_groups, -1)
     kern = functools.partial(_stream_kernel, n=n, block_n=block_n, gps=gps, n_groups=n_groups,
-                             groups_per_split=per_split, with_sb=with_sb)
+                             groups_per_split=per_split, with_sb=with_sb, sb_kn=qw.sb_layout == "kn")
     return pl.pallas_call(
         kern, out_shape=jax.ShapeDtypeStruct((split, n), jnp.uint32), grid=(pl.cdiv(n, block_n), split),
         interpret=interpret, compiler_params=None if interpret else pltriton.CompilerParams(
@@ -153,12 +157,13 @@ def variants(shape, rows):
             t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack="kpairs",
                        num_stages=stages)
             v[f"mma kpairs n{b} s{sp} st{stages}"] = launched(t)
-    # session 9: the dispatch's launch on a "kn" weight (scales and biases stored [K/g, N], one
-    # contiguous run per group and tile: 29.2 -> 20.7 us under ncu, log entry 10) at 2 and 3 stages.
-    # The conversion is a separate XLA kernel here (ncu's q4 filter skips it); models store "kn".
+    # session 9: the dispatch's launch on MLX-layout weights (scales and biases [N, K/g]: a group's
+    # block_n values 2*K/g bytes apart; the weight sets are "kn" like the models': 29.2 against 20.7
+    # us under ncu, log entry 10) at 2 and 3 stages. The conversion is a separate XLA kernel here
+    # (ncu's q4 filter skips it; the harness times include it).
     for stages in (2, 3):
         t = dataclasses.replace(mma_t, num_stages=stages)
-        v[f"mma kn st{stages}"] = lambda x, w, t=t: launcher(t)(x, with_sb_layout(w, "kn"), t, interpret=False)
+        v[f"mma nk st{stages}"] = lambda x, w, t=t: launcher(t)(x, with_sb_layout(w, "nk"), t, interpret=False)
     # dequantize-first (s*q + b per weight, one accumulating dot per step of g groups; dq_kernel.py)
     for b, g, sp, nw in ((128, 1, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (64, 2, 4, 4),
                          (64, 4, 4, 4), (64, 2, 8, 4), (256, 2, 2, 8)):

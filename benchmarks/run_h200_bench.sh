@@ -116,13 +116,13 @@ for s in $steps; do
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,launch__occupancy_limit_warps,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio \
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma kpairs" --out "$out/ncu_stages_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
-    # session 9: the GEMV on "kn" weights (scales/biases [K/g, N]) on both MLP shapes, kernel alone,
-    # with the global-load requests and sectors (docs/kernels.md, log entry 10; at b9cc3c2 this step
-    # also ran word tiles stored per group, since removed)
+    # session 9: the GEMV on "kn" weights (scales/biases [K/g, N], the default) against MLX's "nk" on
+    # both MLP shapes, kernel alone, with the global-load requests and sectors (docs/kernels.md, log
+    # entry 10; at b9cc3c2 this step also ran word tiles stored per group, since removed)
     ncu_layout) for shape in 15360x3840 3840x15360; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_layout_$shape 150 ncu --clock-control none --kernel-name regex:'q4' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__shared_mem_per_block_dynamic,dram__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio \
-        python3 benchmarks/gemv_probe.py --once --shape $shape --rows 1,8 --only "=gemv mma,mma kn" \
+        python3 benchmarks/gemv_probe.py --once --shape $shape --rows 1,8 --only "=gemv mma,mma nk" \
         --out "$out/ncu_layout_probe"
         pkill -9 -f "gemv_probe.py --once"
     done ;;
@@ -132,9 +132,9 @@ for s in $steps; do
     # q/k/v and gate/up as one launch per weight (the default before log entry 9), against `full`
     full_unfused) JAXSPEC_FUSED_LAUNCH=0 step full_unfused 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_unfused" ;;
-    # session 8: the GEMV at 3 pipeline stages (the default until log entry 9; 2 now), against `full`
-    full_st3) JAXSPEC_GEMV_STAGES=3 step full_st3 80 $sb --no-assistant --runs forward --k-values 4 \
-        --time-budget 45 --out "$out/full_st3" ;;
+    # the GEMV at 2 pipeline stages (the default in log entry 9, 3 again since entry 10), against `full`
+    full_st2) JAXSPEC_GEMV_STAGES=2 step full_st2 80 $sb --no-assistant --runs forward --k-values 4 \
+        --time-budget 45 --out "$out/full_st2" ;;
     # session 9: weights stored with MLX's scale layout ([N, K/g]) instead of "kn", against `full`
     full_nk) JAXSPEC_SB_LAYOUT=nk step full_nk 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_nk" ;;

@@ -56,7 +56,7 @@ class DispatchConfig:
     $JAXSPEC_GEMV_CHAINS set these three for A/B runs of a whole model ($JAXSPEC_GEMV_SPLIT_K the split;
     groups per step applies to the tensor-core GEMV too). gemv_target_programs: the program count
     the split-K rule aims for when gemv_split_k is None ($JAXSPEC_GEMV_TARGET_PROGRAMS).
-    gemv_num_stages: the tensor-core GEMV's pipeline stages (None: 2, log entry 9; $JAXSPEC_GEMV_STAGES).
+    gemv_num_stages: the tensor-core GEMV's pipeline stages (None: 3, log entry 10; $JAXSPEC_GEMV_STAGES).
     dequant: how the tensor-core kernel (mma GEMV and qmm) uses the codes: "codes" (exact codes on
     the tensor cores, each group's scale and bias applied to the small product) or "weights" (every
     weight dequantized to s*q + b in the dot dtype first, one accumulating dot per loop step;

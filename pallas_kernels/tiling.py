@@ -40,10 +40,12 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     else:
         split = split_for(-(-n // block_n), n_groups, config.gemv_target_programs or _TARGET_PROGRAMS)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes;
-    # the kpairs unpack skips the code tile's shared-memory round trip (log entry 8). Two pipeline
-    # stages: the whole-12B decode forward 8.38/8.43 ms against 8.65/8.64 at three (log entry 9).
+    # the kpairs unpack skips the code tile's shared-memory round trip (log entry 8). Three pipeline
+    # stages on "kn" weights (what models store): 20.7 against 21.9 us under ncu on 15360x3840, and
+    # the whole-12B decode forward 6.30 ms against 6.73/6.90 at two (log entry 10). (On MLX-layout
+    # weights two stages had won: 8.38/8.43 against 8.65/8.64 ms, log entry 9.)
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
-                  split_k=split, w_left=True, num_warps=4, num_stages=config.gemv_num_stages or 2,
+                  split_k=split, w_left=True, num_warps=4, num_stages=config.gemv_num_stages or 3,
                   dequant=config.dequant or "codes", unpack=config.gemv_unpack or "kpairs")
 
 

@@ -11,14 +11,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 from gemv_probe import stream  # noqa: E402
 from kernel_bench import random_qweight  # noqa: E402
+from pallas_kernels import with_sb_layout  # noqa: E402
 
 
-@pytest.mark.parametrize("n,block_n,gps,split", [(64, 16, 1, 1), (64, 32, 2, 2), (64, 16, 4, 2),
-                                                 (72, 32, 2, 3), (80, 64, 4, 3)])  # partial tiles and steps
-def test_stream_checksum_counts_every_byte_once(n, block_n, gps, split):
-    qw = random_qweight(jax.random.PRNGKey(block_n * 10 + gps + split), n, 512)
+@pytest.mark.parametrize("n,block_n,gps,split,layout", [(64, 16, 1, 1, "nk"), (64, 32, 2, 2, "kn"), (64, 16, 4, 2, "nk"),
+                                                        (72, 32, 2, 3, "nk"), (80, 64, 4, 3, "kn")])  # partial tiles, steps
+def test_stream_checksum_counts_every_byte_once(n, block_n, gps, split, layout):
+    qw = with_sb_layout(random_qweight(jax.random.PRNGKey(block_n * 10 + gps + split), n, 512), layout)
     got = np.asarray(stream(qw, block_n=block_n, gps=gps, split_k=split)).sum(axis=0, dtype=np.uint64)
     words = np.asarray(qw.weight).astype(np.uint64).sum(axis=1)
     sb = sum(np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16)).astype(np.uint64).sum(axis=1)
-             for a in (qw.scales, qw.biases))
+             for a in qw.sb_nk())
     np.testing.assert_array_equal(got % 2**32, (words + sb) % 2**32)

@@ -192,9 +192,9 @@ def test_fma_gemv_env_overrides_reach_the_tiling(monkeypatch):
         DispatchConfig()
     monkeypatch.delenv("JAXSPEC_GEMV_GROUPS_PER_STEP")
     monkeypatch.setenv("JAXSPEC_GEMV_KERNEL", "mma")
-    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).num_stages == 2   # the tensor-core GEMV's default
-    monkeypatch.setenv("JAXSPEC_GEMV_STAGES", "3")
-    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).num_stages == 3
+    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).num_stages == 3   # the tensor-core GEMV's default
+    monkeypatch.setenv("JAXSPEC_GEMV_STAGES", "2")
+    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).num_stages == 2
     monkeypatch.setenv("JAXSPEC_GEMV_STAGES", "0")
     with pytest.raises(ValueError, match="gemv_num_stages"):
         DispatchConfig()
