@@ -151,7 +151,7 @@ def variants(shape, rows):
         v[f"mma pairs n{b} s{sp}"] = launched(t)
     # the kpairs unpack (the pairs read as the MMA operand, no shared-memory round trip in pip
     # Triton's build; log entry 7) at the default grid and two others, at 2 pipeline stages (the
-    # default since log entry 9) and 3
+    # default in log entry 9) and 3 (the default again since entry 10)
     for b, sp in ((64, 8), (64, 4), (128, 4)):
         for stages in (2, 3):
             t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=1, split_k=sp, w_left=True, unpack="kpairs",
