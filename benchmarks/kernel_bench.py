@@ -203,12 +203,13 @@ def locality_sweep(T, key, quick):
 
 def gemv_sweep(T, key, quick, only=None):
     """The GEMV launch around its default: code conversion ("cvt" vs "bits"), then split-K, block_n,
-    groups per step, warps and stages (re-swept in session 8 around the kpairs unpack). Earlier
+    groups per step, warps and stages (re-swept in session 8 around the kpairs unpack; the weights
+    are in the models' "kn" scale layout since session 9, where 3 stages became the default). Earlier
     sweeps (block_n 32..256, groups per step 1..4, split 1..16, warps 2..8, stages 2..4; the
     scale/bias prefetch and layout options, since removed) are in raw/."""
     variants = [dict(convert="cvt"), dict(), dict(split_mult=2), dict(split_mult=4), dict(split_mult=0.5),
                 dict(block_n=32), dict(block_n=128), dict(groups_per_step=2), dict(num_warps=8),
-                dict(num_warps=2), dict(num_stages=3), dict(num_stages=4)]
+                dict(num_warps=2), dict(num_stages=2), dict(num_stages=4)]
     if quick:
         variants = variants[:3]
     for n, k in only or SHAPES:

@@ -110,8 +110,9 @@ for s in $steps; do
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio \
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma kpairs n64 s8 st3" --out "$out/ncu_kpairs_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
-    # next (docs/kernels.md): why 2 pipeline stages beat 3 in the whole model (log entry 9): residency
-    # (shared memory per program, occupancy limits) or latency, kernel alone
+    # why 2 pipeline stages beat 3 in the whole model (log entry 9): residency (shared memory per
+    # program, occupancy limits) or latency, kernel alone. Answered in entry 10: neither limits
+    # residency (registers do); the kernel times tie
     ncu_stages) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_stages 200 ncu --clock-control none --kernel-name regex:'q4' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,launch__occupancy_limit_warps,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio \
         python3 benchmarks/gemv_probe.py --once --rows 1,8 --only "=gemv mma,mma kpairs" --out "$out/ncu_stages_probe"

@@ -55,10 +55,10 @@ def _lower_capturing(module, attr: str, keep, n: int, k: int, rows: int, tiling,
         captured.append(keep(result))
         return result
 
-    def weight(n):
+    def weight(n):  # scales/biases [K/g, N], the layout models store ("kn")
         return QuantizedWeight(jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
-                               jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16),
-                               jax.ShapeDtypeStruct((n, k // group_size), jnp.bfloat16), 4, group_size)
+                               jax.ShapeDtypeStruct((k // group_size, n), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((k // group_size, n), jnp.bfloat16), 4, group_size, "kn")
 
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
     if many:

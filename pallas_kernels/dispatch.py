@@ -51,7 +51,7 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
                           config: DispatchConfig | None = None) -> tuple[jax.Array, ...]:
     """`tuple(quantized_matmul(x, w, path=path, config=config) for w in weights)`. With
     `config.fused_launch` (the default; $JAXSPEC_FUSED_LAUNCH=0 turns it off), QuantizedWeights of
-    one format (bits, group size, K, scale dtype) on the tensor-core kernel run in one launch
+    one format (bits, group size, K, scale dtype and layout) on the tensor-core kernel run in one launch
     (`kernel.launch_many`): a layer's q/k/v or gate/up then cost one launch and one wave tail. Its tiling comes from the weights'
     summed N, so it depends on the weights only: rows stay invariant. Anything else (float weights,
     mixed formats, the xla backend, the CUDA-core GEMV, qmv row by row) runs one call per weight."""

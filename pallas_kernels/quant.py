@@ -24,12 +24,13 @@ SB_LAYOUTS = ("nk", "kn")  # QuantizedWeight.sb_layout
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized `[N, K]` linear weight in MLX layout.
+    """A quantized `[N, K]` linear weight in MLX's format.
 
-    weight: uint32 `[N, K * bits / 32]`; scales, biases: `[N, K / group_size]` (float) when
-    `sb_layout == "nk"` (MLX's own), or the transpose `[K / group_size, N]` when "kn": the order the
-    GEMV reads them in, a group's scales for a tile of columns in one contiguous run (29.2 -> 20.7 us
-    on 15360x3840, docs/kernels.md log entry 10). `with_sb_layout` converts; models store "kn".
+    weight: uint32 `[N, K * bits / 32]` (MLX's packing); scales, biases: `[N, K / group_size]` (float)
+    when `sb_layout == "nk"` (MLX's own), or the transpose `[K / group_size, N]` when "kn": the order
+    the GEMV reads them in, a group's scales for a tile of columns in one contiguous run (29.2 -> 21.9
+    us on 15360x3840 at the same launch, docs/kernels.md log entry 10). `with_sb_layout` converts;
+    models store "kn".
     """
 
     weight: jax.Array

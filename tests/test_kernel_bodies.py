@@ -142,4 +142,3 @@ def test_qmm_takes_tall_tiles_from_256_rows_of_16_bit_x():
     y = quantized_matmul(x, qw)  # 260 rows: two 256-row tiles, the second mostly masked
     assert y.shape == (260, 48)
     assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
-

@@ -39,6 +39,7 @@ def test_12b_pair_traces_quantized_without_float_weights():
         if kind == LINEAR:
             assert isinstance(w, QuantizedWeight) and w.weight.dtype == jnp.uint32, name
             assert w.shape == shape and w.scales.dtype == jnp.bfloat16, name
+            assert w.sb_layout == "kn" and w.scales.shape == (shape[1] // 64, shape[0]), name  # the kernels' layout
         else:
             assert w.dtype == jnp.bfloat16, name
     nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(t.params))
