@@ -1,14 +1,29 @@
 """From packed words to dot operands, shared by the kernels: the interleave of a word's codes into
 input order (kernel.py, dq_kernel.py), and two element-wise instructions the Triton that XLA bundles
 does not emit from jnp code, as inline PTX (plain jnp in interpret mode): a fused multiply-add, and
-a code put at the top of a float32 mantissa with one shift and one LOP3 (gemv.py, dq_kernel.py)."""
+a code put at the top of a float32 mantissa with one shift and one LOP3 (gemv.py, dq_kernel.py);
+and the load of a step's scales and biases from either stored layout (dq_kernel.py, gemv.py)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 ONE_F32 = 0x3F800000  # the bit pattern of 1.0f
+
+
+def load_sb_tiles(s_ref, b_ref, n0, block_n, g, gps, col_ok, g_ok, sb_kn: bool):
+    """Scales and biases of columns [n0, n0 + block_n) and groups [g, g + gps) as `[block_n, gps]`
+    each (masked: zeros), from MLX's `[N, K/g]` or, for "kn" weights (`sb_kn`), `[K/g, N]`, where
+    each group's block_n values are one contiguous run (docs/kernels.md, log entry 10)."""
+    if sb_kn:
+        mask = g_ok[:, None] & col_ok[None, :]
+        return tuple(pltriton.load(ref.at[pl.ds(g, gps), pl.ds(n0, block_n)], mask=mask, other=0).T
+                     for ref in (s_ref, b_ref))
+    mask = col_ok[:, None] & g_ok[None, :]
+    return tuple(pltriton.load(ref.at[pl.ds(n0, block_n), pl.ds(g, gps)], mask=mask, other=0)
+                 for ref in (s_ref, b_ref))
 
 
 def fma(a, b, c, *, interpret: bool):

@@ -49,13 +49,7 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
                           mask=row_ok[:, None] & k_ok[None, :], other=0)
         w_mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (t.block_n, gps, wpg))
         w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps), :], mask=w_mask, other=0)
-        sb_mask = col_ok[:, None] & g_ok[None, :]
-        if sb_kn:  # [K/g, N] ("kn" weights): load [gps, block_n], contiguous along N
-            s, b = (pltriton.load(ref.at[pl.ds(g, gps), pl.ds(n0, t.block_n)], mask=sb_mask.T, other=0).T
-                    for ref in (s_ref, b_ref))
-        else:
-            s, b = (pltriton.load(ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
-                    for ref in (s_ref, b_ref))
+        s, b = C.load_sb_tiles(s_ref, b_ref, n0, t.block_n, g, gps, col_ok, g_ok, sb_kn)
         s, b = s.astype(jnp.float32), b.astype(jnp.float32)
         s = s * float(2**bits)        # exact: a power-of-two scaling
         b = jnp.broadcast_to((b - s)[:, :, None], w.shape)

@@ -10,9 +10,9 @@ convert, and one FMA into its input. Per group of g inputs `sum_i x_i (1 + q_i/2
     x . (s*q + b) = 2^bits * s * t + (b - 2^bits * s) * sum(x),    t = sum_i x_i (1 + q_i/2^bits)
 
 and scales, biases and the row's group sums touch each group once. The packed words are read as
-stored (MLX layout). The wrapper hands the kernel a float32 copy of the (small) activation as
-`[rows, groups, code, word]`, so code j of a thread's words meets one contiguous vector of inputs,
-and the group sums.
+stored (MLX's packing), scales and biases in either stored layout (`QuantizedWeight.sb_layout`).
+The wrapper hands the kernel a float32 copy of the (small) activation as `[rows, groups, code,
+word]`, so code j of a thread's words meets one contiguous vector of inputs, and the group sums.
 
 Rows are an unrolled static loop around the same per-row arithmetic, with the unpacked codes
 shared: row i's result is bitwise the same whether it is computed alone or among up to 7 others
@@ -55,7 +55,7 @@ class GemvTiling:
 
 
 def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling, n_groups, groups_per_split,
-            interpret):
+            interpret, sb_kn):
     t = tiling
     epw = 32 // bits
     gps = t.groups_per_step
@@ -91,9 +91,7 @@ def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling,
         else:
             w = load_w(g)
         gmask = group_ok(g)
-        sb_mask = col_ok[:, None] & gmask[None, :]
-        s = pltriton.load(s_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
-        b = pltriton.load(b_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps)], mask=sb_mask, other=0)
+        s, b = codes.load_sb_tiles(s_ref, b_ref, n0, t.block_n, g, gps, col_ok, gmask, sb_kn)
         s = s.astype(jnp.float32) * float(2**bits)  # exact: a power-of-two scaling
         b = b.astype(jnp.float32) - s
         x_mask = jnp.broadcast_to(gmask.reshape((gps,) + (1,) * len(word_axes)), wshape[1:])
@@ -153,20 +151,21 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     xs = group_sums(x3)
     x4 = x3.reshape(rows, n_groups, wpg, epw).swapaxes(2, 3).reshape((rows, n_groups, epw) + word_shape)
     w3 = qw.weight.reshape((n, n_groups) + word_shape)
-    # (this A/B kernel reads MLX's [N, K/g]: a "kn" weight pays one transpose per call here)
-    scales, biases = qw.sb_nk()
+    scales, biases = qw.scales, qw.biases
+    sb_kn = qw.sb_layout == "kn"
+    n_axis, g_axis = (1, 0) if sb_kn else (0, 1)
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.
         # Poison, not zeros, so the CPU tests see it if a mask fails to hide the padding.
         extra = 2 * tiling.groups_per_step
         w3 = pad_by(pad_to(w3, 0, tiling.block_n, 0xFFFFFFFF), 1, extra, 0xFFFFFFFF)
-        scales, biases = (pad_by(pad_to(a, 0, tiling.block_n, 1.0), 1, extra, 1.0) for a in (scales, biases))
+        scales, biases = (pad_by(pad_to(a, n_axis, tiling.block_n, 1.0), g_axis, extra, 1.0) for a in (scales, biases))
         x4, xs = pad_by(x4, 1, extra, 1.0), pad_by(xs, 1, extra, 1.0)
     out_n = w3.shape[0]
     out_dtype = x2.dtype if split == 1 else jnp.float32
     kernel = functools.partial(_kernel, rows=rows, n=n, bits=qw.bits, tiling=tiling, n_groups=n_groups,
-                               groups_per_split=groups_per_split, interpret=interpret)
+                               groups_per_split=groups_per_split, interpret=interpret, sb_kn=sb_kn)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, rows, out_n), out_dtype),

@@ -133,19 +133,20 @@ def test_fused_launch_on_gpu():
 
 def test_kn_scale_layout_on_gpu():
     """Weights stored with scales/biases as [K/g, N] (what models store) through every path the
-    model takes (GEMV 1 and 8 rows, fused q/k/v-style launch, qmm at 64 and 300 rows), and qmm with
-    the codes body: bitwise the MLX layout's result. N = 2000 is not a multiple of any tile (masked
+    model takes (GEMV 1 and 8 rows, fused q/k/v-style launch, qmm at 64 and 300 rows), qmm with the
+    codes body and the CUDA-core GEMV: bitwise the MLX layout's result. N = 2000 is not a multiple of any tile (masked
     columns); K = 3776 is 59 groups, so a two-group qmm step runs past a split's last group."""
     from pallas_kernels import quantized_matmul_many, with_sb_layout
     rng = np.random.default_rng()
     k = 3776
     qws = [quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)) for n in (2000, 512)]
     kns = [with_sb_layout(q, "kn") for q in qws]
-    codes = DispatchConfig(dequant="codes")
+    other = {64: DispatchConfig(dequant="codes"), 1: DispatchConfig(gemv_kernel="fma"),
+             8: DispatchConfig(gemv_kernel="fma")}  # qmm's codes body; the CUDA-core GEMV
     for rows in (1, 8, 64, 300):
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
         for q, kn in zip(qws, kns):
-            for cfg in (None, codes) if rows == 64 else (None,):
+            for cfg in (None, other[rows]) if rows in other else (None,):
                 np.testing.assert_array_equal(np.asarray(quantized_matmul(x, kn, config=cfg).astype(jnp.float32)),
                                               np.asarray(quantized_matmul(x, q, config=cfg).astype(jnp.float32)))
         for a, b in zip(quantized_matmul_many(x, kns), quantized_matmul_many(x, qws)):

@@ -68,7 +68,8 @@ def test_every_body_reads_kn_bitwise_like_nk(tiling):
 
 @pytest.mark.parametrize("rows,config", [
     (1, DispatchConfig()), (5, DispatchConfig()), (20, DispatchConfig()),
-    (1, DispatchConfig(gemv_kernel="fma")), (5, DispatchConfig(backend="xla")),
+    (1, DispatchConfig(gemv_kernel="fma")), (6, DispatchConfig(gemv_kernel="fma", gemv_groups_per_step=2)),
+    (5, DispatchConfig(backend="xla")),
 ])
 def test_dispatch_paths_read_kn_bitwise_like_nk(rows, config):
     rng = np.random.default_rng()
