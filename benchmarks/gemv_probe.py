@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import environment, hbm_bandwidth, no_command_buffers, sync  # noqa: E402
 from kernel_bench import GROUP, Timer, activations, n_sets_for, qbytes, weight_sets  # noqa: E402
 from pallas_kernels import DispatchConfig, quantized_matmul, with_sb_layout  # noqa: E402
+from pallas_kernels.codes import load_sb_tiles  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.gemv import GemvTiling  # noqa: E402
 from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
@@ -51,13 +52,7 @@ def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, gro
         w = pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
         acc = acc + jnp.sum(w, axis=(1, 2))
         if with_sb:  # the scale and bias bytes the GEMV also reads, folded in as bits
-            for ref in (s_ref, b_ref):
-                if sb_kn:  # [K/g, N] ("kn" weights)
-                    v = pltriton.load(ref.at[pl.ds(g, gps), pl.ds(n0, block_n)],
-                                      mask=g_ok[:, None] & col_ok[None, :], other=0).T
-                else:
-                    v = pltriton.load(ref.at[pl.ds(n0, block_n), pl.ds(g, gps)],
-                                      mask=col_ok[:, None] & g_ok[None, :], other=0)
+            for v in load_sb_tiles(s_ref, b_ref, n0, block_n, g, gps, col_ok, g_ok, sb_kn):
                 acc = acc + jnp.sum(jax.lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32), axis=1)
         return acc
 

@@ -50,6 +50,11 @@ def weight_sets(key, n, k, count):
     return [with_sb_layout(random_qweight(jax.random.fold_in(key, i), n, k)) for i in range(count)]
 
 
+def bf16_dot(x, w):
+    """The dense reference the qmm targets are set against: x @ w.T, float32 accumulation, x's dtype."""
+    return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def activations(key, seed, shape, count):
     """`count` distinct bf16 arrays of `shape` (seed offsets keep each phase's inputs its own)."""
     return [jax.random.normal(jax.random.fold_in(key, seed + i), shape, jnp.bfloat16) for i in range(count)]
@@ -261,7 +266,7 @@ def table_phase(T, key, quick, only=None):
             dws = activations(key, 9000, (n, k), nd)
             for rows in (1, 64, 512):
                 xs = activations(key, 7000, (rows, k), nd)
-                t = T.time_ops(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype), xs, dws)
+                t = T.time_ops(bf16_dot, xs, dws)
                 T.record(phase="table", n=n, k=k, rows=rows, backend="dense-bf16", path="jnp.dot", us=t * 1e6,
                          floor_us=db / T.bw * 1e6, tbps=db / t / 1e12)
             del dws
@@ -326,7 +331,7 @@ def tiles_phase(T, key, quick, rows_list=None, names=None, shapes=None):
             xs = activations(key, 7000, (rows, k), dense_sets)
             T.measure(dict(phase="tiles", n=n, k=k, rows=rows, variant="bf16 dot", tile_m="-", split_k="-",
                            floor_us=n * k * 2 / T.bw * 1e6),
-                      lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype), xs, dws)
+                      bf16_dot, xs, dws)
         del dws
 
 

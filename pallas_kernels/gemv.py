@@ -153,7 +153,7 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     w3 = qw.weight.reshape((n, n_groups) + word_shape)
     scales, biases = qw.scales, qw.biases
     sb_kn = qw.sb_layout == "kn"
-    n_axis, g_axis = (1, 0) if sb_kn else (0, 1)
+    n_axis, g_axis = qw.sb_axes
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.

@@ -260,7 +260,7 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     ns = tuple(qw.shape[0] for qw in qws)
     arrays = [(qw.weight, qw.scales, qw.biases) for qw in qws]
     sb_kn = first.sb_layout == "kn"
-    n_axis, g_axis = (1, 0) if sb_kn else (0, 1)  # of the scales and biases
+    n_axis, g_axis = first.sb_axes
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)

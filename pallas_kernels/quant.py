@@ -48,6 +48,11 @@ class QuantizedWeight:
     def dtype(self):
         return self.scales.dtype
 
+    @property
+    def sb_axes(self) -> tuple[int, int]:
+        """(the N axis, the group axis) of the stored scales and biases."""
+        return (0, 1) if self.sb_layout == "nk" else (1, 0)
+
     def sb_nk(self) -> tuple[jax.Array, jax.Array]:
         """(scales, biases) in MLX's `[N, K / group_size]` whatever the stored layout."""
         return (self.scales, self.biases) if self.sb_layout == "nk" else (self.scales.T, self.biases.T)
