@@ -83,6 +83,10 @@ def launched(tiling):
     return lambda x, w: launcher(tiling)(x, w, tiling, interpret=False)
 
 
+def k_groups(shape):
+    return shape[1] // GROUP
+
+
 def variants(shape, rows):
     """name -> op(x, qw). The GEMVs as the dispatch launches them, and stream kernels with their grids."""
     mma_t = gemv_tiling(shape, GROUP, DispatchConfig(gemv_kernel="mma"))
@@ -159,6 +163,15 @@ def variants(shape, rows):
     for stages in (2, 3):
         t = dataclasses.replace(mma_t, num_stages=stages)
         v[f"mma nk st{stages}"] = lambda x, w, t=t: launcher(t)(x, with_sb_layout(w, "nk"), t, interpret=False)
+    # session 10: on "kn" weights, around the default launch: where each group's sum(x) comes from
+    # (kernel.Tiling.xsum) and wider tiles (fewer instructions per weight in pip Triton's SASS:
+    # 4.69 at n64, 3.31 at n128, 3.05 at n128 with the wrapper's sums)
+    for b, sp, nw, gps in ((64, 8, 4, 1), (128, 16, 4, 1), (128, 8, 4, 1), (256, 16, 8, 1), (32, 4, 4, 1),
+                           (64, 4, 4, 2)):
+        for xs in ("reduce", "mma", "input"):
+            t = dataclasses.replace(mma_t, block_n=b, split_k=min(sp, k_groups(shape) // 4), num_warps=nw,
+                                    groups_per_step=gps, xsum=xs)
+            v[f"kn n{b} s{sp} w{nw} g{gps} {xs}"] = launched(t)
     # dequantize-first (s*q + b per weight, one accumulating dot per step of g groups; dq_kernel.py)
     for b, g, sp, nw in ((128, 1, 2, 4), (128, 2, 2, 4), (128, 4, 2, 4), (128, 2, 4, 4), (64, 2, 4, 4),
                          (64, 4, 4, 4), (64, 2, 8, 4), (256, 2, 2, 8)):

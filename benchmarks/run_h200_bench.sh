@@ -127,6 +127,16 @@ for s in $steps; do
         --out "$out/ncu_layout_probe"
         pkill -9 -f "gemv_probe.py --once"
     done ;;
+    # session 10: the GEMV around its default on "kn" weights, kernel alone: each group's sum(x) by
+    # reduction, by a ones-MMA or from the wrapper (Tiling.xsum), and wider tiles (gemv_probe "kn ...")
+    ncu_kn) for shape in 15360x3840 3840x15360; do
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_kn_$shape 200 ncu --clock-control none --kernel-name regex:'q4' \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio \
+        python3 benchmarks/gemv_probe.py --once --shape $shape --rows 1,8 --only "kn n" --out "$out/ncu_kn_probe"
+        pkill -9 -f "gemv_probe.py --once"
+    done ;;
+    # the same variants' harness times (per op, the wrapper's x reorder, sums and split-K fold included)
+    probe_kn) step probe_kn 200 python3 benchmarks/gemv_probe.py --rows 1,8 --only "=gemv mma,kn n" --out "$out/probe_kn" ;;
     # the GEMV's previous default unpack, for the whole-model A/B against kpairs (log entry 8)
     full_pairs) JAXSPEC_GEMV_UNPACK=pairs step full_pairs 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_pairs" ;;

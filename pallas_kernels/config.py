@@ -13,6 +13,7 @@ BACKENDS = ("pallas", "xla")
 GEMV_KERNELS = ("fma", "mma")
 DEQUANTS = ("codes", "weights")
 UNPACKS = ("pairs", "join", "broadcast", "kpairs")  # kernel.Tiling.unpack
+XSUMS = ("reduce", "mma", "input")  # kernel.Tiling.xsum
 PATHS = ("qmv", "multirow", "qmm")
 
 
@@ -64,6 +65,8 @@ class DispatchConfig:
     on the H200, docs/kernels.md log entry 7). $JAXSPEC_DEQUANT sets both.
     gemv_unpack: how the tensor-core GEMV's codes body unpacks words (kernel.Tiling.unpack). None:
     "kpairs" (29.1 us against 34.9 for "pairs" on 15360x3840, log entry 8). $JAXSPEC_GEMV_UNPACK.
+    gemv_xsum: how the tensor-core GEMV gets each group's sum(x) (kernel.Tiling.xsum). None: "reduce".
+    $JAXSPEC_GEMV_XSUM.
     fused_launch: quantized_matmul_many runs weights of one format in one tensor-core launch
     (kernel.launch_many) instead of one launch each. On: the whole-12B decode forward took 8.50 and
     8.61 ms against 8.93 and 8.88 unfused (H200, docs/kernels.md, log entry 9). $JAXSPEC_FUSED_LAUNCH=0
@@ -90,6 +93,7 @@ class DispatchConfig:
     dequant: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT") or None)
     gemv_unpack: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get("JAXSPEC_GEMV_UNPACK") or None)
+    gemv_xsum: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_XSUM") or None)
     fused_launch: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_FUSED_LAUNCH", True))
 
     def __post_init__(self):
@@ -101,6 +105,8 @@ class DispatchConfig:
             raise ValueError(f"dequant={self.dequant!r}: expected one of {DEQUANTS}")
         if self.gemv_unpack is not None and self.gemv_unpack not in UNPACKS:
             raise ValueError(f"gemv_unpack={self.gemv_unpack!r}: expected one of {UNPACKS}")
+        if self.gemv_xsum is not None and self.gemv_xsum not in XSUMS:
+            raise ValueError(f"gemv_xsum={self.gemv_xsum!r}: expected one of {XSUMS}")
         if not 1 <= self.multirow_max_rows <= 16:
             raise ValueError(f"multirow_max_rows={self.multirow_max_rows} must be in 1..16 "
                              "(the multirow kernel pads rows to one 16-row MMA tile)")

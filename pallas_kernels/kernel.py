@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .codes import code_pairs, interleave, pairs_in_k_order, stack_halves
-from .config import DEQUANTS, UNPACKS
+from .config import DEQUANTS, UNPACKS, XSUMS
 from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
@@ -50,6 +50,12 @@ class Tiling:
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
+    xsum: how the codes body gets each group's sum(x) for the bias term. "reduce" sums the x tile
+    (converts, adds, shuffles and a shared-memory exchange across warps: about 30 instructions and a
+    barrier per loop step in pip Triton's SASS); "mma" takes it from a second dot of a constant ones
+    tile with x, which comes out in the accumulator's own layout (4 more tensor-core instructions,
+    which idle in a GEMV; w_left only, else "reduce"); "input" has the wrapper sum each group of x
+    once (`group_sums`, [K/g, rows] float32) and every program load its group's block_m sums.
     (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
     and was removed in session 8. So were word tiles stored contiguously per group: 29.2 -> 27.3 us
     alone, and no gain over the "kn" scale layout at 3 stages, log entry 10.)"""
@@ -64,8 +70,11 @@ class Tiling:
     convert: str = "bits"
     unpack: str = "pairs"
     dequant: str = "codes"
+    xsum: str = "reduce"
 
     def __post_init__(self):
+        if self.xsum not in XSUMS:
+            raise ValueError(f"Tiling.xsum={self.xsum!r}: expected one of {XSUMS}")
         if self.unpack not in UNPACKS:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
         if self.dequant not in DEQUANTS:
@@ -98,8 +107,20 @@ def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
     return x2.reshape(rows, k // group_size, wpg, 2, -1).transpose(0, 1, 4, 2, 3).reshape(rows, k)
 
 
+def group_sums(x2: jax.Array, group_size: int) -> jax.Array:
+    """`[K/g, rows]` float32 sums of each group of x's inputs, by halving adds in a fixed order
+    (elementwise, so a row's sums never depend on the other rows; XLA's reduce may choose its
+    order by shape: see fold_splits)."""
+    rows, k = x2.shape
+    v = x2.astype(jnp.float32).reshape(rows, k // group_size, group_size)
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v[..., 0].T
+
+
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, xs_ref=None):
     t = tiling
     epw = 32 // bits            # codes per uint32 word
     wpg = group_size // epw     # words per group
@@ -153,7 +174,14 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
-        xsum = jnp.sum(x.astype(jnp.float32), axis=1)
+        if t.w_left and t.xsum == "mma":  # every row of ones . x^T is sum(x): already acc's layout
+            ones = jnp.ones((t.block_n, group_size), dot_dtype)
+            xs = pltriton.dot(ones, x.astype(dot_dtype), trans_b=True, precision=precision)
+            return acc + d * s[:, None] + b[:, None] * xs
+        if xs_ref is not None:  # the wrapper's group_sums
+            xsum = pltriton.load(xs_ref.at[g, pl.ds(m0, t.block_m)], mask=row_ok, other=0)
+        else:
+            xsum = jnp.sum(x.astype(jnp.float32), axis=1)
         if t.w_left:  # acc is [block_n, block_m]
             return acc + d * s[:, None] + b[:, None] * xsum[None, :]
         return acc + d * s[None, :] + xsum[:, None] * b[None, :]
@@ -219,6 +247,8 @@ def _through_weights(x_ref, *refs, body, ns, blocks, **common):
     ceil(N_i / block_n) blocks; a program computes one tile of one weight with `body`. The program
     ids are read here, outside the branches (interpret mode cannot lower them inside one)."""
     count = len(ns)
+    if common["tiling"].xsum == "input" and body is _kernel:
+        common["xs_ref"], refs = refs[0], refs[1:]
     w_refs, o_refs = refs[:3 * count], refs[3 * count:]
     pid, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if count == 1:
@@ -286,6 +316,8 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
             x2 = pad_by(x2, 1, extra * first.group_size, 1.0)
     else:
         body = _kernel
+        if tiling.xsum == "input":  # [K/g, rows (padded)] sums, read by _through_weights
+            arrays = [(group_sums(x2, first.group_size),)] + arrays
     kernel = functools.partial(_through_weights, body=body, ns=ns, blocks=blocks, **common)
     outs = pl.pallas_call(
         kernel,
