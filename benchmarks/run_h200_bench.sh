@@ -146,6 +146,14 @@ for s in $steps; do
     # the GEMV at 2 pipeline stages (the default in log entry 9, 3 again since entry 10), against `full`
     full_st2) JAXSPEC_GEMV_STAGES=2 step full_st2 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_st2" ;;
+    # session 10: the GEMV's sum(x) from the wrapper (Tiling.xsum="input") and 128-column tiles (split
+    # to ~1920 programs), each and both, against `full` (ncu_kn: -1..2 us each, kernel alone)
+    full_xs) JAXSPEC_GEMV_XSUM=input step full_xsum_input 80 $sb --no-assistant --runs forward --k-values 4 \
+        --time-budget 45 --out "$out/full_xsum_input"
+        JAXSPEC_GEMV_BLOCK_N=128 step full_n128 80 $sb --no-assistant --runs forward --k-values 4 \
+        --time-budget 45 --out "$out/full_n128"
+        JAXSPEC_GEMV_BLOCK_N=128 JAXSPEC_GEMV_XSUM=input step full_n128_input 80 $sb --no-assistant --runs forward \
+        --k-values 4 --time-budget 45 --out "$out/full_n128_input" ;;
     # session 9: weights stored with MLX's scale layout ([N, K/g]) instead of "kn", against `full`
     full_nk) JAXSPEC_SB_LAYOUT=nk step full_nk 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_nk" ;;
