@@ -30,7 +30,7 @@ from pallas_kernels.kernel import Tiling, launch  # noqa: E402
 from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling, split_for  # noqa: E402
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
-ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 512]
+ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512]
 GROUP = 64
 START = time.time()
 SET_BYTES = 4 << 30  # weight bytes per timed call, spread over distinct sets (>> 60 MB L2)
@@ -237,15 +237,25 @@ def gemv_sweep(T, key, quick, only=None):
         del ws
 
 
-def table_phase(T, key, quick, only=None):
+def table_phase(T, key, quick, only=None, rows_only=None):
     shapes = only or (SHAPES[:2] if quick else SHAPES)
     for n, k in shapes:
         qb, db = qbytes(n, k), n * k * 2
         nq, nd = n_sets_for(qb), n_sets_for(db, cap=16)
+        # the bf16 dense dot first, so that a deadline never leaves the quantized rows without it
+        if n * k * 2 * nd <= 20 << 30:
+            dws = activations(key, 9000, (n, k), nd)
+            for rows in [r for r in ((1, 64, 512) if quick else (1, 64, 128, 256, 512))
+                         if not rows_only or r in rows_only]:
+                xs = activations(key, 7000, (rows, k), nd)
+                t = T.time_ops(bf16_dot, xs, dws)
+                T.record(phase="table", n=n, k=k, rows=rows, backend="dense-bf16", path="jnp.dot", us=t * 1e6,
+                         floor_us=db / T.bw * 1e6, tbps=db / t / 1e12)
+            del dws
         qws = weight_sets(key, n, k, nq)
         floor_us = qb / T.bw * 1e6
         # Every row count on the two MLP shapes; a subset elsewhere (each variant is a compile).
-        for rows in (ROWS if (n, k) in SHAPES[:2] and not quick else [1, 4, 8, 16, 64, 512]):
+        for rows in rows_only or (ROWS if (n, k) in SHAPES[:2] and not quick else [1, 4, 8, 16, 64, 512]):
             xs = activations(key, 5000, (rows, k), nq)
             if T.past_deadline():
                 return
@@ -255,21 +265,13 @@ def table_phase(T, key, quick, only=None):
                 variants.append(("pallas", "qmv-per-row", lambda x, w, c=off: quantized_matmul(x, w, config=c)))
             if rows in (4, 8):
                 variants.append(("pallas", "qmm-forced", lambda x, w: quantized_matmul(x, w, path="qmm")))
-            if rows in (1, 8, 64, 512):
+            if rows in (1, 8) or rows >= 64:  # (from 64 rows: where dequantize + dense dot wins)
                 xla = DispatchConfig(backend="xla")
                 variants.append(("xla", "dequant+dot", lambda x, w, c=xla: quantized_matmul(x, w, config=c)))
             for backend, path, op in variants:
                 T.measure(dict(phase="table", n=n, k=k, rows=rows, backend=backend, path=path, floor_us=floor_us),
                           op, xs, qws, nbytes=qb)
         del qws
-        if n * k * 2 * nd <= 20 << 30:
-            dws = activations(key, 9000, (n, k), nd)
-            for rows in (1, 64, 512):
-                xs = activations(key, 7000, (rows, k), nd)
-                t = T.time_ops(bf16_dot, xs, dws)
-                T.record(phase="table", n=n, k=k, rows=rows, backend="dense-bf16", path="jnp.dot", us=t * 1e6,
-                         floor_us=db / T.bw * 1e6, tbps=db / t / 1e12)
-            del dws
 
 
 QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_warps=8),
@@ -383,6 +385,7 @@ def main():
                     help="sweep, table and tiles phases: NxK,NxK of SHAPES (default: sweep and table all, table "
                          "the two MLP shapes with --quick; tiles the two MLP shapes)")
     ap.add_argument("--tile-rows", default=None, help="tiles phase only: row counts, e.g. 512")
+    ap.add_argument("--table-rows", default=None, help="table phase only: row counts, e.g. 16,64,128,256,512")
     ap.add_argument("--tile-variants", default=None,
                     help="tiles phase only: QMM_VARIANTS names and/or 'bf16 dot', ';'-separated")
     ap.add_argument("--deadline", type=float, default=None,
@@ -410,7 +413,8 @@ def main():
             {"check": lambda: check_phase(T, key), "sweep": lambda: gemv_sweep(T, key, args.quick, only),
              "fma": lambda: fma_sweep(T, key, args.quick),
              "locality": lambda: locality_sweep(T, key, args.quick),
-             "table": lambda: table_phase(T, key, args.quick, only), "tiles": lambda: tiles_phase(
+             "table": lambda: table_phase(T, key, args.quick, only, args.table_rows and [
+                 int(r) for r in args.table_rows.split(",")]), "tiles": lambda: tiles_phase(
                  T, key, args.quick, args.tile_rows and [int(r) for r in args.tile_rows.split(",")],
                  args.tile_variants and args.tile_variants.split(";"), only)}[phase]()
         except Exception:
