@@ -34,7 +34,7 @@ from pallas_kernels.codes import load_sb_tiles  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.gemv import GemvTiling  # noqa: E402
 from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
-from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling  # noqa: E402
+from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling, split_for  # noqa: E402
 
 
 def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb, sb_kn):
@@ -99,6 +99,17 @@ def variants(shape, rows):
         for g, bm, nw in ((1, 64, 4), (4, 64, 4), (2, 128, 8)):  # the dequantize-first body, other dots
             t = dataclasses.replace(qmm["weights"], groups_per_step=g, block_m=bm, num_warps=nw)
             v[f"qmm weights g{g} m{bm} w{nw}"] = launched(t)
+        # session 10: the GEMV's codes body (weight on the left of the dot, exact codes, kpairs) at tall
+        # tiles: it unpacks each weight once per block_m rows and scales the small product per group
+        # (2 FMAs per output and group: 1/32 of the MACs), where the dequantize-first body makes a
+        # shared-memory bf16 tile per step
+        for bm, bn, nw, xs, target in ((64, 64, 4, "reduce", 1920), (64, 64, 4, "input", 1920),
+                                       (128, 64, 4, "input", 1920), (128, 64, 4, "input", 960),
+                                       (128, 128, 8, "input", 960), (256, 64, 8, "input", 960)):
+            programs = -(-shape[0] // bn) * -(-rows // bm)
+            t = Tiling(block_m=bm, block_n=bn, groups_per_step=1, w_left=True, unpack="kpairs", dequant="codes",
+                       num_warps=nw, num_stages=3, xsum=xs, split_k=split_for(programs, k_groups(shape), target))
+            v[f"qmm wl m{bm} n{bn} w{nw} {xs} p{target}"] = launched(t)
         dense = jax.random.normal(jax.random.PRNGKey(7), shape, jnp.bfloat16)  # a captured constant operand
         v["bf16 dot"] = lambda x, w: x @ dense.T
         return v, {k: str(t) for k, t in qmm.items()}
