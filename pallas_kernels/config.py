@@ -47,6 +47,12 @@ class DispatchConfig:
     multirow_max_rows: the largest row count sent to multirow; larger goes to qmm.
     qmm_tile_m/n/k: tiles of the tiled GEMM; tile_m=None picks 64 (pallas_kernels.tiling.QMM_TILE_M),
     tile_k=None 128 for the dequantize-first body and 64 (one group) for the codes body.
+    qmm_dense_rows: from this many rows on, the qmm path dequantizes each weight to the dot dtype and
+    runs XLA's dense dot (the xla backend's code) instead of the tiled kernel, for weights of at most
+    pallas_kernels.tiling.QMM_DENSE_MAX_ELEMENTS (the bf16 copy is a transient N*K*2 bytes). 256 by
+    default: on the H200, 256 and 512 rows took 115-119 / 158-174 us that way against 143-144 / 226-248
+    for the tiled kernel, which is faster up to 128 rows (docs/kernels.md, log entry 11). 0 turns it off.
+    $JAXSPEC_QMM_DENSE_ROWS.
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
@@ -79,6 +85,7 @@ class DispatchConfig:
     qmm_tile_m: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_M", None))
     qmm_tile_n: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_N", 128))
     qmm_tile_k: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", None))
+    qmm_dense_rows: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_DENSE_ROWS", 256))
     backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
     interpret: bool | None = None
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))
@@ -105,6 +112,8 @@ class DispatchConfig:
             raise ValueError(f"dequant={self.dequant!r}: expected one of {DEQUANTS}")
         if self.gemv_unpack is not None and self.gemv_unpack not in UNPACKS:
             raise ValueError(f"gemv_unpack={self.gemv_unpack!r}: expected one of {UNPACKS}")
+        if self.qmm_dense_rows < 0:
+            raise ValueError(f"qmm_dense_rows={self.qmm_dense_rows} must be >= 0 (0: always the tiled kernel)")
         if self.gemv_xsum is not None and self.gemv_xsum not in XSUMS:
             raise ValueError(f"gemv_xsum={self.gemv_xsum!r}: expected one of {XSUMS}")
         if not 1 <= self.multirow_max_rows <= 16:

@@ -11,7 +11,7 @@ from .config import PATHS, DispatchConfig, select_path
 from .gemv import GemvTiling, gemv_launch
 from .kernel import MMA_ROWS, launch, launch_many, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
-from .tiling import gemv_tiling, qmm_tiling
+from .tiling import gemv_tiling, qmm_dense, qmm_tiling
 from .xla import dense_matmul, xla_quantized_matmul
 
 
@@ -116,6 +116,9 @@ def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
     shape, group_size = (sum(qw.shape[0] for qw in qws), k), qws[0].group_size
     if path == "multirow" and rows > MMA_ROWS:
         raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
+    if path == "qmm" and all(qmm_dense(rows, qw.shape, config) for qw in qws):
+        # tall inputs: the dense GEMM's tensor-core rate beats dequantizing inside the tiled kernel
+        return tuple(xla_quantized_matmul(x2, qw).astype(x2.dtype) for qw in qws)
     if path == "qmm":
         tiling = qmm_tiling(rows, shape, group_size, config, x_itemsize=x2.dtype.itemsize)
     else:

@@ -66,6 +66,17 @@ def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchCon
                       chains=config.gemv_chains)
 
 
+# The qmm path's dense fallback (DispatchConfig.qmm_dense_rows) only for weights whose bf16 copy is at
+# most 512 MiB: every Gemma-4-12B layer weight (59 M elements), not the 262144-row tied head.
+QMM_DENSE_MAX_ELEMENTS = 1 << 28
+
+
+def qmm_dense(rows: int, shape: tuple[int, int], config: DispatchConfig) -> bool:
+    """Whether the qmm path runs as dequantize + XLA's dense dot at `rows` (DispatchConfig.qmm_dense_rows)."""
+    n, k = shape
+    return 0 < config.qmm_dense_rows <= rows and n * k <= QMM_DENSE_MAX_ELEMENTS
+
+
 QMM_TILE_M = 64
 # From this many rows on, 256-row tiles (8 warps; 2 stages: 3 ask 240 KiB of shared memory): each
 # weight tile is dequantized once per 256 rows instead of 64. H200, dequantize-first body, 512 rows:

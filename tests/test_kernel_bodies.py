@@ -139,6 +139,35 @@ def test_qmm_takes_tall_tiles_from_256_rows_of_16_bit_x():
     rng = np.random.default_rng()
     qw, wd = _case(rng, 48, 128, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((260, 128)), jnp.bfloat16)
-    y = quantized_matmul(x, qw)  # 260 rows: two 256-row tiles, the second mostly masked
+    # 260 rows: two 256-row tiles, the second mostly masked (the dense fallback off, else it takes them)
+    y = quantized_matmul(x, qw, config=cfg.replace(qmm_dense_rows=0))
     assert y.shape == (260, 48)
     assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
+
+
+def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
+    """From DispatchConfig.qmm_dense_rows rows the qmm path is dequantize + XLA's dot (no Pallas
+    kernel in the program, and bitwise the xla backend); below it, with it set to 0, or for a weight
+    over QMM_DENSE_MAX_ELEMENTS, the tiled kernel. Both against float64."""
+    import jax
+    from pallas_kernels import tiling
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 40, 128, jnp.bfloat16)
+    cfg = DispatchConfig(qmm_dense_rows=24)
+    x = jnp.asarray(rng.standard_normal((24, 128)), jnp.bfloat16)
+    ref = np.asarray(x.astype(jnp.float32), np.float64) @ wd.T
+
+    def kernel_runs(x, config):
+        return "pallas_call" in str(jax.make_jaxpr(lambda x: quantized_matmul(x, qw, config=config))(x))
+    assert not kernel_runs(x, cfg)
+    y = quantized_matmul(x, qw, config=cfg)
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)),
+                                  np.asarray(quantized_matmul(x, qw, config=cfg.replace(backend="xla")).astype(jnp.float32)))
+    assert _rel(y.astype(jnp.float32), ref) < 1e-2
+    assert kernel_runs(x[:23], cfg)
+    assert kernel_runs(x, cfg.replace(qmm_dense_rows=0))
+    assert _rel(quantized_matmul(x, qw, config=cfg.replace(qmm_dense_rows=0)).astype(jnp.float32), ref) < 1e-2
+    monkeypatch.setattr(tiling, "QMM_DENSE_MAX_ELEMENTS", 40 * 128 - 1)
+    assert kernel_runs(x, cfg)
+    with pytest.raises(ValueError, match="qmm_dense_rows"):
+        DispatchConfig(qmm_dense_rows=-1)
