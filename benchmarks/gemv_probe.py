@@ -34,7 +34,8 @@ from pallas_kernels.codes import load_sb_tiles  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.gemv import GemvTiling  # noqa: E402
 from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
-from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling, split_for  # noqa: E402
+from pallas_kernels.mosaic_qmm import mosaic_qmm  # noqa: E402
+from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, mosaic_tiling, qmm_tiling, split_for  # noqa: E402
 
 
 def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb, sb_kn):
@@ -83,6 +84,21 @@ def launched(tiling):
     return lambda x, w: launcher(tiling)(x, w, tiling, interpret=False)
 
 
+def mosaic_variants(shape, rows):
+    """The Mosaic GPU kernel (pallas_kernels/mosaic_qmm.py; session 10, not yet run) at the dispatch's
+    tiling, half and twice its K split, and 2 / 6 pipeline stages."""
+    t = mosaic_tiling(rows, shape, GROUP)
+    groups = k_groups(shape)
+    v = {}
+    for name, split, stages in (("", t.split_k, t.stages), (" split/2", t.split_k // 2, t.stages),
+                                (" split*2", t.split_k * 2, t.stages), (" st2", t.split_k, 2),
+                                (" st6", t.split_k, 6)):
+        if split >= 1 and groups % split == 0:
+            tl = dataclasses.replace(t, split_k=split, stages=stages)
+            v[f"mosaic m{t.tile_m}{name}"] = lambda x, w, tl=tl: mosaic_qmm(x, w, tl)
+    return v
+
+
 def k_groups(shape):
     return shape[1] // GROUP
 
@@ -110,6 +126,7 @@ def variants(shape, rows):
             t = Tiling(block_m=bm, block_n=bn, groups_per_step=1, w_left=True, unpack="kpairs", dequant="codes",
                        num_warps=nw, num_stages=3, xsum=xs, split_k=split_for(programs, k_groups(shape), target))
             v[f"qmm wl m{bm} n{bn} w{nw} {xs} p{target}"] = launched(t)
+        v.update(mosaic_variants(shape, rows))
         dense = jax.random.normal(jax.random.PRNGKey(7), shape, jnp.bfloat16)  # a captured constant operand
         v["bf16 dot"] = lambda x, w: x @ dense.T
         return v, {k: str(t) for k, t in qmm.items()}
@@ -174,6 +191,7 @@ def variants(shape, rows):
     for stages in (2, 3):
         t = dataclasses.replace(mma_t, num_stages=stages)
         v[f"mma nk st{stages}"] = lambda x, w, t=t: launcher(t)(x, with_sb_layout(w, "nk"), t, interpret=False)
+    v.update(mosaic_variants(shape, rows))
     # session 10: on "kn" weights, around the default launch: where each group's sum(x) comes from
     # (kernel.Tiling.xsum) and wider tiles (fewer instructions per weight in pip Triton's SASS:
     # 4.69 at n64, 3.31 at n128, 3.05 at n128 with the wrapper's sums)

@@ -137,6 +137,16 @@ for s in $steps; do
     done ;;
     # the same variants' harness times (per op, the wrapper's x reorder, sums and split-K fold included)
     probe_kn) step probe_kn 200 python3 benchmarks/gemv_probe.py --rows 1,8 --only "=gemv mma,kn n" --out "$out/probe_kn" ;;
+    # session 10: the Mosaic GPU kernel (pallas_kernels/mosaic_qmm.py, written after the device time ran
+    # out): its GPU test, then harness times next to the Triton GEMV / qmm and the bf16 dot, then the
+    # whole 12B forward with it (JAXSPEC_MOSAIC=1) against `full`
+    mosaic) step mosaic_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k mosaic
+        step mosaic_probe 150 python3 benchmarks/gemv_probe.py --rows 1,8 --only "=gemv mma,mosaic" \
+            --out "$out/mosaic_probe"
+        step mosaic_probe_qmm 150 python3 benchmarks/gemv_probe.py --rows 64,128 --only "=qmm default,mosaic,=bf16 dot" \
+            --out "$out/mosaic_probe_qmm" ;;
+    full_mosaic) JAXSPEC_MOSAIC=1 step full_mosaic 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 \
+        --out "$out/full_mosaic" ;;
     # the GEMV's previous default unpack, for the whole-model A/B against kpairs (log entry 8)
     full_pairs) JAXSPEC_GEMV_UNPACK=pairs step full_pairs 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_pairs" ;;

@@ -73,6 +73,10 @@ class DispatchConfig:
     "kpairs" (29.1 us against 34.9 for "pairs" on 15360x3840, log entry 8). $JAXSPEC_GEMV_UNPACK.
     gemv_xsum: how the tensor-core GEMV gets each group's sum(x) (kernel.Tiling.xsum). None: "reduce".
     $JAXSPEC_GEMV_XSUM.
+    mosaic: run qmv, multirow and qmm on the Mosaic GPU kernel (pallas_kernels/mosaic_qmm.py: TMA
+    and wgmma, Hopper) for the weights it takes, on a GPU. Off by default: written in session 10, not
+    yet run on a GPU (docs/kernels.md, log entry 11). Without a GPU it has no effect (Mosaic GPU's
+    interpreter cannot run a wgmma whose left operand is in registers). $JAXSPEC_MOSAIC=1.
     fused_launch: quantized_matmul_many runs weights of one format in one tensor-core launch
     (kernel.launch_many) instead of one launch each. On: the whole-12B decode forward took 8.50 and
     8.61 ms against 8.93 and 8.88 unfused (H200, docs/kernels.md, log entry 9). $JAXSPEC_FUSED_LAUNCH=0
@@ -102,6 +106,7 @@ class DispatchConfig:
         default_factory=lambda: os.environ.get("JAXSPEC_GEMV_UNPACK") or None)
     gemv_xsum: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_XSUM") or None)
     fused_launch: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_FUSED_LAUNCH", True))
+    mosaic: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_MOSAIC", False))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

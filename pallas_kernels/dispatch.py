@@ -11,7 +11,8 @@ from .config import PATHS, DispatchConfig, select_path
 from .gemv import GemvTiling, gemv_launch
 from .kernel import MMA_ROWS, launch, launch_many, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
-from .tiling import gemv_tiling, qmm_dense, qmm_tiling
+from . import mosaic_qmm
+from .tiling import gemv_tiling, mosaic_tiling, qmm_dense, qmm_tiling
 from .xla import dense_matmul, xla_quantized_matmul
 
 
@@ -108,6 +109,17 @@ def _tensor_core_launch(path: str, rows: int, config: DispatchConfig) -> bool:
     return path == "qmm" or (config.gemv_kernel == "mma" and (path == "multirow" or rows == 1))
 
 
+def _mosaic_runs(x2, qws, path: str, config: DispatchConfig, interpret: bool) -> bool:
+    """Whether the Mosaic GPU kernel takes this call: DispatchConfig.mosaic, on a GPU, weights of a
+    format it takes; one row, multirow, or qmm below the dense fallback's row count (not qmv row by row)."""
+    rows = x2.shape[0]
+    if not config.mosaic or interpret or (path == "qmv" and rows > 1):
+        return False
+    if path == "qmm" and all(qmm_dense(rows, qw.shape, config) for qw in qws):
+        return False
+    return all(mosaic_qmm.supports(x2, qw) for qw in qws)
+
+
 def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
     """The Pallas launch for QuantizedWeights of one format on x2 `[rows, K]`, tiled as one weight of
     their summed N (several weights only where kernel.launch_many runs them: quantized_matmul_many)."""
@@ -116,6 +128,8 @@ def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
     shape, group_size = (sum(qw.shape[0] for qw in qws), k), qws[0].group_size
     if path == "multirow" and rows > MMA_ROWS:
         raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
+    if _mosaic_runs(x2, qws, path, config, interpret):
+        return tuple(mosaic_qmm.mosaic_qmm(x2, qw, mosaic_tiling(rows, qw.shape, group_size)) for qw in qws)
     if path == "qmm" and all(qmm_dense(rows, qw.shape, config) for qw in qws):
         # tall inputs: the dense GEMM's tensor-core rate beats dequantizing inside the tiled kernel
         return tuple(xla_quantized_matmul(x2, qw).astype(x2.dtype) for qw in qws)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .config import DispatchConfig
 from .gemv import GemvTiling
 from .kernel import MMA_ROWS, Tiling
+from .mosaic_qmm import ROWS_PER_WG, MosaicTiling
 
 # H200: 132 SMs. The tensor-core GEMV is latency-bound per group (docs/kernels.md, log entry 7), so
 # it wants many small programs resident per SM: 64-row tiles with K split to ~1920 programs (about
@@ -103,3 +104,21 @@ def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: Dispa
     return Tiling(block_m=block_m, block_n=config.qmm_tile_n, groups_per_step=groups_per_step,
                   split_k=split, w_left=False, num_warps=8 if tall else 4, num_stages=2 if tall else 3,
                   dequant=dequant)
+
+
+# The Mosaic GPU kernel (mosaic_qmm.py; not yet measured): programs of 64 weight rows, K split into
+# equal parts until about this many programs (several small ones per SM, as for the Triton GEMV).
+_MOSAIC_TARGET_PROGRAMS = 1024
+
+
+def mosaic_tiling(rows: int, shape: tuple[int, int], group_size: int) -> MosaicTiling:
+    """Up to 16 rows one 16-row tile whatever the row count (so a row's arithmetic is the same alone or
+    among others, as for the Triton GEMV); more rows 64-, 128- or 256-row tiles. K is split into an
+    equal number of groups per program (at least 4), the largest split under the program target."""
+    n, k = shape
+    tile_m = 16 if rows <= MMA_ROWS else 64 if rows <= 64 else 128 if rows <= 128 else 256
+    programs = -(-n // ROWS_PER_WG) * -(-rows // tile_m)
+    n_groups = k // group_size
+    split = max([d for d in range(1, n_groups + 1) if n_groups % d == 0 and n_groups // d >= _MIN_GROUPS_PER_SPLIT
+                 and programs * d <= _MOSAIC_TARGET_PROGRAMS] or [1])
+    return MosaicTiling(tile_m=tile_m, split_k=split)
