@@ -193,11 +193,11 @@ def variants(shape, rows):
         v[f"mma nk st{stages}"] = lambda x, w, t=t: launcher(t)(x, with_sb_layout(w, "nk"), t, interpret=False)
     v.update(mosaic_variants(shape, rows))
     # session 10: on "kn" weights, around the default launch: where each group's sum(x) comes from
-    # (kernel.Tiling.xsum) and wider tiles (fewer instructions per weight in pip Triton's SASS:
+    # (kernel.Tiling.xsum; ncu: 21.2 -> 18.8 us at n128 s16 input, no gain in the whole model) and wider tiles (fewer instructions per weight in pip Triton's SASS:
     # 4.69 at n64, 3.31 at n128, 3.05 at n128 with the wrapper's sums)
     for b, sp, nw, gps in ((64, 8, 4, 1), (128, 16, 4, 1), (128, 8, 4, 1), (256, 16, 8, 1), (32, 4, 4, 1),
                            (64, 4, 4, 2)):
-        for xs in ("reduce", "mma", "input"):
+        for xs in ("reduce", "input"):  # ("mma", a ones-tile dot, lost everywhere and was removed)
             t = dataclasses.replace(mma_t, block_n=b, split_k=min(sp, k_groups(shape) // 4), num_warps=nw,
                                     groups_per_step=gps, xsum=xs)
             v[f"kn n{b} s{sp} w{nw} g{gps} {xs}"] = launched(t)

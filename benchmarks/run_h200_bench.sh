@@ -128,7 +128,8 @@ for s in $steps; do
         pkill -9 -f "gemv_probe.py --once"
     done ;;
     # session 10: the GEMV around its default on "kn" weights, kernel alone: each group's sum(x) by
-    # reduction, by a ones-MMA or from the wrapper (Tiling.xsum), and wider tiles (gemv_probe "kn ...")
+    # reduction, by a ones-MMA (since removed) or from the wrapper (Tiling.xsum), and wider tiles
+    # (gemv_probe "kn ..."; log entry 11)
     ncu_kn) for shape in 15360x3840 3840x15360; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_kn_$shape 200 ncu --clock-control none --kernel-name regex:'q4' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio \

@@ -13,7 +13,7 @@ BACKENDS = ("pallas", "xla")
 GEMV_KERNELS = ("fma", "mma")
 DEQUANTS = ("codes", "weights")
 UNPACKS = ("pairs", "join", "broadcast", "kpairs")  # kernel.Tiling.unpack
-XSUMS = ("reduce", "mma", "input")  # kernel.Tiling.xsum
+XSUMS = ("reduce", "input")  # kernel.Tiling.xsum
 PATHS = ("qmv", "multirow", "qmm")
 
 

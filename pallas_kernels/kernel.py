@@ -52,10 +52,11 @@ class Tiling:
     (dq_kernel.py; join unpack only).
     xsum: how the codes body gets each group's sum(x) for the bias term. "reduce" sums the x tile
     (converts, adds, shuffles and a shared-memory exchange across warps: about 30 instructions and a
-    barrier per loop step in pip Triton's SASS); "mma" takes it from a second dot of a constant ones
-    tile with x, which comes out in the accumulator's own layout (4 more tensor-core instructions,
-    which idle in a GEMV; w_left only, else "reduce"); "input" has the wrapper sum each group of x
-    once (`group_sums`, [K/g, rows] float32) and every program load its group's block_m sums.
+    barrier per loop step in pip Triton's SASS); "input" has the wrapper sum each group of x once
+    (`group_sums`, [K/g, rows] float32) and every program load its group's block_m sums: 21.2 ->
+    20.0 us kernel alone, but the whole 12B forward took 6.57 ms against 6.41 (the sums are a kernel
+    per launch; log entry 11). (A ones-tile dot, whose rows come out as sum(x) in the accumulator's
+    layout, lost: 22.0 us.)
     (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
     and was removed in session 8. So were word tiles stored contiguously per group: 29.2 -> 27.3 us
     alone, and no gain over the "kn" scale layout at 3 stages, log entry 10.)"""
@@ -174,10 +175,6 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
-        if t.w_left and t.xsum == "mma":  # every row of ones . x^T is sum(x): already acc's layout
-            ones = jnp.ones((t.block_n, group_size), dot_dtype)
-            xs = pltriton.dot(ones, x.astype(dot_dtype), trans_b=True, precision=precision)
-            return acc + d * s[:, None] + b[:, None] * xs
         if xs_ref is not None:  # the wrapper's group_sums
             xsum = pltriton.load(xs_ref.at[g, pl.ds(m0, t.block_m)], mask=row_ok, other=0)
         else:

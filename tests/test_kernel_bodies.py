@@ -171,3 +171,21 @@ def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
     assert kernel_runs(x, cfg)
     with pytest.raises(ValueError, match="qmm_dense_rows"):
         DispatchConfig(qmm_dense_rows=-1)
+
+
+def test_group_sums_from_the_wrapper_match_float64_and_keep_rows_invariant():
+    """Tiling.xsum="input" (each group's sum(x) summed once by the wrapper, kernel.group_sums)
+    against float64, with row i bitwise the same alone as among 5 rows; bad values rejected."""
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 40, 192, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((5, 192)), jnp.bfloat16)
+    t = Tiling(block_m=16, block_n=32, groups_per_step=1, split_k=2, w_left=True, unpack="kpairs", xsum="input")
+    y = launch(x, qw, t, interpret=True)
+    assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
+    for i in range(5):
+        np.testing.assert_array_equal(np.asarray(launch(x[i:i + 1], qw, t, interpret=True).astype(jnp.float32)),
+                                      np.asarray(y[i:i + 1].astype(jnp.float32)))
+    with pytest.raises(ValueError, match="xsum='mma'"):
+        Tiling(xsum="mma")
+    with pytest.raises(ValueError, match="gemv_xsum='sum'"):
+        DispatchConfig(gemv_xsum="sum")
