@@ -197,7 +197,7 @@ def variants(shape, rows):
     # 4.69 at n64, 3.31 at n128, 3.05 at n128 with the wrapper's sums)
     for b, sp, nw, gps in ((64, 8, 4, 1), (128, 16, 4, 1), (128, 8, 4, 1), (256, 16, 8, 1), (32, 4, 4, 1),
                            (64, 4, 4, 2)):
-        for xs in ("reduce", "input"):  # ("mma", a ones-tile dot, lost everywhere and was removed)
+        for xs in ("reduce", "input"):  # ("mma", a ones-tile dot: never the best, removed)
             t = dataclasses.replace(mma_t, block_n=b, split_k=min(sp, k_groups(shape) // 4), num_warps=nw,
                                     groups_per_step=gps, xsum=xs)
             v[f"kn n{b} s{sp} w{nw} g{gps} {xs}"] = launched(t)

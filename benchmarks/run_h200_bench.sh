@@ -158,7 +158,7 @@ for s in $steps; do
     full_st2) JAXSPEC_GEMV_STAGES=2 step full_st2 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_st2" ;;
     # session 10: the GEMV's sum(x) from the wrapper (Tiling.xsum="input") and 128-column tiles (split
-    # to ~1920 programs), each and both, against `full` (ncu_kn: -1..2 us each, kernel alone)
+    # to ~1920 programs), each and both, against `full` (ncu_kn: -1 us at best for the sums, -1..2 us for the tiles, kernel alone)
     full_xs) JAXSPEC_GEMV_XSUM=input step full_xsum_input 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_xsum_input"
         JAXSPEC_GEMV_BLOCK_N=128 step full_n128 80 $sb --no-assistant --runs forward --k-values 4 \

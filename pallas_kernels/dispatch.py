@@ -55,7 +55,8 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     one format (bits, group size, K, scale dtype and layout) on the tensor-core kernel run in one launch
     (`kernel.launch_many`): a layer's q/k/v or gate/up then cost one launch and one wave tail. Its tiling comes from the weights'
     summed N, so it depends on the weights only: rows stay invariant. Anything else (float weights,
-    mixed formats, the xla backend, the CUDA-core GEMV, qmv row by row) runs one call per weight."""
+    mixed formats, the xla backend, the CUDA-core GEMV, qmv row by row) runs one call per weight, and
+    so do the qmm dense fallback and the Mosaic GPU kernel (`_pallas` takes them one weight at a time)."""
     config = DispatchConfig() if config is None else config
     weights = tuple(weights)
     if not weights:

@@ -54,8 +54,8 @@ class Tiling:
     (converts, adds, shuffles and a shared-memory exchange across warps: about 30 instructions and a
     barrier per loop step in pip Triton's SASS); "input" has the wrapper sum each group of x once
     (`group_sums`, [K/g, rows] float32) and every program load its group's block_m sums: 21.2 ->
-    20.0 us kernel alone, but the whole 12B forward took 6.57 ms against 6.41 (the sums are a kernel
-    per launch; log entry 11). (A ones-tile dot, whose rows come out as sum(x) in the accumulator's
+    20.0 us kernel alone at best (one row, 15360x3840; slower on 3840x15360), and the whole 12B
+    forward took 6.57 ms against 6.41 (the sums are a kernel per launch; log entry 11). (A ones-tile dot, whose rows come out as sum(x) in the accumulator's
     layout, lost: 22.0 us.)
     (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
     and was removed in session 8. So were word tiles stored contiguously per group: 29.2 -> 27.3 us
@@ -112,6 +112,8 @@ def group_sums(x2: jax.Array, group_size: int) -> jax.Array:
     """`[K/g, rows]` float32 sums of each group of x's inputs, by halving adds in a fixed order
     (elementwise, so a row's sums never depend on the other rows; XLA's reduce may choose its
     order by shape: see fold_splits)."""
+    if group_size & (group_size - 1):
+        raise ValueError(f"group_sums halves groups: group_size={group_size} must be a power of two")
     rows, k = x2.shape
     v = x2.astype(jnp.float32).reshape(rows, k // group_size, group_size)
     while v.shape[-1] > 1:

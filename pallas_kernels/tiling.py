@@ -67,8 +67,9 @@ def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchCon
                       chains=config.gemv_chains)
 
 
-# The qmm path's dense fallback (DispatchConfig.qmm_dense_rows) only for weights whose bf16 copy is at
-# most 512 MiB: every Gemma-4-12B layer weight (59 M elements), not the 262144-row tied head.
+# The qmm path's dense fallback (DispatchConfig.qmm_dense_rows) only for weights of at most 2^28
+# elements (a transient copy of 512 MiB in bf16, 1 GiB for float32 x): every Gemma-4-12B layer weight
+# (59 M elements), not the 262144-row tied head.
 QMM_DENSE_MAX_ELEMENTS = 1 << 28
 
 
@@ -83,6 +84,8 @@ QMM_TILE_M = 64
 # weight tile is dequantized once per 256 rows instead of 64. H200, dequantize-first body, 512 rows:
 # 220-227 us against 264-267 (15360x3840) and 238-246 against 262-270 (3840x15360); 256 rows 3-8%
 # faster; 128 rows slower (131-141 against 79-102). docs/kernels.md, log entry 8.
+# (The dense fallback, DispatchConfig.qmm_dense_rows, takes calls of 256 rows and more first, so
+# these tiles run only with it off or raised, or for weights over its cap: log entry 11.)
 QMM_TALL_ROWS = 256
 QMM_TALL_TILE_M = 256
 

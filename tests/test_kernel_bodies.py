@@ -175,16 +175,21 @@ def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
 
 def test_group_sums_from_the_wrapper_match_float64_and_keep_rows_invariant():
     """Tiling.xsum="input" (each group's sum(x) summed once by the wrapper, kernel.group_sums)
-    against float64, with row i bitwise the same alone as among 5 rows; bad values rejected."""
+    against float64 through a two-weight launch over 3 row tiles (the sums' row offset), with rows
+    bitwise the same alone as among others; bad values rejected."""
+    from pallas_kernels.kernel import group_sums, launch_many
     rng = np.random.default_rng()
-    qw, wd = _case(rng, 40, 192, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((5, 192)), jnp.bfloat16)
+    (qa, wa), (qb, wb) = _case(rng, 40, 192, jnp.bfloat16), _case(rng, 24, 192, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((40, 192)), jnp.bfloat16)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
     t = Tiling(block_m=16, block_n=32, groups_per_step=1, split_k=2, w_left=True, unpack="kpairs", xsum="input")
-    y = launch(x, qw, t, interpret=True)
-    assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
-    for i in range(5):
-        np.testing.assert_array_equal(np.asarray(launch(x[i:i + 1], qw, t, interpret=True).astype(jnp.float32)),
-                                      np.asarray(y[i:i + 1].astype(jnp.float32)))
+    ya, yb = launch_many(x, (qa, qb), t, interpret=True)
+    assert _rel(ya.astype(jnp.float32), xf @ wa.T) < 1e-2 and _rel(yb.astype(jnp.float32), xf @ wb.T) < 1e-2
+    for i in (0, 17, 39):
+        np.testing.assert_array_equal(np.asarray(launch(x[i:i + 1], qa, t, interpret=True).astype(jnp.float32)),
+                                      np.asarray(ya[i:i + 1].astype(jnp.float32)))
+    with pytest.raises(ValueError, match="group_size=96"):
+        group_sums(x[:, :96], 96)
     with pytest.raises(ValueError, match="xsum='mma'"):
         Tiling(xsum="mma")
     with pytest.raises(ValueError, match="gemv_xsum='sum'"):

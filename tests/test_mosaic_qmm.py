@@ -46,7 +46,7 @@ def test_tiling_depends_on_the_weight_only_up_to_16_rows_and_splits_evenly():
 def test_dispatch_gives_it_supported_calls_below_the_dense_rows_on_a_gpu_only():
     rng = np.random.default_rng()
     qw = _kn(rng, 128, 256)
-    on = DispatchConfig(mosaic=True)
+    on = DispatchConfig(mosaic=True, qmm_dense_rows=256)
     x = jnp.ones((1, 256), jnp.bfloat16)
     assert _mosaic_runs(x, (qw,), "qmv", on, interpret=False)
     assert not _mosaic_runs(x, (qw,), "qmv", on, interpret=True)  # no interpreter for it
@@ -66,7 +66,7 @@ def test_lowers_through_mosaic_gpu_for_cuda(rows):
     lowering infers and checks every layout, transform and wgmma operand here."""
     rng = np.random.default_rng()
     qw = _kn(rng, 128, 512)
-    cfg = DispatchConfig(mosaic=True, interpret=False)
+    cfg = DispatchConfig(mosaic=True, interpret=False, qmm_dense_rows=256)
     x = jax.ShapeDtypeStruct((rows, 512), jnp.bfloat16)
     text = jax.jit(lambda x: quantized_matmul(x, qw, config=cfg)).trace(x).lower(
         lowering_platforms=("cuda",)).as_text()
