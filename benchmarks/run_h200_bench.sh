@@ -148,6 +148,12 @@ for s in $steps; do
             --out "$out/mosaic_probe_qmm" ;;
     full_mosaic) JAXSPEC_MOSAIC=1 step full_mosaic 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 \
         --out "$out/full_mosaic" ;;
+    # session 10: a 512-token prefill with the qmm dense fallback on (256) and off (0): compiled
+    # temporaries for 2, 6 and 48 layers (abstract weights), then wall time on an 8-layer slice
+    prefill_mem) step prefill_mem 200 python3 benchmarks/prefill_memory.py --layers 2,6,0 --tokens 512 \
+            --dense-rows 256,0 --out "$out/prefill_mem"
+        step prefill_time 150 python3 benchmarks/prefill_memory.py --layers 8 --tokens 512 --dense-rows 256,0 --time \
+            --out "$out/prefill_time" ;;
     # the GEMV's previous default unpack, for the whole-model A/B against kpairs (log entry 8)
     full_pairs) JAXSPEC_GEMV_UNPACK=pairs step full_pairs 80 $sb --no-assistant --runs forward --k-values 4 \
         --time-budget 45 --out "$out/full_pairs" ;;
