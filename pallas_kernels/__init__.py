@@ -4,8 +4,8 @@
     y = quantized_matmul(x, qw)                  # x [..., K] -> [..., N]
 
 Rows (prod of x's leading dims) pick the kernel at trace time: 1 -> qmv, 2..8 -> multirow (each
-weight tile read once for all rows), more -> qmm (the tiled kernel; from 256 rows dequantize + XLA's
-dense dot, `DispatchConfig.qmm_dense_rows`). See `select_path`, `DispatchConfig`.
+weight tile read once for all rows), more -> qmm (the tiled kernel; or, opt-in, dequantize + XLA's
+dense dot from `DispatchConfig.qmm_dense_rows` rows). See `select_path`, `DispatchConfig`.
 This package knows nothing about models.
 """
 from .config import DispatchConfig, select_path

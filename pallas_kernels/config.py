@@ -49,10 +49,11 @@ class DispatchConfig:
     tile_k=None 128 for the dequantize-first body and 64 (one group) for the codes body.
     qmm_dense_rows: from this many rows on, the qmm path dequantizes each weight to the dot dtype and
     runs XLA's dense dot (the xla backend's code) instead of the tiled kernel, for weights of at most
-    pallas_kernels.tiling.QMM_DENSE_MAX_ELEMENTS (the bf16 copy is a transient N*K*2 bytes). 256 by
-    default: on the H200, 256 and 512 rows took 115-119 / 158-174 us that way against 143-144 / 226-248
-    for the tiled kernel, which is faster up to 128 rows (docs/kernels.md, log entry 11). 0 turns it off.
-    $JAXSPEC_QMM_DENSE_ROWS.
+    pallas_kernels.tiling.QMM_DENSE_MAX_ELEMENTS (the bf16 copy is a transient N*K*2 bytes). On the H200
+    256 and 512 rows took 115-119 / 158-174 us that way against 143-144 / 226-248 for the tiled kernel,
+    which is faster up to 128 rows (docs/kernels.md, log entry 11), so 256 is the value to use. 0 (off)
+    by default until a whole-model prefill is measured: compiled for CPU, XLA keeps about one transient
+    bf16 copy of every layer's weights alive (benchmarks/prefill_memory.py). $JAXSPEC_QMM_DENSE_ROWS.
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
@@ -89,7 +90,7 @@ class DispatchConfig:
     qmm_tile_m: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_M", None))
     qmm_tile_n: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_N", 128))
     qmm_tile_k: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", None))
-    qmm_dense_rows: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_DENSE_ROWS", 256))
+    qmm_dense_rows: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_DENSE_ROWS", 0))
     backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
     interpret: bool | None = None
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))

@@ -84,8 +84,8 @@ QMM_TILE_M = 64
 # weight tile is dequantized once per 256 rows instead of 64. H200, dequantize-first body, 512 rows:
 # 220-227 us against 264-267 (15360x3840) and 238-246 against 262-270 (3840x15360); 256 rows 3-8%
 # faster; 128 rows slower (131-141 against 79-102). docs/kernels.md, log entry 8.
-# (The dense fallback, DispatchConfig.qmm_dense_rows, takes calls of 256 rows and more first, so
-# these tiles run only with it off or raised, or for weights over its cap: log entry 11.)
+# (With the dense fallback on, DispatchConfig.qmm_dense_rows = 256, it takes those calls first, so
+# these tiles then run only for weights over its cap: log entry 11.)
 QMM_TALL_ROWS = 256
 QMM_TALL_TILE_M = 256
 

@@ -139,7 +139,7 @@ def test_qmm_takes_tall_tiles_from_256_rows_of_16_bit_x():
     rng = np.random.default_rng()
     qw, wd = _case(rng, 48, 128, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((260, 128)), jnp.bfloat16)
-    # 260 rows: two 256-row tiles, the second mostly masked (the dense fallback off, else it takes them)
+    # 260 rows: two 256-row tiles, the second mostly masked (the dense fallback off, as by default)
     y = quantized_matmul(x, qw, config=cfg.replace(qmm_dense_rows=0))
     assert y.shape == (260, 48)
     assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
@@ -171,6 +171,8 @@ def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
     assert kernel_runs(x, cfg)
     with pytest.raises(ValueError, match="qmm_dense_rows"):
         DispatchConfig(qmm_dense_rows=-1)
+    monkeypatch.delenv("JAXSPEC_QMM_DENSE_ROWS", raising=False)
+    assert DispatchConfig().qmm_dense_rows == 0  # off until a whole-model prefill is measured
 
 
 def test_group_sums_from_the_wrapper_match_float64_and_keep_rows_invariant():
