@@ -23,7 +23,7 @@ from harness import empty_call_with_seconds, environment, median_time  # noqa: E
 SETS = 6
 
 
-def timed(name, fn, xs, ws):
+def timed(fn, xs, ws):
     """Per-op microseconds of fn over SETS (x, w) pairs in one jitted call."""
     f = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
     t = median_time(f, xs, ws, warmup=2, repeats=7) - empty_call_with_seconds(xs, ws)
@@ -72,7 +72,7 @@ def main():
                         err = float(jnp.max(jnp.abs(fn(xs[0], ws[0]).astype(jnp.float32) - r)))
                     else:
                         err = None
-                    us = timed(name, fn, xs, ws)
+                    us = timed(fn, xs, ws)
                     line = {"shape": shape, "rows": m, "variant": name, "us": us, "max_err": err, **env}
                     print(f"{shape:>11} rows={m:<4} {name:<32} {us:8.1f} us  err={err}")
                 except Exception as e:  # a config the kernel refuses (smem, divisibility)

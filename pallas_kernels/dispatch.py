@@ -110,15 +110,17 @@ def _tensor_core_launch(path: str, rows: int, config: DispatchConfig) -> bool:
     return path == "qmm" or (config.gemv_kernel == "mma" and (path == "multirow" or rows == 1))
 
 
+def _dense_runs(x2, qws, path: str, config: DispatchConfig) -> bool:
+    """Whether the qmm dense fallback (dequantize + XLA's dot) takes this call."""
+    return path == "qmm" and all(qmm_dense(x2.shape[0], qw.shape, config) for qw in qws)
+
+
 def _mosaic_runs(x2, qws, path: str, config: DispatchConfig, interpret: bool) -> bool:
     """Whether the Mosaic GPU kernel takes this call: DispatchConfig.mosaic, on a GPU, weights of a
-    format it takes; one row, multirow, or qmm below the dense fallback's row count (not qmv row by row)."""
-    rows = x2.shape[0]
-    if not config.mosaic or interpret or (path == "qmv" and rows > 1):
+    format it takes; one row, multirow, or qmm the dense fallback does not take (not qmv row by row)."""
+    if not config.mosaic or interpret or (path == "qmv" and x2.shape[0] > 1):
         return False
-    if path == "qmm" and all(qmm_dense(rows, qw.shape, config) for qw in qws):
-        return False
-    return all(mosaic_qmm.supports(x2, qw) for qw in qws)
+    return not _dense_runs(x2, qws, path, config) and all(mosaic_qmm.supports(x2, qw) for qw in qws)
 
 
 def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
@@ -131,7 +133,7 @@ def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
         raise ValueError(f"path='multirow' handles at most {MMA_ROWS} rows, got {rows}")
     if _mosaic_runs(x2, qws, path, config, interpret):
         return tuple(mosaic_qmm.mosaic_qmm(x2, qw, mosaic_tiling(rows, qw.shape, group_size)) for qw in qws)
-    if path == "qmm" and all(qmm_dense(rows, qw.shape, config) for qw in qws):
+    if _dense_runs(x2, qws, path, config):
         # tall inputs: the dense GEMM's tensor-core rate beats dequantizing inside the tiled kernel
         return tuple(xla_quantized_matmul(x2, qw).astype(x2.dtype) for qw in qws)
     if path == "qmm":

@@ -98,8 +98,8 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
         row = plgpu.Layout.WGMMA.reduce(1)
         s = plgpu.load(s_smem, (0,), layout=row).astype(jnp.float32)
         b = plgpu.load(b_smem, (0,), layout=row).astype(jnp.float32)
-        rows = lambda v: jax.lax.broadcast_in_dim(v.astype(dt), q.shape, (0,))  # (no [64, 1] step: no layout)
-        w = q * rows(s) + rows(b + 8.0 * s)  # 16-bit pairs: two weights per instruction
+        per_row = lambda v: jax.lax.broadcast_in_dim(v.astype(dt), q.shape, (0,))  # (no [64, 1] step: no layout)
+        w = q * per_row(s) + per_row(b + 8.0 * s)  # 16-bit pairs: two weights per instruction
         plgpu.wgmma(acc, w, plgpu.transpose_ref(x_smem, (1, 0)))
         plgpu.wgmma_wait(0)
         return acc
