@@ -43,16 +43,26 @@ ROWS_PER_WG = 64  # weight rows per warpgroup: the wgmma tile height
 @dataclasses.dataclass(frozen=True)
 class MosaicTiling:
     """tile_m: x rows per program (a multiple of 8, at most 256: the wgmma width); split_k: programs
-    along K; stages: pipeline steps in flight (TMA copies issued ahead)."""
+    along K; stages: pipeline steps in flight (TMA copies issued ahead); groups_per_step: quantization
+    groups per pipeline step (each its own TMA copies, one barrier for all: bigger steps amortise the
+    step's wait and wgmma latency); n_sub: 64-row weight blocks per program, each with its own
+    accumulator (x's tile is fetched once for all of them); overlap: leave each step's wgmmas in flight
+    while the next step dequantizes (the pipeline releases a step's buffers one step late)."""
     tile_m: int = 16
     split_k: int = 1
     stages: int = 4
+    groups_per_step: int = 1
+    n_sub: int = 1
+    overlap: bool = False
 
     def __post_init__(self):
         if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
             raise ValueError(f"MosaicTiling.tile_m={self.tile_m}: expected a multiple of 8 in [8, 256]")
-        if self.split_k < 1 or self.stages < 1:
-            raise ValueError(f"MosaicTiling: split_k={self.split_k} and stages={self.stages} must be >= 1")
+        if min(self.split_k, self.stages, self.groups_per_step, self.n_sub) < 1:
+            raise ValueError(f"MosaicTiling: split_k={self.split_k}, stages={self.stages}, groups_per_step="
+                             f"{self.groups_per_step} and n_sub={self.n_sub} must be >= 1")
+        if self.overlap and self.stages < 2:
+            raise ValueError("MosaicTiling.overlap needs stages >= 2 (a step's buffers are released one step late)")
 
 
 def supports(x2: jax.Array, qw: QuantizedWeight) -> bool:
@@ -78,58 +88,84 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
     g = qw.group_size
     n_groups = k // g
     split, groups_per_split = split_groups(n_groups, tiling.split_k)
-    if split * groups_per_split != n_groups:  # every split the same length (static pipeline grids)
-        raise ValueError(f"mosaic_qmm: split_k={tiling.split_k} does not divide the {n_groups} groups evenly")
+    gps, n_sub = tiling.groups_per_step, tiling.n_sub
+    if split * groups_per_split != n_groups or groups_per_split % gps:  # static, equal pipeline grids
+        raise ValueError(f"mosaic_qmm: split_k={tiling.split_k} x groups_per_step={gps} does not divide the "
+                         f"{n_groups} groups evenly")
+    bn = ROWS_PER_WG * n_sub  # weight rows per program
+    if n % bn:
+        raise ValueError(f"mosaic_qmm: N={n} is not a multiple of n_sub * {ROWS_PER_WG} = {bn}")
     tm = tiling.tile_m
     xp = pad_to(x2, 0, tm)
     m_tiles = xp.shape[0] // tm
     codes = jax.lax.bitcast_convert_type(qw.weight, jnp.int4).reshape(n, k)
     dt = x2.dtype
-    x_spec = plgpu.BlockSpec((tm, g), lambda s: (0, s), transforms=_swizzled(g * 16, 16))
-    w_spec = plgpu.BlockSpec((ROWS_PER_WG, g), lambda s: (0, s), transforms=_swizzled(g * 4, 4))
-    sb_spec = plgpu.BlockSpec((1, ROWS_PER_WG), lambda s: (s, 0))
+    late = int(tiling.overlap and groups_per_split // gps >= 2)  # (one step: nothing to overlap with)
+    # one TMA copy per group and operand: a [64, 64] int4 tile is 32-byte rows, which the swizzled
+    # layouts and the 4-bit upcast take as they are; a wider block would need slicing inside a swizzle
+    x_specs = [plgpu.BlockSpec((tm, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 16, 16),
+                               delay_release=late) for j in range(gps)]
+    w_specs = [plgpu.BlockSpec((bn, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 4, 4),
+                               delay_release=late) for j in range(gps)]
+    sb_spec = plgpu.BlockSpec((gps, bn), lambda s: (s, 0), delay_release=late)
     out_transforms = _swizzled(tm * 32, 32)
+    row = plgpu.Layout.WGMMA.reduce(1)
 
-    def step(_, x_smem, w_smem, s_smem, b_smem, acc):
-        q = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+    def dequantized(w_smem, s_smem, b_smem, j, i):
+        """Group j of weight block i as a [64, 64] wgmma register operand in x's dtype."""
+        q = plgpu.load(w_smem.at[pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
         q = q ^ jnp.asarray(-8, jnp.int4)  # unsigned code q -> signed q - 8 (flip the top bit)
         # relayout while packed (one shuffle per 8 codes), then the int4 -> 16-bit conversion
         q = plgpu.layout_cast(q, plgpu.Layout.WGMMA).astype(dt)
-        row = plgpu.Layout.WGMMA.reduce(1)
-        s = plgpu.load(s_smem, (0,), layout=row).astype(jnp.float32)
-        b = plgpu.load(b_smem, (0,), layout=row).astype(jnp.float32)
+        cols = pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)
+        s = plgpu.load(s_smem.at[j], cols, layout=row).astype(jnp.float32)
+        b = plgpu.load(b_smem.at[j], cols, layout=row).astype(jnp.float32)
         per_row = lambda v: jax.lax.broadcast_in_dim(v.astype(dt), q.shape, (0,))  # (no [64, 1] step: no layout)
-        w = q * per_row(s) + per_row(b + 8.0 * s)  # 16-bit pairs: two weights per instruction
-        plgpu.wgmma(acc, w, plgpu.transpose_ref(x_smem, (1, 0)))
-        plgpu.wgmma_wait(0)
-        return acc
+        return q * per_row(s) + per_row(b + 8.0 * s)  # 16-bit pairs: two weights per instruction
+
+    def step(_, *refs):
+        xs, ws, (s_smem, b_smem), accs = refs[:gps], refs[gps:2 * gps], refs[2 * gps:2 * gps + 2], refs[-1]
+        if late:  # the previous step's wgmmas ran while this step's first tile was dequantized
+            w = dequantized(ws[0], s_smem, b_smem, 0, 0)
+            plgpu.wgmma_wait(0)
+        for j in range(gps):
+            for i in range(n_sub):
+                if not (late and i == 0 and j == 0):
+                    w = dequantized(ws[j], s_smem, b_smem, j, i)
+                plgpu.wgmma(accs[i], w, plgpu.transpose_ref(xs[j], (1, 0)))
+        if not late:
+            plgpu.wgmma_wait(0)
+        return accs
 
     def body(x_gmem, w_gmem, s_gmem, b_gmem, o_gmem, o_smem):
-        n0 = jax.lax.axis_index("n") * ROWS_PER_WG
+        n0 = jax.lax.axis_index("n") * bn
         m0 = jax.lax.axis_index("m") * tm
         si = jax.lax.axis_index("s")
         k0 = si * groups_per_split * g
         g0 = si * groups_per_split
 
-        def scoped(acc):
+        def scoped(*accs):
             pipeline = plgpu.emit_pipeline(
-                lambda idx, *refs: step(idx, *refs, acc), grid=(groups_per_split,),
-                in_specs=[x_spec, w_spec, sb_spec, sb_spec], max_concurrent_steps=tiling.stages)
-            pipeline(x_gmem.at[pl.ds(m0, tm), pl.ds(k0, groups_per_split * g)],
-                     w_gmem.at[pl.ds(n0, ROWS_PER_WG), pl.ds(k0, groups_per_split * g)],
-                     s_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, ROWS_PER_WG)],
-                     b_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, ROWS_PER_WG)])
-            o_smem[...] = acc[...]
-        pl.run_scoped(scoped, plgpu.ACC((ROWS_PER_WG, tm), jnp.float32))
+                lambda idx, *refs: step(idx, *refs, accs), grid=(groups_per_split // gps,),
+                in_specs=[*x_specs, *w_specs, sb_spec, sb_spec], max_concurrent_steps=tiling.stages)
+            x_in = x_gmem.at[pl.ds(m0, tm), pl.ds(k0, groups_per_split * g)]
+            w_in = w_gmem.at[pl.ds(n0, bn), pl.ds(k0, groups_per_split * g)]
+            pipeline(*[x_in] * gps, *[w_in] * gps, s_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, bn)],
+                     b_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, bn)])
+            if late:
+                plgpu.wgmma_wait(0)
+            for i, acc in enumerate(accs):
+                o_smem[pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)] = acc[...]
+        pl.run_scoped(scoped, *[plgpu.ACC((ROWS_PER_WG, tm), jnp.float32)] * n_sub)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(n0, ROWS_PER_WG), pl.ds(m0, tm)])
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(n0, bn), pl.ds(m0, tm)])
         plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((split, n, xp.shape[0]), jnp.float32),
-        grid=(n // ROWS_PER_WG, m_tiles, split), grid_names=("n", "m", "s"),
-        scratch_types=[plgpu.SMEM((ROWS_PER_WG, tm), jnp.float32, transforms=out_transforms)],
+        grid=(n // bn, m_tiles, split), grid_names=("n", "m", "s"),
+        scratch_types=[plgpu.SMEM((bn, tm), jnp.float32, transforms=out_transforms)],
         compiler_params=plgpu.CompilerParams(),
     )
     out_t = call(xp, codes, qw.scales, qw.biases)  # [split, N, rows (padded)]

@@ -1,6 +1,8 @@
 """Launch shapes per weight shape (chosen statically, from measurements in docs/kernels.md)."""
 from __future__ import annotations
 
+import dataclasses
+
 from .config import DispatchConfig
 from .gemv import GemvTiling
 from .kernel import MMA_ROWS, Tiling
@@ -114,14 +116,26 @@ def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: Dispa
 _MOSAIC_TARGET_PROGRAMS = 1024
 
 
-def mosaic_tiling(rows: int, shape: tuple[int, int], group_size: int) -> MosaicTiling:
+def mosaic_tiling(rows: int, shape: tuple[int, int], group_size: int, **choices) -> MosaicTiling:
     """Up to 16 rows one 16-row tile whatever the row count (so a row's arithmetic is the same alone or
     among others, as for the Triton GEMV); more rows 64-, 128- or 256-row tiles. K is split into an
-    equal number of groups per program (at least 4), the largest split under the program target."""
+    equal number of whole steps per program (at least 4 groups and 2 steps), the largest split under the program
+    target. `choices` overrides MosaicTiling's other fields (groups_per_step, n_sub, overlap, stages;
+    benchmarks/mosaic_sweep.py); the split follows them. n_sub falls back to 1 where N does not divide."""
     n, k = shape
-    tile_m = 16 if rows <= MMA_ROWS else 64 if rows <= 64 else 128 if rows <= 128 else 256
-    programs = -(-n // ROWS_PER_WG) * -(-rows // tile_m)
+    tile_m = choices.pop("tile_m", None) or (16 if rows <= MMA_ROWS else 64 if rows <= 64 else 128 if rows <= 128
+                                              else 256)
+    t = MosaicTiling(tile_m=tile_m, **{f: v for f, v in choices.items() if f != "split_k"})
+    if n % (ROWS_PER_WG * t.n_sub):
+        t = dataclasses.replace(t, n_sub=1)
+    programs = -(-n // (ROWS_PER_WG * t.n_sub)) * -(-rows // tile_m)
     n_groups = k // group_size
-    split = max([d for d in range(1, n_groups + 1) if n_groups % d == 0 and n_groups // d >= _MIN_GROUPS_PER_SPLIT
-                 and programs * d <= _MOSAIC_TARGET_PROGRAMS] or [1])
-    return MosaicTiling(tile_m=tile_m, split_k=split)
+    per_step = t.groups_per_step
+    splits = [d for d in range(1, n_groups + 1) if n_groups % d == 0 and (n_groups // d) % per_step == 0
+              and n_groups // d >= max(_MIN_GROUPS_PER_SPLIT, 2 * per_step)]
+    if "split_k" in choices:
+        return dataclasses.replace(t, split_k=choices["split_k"])
+    if not splits:  # a step size that does not divide K's groups (or under 4 groups): one group per step
+        return dataclasses.replace(t, groups_per_step=1, split_k=1)
+    split = max([d for d in splits if programs * d <= _MOSAIC_TARGET_PROGRAMS] or [min(splits)])
+    return dataclasses.replace(t, split_k=split)

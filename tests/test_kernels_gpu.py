@@ -176,3 +176,24 @@ def test_mosaic_qmm_on_gpu(n, k):
     multi = np.asarray(f(x[:8]).astype(jnp.float32))
     for i in range(8):
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 1]).astype(jnp.float32)), multi[i:i + 1])
+
+
+@pytest.mark.parametrize("rows,choices", [
+    (1, dict(groups_per_step=4, overlap=True)), (8, dict(groups_per_step=2, n_sub=2, overlap=True)),
+    (64, dict(groups_per_step=2, n_sub=2)), (128, dict(n_sub=2, overlap=True)),
+    (300, dict(groups_per_step=2, overlap=True, stages=2))])
+def test_mosaic_qmm_launch_options_on_gpu(rows, choices):
+    """MosaicTiling's options (several groups per step, two weight blocks per program, wgmmas left in
+    flight across steps) against float64 at the row counts they are swept at (mosaic_sweep.py)."""
+    from pallas_kernels import with_sb_layout
+    from pallas_kernels.mosaic_qmm import mosaic_qmm
+    from pallas_kernels.tiling import mosaic_tiling
+    rng = np.random.default_rng()
+    n, k = 2048, 3840
+    qw = with_sb_layout(quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)), "kn")
+    t = mosaic_tiling(rows, (n, k), 64, **choices)
+    assert all(getattr(t, f) == v for f, v in choices.items())
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x: mosaic_qmm(x, qw, t))(x).astype(jnp.float32), np.float64)
+    ref = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
