@@ -81,5 +81,5 @@ def test_rejects_formats_it_does_not_take():
         mosaic_qmm(x, with_sb_layout(qw, "nk"), MosaicTiling())
     with pytest.raises(ValueError, match="x dtype=float32"):
         mosaic_qmm(x.astype(jnp.float32), qw, MosaicTiling())
-    with pytest.raises(ValueError, match="split_k=3 does not divide the 5 groups"):
+    with pytest.raises(ValueError, match="split_k=3 x groups_per_step=1 does not divide the 5 groups"):
         mosaic_qmm(jnp.ones((2, 320), jnp.bfloat16), _kn(rng, 128, 320), MosaicTiling(split_k=3))
