@@ -85,17 +85,12 @@ def launched(tiling):
 
 
 def mosaic_variants(shape, rows):
-    """The Mosaic GPU kernel (pallas_kernels/mosaic_qmm.py; session 10, not yet run) at the dispatch's
-    tiling, half and twice its K split, and 2 / 6 pipeline stages."""
-    t = mosaic_tiling(rows, shape, GROUP)
-    groups = k_groups(shape)
+    """The Mosaic GPU kernel (pallas_kernels/mosaic_qmm.py) at the dispatch's tiling, with 4 groups per
+    step, and with two weight blocks per program (the sweep: benchmarks/mosaic_sweep.py)."""
     v = {}
-    for name, split, stages in (("", t.split_k, t.stages), (" split/2", t.split_k // 2, t.stages),
-                                (" split*2", t.split_k * 2, t.stages), (" st2", t.split_k, 2),
-                                (" st6", t.split_k, 6)):
-        if split >= 1 and groups % split == 0:
-            tl = dataclasses.replace(t, split_k=split, stages=stages)
-            v[f"mosaic m{t.tile_m}{name}"] = lambda x, w, tl=tl: mosaic_qmm(x, w, tl)
+    for name, choices in (("", {}), (" G4", {"groups_per_step": 4}), (" n2", {"n_sub": 2})):
+        t = mosaic_tiling(rows, shape, GROUP, **choices)
+        v[f"mosaic m{t.tile_m}{name}"] = lambda x, w, t=t: mosaic_qmm(x, w, t)
     return v
 
 

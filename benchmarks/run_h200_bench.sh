@@ -146,6 +146,13 @@ for s in $steps; do
             --out "$out/mosaic_probe"
         step mosaic_probe_qmm 150 python3 benchmarks/gemv_probe.py --rows 64,128 --only "=qmm default,mosaic,=bf16 dot" \
             --out "$out/mosaic_probe_qmm" ;;
+    # session 11: the Mosaic kernel's launch options (benchmarks/mosaic_sweep.py), and ncu's view of its
+    # launch (occupancy limits, registers, shared memory) next to the Triton GEMV at 1 and 8 rows
+    mosaic_sweep) step mosaic_sweep 480 python3 benchmarks/mosaic_sweep.py --out "$out/mosaic_sweep" --deadline 430 ;;
+    ncu_mosaic) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_mosaic 150 ncu --clock-control none --kernel-name regex:'q4' \
+        --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,launch__occupancy_limit_warps,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum \
+        python3 benchmarks/gemv_probe.py --once --shape 15360x3840 --rows 1,8 --only "=gemv mma,mosaic" --out "$out/ncu_mosaic_probe"
+        pkill -9 -f "gemv_probe.py --once" ;;
     full_mosaic) JAXSPEC_MOSAIC=1 step full_mosaic 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 \
         --out "$out/full_mosaic" ;;
     # session 10: a 512-token prefill with the qmm dense fallback on (256) and off (0): compiled

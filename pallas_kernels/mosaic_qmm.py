@@ -46,14 +46,17 @@ class MosaicTiling:
     along K; stages: pipeline steps in flight (TMA copies issued ahead); groups_per_step: quantization
     groups per pipeline step (each its own TMA copies, one barrier for all: bigger steps amortise the
     step's wait and wgmma latency); n_sub: 64-row weight blocks per program, each with its own
-    accumulator (x's tile is fetched once for all of them); overlap: leave each step's wgmmas in flight
-    while the next step dequantizes (the pipeline releases a step's buffers one step late)."""
+    accumulator (x's tile is fetched once for all of them).
+
+    (Session 11 also tried leaving a step's wgmmas in flight while the next step dequantized, the
+    pipeline releasing buffers a step late: at 128 and 256-row tiles it gave wrong sums, relative
+    error 0.01-62. A wgmma reads its register operand asynchronously, and nothing in Pallas keeps the
+    next tile's dequantized values out of those registers. Removed.)"""
     tile_m: int = 16
     split_k: int = 1
     stages: int = 4
     groups_per_step: int = 1
     n_sub: int = 1
-    overlap: bool = False
 
     def __post_init__(self):
         if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
@@ -61,9 +64,6 @@ class MosaicTiling:
         if min(self.split_k, self.stages, self.groups_per_step, self.n_sub) < 1:
             raise ValueError(f"MosaicTiling: split_k={self.split_k}, stages={self.stages}, groups_per_step="
                              f"{self.groups_per_step} and n_sub={self.n_sub} must be >= 1")
-        if self.overlap and self.stages < 2:
-            raise ValueError("MosaicTiling.overlap needs stages >= 2 (a step's buffers are released one step late)")
-
 
 def supports(x2: jax.Array, qw: QuantizedWeight) -> bool:
     """The formats this kernel takes: 4-bit, groups of 64, "kn" scales, 16-bit x, N a multiple of 64."""
@@ -100,14 +100,13 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
     m_tiles = xp.shape[0] // tm
     codes = jax.lax.bitcast_convert_type(qw.weight, jnp.int4).reshape(n, k)
     dt = x2.dtype
-    late = int(tiling.overlap and groups_per_split // gps >= 2)  # (one step: nothing to overlap with)
     # one TMA copy per group and operand: a [64, 64] int4 tile is 32-byte rows, which the swizzled
     # layouts and the 4-bit upcast take as they are; a wider block would need slicing inside a swizzle
-    x_specs = [plgpu.BlockSpec((tm, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 16, 16),
-                               delay_release=late) for j in range(gps)]
-    w_specs = [plgpu.BlockSpec((bn, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 4, 4),
-                               delay_release=late) for j in range(gps)]
-    sb_spec = plgpu.BlockSpec((gps, bn), lambda s: (s, 0), delay_release=late)
+    x_specs = [plgpu.BlockSpec((tm, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 16, 16))
+              for j in range(gps)]
+    w_specs = [plgpu.BlockSpec((bn, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 4, 4))
+              for j in range(gps)]
+    sb_spec = plgpu.BlockSpec((gps, bn), lambda s: (s, 0))
     out_transforms = _swizzled(tm * 32, 32)
     row = plgpu.Layout.WGMMA.reduce(1)
 
@@ -125,19 +124,13 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
 
     def step(_, *refs):
         xs, ws, (s_smem, b_smem), accs = refs[:gps], refs[gps:2 * gps], refs[2 * gps:2 * gps + 2], refs[-1]
-        if late:  # the previous step's wgmmas ran while this step's first tile was dequantized
-            w = dequantized(ws[0], s_smem, b_smem, 0, 0)
-            plgpu.wgmma_wait(0)
         for j in range(gps):
             for i in range(n_sub):
-                if not (late and i == 0 and j == 0):
-                    w = dequantized(ws[j], s_smem, b_smem, j, i)
-                plgpu.wgmma(accs[i], w, plgpu.transpose_ref(xs[j], (1, 0)))
-        if not late:
-            plgpu.wgmma_wait(0)
+                plgpu.wgmma(accs[i], dequantized(ws[j], s_smem, b_smem, j, i), plgpu.transpose_ref(xs[j], (1, 0)))
+        plgpu.wgmma_wait(0)  # before the pipeline refills these buffers
         return accs
 
-    def body(x_gmem, w_gmem, s_gmem, b_gmem, o_gmem, o_smem):
+    def q4_mosaic(x_gmem, w_gmem, s_gmem, b_gmem, o_gmem, o_smem):  # (the name profilers show)
         n0 = jax.lax.axis_index("n") * bn
         m0 = jax.lax.axis_index("m") * tm
         si = jax.lax.axis_index("s")
@@ -152,8 +145,6 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
             w_in = w_gmem.at[pl.ds(n0, bn), pl.ds(k0, groups_per_split * g)]
             pipeline(*[x_in] * gps, *[w_in] * gps, s_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, bn)],
                      b_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, bn)])
-            if late:
-                plgpu.wgmma_wait(0)
             for i, acc in enumerate(accs):
                 o_smem[pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)] = acc[...]
         pl.run_scoped(scoped, *[plgpu.ACC((ROWS_PER_WG, tm), jnp.float32)] * n_sub)
@@ -162,7 +153,7 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
         plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
-        body,
+        q4_mosaic,
         out_type=jax.ShapeDtypeStruct((split, n, xp.shape[0]), jnp.float32),
         grid=(n // bn, m_tiles, split), grid_names=("n", "m", "s"),
         scratch_types=[plgpu.SMEM((bn, tm), jnp.float32, transforms=out_transforms)],

@@ -120,7 +120,7 @@ def mosaic_tiling(rows: int, shape: tuple[int, int], group_size: int, **choices)
     """Up to 16 rows one 16-row tile whatever the row count (so a row's arithmetic is the same alone or
     among others, as for the Triton GEMV); more rows 64-, 128- or 256-row tiles. K is split into an
     equal number of whole steps per program (at least 4 groups and 2 steps), the largest split under the program
-    target. `choices` overrides MosaicTiling's other fields (groups_per_step, n_sub, overlap, stages;
+    target. `choices` overrides MosaicTiling's other fields (groups_per_step, n_sub, stages;
     benchmarks/mosaic_sweep.py); the split follows them. n_sub falls back to 1 where N does not divide."""
     n, k = shape
     tile_m = choices.pop("tile_m", None) or (16 if rows <= MMA_ROWS else 64 if rows <= 64 else 128 if rows <= 128

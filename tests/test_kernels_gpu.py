@@ -179,12 +179,11 @@ def test_mosaic_qmm_on_gpu(n, k):
 
 
 @pytest.mark.parametrize("rows,choices", [
-    (1, dict(groups_per_step=4, overlap=True)), (8, dict(groups_per_step=2, n_sub=2, overlap=True)),
-    (64, dict(groups_per_step=2, n_sub=2)), (128, dict(n_sub=2, overlap=True)),
-    (300, dict(groups_per_step=2, overlap=True, stages=2))])
+    (1, dict(groups_per_step=4)), (8, dict(groups_per_step=2, n_sub=2)), (64, dict(groups_per_step=2, n_sub=2)),
+    (128, dict(n_sub=2)), (300, dict(groups_per_step=2, stages=2))])
 def test_mosaic_qmm_launch_options_on_gpu(rows, choices):
-    """MosaicTiling's options (several groups per step, two weight blocks per program, wgmmas left in
-    flight across steps) against float64 at the row counts they are swept at (mosaic_sweep.py)."""
+    """MosaicTiling's options (several groups per step, two weight blocks per program) against float64
+    at the row counts they are swept at (mosaic_sweep.py)."""
     from pallas_kernels import with_sb_layout
     from pallas_kernels.mosaic_qmm import mosaic_qmm
     from pallas_kernels.tiling import mosaic_tiling
