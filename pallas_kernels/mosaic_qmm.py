@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .codes import word_tiles
 from .kernel import fold_splits, pad_to, split_groups
 from .quant import QuantizedWeight
 
@@ -46,7 +47,9 @@ class MosaicTiling:
     along K; stages: pipeline steps in flight (TMA copies issued ahead); groups_per_step: quantization
     groups per pipeline step (each its own TMA copies, one barrier for all: bigger steps amortise the
     step's wait and wgmma latency); n_sub: 64-row weight blocks per program, each with its own
-    accumulator (x's tile is fetched once for all of them).
+    accumulator (x's tile is fetched once for all of them); w_tiles: read the words from a tile-major
+    copy (codes.word_tiles: each [64, group] tile one contiguous 2 KB run) made inside the call, for
+    measuring the kernel alone (ncu, traces) against row-major reads; no stored weight has it yet.
 
     (Session 11 also tried leaving a step's wgmmas in flight while the next step dequantized, the
     pipeline releasing buffers a step late: at 128 and 256-row tiles it gave wrong sums, relative
@@ -57,6 +60,7 @@ class MosaicTiling:
     stages: int = 4
     groups_per_step: int = 1
     n_sub: int = 1
+    w_tiles: bool = False
 
     def __post_init__(self):
         if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
@@ -98,21 +102,36 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
     tm = tiling.tile_m
     xp = pad_to(x2, 0, tm)
     m_tiles = xp.shape[0] // tm
-    codes = jax.lax.bitcast_convert_type(qw.weight, jnp.int4).reshape(n, k)
+    if tiling.w_tiles:  # [N/64, K/g, 64, g]: a step's tiles are contiguous runs
+        codes = jax.lax.bitcast_convert_type(word_tiles(qw.weight, ROWS_PER_WG, g // 8), jnp.int4)
+        codes = codes.reshape(n // ROWS_PER_WG, n_groups, ROWS_PER_WG, g)
+    else:
+        codes = jax.lax.bitcast_convert_type(qw.weight, jnp.int4).reshape(n, k)
     dt = x2.dtype
     # one TMA copy per group and operand: a [64, 64] int4 tile is 32-byte rows, which the swizzled
     # layouts and the 4-bit upcast take as they are; a wider block would need slicing inside a swizzle
     x_specs = [plgpu.BlockSpec((tm, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 16, 16))
               for j in range(gps)]
-    w_specs = [plgpu.BlockSpec((bn, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 4, 4))
-              for j in range(gps)]
+    if tiling.w_tiles:  # one copy of n_sub x gps contiguous tiles
+        w_specs = [plgpu.BlockSpec((n_sub, gps, ROWS_PER_WG, g), lambda s: (0, s, 0, 0),
+                                   transforms=_swizzled(g * 4, 4))]
+    else:
+        w_specs = [plgpu.BlockSpec((bn, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 4, 4))
+                   for j in range(gps)]
+    n_w = len(w_specs)
     sb_spec = plgpu.BlockSpec((gps, bn), lambda s: (s, 0))
     out_transforms = _swizzled(tm * 32, 32)
     row = plgpu.Layout.WGMMA.reduce(1)
 
-    def dequantized(w_smem, s_smem, b_smem, j, i):
+    def tile(ws, j, i):
+        """The smem [64, g] codes of group j (of the step) and weight block i."""
+        if tiling.w_tiles:
+            return ws[0].at[i, j]
+        return ws[j].at[pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)]
+
+    def dequantized(w_tile, s_smem, b_smem, j, i):
         """Group j of weight block i as a [64, 64] wgmma register operand in x's dtype."""
-        q = plgpu.load(w_smem.at[pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+        q = plgpu.load(w_tile, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
         q = q ^ jnp.asarray(-8, jnp.int4)  # unsigned code q -> signed q - 8 (flip the top bit)
         # relayout while packed (one shuffle per 8 codes), then the int4 -> 16-bit conversion
         q = plgpu.layout_cast(q, plgpu.Layout.WGMMA).astype(dt)
@@ -123,10 +142,11 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
         return q * per_row(s) + per_row(b + 8.0 * s)  # 16-bit pairs: two weights per instruction
 
     def step(_, *refs):
-        xs, ws, (s_smem, b_smem), accs = refs[:gps], refs[gps:2 * gps], refs[2 * gps:2 * gps + 2], refs[-1]
+        xs, ws, (s_smem, b_smem), accs = refs[:gps], refs[gps:gps + n_w], refs[gps + n_w:gps + n_w + 2], refs[-1]
         for j in range(gps):
             for i in range(n_sub):
-                plgpu.wgmma(accs[i], dequantized(ws[j], s_smem, b_smem, j, i), plgpu.transpose_ref(xs[j], (1, 0)))
+                w = dequantized(tile(ws, j, i), s_smem, b_smem, j, i)
+                plgpu.wgmma(accs[i], w, plgpu.transpose_ref(xs[j], (1, 0)))
         plgpu.wgmma_wait(0)  # before the pipeline refills these buffers
         return accs
 
@@ -142,8 +162,11 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
                 lambda idx, *refs: step(idx, *refs, accs), grid=(groups_per_split // gps,),
                 in_specs=[*x_specs, *w_specs, sb_spec, sb_spec], max_concurrent_steps=tiling.stages)
             x_in = x_gmem.at[pl.ds(m0, tm), pl.ds(k0, groups_per_split * g)]
-            w_in = w_gmem.at[pl.ds(n0, bn), pl.ds(k0, groups_per_split * g)]
-            pipeline(*[x_in] * gps, *[w_in] * gps, s_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, bn)],
+            if tiling.w_tiles:
+                w_in = w_gmem.at[pl.ds(n0 // ROWS_PER_WG, n_sub), pl.ds(g0, groups_per_split)]
+            else:
+                w_in = w_gmem.at[pl.ds(n0, bn), pl.ds(k0, groups_per_split * g)]
+            pipeline(*[x_in] * gps, *[w_in] * n_w, s_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, bn)],
                      b_gmem.at[pl.ds(g0, groups_per_split), pl.ds(n0, bn)])
             for i, acc in enumerate(accs):
                 o_smem[pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)] = acc[...]

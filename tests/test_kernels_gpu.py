@@ -180,10 +180,12 @@ def test_mosaic_qmm_on_gpu(n, k):
 
 @pytest.mark.parametrize("rows,choices", [
     (1, dict(groups_per_step=4)), (8, dict(groups_per_step=2, n_sub=2)), (64, dict(groups_per_step=2, n_sub=2)),
-    (128, dict(n_sub=2)), (300, dict(groups_per_step=2, stages=2))])
+    (128, dict(n_sub=2)), (300, dict(groups_per_step=2, stages=2)), (1, dict(w_tiles=True)),
+    (64, dict(groups_per_step=2, n_sub=2, w_tiles=True))])
 def test_mosaic_qmm_launch_options_on_gpu(rows, choices):
-    """MosaicTiling's options (several groups per step, two weight blocks per program) against float64
-    at the row counts they are swept at (mosaic_sweep.py)."""
+    """MosaicTiling's options (several groups per step, two weight blocks per program, tile-major
+    words) against float64 at the row counts they are swept at (mosaic_sweep.py). (The w_tiles cases
+    were written after session 11's device time ran out.)"""
     from pallas_kernels import with_sb_layout
     from pallas_kernels.mosaic_qmm import mosaic_qmm
     from pallas_kernels.tiling import mosaic_tiling

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import DispatchConfig, quantize, quantized_matmul, with_sb_layout
+from pallas_kernels.codes import word_tiles
 from pallas_kernels.dispatch import _mosaic_runs
 from pallas_kernels.mosaic_qmm import MosaicTiling, mosaic_qmm, supports
 from pallas_kernels.tiling import mosaic_tiling
@@ -58,6 +59,29 @@ def test_dispatch_gives_it_supported_calls_below_the_dense_rows_on_a_gpu_only():
     assert not _mosaic_runs(x.astype(jnp.float32), (qw,), "qmv", on, interpret=False)
     assert not _mosaic_runs(x, (with_sb_layout(qw, "nk"),), "qmv", on, interpret=False)
     assert not supports(x, _kn(rng, 96, 256))  # N not a multiple of 64
+
+
+def test_word_tiles_put_each_tile_in_one_run():
+    """word_tiles: tile (a, b) holds rows [64a, 64a + 64) and words [8b, 8b + 8), row-major inside."""
+    rng = np.random.default_rng()
+    words = rng.integers(0, 2**32, (192, 48), dtype=np.uint32)
+    t = np.asarray(word_tiles(jnp.asarray(words), 64, 8))
+    a, b, r, w = (rng.integers(0, d) for d in t.shape)
+    assert t.shape == (3, 6, 64, 8) and t[a, b, r, w] == words[64 * a + r, 8 * b + w]
+    assert t[a, b].tobytes() == words[64 * a:64 * a + 64, 8 * b:8 * b + 8].tobytes()
+    with pytest.raises(ValueError, match="does not split into"):
+        word_tiles(jnp.asarray(words[:100]), 64, 8)
+
+
+def test_tile_major_option_lowers_with_groups_and_blocks():
+    rng = np.random.default_rng()
+    qw = _kn(rng, 256, 1024)
+    for choices in ({"w_tiles": True}, {"w_tiles": True, "groups_per_step": 2, "n_sub": 2}):
+        t = mosaic_tiling(16, qw.shape, 64, **choices)
+        assert t.w_tiles and t.split_k > 1
+        text = jax.jit(lambda x: mosaic_qmm(x, qw, t)).trace(jax.ShapeDtypeStruct((16, 1024), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("rows", [1, 8, 100])
