@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import environment, hbm_bandwidth, no_command_buffers, sync  # noqa: E402
 from kernel_bench import GROUP, Timer, activations, n_sets_for, qbytes, weight_sets  # noqa: E402
 from pallas_kernels import DispatchConfig, quantized_matmul, with_sb_layout  # noqa: E402
-from pallas_kernels.codes import load_sb_tiles  # noqa: E402
+from pallas_kernels.codes import load_sb_tiles, word_tiles  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.gemv import GemvTiling  # noqa: E402
 from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
@@ -38,20 +38,26 @@ from pallas_kernels.mosaic_qmm import mosaic_qmm  # noqa: E402
 from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, mosaic_tiling, qmm_tiling, split_for  # noqa: E402
 
 
-def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb, sb_kn):
+def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, groups_per_split, with_sb, sb_kn,
+                   tiles):
     pid_n, pid_s = pl.program_id(0), pl.program_id(1)
     n0 = pid_n * block_n
     col_ok = (n0 + jnp.arange(block_n)) < n
     g_start = pid_s * groups_per_split
     g_end = jnp.minimum(g_start + groups_per_split, n_groups)
-    wpg = w_ref.shape[2]
+    wpg = w_ref.shape[-1]
 
     def step(i, acc):
         g = g_start + i * gps
         g_ok = (g + jnp.arange(gps)) < g_end
-        mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (block_n, gps, wpg))
-        w = pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
-        acc = acc + jnp.sum(w, axis=(1, 2))
+        if tiles:  # [N/block_n, groups, block_n, words]: the step's tiles are one contiguous run
+            mask = jnp.broadcast_to(g_ok[:, None, None], (gps, block_n, wpg))
+            w = pltriton.load(w_ref.at[pid_n, pl.ds(g, gps), :, :], mask=mask, other=0)
+            acc = acc + jnp.sum(w, axis=(0, 2))
+        else:
+            mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (block_n, gps, wpg))
+            w = pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
+            acc = acc + jnp.sum(w, axis=(1, 2))
         if with_sb:  # the scale and bias bytes the GEMV also reads, folded in as bits
             for v in load_sb_tiles(s_ref, b_ref, n0, block_n, g, gps, col_ok, g_ok, sb_kn):
                 acc = acc + jnp.sum(jax.lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32), axis=1)
@@ -62,20 +68,22 @@ def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, gro
     pltriton.store(o_ref.at[pid_s, pl.ds(n0, block_n)], acc, mask=col_ok)
 
 
-def stream(qw, *, block_n, gps, split_k, num_warps=4, num_stages=1, with_sb=True, interpret=None):
-    """Read qw's words (and scales and biases) with a GEMV's grid and blocks; return a checksum."""
+def stream(qw, *, block_n, gps, split_k, num_warps=4, num_stages=1, with_sb=True, tiles=False, interpret=None):
+    """Read qw's words (and scales and biases) with a GEMV's grid and blocks; return a checksum. With
+    `tiles`, from a tile-major copy (codes.word_tiles, made inside the op: time it with ncu or a trace,
+    whose 'stream' filter leaves the copy out)."""
     n, k = qw.shape
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     n_groups = k // qw.group_size
     split, per_split = split_groups(n_groups, split_k)
-    w3 = qw.weight.reshape(n, n_groups, -1)
+    w3 = word_tiles(qw.weight, block_n, qw.weight.shape[1] // n_groups) if tiles else qw.weight.reshape(n, n_groups, -1)
     kern = functools.partial(_stream_kernel, n=n, block_n=block_n, gps=gps, n_groups=n_groups,
-                             groups_per_split=per_split, with_sb=with_sb, sb_kn=qw.sb_layout == "kn")
+                             groups_per_split=per_split, with_sb=with_sb, sb_kn=qw.sb_layout == "kn", tiles=tiles)
     return pl.pallas_call(
         kern, out_shape=jax.ShapeDtypeStruct((split, n), jnp.uint32), grid=(pl.cdiv(n, block_n), split),
         interpret=interpret, compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=num_warps, num_stages=num_stages),
-        name=f"stream_n{block_n}_g{gps}_s{split}",
+        name=f"stream_{'tiles_' if tiles else ''}n{block_n}_g{gps}_s{split}",
     )(w3, qw.scales, qw.biases)
 
 
@@ -86,9 +94,11 @@ def launched(tiling):
 
 def mosaic_variants(shape, rows):
     """The Mosaic GPU kernel (pallas_kernels/mosaic_qmm.py) at the dispatch's tiling, with 4 groups per
-    step, and with two weight blocks per program (the sweep: benchmarks/mosaic_sweep.py)."""
+    step, with two weight blocks per program (the sweep: benchmarks/mosaic_sweep.py), and reading a
+    tile-major copy of the words (made inside the op: compare kernel times, ncu or --trace)."""
     v = {}
-    for name, choices in (("", {}), (" G4", {"groups_per_step": 4}), (" n2", {"n_sub": 2})):
+    for name, choices in (("", {}), (" G4", {"groups_per_step": 4}), (" n2", {"n_sub": 2}),
+                          (" tiles", {"w_tiles": True}), (" G4 tiles", {"groups_per_step": 4, "w_tiles": True})):
         t = mosaic_tiling(rows, shape, GROUP, **choices)
         v[f"mosaic m{t.tile_m}{name}"] = lambda x, w, t=t: mosaic_qmm(x, w, t)
     return v
@@ -136,6 +146,12 @@ def variants(shape, rows):
             v[f"stream {name}-grid st{stages}"] = functools.partial(
                 lambda x, w, t, st: stream(w, block_n=t.block_n, gps=t.groups_per_step, split_k=t.split_k,
                                            num_stages=st), t=t, st=stages)
+    # session 11: the same grids reading a tile-major copy of the words (each step's [block_n, group]
+    # tiles contiguous: the row-major 32 bytes per row per step is the suspect; docs/kernels.md entry 12)
+    for block_n, gps, split in ((mma_t.block_n, mma_t.groups_per_step, mma_t.split_k), (64, 1, 4), (64, 4, 4),
+                                (128, 1, 4), (64, 8, 1)):
+        v[f"stream tiles n{block_n} g{gps} s{split}"] = functools.partial(
+            lambda x, w, b, g, s: stream(w, block_n=b, gps=g, split_k=s, tiles=True), b=block_n, g=gps, s=split)
     for block_n, gps, split in ((64, 8, 1), (32, 16, 1), (16, 32, 1), (128, 4, 4), (256, 2, 4), (64, 16, 2)):
         for warps in (4, 8):
             v[f"stream n{block_n} g{gps} s{split} w{warps}"] = functools.partial(

@@ -1,4 +1,5 @@
-"""The stream probe reads every word, scale and bias exactly once (its checksum), whatever its grid."""
+"""The stream probe reads every word, scale and bias exactly once (its checksum), whatever its grid
+and whether the words are row-major or tile-major."""
 import os
 import sys
 
@@ -14,11 +15,13 @@ from kernel_bench import random_qweight  # noqa: E402
 from pallas_kernels import with_sb_layout  # noqa: E402
 
 
-@pytest.mark.parametrize("n,block_n,gps,split,layout", [(64, 16, 1, 1, "nk"), (64, 32, 2, 2, "kn"), (64, 16, 4, 2, "nk"),
-                                                        (72, 32, 2, 3, "nk"), (80, 64, 4, 3, "kn")])  # partial tiles, steps
-def test_stream_checksum_counts_every_byte_once(n, block_n, gps, split, layout):
+@pytest.mark.parametrize("n,block_n,gps,split,layout,tiles", [
+    (64, 16, 1, 1, "nk", False), (64, 32, 2, 2, "kn", False), (64, 16, 4, 2, "nk", False), (72, 32, 2, 3, "nk", False),
+    (80, 64, 4, 3, "kn", False),  # partial tiles, steps
+    (64, 32, 2, 2, "kn", True), (128, 64, 4, 3, "nk", True)])  # a tile-major copy of the words
+def test_stream_checksum_counts_every_byte_once(n, block_n, gps, split, layout, tiles):
     qw = with_sb_layout(random_qweight(jax.random.PRNGKey(block_n * 10 + gps + split), n, 512), layout)
-    got = np.asarray(stream(qw, block_n=block_n, gps=gps, split_k=split)).sum(axis=0, dtype=np.uint64)
+    got = np.asarray(stream(qw, block_n=block_n, gps=gps, split_k=split, tiles=tiles)).sum(axis=0, dtype=np.uint64)
     words = np.asarray(qw.weight).astype(np.uint64).sum(axis=1)
     sb = sum(np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16)).astype(np.uint64).sum(axis=1)
              for a in qw.sb_nk())
