@@ -52,8 +52,9 @@ class DispatchConfig:
     pallas_kernels.tiling.QMM_DENSE_MAX_ELEMENTS (the bf16 copy is a transient N*K*2 bytes). On the H200
     256 and 512 rows took 115-119 / 158-174 us that way against 143-144 / 226-248 for the tiled kernel,
     which is faster up to 128 rows (docs/kernels.md, log entry 11), so 256 is the value to use. 0 (off)
-    by default until a whole-model prefill is measured: compiled for CPU, XLA keeps about one transient
-    bf16 copy of every layer's weights alive (benchmarks/prefill_memory.py). $JAXSPEC_QMM_DENSE_ROWS.
+    by default: XLA keeps several layers' transient bf16 copies alive, so on the H200 a 512-token
+    prefill of the whole 12B compiles with 7.6 GB of temporaries against 0.08 GB, for 23% less time on
+    an 8-layer slice (benchmarks/prefill_memory.py, log entry 12). $JAXSPEC_QMM_DENSE_ROWS.
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
@@ -75,9 +76,9 @@ class DispatchConfig:
     gemv_xsum: how the tensor-core GEMV gets each group's sum(x) (kernel.Tiling.xsum). None: "reduce".
     $JAXSPEC_GEMV_XSUM.
     mosaic: run qmv, multirow and qmm on the Mosaic GPU kernel (pallas_kernels/mosaic_qmm.py: TMA
-    and wgmma, Hopper) for the weights it takes, on a GPU. Off by default: written in session 10, not
-    yet run on a GPU (docs/kernels.md, log entry 11). Without a GPU it has no effect (Mosaic GPU's
-    interpreter cannot run a wgmma whose left operand is in registers). $JAXSPEC_MOSAIC=1.
+    and wgmma, Hopper) for the weights it takes, on a GPU. Off by default: correct on the H200 but no
+    faster than the Triton kernels (docs/kernels.md, log entry 12). Without a GPU it has no effect
+    (Mosaic GPU's interpreter cannot run a wgmma whose left operand is in registers). $JAXSPEC_MOSAIC=1.
     fused_launch: quantized_matmul_many runs weights of one format in one tensor-core launch
     (kernel.launch_many) instead of one launch each. On: the whole-12B decode forward took 8.50 and
     8.61 ms against 8.93 and 8.88 unfused (H200, docs/kernels.md, log entry 9). $JAXSPEC_FUSED_LAUNCH=0

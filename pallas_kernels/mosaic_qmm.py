@@ -1,12 +1,13 @@
 """A Mosaic GPU (Hopper: TMA + wgmma) kernel for the 4-bit matmul, behind `DispatchConfig.mosaic`.
 
-Why: the Triton kernels (kernel.py) are bound by instructions and latency per loop step, not by
+Why: the Triton kernels (kernel.py) looked bound by instructions and latency per loop step, not by
 bytes (docs/kernels.md, log entries 10-11); Mosaic GPU moves each step's tiles with bulk tensor
 copies (TMA) several steps ahead and has a dedicated 4-bit upcast. The product is computed
 transposed, `out^T = W @ x^T`: the weight tile is wgmma's left operand, dequantized in registers
 (wgmma reads its left operand from registers, the right one only from shared memory), x^T the right.
 
-Per step of one quantization group, a warpgroup (128 threads) owns 64 weight rows:
+Per quantization group, a warpgroup (128 threads) owns 64 weight rows (MosaicTiling: several
+groups per pipeline step, several 64-row blocks per program):
   1. the packed words, viewed as int4 `[N, K]` (MLX puts code 8j+i at bits 4i of word j: the same
      little-endian order), arrive by TMA with x's `[tile_m, 64]` tile and the group's 64 scales and
      biases ("kn" layout: one contiguous run each);
@@ -20,10 +21,11 @@ K may be split across programs (partial sums added outside in a fixed order, as 
 Numerics: each weight is rounded twice in 16 bits (`s * (q - 8)`, then `+ (b + 8 s)`), where the
 Triton codes body multiplies exact codes; the tests' 1e-2 relative tolerance allows for it.
 
-Not yet run on a GPU (written in session 10 after the device time ran out). CPU tests lower it for
-CUDA (Mosaic GPU's lowering checks layouts, transforms and the wgmma operands); Mosaic GPU's
-interpreter cannot run a wgmma whose left operand is in registers, so its numbers wait for
-tests/test_kernels_gpu.py::test_mosaic_qmm_on_gpu.
+Measured on the H200 (session 11, docs/kernels.md log entry 12): correct (tests/test_kernels_gpu.py),
+but no faster than the Triton kernels: 20-22 us alone at one row on 15360x3840 like the Triton
+GEMV, whatever the launch option, and slower from 128 rows. CPU tests lower it for CUDA (Mosaic GPU's
+lowering checks layouts, transforms and the wgmma operands); Mosaic GPU's interpreter cannot run a
+wgmma whose left operand is in registers, so its numbers need the GPU.
 """
 from __future__ import annotations
 

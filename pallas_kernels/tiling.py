@@ -111,8 +111,9 @@ def qmm_tiling(rows: int, shape: tuple[int, int], group_size: int, config: Dispa
                   dequant=dequant)
 
 
-# The Mosaic GPU kernel (mosaic_qmm.py; not yet measured): programs of 64 weight rows, K split into
-# equal parts until about this many programs (several small ones per SM, as for the Triton GEMV).
+# The Mosaic GPU kernel (mosaic_qmm.py): programs of 64 weight rows, K split into equal parts until
+# about this many programs (several small ones per SM, as for the Triton GEMV). Its launch options
+# all took 20-22 us alone on 15360x3840 at 1 row (docs/kernels.md, log entry 12): none is the default.
 _MOSAIC_TARGET_PROGRAMS = 1024
 
 
