@@ -110,8 +110,9 @@ def word_tiles(words: jax.Array, rows: int, words_per_tile: int) -> jax.Array:
     `rows` weight rows by one step's words contiguous in memory. In MLX's row-major packing a step of
     one 64-wide group reads 32 bytes of each row, 1920 bytes apart on a 3840-wide weight; both the
     Triton GEMV and the Mosaic kernel sit at ~21 us (a third of the DRAM peak) on such steps whatever
-    their occupancy or instruction count (docs/kernels.md, log entry 12). For measurement so far:
-    gemv_probe's "stream tiles" kernels and MosaicTiling.w_tiles make this copy inside the op."""
+    their occupancy or instruction count (docs/kernels.md, log entry 12), though the Triton GEMV on
+    tile-contiguous words did not gain (entry 10). For measurement: gemv_probe's "stream tiles"
+    kernels and MosaicTiling.w_tiles make this copy inside the op."""
     n, w = words.shape
     if n % rows or w % words_per_tile:
         raise ValueError(f"word_tiles: a [{n}, {w}] word array does not split into [{rows}, {words_per_tile}] tiles")
