@@ -2,9 +2,11 @@
 (XLA's own buffer assignment) and, on a GPU, the median wall time of one prefill forward.
 
 The fallback (DispatchConfig.qmm_dense_rows) dequantizes each weight to bf16 and runs XLA's dot.
-Dequantizing depends on the weight alone, so XLA may keep several layers' transient bf16 weights
-alive at once: compiled for CPU, a 6-layer 12B slice at 512 tokens has 3.87 GB of temporaries
-against 1.75 GB for 2 layers (docs/kernels.md, "Next steps"). This measures it where it matters.
+Dequantizing depends on the weight alone, so XLA kept several layers' transient bf16 weights alive
+at once: on the H200 a 512-token prefill of the whole 12B had 7.64 GB of temporaries against 0.08
+with the fallback off (docs/kernels.md, log entry 12). Since then the fallback's dequantization
+depends on its input (pallas_kernels.xla.dense_after_x): compiled for CPU, the 6-layer slice went
+from 3.84 to 1.62 GB. This measures it where it matters.
 
     python benchmarks/prefill_memory.py --target 12b --layers 2,6,48 --tokens 512 [--time] --out DIR
 

@@ -13,7 +13,7 @@ from .kernel import MMA_ROWS, launch, launch_many, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from . import mosaic_qmm
 from .tiling import gemv_tiling, mosaic_tiling, qmm_dense, qmm_tiling
-from .xla import dense_matmul, xla_quantized_matmul
+from .xla import dense_after_x, dense_matmul, xla_quantized_matmul
 
 
 def _use_interpret(config: DispatchConfig) -> bool:
@@ -135,7 +135,7 @@ def _pallas(x2, qws, path, config) -> tuple[jax.Array, ...]:
         return tuple(mosaic_qmm.mosaic_qmm(x2, qw, mosaic_tiling(rows, qw.shape, group_size)) for qw in qws)
     if _dense_runs(x2, qws, path, config):
         # tall inputs: the dense GEMM's tensor-core rate beats dequantizing inside the tiled kernel
-        return tuple(xla_quantized_matmul(x2, qw).astype(x2.dtype) for qw in qws)
+        return tuple(dense_after_x(x2, qw).astype(x2.dtype) for qw in qws)
     if path == "qmm":
         tiling = qmm_tiling(rows, shape, group_size, config, x_itemsize=x2.dtype.itemsize)
     else:

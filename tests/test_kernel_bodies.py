@@ -175,6 +175,27 @@ def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
     assert DispatchConfig().qmm_dense_rows == 0  # off until a whole-model prefill is measured
 
 
+def test_qmm_dense_fallback_keeps_one_layers_bf16_weight_alive():
+    """The dense fallback dequantizes each weight only once its input exists (xla.dense_after_x), so
+    a chain of 6 such matmuls, compiled for this CPU, holds about one transient bf16 weight, not one
+    per layer: without that dependency XLA dequantized all six up front (7.0 weights of temporaries
+    here; a 512-token prefill of the whole 12B held 7.6 GB on the H200, docs/kernels.md entry 12)."""
+    import jax
+    from pallas_kernels import with_sb_layout
+    n = k = 512
+    cfg = DispatchConfig(qmm_dense_rows=256)
+
+    def chain(x, qws):
+        for qw in qws:
+            x = jnp.tanh(quantized_matmul(x, qw, config=cfg))
+        return x
+    qw = jax.eval_shape(lambda: with_sb_layout(quantize(jnp.ones((n, k), jnp.bfloat16)), "kn"))
+    x = jax.ShapeDtypeStruct((256, k), jnp.bfloat16)
+    assert "pallas_call" not in str(jax.make_jaxpr(chain)(x, [qw] * 6))
+    compiled = jax.jit(chain).lower(x, [qw] * 6).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 3 * n * k * 2
+
+
 def test_group_sums_from_the_wrapper_match_float64_and_keep_rows_invariant():
     """Tiling.xsum="input" (each group's sum(x) summed once by the wrapper, kernel.group_sums)
     against float64 through a two-weight launch over 3 row tiles (the sums' row offset), with rows
