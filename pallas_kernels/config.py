@@ -52,9 +52,11 @@ class DispatchConfig:
     pallas_kernels.tiling.QMM_DENSE_MAX_ELEMENTS (the bf16 copy is a transient N*K*2 bytes). On the H200
     256 and 512 rows took 115-119 / 158-174 us that way against 143-144 / 226-248 for the tiled kernel,
     which is faster up to 128 rows (docs/kernels.md, log entry 11), so 256 is the value to use. 0 (off)
-    by default: XLA keeps several layers' transient bf16 copies alive, so on the H200 a 512-token
-    prefill of the whole 12B compiles with 7.6 GB of temporaries against 0.08 GB, for 23% less time on
-    an 8-layer slice (benchmarks/prefill_memory.py, log entry 12). $JAXSPEC_QMM_DENSE_ROWS.
+    by default: XLA kept several layers' transient bf16 copies alive, so on the H200 a 512-token
+    prefill of the whole 12B compiled with 7.6 GB of temporaries against 0.08 GB, for 23% less time on
+    an 8-layer slice (benchmarks/prefill_memory.py, log entry 12). xla.dense_after_x now makes each
+    dequantization wait for its input (CPU: 3.84 -> 1.62 GB on a 6-layer slice); the GPU has not
+    measured it yet. $JAXSPEC_QMM_DENSE_ROWS.
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
