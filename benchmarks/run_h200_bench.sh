@@ -199,8 +199,9 @@ for s in $steps; do
     # the tiled GEMM's two bodies at 64 rows next to a bf16 dot, and the GEMV default (harness times)
     probe64) step probe64 120 python3 benchmarks/gemv_probe.py --rows 1,8,64 --only "=gemv mma,qmm,bf16 dot" \
         --out "$out/probe64" ;;
-    # the GPU-only kernel tests (Triton-compiled kernels, row invariance at real shapes)
-    pytest_gpu) step pytest_gpu 260 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
+    # the GPU-only kernel tests (Triton-compiled kernels, row invariance at real shapes; 30 tests since
+    # session 11: 250 s ran 21 of them)
+    pytest_gpu) step pytest_gpu 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
     fwd) step fwd 60 $slice --runs forward --k-values 2,4,8 --pad-k-values 4 --verify-pad on --qmm-tile-m 64 \
         --time-budget 40 --out "$out/fwd" ;;
     scaling) step scaling 30 $slice --no-assistant --runs scaling --scaling-batch 1,8,32 --max-tokens 32 \

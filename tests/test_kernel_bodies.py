@@ -172,7 +172,7 @@ def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
     with pytest.raises(ValueError, match="qmm_dense_rows"):
         DispatchConfig(qmm_dense_rows=-1)
     monkeypatch.delenv("JAXSPEC_QMM_DENSE_ROWS", raising=False)
-    assert DispatchConfig().qmm_dense_rows == 0  # off until a whole-model prefill is measured
+    assert DispatchConfig().qmm_dense_rows == 0  # off until the GPU measures dense_after_x's prefill memory
 
 
 def test_qmm_dense_fallback_keeps_one_layers_bf16_weight_alive():
