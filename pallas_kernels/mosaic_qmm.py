@@ -71,6 +71,7 @@ class MosaicTiling:
             raise ValueError(f"MosaicTiling: split_k={self.split_k}, stages={self.stages}, groups_per_step="
                              f"{self.groups_per_step} and n_sub={self.n_sub} must be >= 1")
 
+
 def supports(x2: jax.Array, qw: QuantizedWeight) -> bool:
     """The formats this kernel takes: 4-bit, groups of 64, "kn" scales, 16-bit x, N a multiple of 64."""
     return (qw.bits == 4 and qw.group_size == 64 and qw.sb_layout == "kn" and qw.shape[0] % ROWS_PER_WG == 0
