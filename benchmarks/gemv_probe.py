@@ -147,7 +147,8 @@ def variants(shape, rows):
                 lambda x, w, t, st: stream(w, block_n=t.block_n, gps=t.groups_per_step, split_k=t.split_k,
                                            num_stages=st), t=t, st=stages)
     # session 11: the same grids reading a tile-major copy of the words (each step's [block_n, group]
-    # tiles contiguous: the row-major 32 bytes per row per step is the suspect; docs/kernels.md entry 12)
+    # tiles contiguous), to tell the grid's pure read from the GEMV's per-group chain (docs/kernels.md,
+    # entry 12: every GEMV launch measured takes 20-22 us)
     for block_n, gps, split in ((mma_t.block_n, mma_t.groups_per_step, mma_t.split_k), (64, 1, 4), (64, 4, 4),
                                 (128, 1, 4), (64, 8, 1)):
         v[f"stream tiles n{block_n} g{gps} s{split}"] = functools.partial(

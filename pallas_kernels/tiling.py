@@ -126,16 +126,16 @@ def mosaic_tiling(rows: int, shape: tuple[int, int], group_size: int, **choices)
     n, k = shape
     tile_m = choices.pop("tile_m", None) or (16 if rows <= MMA_ROWS else 64 if rows <= 64 else 128 if rows <= 128
                                               else 256)
-    t = MosaicTiling(tile_m=tile_m, **{f: v for f, v in choices.items() if f != "split_k"})
+    t = MosaicTiling(tile_m=tile_m, **choices)
     if n % (ROWS_PER_WG * t.n_sub):
         t = dataclasses.replace(t, n_sub=1)
+    if "split_k" in choices:
+        return t
     programs = -(-n // (ROWS_PER_WG * t.n_sub)) * -(-rows // tile_m)
     n_groups = k // group_size
     per_step = t.groups_per_step
     splits = [d for d in range(1, n_groups + 1) if n_groups % d == 0 and (n_groups // d) % per_step == 0
               and n_groups // d >= max(_MIN_GROUPS_PER_SPLIT, 2 * per_step)]
-    if "split_k" in choices:
-        return dataclasses.replace(t, split_k=choices["split_k"])
     if not splits:  # a step size that does not divide K's groups (or under 4 groups): one group per step
         return dataclasses.replace(t, groups_per_step=1, split_k=1)
     split = max([d for d in splits if programs * d <= _MOSAIC_TARGET_PROGRAMS] or [min(splits)])
