@@ -51,12 +51,11 @@ class DispatchConfig:
     runs XLA's dense dot (the xla backend's code) instead of the tiled kernel, for weights of at most
     pallas_kernels.tiling.QMM_DENSE_MAX_ELEMENTS (the bf16 copy is a transient N*K*2 bytes). On the H200
     256 and 512 rows took 115-119 / 158-174 us that way against 143-144 / 226-248 for the tiled kernel,
-    which is faster up to 128 rows (docs/kernels.md, log entry 11), so 256 is the value to use. 0 (off)
-    by default: XLA kept several layers' transient bf16 copies alive, so on the H200 a 512-token
-    prefill of the whole 12B compiled with 7.6 GB of temporaries against 0.08 GB, for 23% less time on
-    an 8-layer slice (benchmarks/prefill_memory.py, log entry 12). xla.dense_after_x now makes each
-    dequantization wait for its input (CPU: 3.84 -> 1.62 GB on a 6-layer slice); the GPU has not
-    measured it yet. $JAXSPEC_QMM_DENSE_ROWS.
+    which is faster up to 128 rows (docs/kernels.md, log entry 11): 256 by default. Each dequantization
+    waits for its own input (xla.dense_after_x), so a 512-token prefill of the whole 12B on the H200
+    compiles with 0.27 GB of temporaries, the same for 2, 6 and 48 layers (0.08 GB with the tiled
+    kernel; 7.6 GB before that dependency), and an 8-layer slice takes 7.5 ms against 9.0 (log
+    entry 13). 0: always the tiled kernel. $JAXSPEC_QMM_DENSE_ROWS.
     backend: "pallas" (our kernels; interpret mode where there is no GPU) or "xla" (dequantize + dot).
     interpret: force Pallas interpret mode on or off (None: on unless the default backend is a GPU).
     gemv_kernel: the kernel behind qmv and multirow: "fma" (CUDA cores, pallas_kernels/gemv.py) or
@@ -93,7 +92,7 @@ class DispatchConfig:
     qmm_tile_m: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_M", None))
     qmm_tile_n: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_N", 128))
     qmm_tile_k: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_TILE_K", None))
-    qmm_dense_rows: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_DENSE_ROWS", 0))
+    qmm_dense_rows: int = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_QMM_DENSE_ROWS", 256))
     backend: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_MATMUL_BACKEND", "pallas"))
     interpret: bool | None = None
     gemv_kernel: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_GEMV_KERNEL", "mma"))

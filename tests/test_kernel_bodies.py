@@ -139,7 +139,7 @@ def test_qmm_takes_tall_tiles_from_256_rows_of_16_bit_x():
     rng = np.random.default_rng()
     qw, wd = _case(rng, 48, 128, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((260, 128)), jnp.bfloat16)
-    # 260 rows: two 256-row tiles, the second mostly masked (the dense fallback off, as by default)
+    # 260 rows: two 256-row tiles, the second mostly masked (the dense fallback off)
     y = quantized_matmul(x, qw, config=cfg.replace(qmm_dense_rows=0))
     assert y.shape == (260, 48)
     assert _rel(y.astype(jnp.float32), np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
@@ -172,7 +172,7 @@ def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
     with pytest.raises(ValueError, match="qmm_dense_rows"):
         DispatchConfig(qmm_dense_rows=-1)
     monkeypatch.delenv("JAXSPEC_QMM_DENSE_ROWS", raising=False)
-    assert DispatchConfig().qmm_dense_rows == 0  # off until the GPU measures dense_after_x's prefill memory
+    assert DispatchConfig().qmm_dense_rows == 256  # on since the H200 measured dense_after_x (entry 13)
 
 
 def test_qmm_dense_fallback_keeps_one_layers_bf16_weight_alive():

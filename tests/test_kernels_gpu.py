@@ -95,8 +95,8 @@ def test_tensor_core_unpacks_and_bodies_on_gpu(dtype, bits):
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
 def test_qmm_at_prefill_rows_on_gpu(dtype, tol):
-    """qmm at 256 and 520 rows through the dispatch: with the dense fallback on (dequantize + XLA's
-    dot), and off (the default), the tiled kernel, where bf16 takes the 256-row tiles (8 warps, 2
+    """qmm at 256 and 520 rows through the dispatch: with the dense fallback on (the default:
+    dequantize + XLA's dot), and off, the tiled kernel, where bf16 takes the 256-row tiles (8 warps, 2
     stages) and float32 keeps 64-row tiles (a 256-row float32 tile overflows shared memory)."""
     rng = np.random.default_rng()
     qw = quantize(jnp.asarray(rng.standard_normal((2048, 3840)) * 0.05, dtype))
@@ -145,7 +145,7 @@ def test_kn_scale_layout_on_gpu():
     kns = [with_sb_layout(q, "kn") for q in qws]
     other = {64: DispatchConfig(dequant="codes"), 1: DispatchConfig(gemv_kernel="fma"),
              8: DispatchConfig(gemv_kernel="fma"),  # qmm's codes body; the CUDA-core GEMV
-             300: DispatchConfig(qmm_dense_rows=256)}  # the dense fallback (the default runs the tiled kernel)
+             300: DispatchConfig(qmm_dense_rows=0)}  # the tiled kernel (the default runs the dense fallback)
     for rows in (1, 8, 64, 300):
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
         for q, kn in zip(qws, kns):
