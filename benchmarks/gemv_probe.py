@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import environment, hbm_bandwidth, no_command_buffers, sync  # noqa: E402
 from kernel_bench import GROUP, Timer, activations, n_sets_for, qbytes, weight_sets  # noqa: E402
-from pallas_kernels import DispatchConfig, quantized_matmul, with_sb_layout  # noqa: E402
+from pallas_kernels import DispatchConfig, quantized_matmul, with_sb_layout, with_w_layout  # noqa: E402
 from pallas_kernels.codes import load_sb_tiles, word_tiles  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.gemv import GemvTiling  # noqa: E402
@@ -219,7 +219,25 @@ def variants(shape, rows):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True, num_warps=nw,
                    dequant="weights")
         v[f"mma dq n{b} g{g} s{sp} w{nw}"] = launched(t)
+    v.update(layout_variants(mma_t))
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
+
+
+def layout_variants(mma_t):
+    """Session 12: the tensor-core GEMV on MLX's row-major words and on 64-row tiles per group
+    (QuantizedWeight.w_layout), at 1-3 pipeline stages, with and without loading the next group ahead
+    (Tiling.prefetch), and two groups per step. Tile-major pure streams took 11.2 us against 21.0
+    row-major at the GEMV's grid (docs/kernels.md, log entry 13). The conversion is a separate XLA
+    kernel here unless the weight sets are already tiles ($JAXSPEC_W_LAYOUT=tiles): compare with ncu
+    (its q4 filter skips the copy) or with the env set."""
+    v = {}
+    for layout in ("rows", "tiles"):
+        for st, pf, gps in ((3, False, 1), (1, False, 1), (2, False, 1), (1, True, 1), (2, True, 1), (3, True, 1),
+                            (3, False, 2), (1, True, 2)):
+            t = dataclasses.replace(mma_t, num_stages=st, prefetch=pf, groups_per_step=gps)
+            name = f"s12 {layout} st{st}{' pf' if pf else ''}{f' g{gps}' if gps > 1 else ''}"
+            v[name] = lambda x, w, t=t, lay=layout: launcher(t)(x, with_w_layout(w, lay), t, interpret=False)
+    return v
 
 
 def device_times(T, log_dir):

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import empty_call_seconds, empty_call_with_seconds, environment, hbm_bandwidth, median_time  # noqa: E402
-from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path, with_sb_layout  # noqa: E402
+from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, for_kernels, quantized_matmul, select_path  # noqa: E402
 from pallas_kernels.gemv import GemvTiling, gemv_launch  # noqa: E402
 from pallas_kernels.kernel import Tiling, launch  # noqa: E402
 from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, qmm_tiling, split_for  # noqa: E402
@@ -46,8 +46,9 @@ def random_qweight(key, n, k, dtype=jnp.bfloat16):
 
 def weight_sets(key, n, k, count):
     """`count` distinct random 4-bit weights, one per op in a timed call (together several times the L2),
-    in the scale layout models store (`with_sb_layout`: "kn" unless $JAXSPEC_SB_LAYOUT says "nk")."""
-    return [with_sb_layout(random_qweight(jax.random.fold_in(key, i), n, k)) for i in range(count)]
+    in the layouts models store (`for_kernels`: "kn" scales unless $JAXSPEC_SB_LAYOUT says "nk", words
+    as $JAXSPEC_W_LAYOUT says)."""
+    return [for_kernels(random_qweight(jax.random.fold_in(key, i), n, k)) for i in range(count)]
 
 
 def bf16_dot(x, w):

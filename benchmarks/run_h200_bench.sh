@@ -162,6 +162,21 @@ for s in $steps; do
         --only "=gemv mma,stream tiles,=stream mma-grid st1,=stream n64 g8 s1 w4,=stream n128 g4 s4 w4,mosaic m16" \
         --out "$out/ncu_tiles_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
+    # session 12: the tensor-core GEMV on row-major and tile-major words (QuantizedWeight.w_layout),
+    # pipeline stages and loading the next group ahead (gemv_probe.layout_variants), kernel alone
+    ncu_layout12) for spec in 15360x3840:1,8 3840x15360:1; do shape=${spec%%:*}
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_layout12_$shape 170 ncu --clock-control none --kernel-name regex:'q4' \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active \
+            python3 benchmarks/gemv_probe.py --once --shape $shape --rows ${spec##*:} --only "=gemv mma,s12 " \
+            --out "$out/ncu_layout12_probe_$shape"
+        pkill -9 -f "gemv_probe.py --once"; done ;;
+    # the whole 12B decode forward and K=4 verify with models storing tiles, with and without prefetch
+    full_tiles) JAXSPEC_W_LAYOUT=tiles step full_tiles 80 $sb --no-assistant --runs forward --k-values 4 \
+            --time-budget 45 --out "$out/full_tiles"
+        JAXSPEC_W_LAYOUT=tiles JAXSPEC_GEMV_PREFETCH=1 step full_tiles_pf 80 $sb --no-assistant --runs forward \
+            --k-values 4 --time-budget 45 --out "$out/full_tiles_pf" ;;
+    full_pf) JAXSPEC_GEMV_PREFETCH=1 step full_pf 80 $sb --no-assistant --runs forward --k-values 4 \
+            --time-budget 45 --out "$out/full_pf" ;;
     full_mosaic) JAXSPEC_MOSAIC=1 step full_mosaic 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 \
         --out "$out/full_mosaic" ;;
     # session 10: a 512-token prefill with the qmm dense fallback on (256) and off (0): compiled

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import QuantizedWeight, quantize, with_sb_layout
+from pallas_kernels import QuantizedWeight, for_kernels, quantize
 from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
 from .config import AssistantConfig, TargetConfig, check_fit
@@ -302,7 +302,7 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
             b = jnp.asarray(bh.get_tensor(bk)).astype(dtype)
             params[name] = QuantizedWeight(w, s, b, entry["bits"], entry["group_size"])
             params[name].validate()
-            params[name] = with_sb_layout(params[name])  # the kernels' layout ("kn"), see pallas_kernels
+            params[name] = for_kernels(params[name])  # the kernels' layouts, see pallas_kernels
             prog.add(w.size * 4 + s.size * 2 + b.size * 2)
             continue
         (key, h), = entry["keys"]
@@ -312,7 +312,7 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
         else:
             arr = jnp.asarray(host).astype(dtype)
             if bits and entry["kind"] == LINEAR and arr.shape[-1] % gs == 0:
-                arr = with_sb_layout(quantize(arr, bits=bits, group_size=gs))
+                arr = for_kernels(quantize(arr, bits=bits, group_size=gs))
             params[name] = arr
         prog.add(host.size * 4)
         del host
@@ -388,8 +388,8 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
         mod = _ckpt_module(model, name)
         if isinstance(w, QuantizedWeight):
             formats[mod] = (w.bits, w.group_size)
-            scales, biases = w.sb_nk()  # the file keeps MLX's layout whatever the model stores
-            tensors += [(mod + ".weight", w.weight), (mod + ".scales", scales), (mod + ".biases", biases)]
+            scales, biases = w.sb_nk()  # the file keeps MLX's layouts whatever the model stores
+            tensors += [(mod + ".weight", w.words()), (mod + ".scales", scales), (mod + ".biases", biases)]
         elif name.split(".")[-1] in BUFFERS:
             tensors.append((mod, w))
         else:
@@ -439,7 +439,7 @@ def quantize_params(params: dict, shapes: dict, *, bits: int = 4, group_size: in
     for name, w in params.items():
         kind = shapes.get(name, (None, None))[1]
         if kind == LINEAR and not isinstance(w, QuantizedWeight) and w.shape[-1] % group_size == 0:
-            w = with_sb_layout(quantize(w, bits=bits, group_size=group_size))
+            w = for_kernels(quantize(w, bits=bits, group_size=group_size))
         out[name] = w
     return out
 

@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import QuantizedWeight, with_sb_layout
+from pallas_kernels import QuantizedWeight, for_kernels
 
 from .checkpoint import INDEX, LINEAR, _quant_spec, assistant_shapes, target_shapes
 from .config import FULL, SLIDING, AssistantConfig, TargetConfig
@@ -170,7 +170,7 @@ def random_params(shapes: dict, key, *, dtype=jnp.bfloat16, quantize=None) -> di
         if kind == INDEX:  # token_ordering: a random permutation of the vocabulary
             out[name] = jax.random.permutation(k, shape[0]).astype(jnp.int32)
         elif kind == LINEAR and bits and shape[-1] % gs == 0:
-            out[name] = with_sb_layout(_rand_quantized(k, shape, bits, gs, dtype))
+            out[name] = for_kernels(_rand_quantized(k, shape, bits, gs, dtype))
         else:
             out[name] = _rand_float(k, shape, kind, dtype)
     return out
@@ -192,8 +192,8 @@ def _random_params_host(shapes, names, key, dtype, bits, gs):
             words = rng.integers(0, 2 ** 32, size=(n, k * bits // 32), dtype=np.uint32)
             s = (2 * a / (2 ** bits - 1)) * rng.uniform(0.8, 1.2, size=(n, k // gs))
             b = -a * rng.uniform(0.8, 1.2, size=(n, k // gs))
-            out[name] = with_sb_layout(QuantizedWeight(jnp.asarray(words), jnp.asarray(s, jnp.float32).astype(dtype),
-                                                       jnp.asarray(b, jnp.float32).astype(dtype), bits, gs))
+            out[name] = for_kernels(QuantizedWeight(jnp.asarray(words), jnp.asarray(s, jnp.float32).astype(dtype),
+                                                    jnp.asarray(b, jnp.float32).astype(dtype), bits, gs))
         elif kind == LINEAR:
             a = math.sqrt(3.0 / shape[-1])
             out[name] = jnp.asarray(rng.uniform(-a, a, size=shape), jnp.float32).astype(dtype)

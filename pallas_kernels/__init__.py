@@ -4,13 +4,13 @@
     y = quantized_matmul(x, qw)                  # x [..., K] -> [..., N]
 
 Rows (prod of x's leading dims) pick the kernel at trace time: 1 -> qmv, 2..8 -> multirow (each
-weight tile read once for all rows), more -> qmm (the tiled kernel; or, opt-in, dequantize + XLA's
-dense dot from `DispatchConfig.qmm_dense_rows` rows). See `select_path`, `DispatchConfig`.
+weight tile read once for all rows), more -> qmm (the tiled kernel; from `DispatchConfig.qmm_dense_rows`
+rows dequantize + XLA's dense dot). See `select_path`, `DispatchConfig`.
 This package knows nothing about models.
 """
 from .config import DispatchConfig, select_path
 from .dispatch import quantized_matmul, quantized_matmul_many
-from .quant import QuantizedWeight, dequantize, quantize, take_rows, with_sb_layout
+from .quant import QuantizedWeight, dequantize, for_kernels, quantize, take_rows, with_sb_layout, with_w_layout
 
-__all__ = ["DispatchConfig", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
-           "quantized_matmul_many", "select_path", "take_rows", "with_sb_layout"]
+__all__ = ["DispatchConfig", "QuantizedWeight", "dequantize", "for_kernels", "quantize", "quantized_matmul",
+           "quantized_matmul_many", "select_path", "take_rows", "with_sb_layout", "with_w_layout"]

@@ -2,13 +2,15 @@
 input order (kernel.py, dq_kernel.py), and two element-wise instructions the Triton that XLA bundles
 does not emit from jnp code, as inline PTX (plain jnp in interpret mode): a fused multiply-add, and
 a code put at the top of a float32 mantissa with one shift and one LOP3 (gemv.py, dq_kernel.py);
-and the load of a step's scales and biases from either stored layout (dq_kernel.py, gemv.py)."""
+and the loads of a step's words and of its scales and biases from either stored layout."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from .quant import TILE_ROWS
 
 ONE_F32 = 0x3F800000  # the bit pattern of 1.0f
 
@@ -24,6 +26,23 @@ def load_sb_tiles(s_ref, b_ref, n0, block_n, g, gps, col_ok, g_ok, sb_kn: bool):
     mask = col_ok[:, None] & g_ok[None, :]
     return tuple(pltriton.load(ref.at[pl.ds(n0, block_n), pl.ds(g, gps)], mask=mask, other=0)
                  for ref in (s_ref, b_ref))
+
+
+def load_words(w_ref, n0, block_n, g, gps, col_ok, g_ok, w_tiles: bool):
+    """Packed words of columns [n0, n0 + block_n) and groups [g, g + gps) as `[block_n, gps, words]`
+    (masked: zeros), from `[N, groups, words]` or, for "tiles" weights (`w_tiles`), `[N/64, groups, 64,
+    words]`, where the step's words are gps-long runs of contiguous 64-row tiles (QuantizedWeight)."""
+    wpg = w_ref.shape[-1]
+    if not w_tiles:
+        mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (block_n, gps, wpg))
+        return pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
+    nt = block_n // TILE_ROWS
+    shape = (nt, gps, TILE_ROWS, wpg)
+    mask = jnp.broadcast_to(col_ok.reshape(nt, 1, TILE_ROWS, 1) & g_ok.reshape(1, gps, 1, 1), shape)
+    w = pltriton.load(w_ref.at[pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), :, :], mask=mask, other=0)
+    if gps > 1:  # [tile, group, row, word] -> [tile, row, group, word]
+        w = jnp.transpose(w, (0, 2, 1, 3))
+    return w.reshape(block_n, gps, wpg)
 
 
 def fma(a, b, c, *, interpret: bool):

@@ -21,16 +21,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import codes as C
+from .codes import load_words
 
 
 def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn):
-    """w_ref is the packed weight as `[N, groups, words per group]`; pids: this program's (N block
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles):
+    """w_ref is the packed weight as `[N, groups, words per group]`, or `[N/64, groups, 64, words per
+    group]` for "tiles" weights (`w_tiles`: kernel.load_words); pids: this program's (N block
     within this weight, M block, K split), from kernel.launch_many (several weights in one grid)."""
     t = tiling
     epw = 32 // bits
     gps = t.groups_per_step
-    wpg = w_ref.shape[2]
+    wpg = w_ref.shape[-1]
     pid_n, pid_m, pid_s = pids
     m0, n0 = pid_m * t.block_m, pid_n * t.block_n
     row_ok = (m0 + jnp.arange(t.block_m)) < rows
@@ -47,8 +49,7 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         k_ok = (g * group_size + jnp.arange(gps * group_size)) < g_end * group_size
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, gps * group_size)],
                           mask=row_ok[:, None] & k_ok[None, :], other=0)
-        w_mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (t.block_n, gps, wpg))
-        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g, gps), :], mask=w_mask, other=0)
+        w = load_words(w_ref, n0, t.block_n, g, gps, col_ok, g_ok, w_tiles)
         s, b = C.load_sb_tiles(s_ref, b_ref, n0, t.block_n, g, gps, col_ok, g_ok, sb_kn)
         s, b = s.astype(jnp.float32), b.astype(jnp.float32)
         s = s * float(2**bits)        # exact: a power-of-two scaling

@@ -133,6 +133,9 @@ def group_sums(x3: jax.Array) -> jax.Array:
 
 def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
+    if qw.w_layout != "rows":
+        raise ValueError(f"the CUDA-core GEMV (gemv_kernel='fma') reads MLX's row-major words; this weight's "
+                         f"w_layout is {qw.w_layout!r} (JAXSPEC_W_LAYOUT=rows makes models keep rows)")
     rows, k = x2.shape
     n = qw.shape[0]
     g = qw.group_size

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .codes import code_pairs, interleave, pairs_in_k_order, stack_halves
+from .codes import code_pairs, interleave, load_words, pairs_in_k_order, stack_halves
 from .config import DEQUANTS, UNPACKS, XSUMS
 from .dq_kernel import dq_body
-from .quant import QuantizedWeight
+from .quant import TILE_ROWS, QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
 
@@ -57,7 +57,10 @@ class Tiling:
     20.0 us kernel alone at best (one row, 15360x3840; slower on 3840x15360), and the whole 12B
     forward took 6.57 ms against 6.41 (the sums are a kernel per launch; log entry 11). (A ones-tile dot, whose rows come out as sum(x) in the accumulator's
     layout, lost: 22.0 us.)
-    (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
+    prefetch (codes body): load the next group's words, scales and biases before this group's
+    arithmetic, so each program keeps two groups' loads in flight (Triton's pipeliner takes only
+    loads that feed a dot directly; these feed the unpack). For "tiles" weights (log entry 13).
+    (A prefetch of the next group's scales and biases alone lost on the H200 twice, log entries 3 and 7,
     and was removed in session 8. So were word tiles stored contiguously per group: 29.2 -> 27.3 us
     alone, and no gain over the "kn" scale layout at 3 stages, log entry 10.)"""
 
@@ -72,6 +75,7 @@ class Tiling:
     unpack: str = "pairs"
     dequant: str = "codes"
     xsum: str = "reduce"
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.xsum not in XSUMS:
@@ -80,6 +84,8 @@ class Tiling:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
         if self.dequant not in DEQUANTS:
             raise ValueError(f"Tiling.dequant={self.dequant!r}: expected one of {DEQUANTS}")
+        if self.prefetch and self.dequant != "codes":
+            raise ValueError("Tiling.prefetch is an option of the codes body (dequant='codes')")
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -123,7 +129,7 @@ def group_sums(x2: jax.Array, group_size: int) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, xs_ref=None):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles, xs_ref=None):
     t = tiling
     epw = 32 // bits            # codes per uint32 word
     wpg = group_size // epw     # words per group
@@ -134,17 +140,19 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     col_ok = (n0 + jnp.arange(t.block_n)) < n
     x_mask = jnp.broadcast_to(row_ok[:, None], (t.block_m, group_size))
     w_mask = jnp.broadcast_to(col_ok[:, None], (t.block_n, wpg))
+    one_ok = jnp.ones((1,), jnp.bool_)
     shifts = jnp.arange(epw, dtype=jnp.uint32) * jnp.uint32(bits)
     code_mask = jnp.uint32(2**bits - 1)
     magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
     kpairs = uses_kpairs(t, dot_dtype, bits)
 
-    def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
-        # before either convert: the order the measured kernel had)
+    def load_sb(g, ok=None):  # the scales and biases of group g, [block_n], as float32 (both loads
+        # issued before either convert: the order the measured kernel had); ok: [1] bool or None
         # ("kn" weights: the block_n values are one contiguous run; MLX's "nk": block_n loads 2*K/g
         # bytes apart, 2.3x the global-load sectors of the whole kernel, log entry 10)
         at = (lambda ref: ref.at[g, pl.ds(n0, t.block_n)]) if sb_kn else (lambda ref: ref.at[pl.ds(n0, t.block_n), g])
-        s, b = (pltriton.load(at(ref), mask=col_ok, other=0) for ref in (s_ref, b_ref))
+        mask = col_ok if ok is None else col_ok & ok[0]
+        s, b = (pltriton.load(at(ref), mask=mask, other=0) for ref in (s_ref, b_ref))
         return s.astype(jnp.float32), b.astype(jnp.float32)
 
     def as_operand(c):  # codes -> dot operand values, elementwise (any layout)
@@ -170,10 +178,18 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
             return pltriton.dot(q, xd, trans_b=True, precision=precision)
         return pltriton.dot(xd, q, trans_b=True, precision=precision)
 
-    def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
+    def load_w(g, ok=None):  # group g's packed words, [block_n, words per group]; ok: [1] bool or None
+        if w_tiles:
+            return load_words(w_ref, n0, t.block_n, g, 1, col_ok, one_ok if ok is None else ok, True).reshape(
+                t.block_n, wpg)
+        mask = w_mask if ok is None else w_mask & ok[0]  # MLX's [N, K * bits / 32]
+        return pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=mask, other=0)
+
+    def group_math(acc, g, s, b, w=None):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
                           mask=x_mask, other=0)
-        w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
+        if w is None:
+            w = load_w(g)
         d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
@@ -185,21 +201,31 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
             return acc + d * s[:, None] + b[:, None] * xsum[None, :]
         return acc + d * s[None, :] + xsum[:, None] * b[None, :]
 
-    def one_group(g, acc):
-        return group_math(acc, g, *load_sb(g))
+    def next_loads(g):  # group g's words, scales and biases, or zeros (no traffic) past the split's end
+        ok = jnp.full((1,), g < g1)
+        return (load_w(g, ok), *load_sb(g, ok))
 
-    def step(i, acc):  # groups_per_step groups per iteration: more loads in flight
+    def one_group(g, carry):
+        if not t.prefetch:
+            return group_math(carry, g, *load_sb(g))
+        acc, (w, s, b) = carry
+        ahead = next_loads(g + 1)  # issued before this group's arithmetic waits on its own loads
+        return group_math(acc, g, s, b, w), ahead
+
+    def step(i, carry):  # groups_per_step groups per iteration: more loads in flight
         for j in range(t.groups_per_step):
-            acc = one_group(g0 + i * t.groups_per_step + j, acc)
-        return acc
+            carry = one_group(g0 + i * t.groups_per_step + j, carry)
+        return carry
 
     g0 = pid_s * groups_per_split
     g1 = jnp.minimum(g0 + groups_per_split, n_groups)
     shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)
     acc = jnp.zeros(shape, jnp.float32)
+    carry = (acc, next_loads(g0)) if t.prefetch else acc
     full_steps = (g1 - g0) // t.groups_per_step
-    acc = jax.lax.fori_loop(0, full_steps, step, acc)
-    acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
+    carry = jax.lax.fori_loop(0, full_steps, step, carry)
+    carry = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, carry)
+    acc = carry[0] if t.prefetch else carry
     if t.w_left:
         acc = acc.T
     pltriton.store(o_ref.at[pid_s, pl.ds(m0, t.block_m), pl.ds(n0, t.block_n)], acc.astype(o_ref.dtype),
@@ -262,9 +288,9 @@ def _through_weights(x_ref, *refs, body, ns, blocks, **common):
 
 
 def same_format(qws) -> bool:
-    """Whether QuantizedWeights can share a launch: the same bits, group size, K, scale dtype and layout."""
+    """Whether QuantizedWeights can share a launch: the same bits, group size, K, scale dtype and layouts."""
     def fmt(q):
-        return q.bits, q.group_size, q.shape[1], q.scales.dtype, q.sb_layout
+        return q.bits, q.group_size, q.shape[1], q.scales.dtype, q.sb_layout, q.w_layout
     return all(fmt(q) == fmt(qws[0]) for q in qws)
 
 
@@ -278,10 +304,13 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     runs the same body on its own tile): the projections that read one x (q/k/v, gate/up) cost one
     launch and one wave tail instead of several. The weights must share a format (`same_format`)."""
     if not same_format(qws):
-        raise ValueError("launch_many: the weights differ in bits, group size, K, scale dtype or layout: "
-                         f"{[(q.bits, q.group_size, q.shape, q.scales.dtype, q.sb_layout) for q in qws]}")
+        raise ValueError("launch_many: the weights differ in bits, group size, K, scale dtype or layouts: "
+                         f"{[(q.bits, q.group_size, q.shape, q.scales.dtype, q.sb_layout, q.w_layout) for q in qws]}")
     rows, k = x2.shape
     first = qws[0]
+    w_tiles = first.w_layout == "tiles"
+    if w_tiles and tiling.block_n % TILE_ROWS:
+        raise ValueError(f"'tiles' weights need a block_n that is a multiple of {TILE_ROWS}, got {tiling.block_n}")
     n_groups = k // first.group_size
     split, groups_per_split = split_groups(n_groups, tiling.split_k)
     dot_dtype = _dot_dtype(x2.dtype)
@@ -293,10 +322,11 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)
-        arrays = [(pad_to(w, 0, tiling.block_n), pad_to(s, n_axis, tiling.block_n), pad_to(b, n_axis, tiling.block_n))
+        w_rows = tiling.block_n // TILE_ROWS if w_tiles else tiling.block_n  # weight rows or 64-row tiles
+        arrays = [(pad_to(w, 0, w_rows), pad_to(s, n_axis, tiling.block_n), pad_to(b, n_axis, tiling.block_n))
                   for w, s, b in arrays]
     out_rows = x2.shape[0] if interpret else rows
-    out_ns = [wsb[0].shape[0] for wsb in arrays] if interpret else ns
+    out_ns = [s.shape[n_axis] for _, s, _ in arrays] if interpret else ns
     out_dtype = x2.dtype if split == 1 else jnp.float32
     blocks = tuple(pl.cdiv(n, tiling.block_n) for n in ns)
     grid = (sum(blocks), pl.cdiv(rows, tiling.block_m), split)
@@ -304,10 +334,11 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
         x2 = kpairs_order(x2, first.group_size, first.bits)
     common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision,
-                  interpret=interpret, sb_kn=sb_kn)
+                  interpret=interpret, sb_kn=sb_kn, w_tiles=w_tiles)
     if tiling.dequant == "weights":
         body = dq_body
-        arrays = [(w.reshape(w.shape[0], n_groups, -1), s, b) for w, s, b in arrays]
+        if not w_tiles:  # [N, groups, words per group] (tiles already have a group axis)
+            arrays = [(w.reshape(w.shape[0], n_groups, -1), s, b) for w, s, b in arrays]
         if interpret:  # a last step may run past the last group: poison there, hidden by the masks
             extra = tiling.groups_per_step
             arrays = [(pad_by(w, 1, extra, 0xFFFFFFFF), pad_by(s, g_axis, extra, 1.0), pad_by(b, g_axis, extra, 1.0))

@@ -73,8 +73,10 @@ class MosaicTiling:
 
 
 def supports(x2: jax.Array, qw: QuantizedWeight) -> bool:
-    """The formats this kernel takes: 4-bit, groups of 64, "kn" scales, 16-bit x, N a multiple of 64."""
-    return (qw.bits == 4 and qw.group_size == 64 and qw.sb_layout == "kn" and qw.shape[0] % ROWS_PER_WG == 0
+    """The formats this kernel takes: 4-bit, groups of 64, "kn" scales, MLX's row-major words (its
+    w_tiles option makes its own tile-major copy), 16-bit x, N a multiple of 64."""
+    return (qw.bits == 4 and qw.group_size == 64 and qw.sb_layout == "kn" and qw.w_layout == "rows"
+            and qw.shape[0] % ROWS_PER_WG == 0
             and jnp.dtype(x2.dtype) in (jnp.bfloat16, jnp.float16))
 
 
@@ -87,8 +89,9 @@ def _swizzled(minor_bits: int, item_bits: int):
 def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
     if not supports(x2, qw):
-        raise ValueError(f"mosaic_qmm takes 4-bit g64 'kn' weights with N % {ROWS_PER_WG} == 0 and 16-bit x; got "
-                         f"bits={qw.bits} group_size={qw.group_size} sb_layout={qw.sb_layout!r} "
+        raise ValueError(f"mosaic_qmm takes 4-bit g64 'kn' 'rows' weights with N % {ROWS_PER_WG} == 0 and 16-bit x; "
+                         f"got bits={qw.bits} group_size={qw.group_size} sb_layout={qw.sb_layout!r} "
+                         f"w_layout={qw.w_layout!r} "
                          f"shape={qw.shape} x dtype={x2.dtype}")
     rows, k = x2.shape
     n = qw.shape[0]

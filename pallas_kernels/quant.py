@@ -19,6 +19,8 @@ SUPPORTED_BITS = (2, 4, 8)  # bit widths whose elements never straddle a 32-bit 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 SB_LAYOUTS = ("nk", "kn")  # QuantizedWeight.sb_layout
+W_LAYOUTS = ("rows", "tiles")  # QuantizedWeight.w_layout
+TILE_ROWS = 64  # weight rows per tile in the "tiles" word layout
 
 
 @jax.tree_util.register_dataclass
@@ -31,6 +33,13 @@ class QuantizedWeight:
     the GEMV reads them in, a group's scales for a tile of columns in one contiguous run (29.2 -> 21.9
     us on 15360x3840 at the same launch, docs/kernels.md log entry 10). `with_sb_layout` converts;
     models store "kn".
+
+    w_layout "rows" keeps MLX's row-major words; "tiles" stores them as `[N / 64, K / group_size, 64,
+    group_size * bits / 32]`: the words of 64 rows by one group are one contiguous 2 KB run (4-bit,
+    g64), where a row-major step reads 32 bytes from each of 64 rows 2*K/g*16 bytes apart. On the
+    H200 a kernel that only streams the words at the GEMV's grid took 21.0 us on 15360x3840 row-major
+    and 11.2 tile-major (docs/kernels.md, log entry 13). `words()` gives MLX's order back;
+    `with_w_layout` converts; N must be a multiple of 64.
     """
 
     weight: jax.Array
@@ -39,10 +48,21 @@ class QuantizedWeight:
     bits: int = dataclasses.field(default=4, metadata=dict(static=True))
     group_size: int = dataclasses.field(default=64, metadata=dict(static=True))
     sb_layout: str = dataclasses.field(default="nk", metadata=dict(static=True))
+    w_layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+        w = self.weight.shape
+        if self.w_layout == "tiles" and len(w) == 4:
+            return (w[0] * w[2], w[1] * w[3] * 32 // self.bits)
+        return (w[0], w[1] * 32 // self.bits) if len(w) == 2 else (-1, -1)
+
+    def words(self) -> jax.Array:
+        """The packed words in MLX's row-major `[N, K * bits / 32]` whatever the stored layout."""
+        if self.w_layout == "rows":
+            return self.weight
+        t, g, r, w = self.weight.shape
+        return self.weight.transpose(0, 2, 1, 3).reshape(t * r, g * w)
 
     @property
     def dtype(self):
@@ -64,8 +84,14 @@ class QuantizedWeight:
 
     def validate(self) -> None:
         check_format(self.bits, self.group_size)
-        if self.weight.ndim != 2:
+        if self.w_layout not in W_LAYOUTS:
+            raise ValueError(f"QuantizedWeight.w_layout={self.w_layout!r}: expected one of {W_LAYOUTS}")
+        if self.w_layout == "rows" and self.weight.ndim != 2:
             raise ValueError(f"QuantizedWeight.weight must be rank 2 [N, K*bits/32], got shape {self.weight.shape}")
+        wpg = self.group_size * self.bits // 32
+        if self.w_layout == "tiles" and (self.weight.ndim != 4 or self.weight.shape[2:] != (TILE_ROWS, wpg)):
+            raise ValueError(f"QuantizedWeight.weight in the 'tiles' layout must be [N/{TILE_ROWS}, K/group_size, "
+                             f"{TILE_ROWS}, {wpg}], got shape {self.weight.shape}")
         if self.weight.dtype != jnp.uint32:
             raise ValueError(f"QuantizedWeight.weight must be uint32, got {self.weight.dtype}")
         if self.sb_layout not in SB_LAYOUTS:
@@ -97,7 +123,39 @@ def with_sb_layout(qw: QuantizedWeight, layout: str | None = None) -> QuantizedW
     s, b = qw.sb_nk()
     if layout == "kn":
         s, b = s.T, b.T
-    return QuantizedWeight(qw.weight, s, b, qw.bits, qw.group_size, layout)
+    return QuantizedWeight(qw.weight, s, b, qw.bits, qw.group_size, layout, qw.w_layout)
+
+
+def default_w_layout() -> str:
+    """The word layout models store (where N allows): "rows" (MLX's), or $JAXSPEC_W_LAYOUT."""
+    return os.environ.get("JAXSPEC_W_LAYOUT") or "rows"
+
+
+def with_w_layout(qw: QuantizedWeight, layout: str | None = None) -> QuantizedWeight:
+    """qw with its packed words stored as `layout` ("rows": MLX's; "tiles": 64-row tiles per group,
+    see QuantizedWeight; None: default_w_layout()). Same codes, so every kernel's result is bitwise
+    unchanged. "tiles" needs N to be a multiple of 64."""
+    layout = default_w_layout() if layout is None else layout
+    if layout not in W_LAYOUTS:
+        raise ValueError(f"w_layout={layout!r}: expected one of {W_LAYOUTS}")
+    if layout == qw.w_layout:
+        return qw
+    words = qw.words()
+    if layout == "tiles":
+        n, w = words.shape
+        if n % TILE_ROWS:
+            raise ValueError(f"w_layout='tiles' needs N to be a multiple of {TILE_ROWS}, got N={n}")
+        groups = qw.shape[1] // qw.group_size
+        words = words.reshape(n // TILE_ROWS, TILE_ROWS, groups, w // groups).transpose(0, 2, 1, 3)
+    return QuantizedWeight(words, qw.scales, qw.biases, qw.bits, qw.group_size, qw.sb_layout, layout)
+
+
+def for_kernels(qw: QuantizedWeight) -> QuantizedWeight:
+    """qw in the layouts models store: default_sb_layout(), and default_w_layout() where N is a
+    multiple of 64 (else MLX's rows)."""
+    qw = with_sb_layout(qw)
+    layout = default_w_layout()
+    return with_w_layout(qw, layout if qw.shape[0] % TILE_ROWS == 0 else "rows")
 
 
 def check_format(bits: int, group_size: int) -> None:
@@ -178,7 +236,7 @@ def dequantize(qw: QuantizedWeight, dtype=None) -> jax.Array:
     qw.validate()
     dtype = qw.scales.dtype if dtype is None else dtype
     n, k = qw.shape
-    q = unpack(qw.weight, qw.bits).astype(jnp.float32).reshape(n, k // qw.group_size, qw.group_size)
+    q = unpack(qw.words(), qw.bits).astype(jnp.float32).reshape(n, k // qw.group_size, qw.group_size)
     scales, biases = qw.sb_nk()
     w = q * scales.astype(jnp.float32)[..., None] + biases.astype(jnp.float32)[..., None]
     return w.reshape(n, k).astype(dtype)
@@ -192,7 +250,9 @@ def take_rows(w, ids, dtype=None) -> jax.Array:
         # a "kn" weight's scales of these rows are columns: gather them, not the transposed table
         s, b = ((a[flat] for a in (w.scales, w.biases)) if w.sb_layout == "nk"
                 else (a[:, flat].T for a in (w.scales, w.biases)))
-        sub = QuantizedWeight(w.weight[flat], s, b, w.bits, w.group_size)
+        words = (w.weight[flat] if w.w_layout == "rows"  # a tiled weight's row r: tile r // 64, row r % 64
+                 else w.weight[flat // TILE_ROWS, :, flat % TILE_ROWS].reshape(flat.shape[0], -1))
+        sub = QuantizedWeight(words, s, b, w.bits, w.group_size)
         out = dequantize(sub, dtype)
         return out.reshape(*ids.shape, out.shape[-1])
     out = jnp.take(w, ids, axis=0)

@@ -156,6 +156,39 @@ def test_kn_scale_layout_on_gpu():
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
 
 
+def test_tile_word_layout_and_prefetch_on_gpu():
+    """Words stored as 64-row tiles per group (QuantizedWeight.w_layout="tiles") through every
+    tensor-core path (GEMV at 1 and 8 rows with and without Tiling.prefetch, the fused launch, qmm's
+    two bodies at 64 rows, the tiled kernel at 300 rows): bitwise the row-major result. N = 1984 is 31
+    tiles (a 128-wide qmm block half past the end); K = 3776 is 59 groups (a split's prefetch and a
+    two-group step past its last group)."""
+    from pallas_kernels import quantized_matmul_many, with_sb_layout, with_w_layout
+    rng = np.random.default_rng()
+    k = 3776
+    qws = [with_sb_layout(quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)), "kn")
+           for n in (1984, 512)]
+    tiles = [with_w_layout(q, "tiles") for q in qws]
+    configs = {1: [DispatchConfig(), DispatchConfig(gemv_prefetch=True)],
+               8: [DispatchConfig(), DispatchConfig(gemv_prefetch=True)],
+               64: [DispatchConfig(), DispatchConfig(dequant="codes")], 300: [DispatchConfig(qmm_dense_rows=0)]}
+    for rows, cfgs in configs.items():
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+        for cfg in cfgs:
+            for q, t in zip(qws, tiles):
+                want = np.asarray(quantized_matmul(x, q, config=cfg).astype(jnp.float32))
+                np.testing.assert_array_equal(np.asarray(quantized_matmul(x, t, config=cfg).astype(jnp.float32)),
+                                              want, err_msg=f"rows={rows} {cfg}")
+            for a, b in zip(quantized_matmul_many(x, tiles, config=cfg), quantized_matmul_many(x, qws, config=cfg)):
+                np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)  # prefetch on row-major words: the same sums
+    np.testing.assert_array_equal(
+        np.asarray(quantized_matmul(x, qws[0], config=DispatchConfig(gemv_prefetch=True)).astype(jnp.float32)),
+        np.asarray(quantized_matmul(x, qws[0]).astype(jnp.float32)))
+    ref = np.asarray(x, np.float64) @ np.asarray(dequantize(qws[0], jnp.float32), np.float64).T
+    y = np.asarray(quantized_matmul(x, tiles[0], config=DispatchConfig(gemv_prefetch=True)).astype(jnp.float32))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+
+
 @pytest.mark.parametrize("n,k", [(3840, 2048), (2048, 3840), (1024, 15360)])
 def test_mosaic_qmm_on_gpu(n, k):
     """The Mosaic GPU kernel through the dispatch (DispatchConfig.mosaic; "kn" weights, as models
