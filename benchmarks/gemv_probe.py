@@ -225,17 +225,19 @@ def variants(shape, rows):
 
 def layout_variants(mma_t):
     """Session 12: the tensor-core GEMV on MLX's row-major words and on 64-row tiles per group
-    (QuantizedWeight.w_layout), at 1-3 pipeline stages, with and without loading the next group ahead
-    (Tiling.prefetch), and two groups per step. Tile-major pure streams took 11.2 us against 21.0
-    row-major at the GEMV's grid (docs/kernels.md, log entry 13). The conversion is a separate XLA
-    kernel here unless the weight sets are already tiles ($JAXSPEC_W_LAYOUT=tiles): compare with ncu
-    (its q4 filter skips the copy) or with the env set."""
+    (QuantizedWeight.w_layout). Tile-major pure streams took 11.2 us against 21.0 row-major at the
+    GEMV's grid (docs/kernels.md, log entry 13). Call 2 ran 1-3 pipeline stages, two groups per step
+    and a loaded-ahead next group (29-39 us, removed); this set: wider blocks (more bytes per load),
+    with the wrapper's group sums. The conversion is a separate XLA kernel here unless the weight sets
+    are already tiles ($JAXSPEC_W_LAYOUT=tiles): compare with ncu (its q4 filter skips the copy) or
+    with the env set."""
     v = {}
     for layout in ("rows", "tiles"):
-        for st, pf, gps in ((3, False, 1), (1, False, 1), (2, False, 1), (1, True, 1), (2, True, 1), (3, True, 1),
-                            (3, False, 2), (1, True, 2)):
-            t = dataclasses.replace(mma_t, num_stages=st, prefetch=pf, groups_per_step=gps)
-            name = f"s12 {layout} st{st}{' pf' if pf else ''}{f' g{gps}' if gps > 1 else ''}"
+        for b, sp, nw, st, xs in ((64, mma_t.split_k, 4, 3, "reduce"), (64, mma_t.split_k, 4, 1, "reduce"),
+                                  (64, mma_t.split_k, 4, 3, "input"), (128, 8, 4, 3, "reduce"), (128, 16, 4, 3, "input"),
+                                  (128, 8, 8, 3, "reduce"), (256, 8, 8, 3, "reduce"), (256, 16, 8, 2, "input")):
+            t = dataclasses.replace(mma_t, block_n=b, split_k=sp, num_warps=nw, num_stages=st, xsum=xs)
+            name = f"s12 {layout} n{b} s{sp} w{nw} st{st} {xs}"
             v[name] = lambda x, w, t=t, lay=layout: launcher(t)(x, with_w_layout(w, lay), t, interpret=False)
     return v
 

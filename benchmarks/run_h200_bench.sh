@@ -162,21 +162,22 @@ for s in $steps; do
         --only "=gemv mma,stream tiles,=stream mma-grid st1,=stream n64 g8 s1 w4,=stream n128 g4 s4 w4,mosaic m16" \
         --out "$out/ncu_tiles_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
-    # session 12: the tensor-core GEMV on row-major and tile-major words (QuantizedWeight.w_layout),
-    # pipeline stages and loading the next group ahead (gemv_probe.layout_variants), kernel alone
+    # session 12: the tensor-core GEMV on row-major and tile-major words (QuantizedWeight.w_layout)
+    # at several launch shapes (gemv_probe.layout_variants; call 2 ran stages and a loaded-ahead group)
     ncu_layout12) for spec in 15360x3840:1,8 3840x15360:1; do shape=${spec%%:*}
         XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_layout12_$shape 170 ncu --clock-control none --kernel-name regex:'q4' \
             --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active \
             python3 benchmarks/gemv_probe.py --once --shape $shape --rows ${spec##*:} --only "=gemv mma,s12 " \
             --out "$out/ncu_layout12_probe_$shape"
         pkill -9 -f "gemv_probe.py --once"; done ;;
-    # the whole 12B decode forward and K=4 verify with models storing tiles, with and without prefetch
+    # the whole 12B decode forward with models storing tiles (call 2 also ran a loaded-ahead next
+    # group, since removed: 8.44 ms), and with 128-wide GEMV blocks on tiles
     full_tiles) JAXSPEC_W_LAYOUT=tiles step full_tiles 80 $sb --no-assistant --runs forward --k-values 4 \
-            --time-budget 45 --out "$out/full_tiles"
-        JAXSPEC_W_LAYOUT=tiles JAXSPEC_GEMV_PREFETCH=1 step full_tiles_pf 80 $sb --no-assistant --runs forward \
-            --k-values 4 --time-budget 45 --out "$out/full_tiles_pf" ;;
-    full_pf) JAXSPEC_GEMV_PREFETCH=1 step full_pf 80 $sb --no-assistant --runs forward --k-values 4 \
-            --time-budget 45 --out "$out/full_pf" ;;
+            --time-budget 45 --out "$out/full_tiles" ;;
+    full_tiles_n128) JAXSPEC_W_LAYOUT=tiles JAXSPEC_GEMV_BLOCK_N=128 step full_tiles_n128 80 $sb --no-assistant \
+            --runs forward --k-values 4 --time-budget 45 --out "$out/full_tiles_n128" ;;
+    full_rows) JAXSPEC_W_LAYOUT=rows step full_rows 80 $sb --no-assistant --runs forward --k-values 4 \
+            --time-budget 45 --out "$out/full_rows" ;;
     full_mosaic) JAXSPEC_MOSAIC=1 step full_mosaic 80 $sb --no-assistant --runs forward --k-values 4 --time-budget 45 \
         --out "$out/full_mosaic" ;;
     # session 10: a 512-token prefill with the qmm dense fallback on (256) and off (0): compiled

@@ -67,8 +67,6 @@ class DispatchConfig:
     groups per step applies to the tensor-core GEMV too). gemv_target_programs: the program count
     the split-K rule aims for when gemv_split_k is None ($JAXSPEC_GEMV_TARGET_PROGRAMS).
     gemv_num_stages: the tensor-core GEMV's pipeline stages (None: 3, log entry 10; $JAXSPEC_GEMV_STAGES).
-    gemv_prefetch: the tensor-core GEMV loads the next group's words, scales and biases before this
-    group's arithmetic (kernel.Tiling.prefetch). $JAXSPEC_GEMV_PREFETCH.
     dequant: how the tensor-core kernel (mma GEMV and qmm) uses the codes: "codes" (exact codes on
     the tensor cores, each group's scale and bias applied to the small product) or "weights" (every
     weight dequantized to s*q + b in the dot dtype first, one accumulating dot per loop step;
@@ -106,7 +104,6 @@ class DispatchConfig:
         default_factory=lambda: _env_int("JAXSPEC_GEMV_GROUPS_PER_STEP", None))
     gemv_chains: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_CHAINS", False))
     gemv_num_stages: int | None = dataclasses.field(default_factory=lambda: _env_int("JAXSPEC_GEMV_STAGES", None))
-    gemv_prefetch: bool = dataclasses.field(default_factory=lambda: env_bool("JAXSPEC_GEMV_PREFETCH", False))
     dequant: str | None = dataclasses.field(default_factory=lambda: os.environ.get("JAXSPEC_DEQUANT") or None)
     gemv_unpack: str | None = dataclasses.field(
         default_factory=lambda: os.environ.get("JAXSPEC_GEMV_UNPACK") or None)

@@ -57,12 +57,11 @@ class Tiling:
     20.0 us kernel alone at best (one row, 15360x3840; slower on 3840x15360), and the whole 12B
     forward took 6.57 ms against 6.41 (the sums are a kernel per launch; log entry 11). (A ones-tile dot, whose rows come out as sum(x) in the accumulator's
     layout, lost: 22.0 us.)
-    prefetch (codes body): load the next group's words, scales and biases before this group's
-    arithmetic, so each program keeps two groups' loads in flight (Triton's pipeliner takes only
-    loads that feed a dot directly; these feed the unpack). For "tiles" weights (log entry 13).
-    (A prefetch of the next group's scales and biases alone lost on the H200 twice, log entries 3 and 7,
-    and was removed in session 8. So were word tiles stored contiguously per group: 29.2 -> 27.3 us
-    alone, and no gain over the "kn" scale layout at 3 stages, log entry 10.)"""
+    (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
+    and was removed in session 8; so was one of its words, scales and biases together, carried
+    through the loop: 29-39 us against 19-21, session 12, log entry 13. Word tiles are a stored
+    layout, QuantizedWeight.w_layout, read by both bodies: 29.2 -> 27.3 us alone on MLX-layout
+    scales in log entry 10, 20.5 -> 19.3 on "kn" in entry 13.)"""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -75,7 +74,6 @@ class Tiling:
     unpack: str = "pairs"
     dequant: str = "codes"
     xsum: str = "reduce"
-    prefetch: bool = False
 
     def __post_init__(self):
         if self.xsum not in XSUMS:
@@ -84,8 +82,6 @@ class Tiling:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
         if self.dequant not in DEQUANTS:
             raise ValueError(f"Tiling.dequant={self.dequant!r}: expected one of {DEQUANTS}")
-        if self.prefetch and self.dequant != "codes":
-            raise ValueError("Tiling.prefetch is an option of the codes body (dequant='codes')")
 
 
 def magic_offset(dot_dtype, bits: int):
@@ -146,13 +142,12 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
     kpairs = uses_kpairs(t, dot_dtype, bits)
 
-    def load_sb(g, ok=None):  # the scales and biases of group g, [block_n], as float32 (both loads
-        # issued before either convert: the order the measured kernel had); ok: [1] bool or None
+    def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
+        # before either convert: the order the measured kernel had)
         # ("kn" weights: the block_n values are one contiguous run; MLX's "nk": block_n loads 2*K/g
         # bytes apart, 2.3x the global-load sectors of the whole kernel, log entry 10)
         at = (lambda ref: ref.at[g, pl.ds(n0, t.block_n)]) if sb_kn else (lambda ref: ref.at[pl.ds(n0, t.block_n), g])
-        mask = col_ok if ok is None else col_ok & ok[0]
-        s, b = (pltriton.load(at(ref), mask=mask, other=0) for ref in (s_ref, b_ref))
+        s, b = (pltriton.load(at(ref), mask=col_ok, other=0) for ref in (s_ref, b_ref))
         return s.astype(jnp.float32), b.astype(jnp.float32)
 
     def as_operand(c):  # codes -> dot operand values, elementwise (any layout)
@@ -178,18 +173,13 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
             return pltriton.dot(q, xd, trans_b=True, precision=precision)
         return pltriton.dot(xd, q, trans_b=True, precision=precision)
 
-    def load_w(g, ok=None):  # group g's packed words, [block_n, words per group]; ok: [1] bool or None
-        if w_tiles:
-            return load_words(w_ref, n0, t.block_n, g, 1, col_ok, one_ok if ok is None else ok, True).reshape(
-                t.block_n, wpg)
-        mask = w_mask if ok is None else w_mask & ok[0]  # MLX's [N, K * bits / 32]
-        return pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=mask, other=0)
-
-    def group_math(acc, g, s, b, w=None):  # one group: load its tiles, dot, apply scale and bias
+    def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
                           mask=x_mask, other=0)
-        if w is None:
-            w = load_w(g)
+        if w_tiles:
+            w = load_words(w_ref, n0, t.block_n, g, 1, col_ok, one_ok, True).reshape(t.block_n, wpg)
+        else:  # MLX's [N, K * bits / 32]
+            w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
         d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
@@ -201,31 +191,21 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
             return acc + d * s[:, None] + b[:, None] * xsum[None, :]
         return acc + d * s[None, :] + xsum[:, None] * b[None, :]
 
-    def next_loads(g):  # group g's words, scales and biases, or zeros (no traffic) past the split's end
-        ok = jnp.full((1,), g < g1)
-        return (load_w(g, ok), *load_sb(g, ok))
+    def one_group(g, acc):
+        return group_math(acc, g, *load_sb(g))
 
-    def one_group(g, carry):
-        if not t.prefetch:
-            return group_math(carry, g, *load_sb(g))
-        acc, (w, s, b) = carry
-        ahead = next_loads(g + 1)  # issued before this group's arithmetic waits on its own loads
-        return group_math(acc, g, s, b, w), ahead
-
-    def step(i, carry):  # groups_per_step groups per iteration: more loads in flight
+    def step(i, acc):  # groups_per_step groups per iteration: more loads in flight
         for j in range(t.groups_per_step):
-            carry = one_group(g0 + i * t.groups_per_step + j, carry)
-        return carry
+            acc = one_group(g0 + i * t.groups_per_step + j, acc)
+        return acc
 
     g0 = pid_s * groups_per_split
     g1 = jnp.minimum(g0 + groups_per_split, n_groups)
     shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)
     acc = jnp.zeros(shape, jnp.float32)
-    carry = (acc, next_loads(g0)) if t.prefetch else acc
     full_steps = (g1 - g0) // t.groups_per_step
-    carry = jax.lax.fori_loop(0, full_steps, step, carry)
-    carry = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, carry)
-    acc = carry[0] if t.prefetch else carry
+    acc = jax.lax.fori_loop(0, full_steps, step, acc)
+    acc = jax.lax.fori_loop(g0 + full_steps * t.groups_per_step, g1, one_group, acc)
     if t.w_left:
         acc = acc.T
     pltriton.store(o_ref.at[pid_s, pl.ds(m0, t.block_m), pl.ds(n0, t.block_n)], acc.astype(o_ref.dtype),

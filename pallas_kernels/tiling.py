@@ -50,7 +50,7 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
                   split_k=split, w_left=True, num_warps=4, num_stages=config.gemv_num_stages or 3,
                   dequant=config.dequant or "codes", unpack=config.gemv_unpack or "kpairs",
-                  xsum=config.gemv_xsum or "reduce", prefetch=config.gemv_prefetch and (config.dequant or "codes") == "codes")
+                  xsum=config.gemv_xsum or "reduce")
 
 
 def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:

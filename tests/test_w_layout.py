@@ -143,29 +143,3 @@ def test_models_store_tiles_and_checkpoints_keep_mlx_words(monkeypatch, tmp_path
     assert t2.params[name].w_layout == "rows"
     np.testing.assert_array_equal(np.asarray(t2.params[name].weight), np.asarray(quantized[name].words()))
 
-
-@pytest.mark.parametrize("w_layout", ["rows", "tiles"])
-@pytest.mark.parametrize("gps,split", [(1, 2), (2, 1), (2, 3)])
-def test_prefetch_gives_bitwise_the_same_sums(w_layout, gps, split):
-    """Tiling.prefetch (next group's words, scales and biases loaded ahead) only moves loads: the
-    codes body's result is bitwise unchanged, for both word layouts, odd group counts per split
-    (the remainder loop) and a split whose last prefetch runs past K."""
-    rng = np.random.default_rng()
-    qw = with_w_layout(with_sb_layout(_weight(rng, 128, 448), "kn"), w_layout)  # 7 groups
-    x = jnp.asarray(rng.standard_normal((5, 448)), jnp.bfloat16)
-    base = Tiling(block_n=64, groups_per_step=gps, split_k=split, unpack="kpairs")
-    want = _f32(launch(x, qw, base, interpret=True))
-    ref = np.asarray(x, np.float64) @ np.asarray(dequantize(qw, jnp.float32), np.float64).T
-    assert np.linalg.norm(want - ref) / np.linalg.norm(ref) < 1e-2
-    got = _f32(launch(x, qw, dataclasses.replace(base, prefetch=True), interpret=True))
-    np.testing.assert_array_equal(got, want)
-
-
-def test_prefetch_is_the_codes_bodys_option_and_env_sets_it(monkeypatch):
-    from pallas_kernels.tiling import gemv_tiling
-    with pytest.raises(ValueError, match="prefetch is an option of the codes body"):
-        Tiling(dequant="weights", prefetch=True)
-    monkeypatch.setenv("JAXSPEC_GEMV_PREFETCH", "1")
-    assert gemv_tiling((256, 1024), 64, DispatchConfig()).prefetch
-    monkeypatch.delenv("JAXSPEC_GEMV_PREFETCH")
-    assert not gemv_tiling((256, 1024), 64, DispatchConfig()).prefetch
