@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from . import codes
 from .kernel import fold_splits, pad_by, pad_to, split_groups
-from .quant import QuantizedWeight
+from .quant import TILE_ROWS, QuantizedWeight
 
 @dataclasses.dataclass(frozen=True)
 class GemvTiling:
@@ -55,7 +55,7 @@ class GemvTiling:
 
 
 def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling, n_groups, groups_per_split,
-            interpret, sb_kn):
+            interpret, sb_kn, w_tiles):
     t = tiling
     epw = 32 // bits
     gps = t.groups_per_step
@@ -72,11 +72,20 @@ def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling,
     def group_ok(g):
         return (g + jnp.arange(gps)) < g_end
 
-    wshape = (t.block_n, gps) + tuple(w_ref.shape[2:])  # [.., wpg] or, with chains, [.., wpg // 4, 4]
+    # [.., wpg] or, with chains, [.., wpg // 4, 4] ("tiles" refs have their 64-row axis before those)
+    wshape = (t.block_n, gps) + tuple(w_ref.shape[3 if w_tiles else 2:])
     word_axes = (slice(None),) * (len(wshape) - 2)
 
     def load_w(g):  # packed words; groups past the split's end read as 0
         mask = (col_ok[:, None] & group_ok(g)[None, :]).reshape(wshape[:2] + (1,) * (len(wshape) - 2))
+        if w_tiles:  # [N/64, groups, 64, words...]: load [tiles, gps, 64, ...], then rows ahead of groups
+            nt = t.block_n // TILE_ROWS
+            tshape = (nt, TILE_ROWS) + wshape[1:]
+            mask = jnp.broadcast_to(mask.reshape(tshape[:3] + (1,) * (len(wshape) - 2)), tshape)
+            mask = jnp.swapaxes(mask, 1, 2)
+            w = pltriton.load(w_ref.at[(pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), slice(None)) + word_axes],
+                              mask=mask, other=0)
+            return jnp.swapaxes(w, 1, 2).reshape(wshape)
         mask = jnp.broadcast_to(mask, wshape)
         return pltriton.load(w_ref.at[(pl.ds(n0, t.block_n), pl.ds(g, gps)) + word_axes], mask=mask, other=0)
 
@@ -133,9 +142,10 @@ def group_sums(x3: jax.Array) -> jax.Array:
 
 def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
-    if qw.w_layout != "rows":
-        raise ValueError(f"the CUDA-core GEMV (gemv_kernel='fma') reads MLX's row-major words; this weight's "
-                         f"w_layout is {qw.w_layout!r} (JAXSPEC_W_LAYOUT=rows makes models keep rows)")
+    w_tiles = qw.w_layout == "tiles"
+    if w_tiles and tiling.block_n % TILE_ROWS:
+        raise ValueError(f"'tiles' weights need a GemvTiling.block_n that is a multiple of {TILE_ROWS}, "
+                         f"got {tiling.block_n}")
     rows, k = x2.shape
     n = qw.shape[0]
     g = qw.group_size
@@ -153,7 +163,8 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
     x3 = x2.astype(jnp.float32).reshape(rows, n_groups, g)
     xs = group_sums(x3)
     x4 = x3.reshape(rows, n_groups, wpg, epw).swapaxes(2, 3).reshape((rows, n_groups, epw) + word_shape)
-    w3 = qw.weight.reshape((n, n_groups) + word_shape)
+    # [N, groups, words...] or, as stored for "tiles", [N/64, groups, 64, words...]
+    w3 = qw.weight.reshape((qw.weight.shape[:-1] if w_tiles else (n, n_groups)) + word_shape)
     scales, biases = qw.scales, qw.biases
     sb_kn = qw.sb_layout == "kn"
     n_axis, g_axis = qw.sb_axes
@@ -162,13 +173,14 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.
         # Poison, not zeros, so the CPU tests see it if a mask fails to hide the padding.
         extra = 2 * tiling.groups_per_step
-        w3 = pad_by(pad_to(w3, 0, tiling.block_n, 0xFFFFFFFF), 1, extra, 0xFFFFFFFF)
+        w3 = pad_by(pad_to(w3, 0, tiling.block_n // TILE_ROWS if w_tiles else tiling.block_n, 0xFFFFFFFF), 1, extra,
+                    0xFFFFFFFF)
         scales, biases = (pad_by(pad_to(a, n_axis, tiling.block_n, 1.0), g_axis, extra, 1.0) for a in (scales, biases))
         x4, xs = pad_by(x4, 1, extra, 1.0), pad_by(xs, 1, extra, 1.0)
-    out_n = w3.shape[0]
+    out_n = scales.shape[n_axis]
     out_dtype = x2.dtype if split == 1 else jnp.float32
     kernel = functools.partial(_kernel, rows=rows, n=n, bits=qw.bits, tiling=tiling, n_groups=n_groups,
-                               groups_per_split=groups_per_split, interpret=interpret, sb_kn=sb_kn)
+                               groups_per_split=groups_per_split, interpret=interpret, sb_kn=sb_kn, w_tiles=w_tiles)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, rows, out_n), out_dtype),

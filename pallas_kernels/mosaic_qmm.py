@@ -51,7 +51,8 @@ class MosaicTiling:
     step's wait and wgmma latency); n_sub: 64-row weight blocks per program, each with its own
     accumulator (x's tile is fetched once for all of them); w_tiles: read the words from a tile-major
     copy (codes.word_tiles: each [64, group] tile one contiguous 2 KB run) made inside the call, for
-    measuring the kernel alone (ncu, traces) against row-major reads; no stored weight has it yet.
+    measuring the kernel alone (ncu, traces) against row-major reads. Weights stored as "tiles"
+    (QuantizedWeight.w_layout) are read that way as they are, whatever w_tiles says.
 
     (Session 11 also tried leaving a step's wgmmas in flight while the next step dequantized, the
     pipeline releasing buffers a step late: at 128 and 256-row tiles it gave wrong sums, relative
@@ -73,10 +74,9 @@ class MosaicTiling:
 
 
 def supports(x2: jax.Array, qw: QuantizedWeight) -> bool:
-    """The formats this kernel takes: 4-bit, groups of 64, "kn" scales, MLX's row-major words (its
-    w_tiles option makes its own tile-major copy), 16-bit x, N a multiple of 64."""
-    return (qw.bits == 4 and qw.group_size == 64 and qw.sb_layout == "kn" and qw.w_layout == "rows"
-            and qw.shape[0] % ROWS_PER_WG == 0
+    """The formats this kernel takes: 4-bit, groups of 64, "kn" scales, 16-bit x, N a multiple of 64
+    (words in either layout: "tiles" weights are read as stored, as with MosaicTiling.w_tiles)."""
+    return (qw.bits == 4 and qw.group_size == 64 and qw.sb_layout == "kn" and qw.shape[0] % ROWS_PER_WG == 0
             and jnp.dtype(x2.dtype) in (jnp.bfloat16, jnp.float16))
 
 
@@ -89,9 +89,8 @@ def _swizzled(minor_bits: int, item_bits: int):
 def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
     if not supports(x2, qw):
-        raise ValueError(f"mosaic_qmm takes 4-bit g64 'kn' 'rows' weights with N % {ROWS_PER_WG} == 0 and 16-bit x; "
-                         f"got bits={qw.bits} group_size={qw.group_size} sb_layout={qw.sb_layout!r} "
-                         f"w_layout={qw.w_layout!r} "
+        raise ValueError(f"mosaic_qmm takes 4-bit g64 'kn' weights with N % {ROWS_PER_WG} == 0 and 16-bit x; got "
+                         f"bits={qw.bits} group_size={qw.group_size} sb_layout={qw.sb_layout!r} "
                          f"shape={qw.shape} x dtype={x2.dtype}")
     rows, k = x2.shape
     n = qw.shape[0]
@@ -108,9 +107,10 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
     tm = tiling.tile_m
     xp = pad_to(x2, 0, tm)
     m_tiles = xp.shape[0] // tm
-    if tiling.w_tiles:  # [N/64, K/g, 64, g]: a step's tiles are contiguous runs
-        codes = jax.lax.bitcast_convert_type(word_tiles(qw.weight, ROWS_PER_WG, g // 8), jnp.int4)
-        codes = codes.reshape(n // ROWS_PER_WG, n_groups, ROWS_PER_WG, g)
+    w_tiles = tiling.w_tiles or qw.w_layout == "tiles"
+    if w_tiles:  # [N/64, K/g, 64, g]: a step's tiles are contiguous runs (as stored, or a copy)
+        words = qw.weight if qw.w_layout == "tiles" else word_tiles(qw.weight, ROWS_PER_WG, g // 8)
+        codes = jax.lax.bitcast_convert_type(words, jnp.int4).reshape(n // ROWS_PER_WG, n_groups, ROWS_PER_WG, g)
     else:
         codes = jax.lax.bitcast_convert_type(qw.weight, jnp.int4).reshape(n, k)
     dt = x2.dtype
@@ -118,7 +118,7 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
     # layouts and the 4-bit upcast take as they are; a wider block would need slicing inside a swizzle
     x_specs = [plgpu.BlockSpec((tm, g), lambda s, j=j: (0, s * gps + j), transforms=_swizzled(g * 16, 16))
               for j in range(gps)]
-    if tiling.w_tiles:  # one copy of n_sub x gps contiguous tiles
+    if w_tiles:  # one copy of n_sub x gps contiguous tiles
         w_specs = [plgpu.BlockSpec((n_sub, gps, ROWS_PER_WG, g), lambda s: (0, s, 0, 0),
                                    transforms=_swizzled(g * 4, 4))]
     else:
@@ -131,7 +131,7 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
 
     def tile(ws, j, i):
         """The smem [64, g] codes of group j (of the step) and weight block i."""
-        if tiling.w_tiles:
+        if w_tiles:
             return ws[0].at[i, j]
         return ws[j].at[pl.ds(i * ROWS_PER_WG, ROWS_PER_WG)]
 
@@ -168,7 +168,7 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
                 lambda idx, *refs: step(idx, *refs, accs), grid=(groups_per_split // gps,),
                 in_specs=[*x_specs, *w_specs, sb_spec, sb_spec], max_concurrent_steps=tiling.stages)
             x_in = x_gmem.at[pl.ds(m0, tm), pl.ds(k0, groups_per_split * g)]
-            if tiling.w_tiles:
+            if w_tiles:
                 w_in = w_gmem.at[pl.ds(n0 // ROWS_PER_WG, n_sub), pl.ds(g0, groups_per_split)]
             else:
                 w_in = w_gmem.at[pl.ds(n0, bn), pl.ds(k0, groups_per_split * g)]

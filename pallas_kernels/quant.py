@@ -38,8 +38,9 @@ class QuantizedWeight:
     group_size * bits / 32]`: the words of 64 rows by one group are one contiguous 2 KB run (4-bit,
     g64), where a row-major step reads 32 bytes from each of 64 rows 2*K/g*16 bytes apart. On the
     H200 a kernel that only streams the words at the GEMV's grid took 21.0 us on 15360x3840 row-major
-    and 11.2 tile-major (docs/kernels.md, log entry 13). `words()` gives MLX's order back;
-    `with_w_layout` converts; N must be a multiple of 64.
+    and 11.2 tile-major; the GEMV itself 20.5 -> 19.4 us (docs/kernels.md, log entry 13). Models store
+    "tiles" where N is a multiple of 64 (`for_kernels`); checkpoints keep MLX's. `words()` gives
+    MLX's order back; `with_w_layout` converts; N must be a multiple of 64.
     """
 
     weight: jax.Array
@@ -127,8 +128,10 @@ def with_sb_layout(qw: QuantizedWeight, layout: str | None = None) -> QuantizedW
 
 
 def default_w_layout() -> str:
-    """The word layout models store (where N allows): "rows" (MLX's), or $JAXSPEC_W_LAYOUT."""
-    return os.environ.get("JAXSPEC_W_LAYOUT") or "rows"
+    """The word layout models store where N allows: "tiles" (the whole 12B decode forward on the
+    H200: 6.07 / 6.19 ms against 6.27-6.28 / 6.55 for rows in two calls, docs/kernels.md log entry
+    13), or $JAXSPEC_W_LAYOUT ("rows" keeps MLX's, for A/B runs)."""
+    return os.environ.get("JAXSPEC_W_LAYOUT") or "tiles"
 
 
 def with_w_layout(qw: QuantizedWeight, layout: str | None = None) -> QuantizedWeight:

@@ -156,11 +156,11 @@ def test_kn_scale_layout_on_gpu():
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
 
 
-def test_tile_word_layout_and_prefetch_on_gpu():
+def test_tile_word_layout_on_gpu():
     """Words stored as 64-row tiles per group (QuantizedWeight.w_layout="tiles") through every
-    tensor-core path (GEMV at 1 and 8 rows at its default and a 128-wide launch, the fused launch,
-    qmm's two bodies at 64 rows, the tiled kernel at 300 rows): bitwise the row-major result, and
-    near float64. N = 1984 is 31 tiles (a 128-wide block half past the end); K = 3776 is 59 groups (a
+    path (the GEMV at 1 and 8 rows at its default and a 128-wide launch, the CUDA-core GEMV, the
+    Mosaic kernel at 1, 8 and 64 rows, the fused launch, qmm's two bodies at 64 rows, the tiled
+    kernel at 300 rows): bitwise the row-major result, and near float64. N = 1984 is 31 tiles (a 128-wide block half past the end); K = 3776 is 59 groups (a
     two-group step past a split's last group)."""
     from pallas_kernels import quantized_matmul_many, with_sb_layout, with_w_layout
     rng = np.random.default_rng()
@@ -168,9 +168,11 @@ def test_tile_word_layout_and_prefetch_on_gpu():
     qws = [with_sb_layout(quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)), "kn")
            for n in (1984, 512)]
     tiles = [with_w_layout(q, "tiles") for q in qws]
-    configs = {1: [DispatchConfig(), DispatchConfig(gemv_block_n=128)],
-               8: [DispatchConfig(), DispatchConfig(gemv_block_n=128)],
-               64: [DispatchConfig(), DispatchConfig(dequant="codes")], 300: [DispatchConfig(qmm_dense_rows=0)]}
+    every = [DispatchConfig(gemv_kernel="fma"), DispatchConfig(mosaic=True)]
+    configs = {1: [DispatchConfig(), DispatchConfig(gemv_block_n=128), *every],
+               8: [DispatchConfig(), DispatchConfig(gemv_block_n=128), *every],
+               64: [DispatchConfig(), DispatchConfig(dequant="codes"), DispatchConfig(mosaic=True)],
+               300: [DispatchConfig(qmm_dense_rows=0)]}
     for rows, cfgs in configs.items():
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
         for cfg in cfgs:

@@ -84,6 +84,25 @@ def test_tile_major_option_lowers_with_groups_and_blocks():
         assert "mosaic_gpu" in text
 
 
+def test_stored_tiles_are_read_as_they_are():
+    """Weights stored as "tiles" (QuantizedWeight.w_layout) take the w_tiles reads without the copy:
+    the traced call holds no tile-major transpose of the words (a row-major weight with w_tiles does),
+    and it lowers with groups and blocks per step."""
+    from pallas_kernels import with_w_layout
+    rng = np.random.default_rng()
+    rows = _kn(rng, 256, 1024)
+    qw = with_w_layout(rows, "tiles")
+    x = jax.ShapeDtypeStruct((16, 1024), jnp.bfloat16)
+    copy = "transpose[permutation=(0, 2, 1, 3)]"
+    assert copy in str(jax.make_jaxpr(lambda x: mosaic_qmm(x, rows, mosaic_tiling(16, qw.shape, 64, w_tiles=True)))(x))
+    for choices in ({}, {"groups_per_step": 2, "n_sub": 2}):
+        t = mosaic_tiling(16, qw.shape, 64, **choices)
+        assert not t.w_tiles and supports(jnp.zeros((1, 1024), jnp.bfloat16), qw)
+        assert copy not in str(jax.make_jaxpr(lambda x: mosaic_qmm(x, qw, t))(x))
+        text = jax.jit(lambda x: mosaic_qmm(x, qw, t)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("rows", [1, 8, 100])
 def test_lowers_through_mosaic_gpu_for_cuda(rows):
     """The dispatch's call at one row, multirow and qmm, built for CUDA on this machine: Mosaic GPU's

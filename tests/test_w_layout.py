@@ -64,17 +64,18 @@ def test_bad_layouts_are_named():
     x = jnp.asarray(rng.standard_normal((1, 128)), jnp.bfloat16)
     with pytest.raises(ValueError, match="block_n that is a multiple of 64, got 32"):
         launch(x, t, Tiling(block_n=32), interpret=True)
-    with pytest.raises(ValueError, match="CUDA-core GEMV.*'tiles'"):
-        quantized_matmul(x, t, config=DispatchConfig(gemv_kernel="fma"))
+    with pytest.raises(ValueError, match="GemvTiling.block_n that is a multiple of 64, got 32"):
+        quantized_matmul(x, t, config=DispatchConfig(gemv_kernel="fma", gemv_block_n=32))
 
 
 def test_for_kernels_tiles_only_where_n_allows(monkeypatch):
     rng = np.random.default_rng()
     monkeypatch.delenv("JAXSPEC_W_LAYOUT", raising=False)
-    assert default_w_layout() == "rows" and for_kernels(_weight(rng, 128, 64)).w_layout == "rows"
-    monkeypatch.setenv("JAXSPEC_W_LAYOUT", "tiles")
+    assert default_w_layout() == "tiles"
     a, b = for_kernels(_weight(rng, 128, 64)), for_kernels(_weight(rng, 96, 64))
     assert (a.w_layout, a.sb_layout, b.w_layout, b.sb_layout) == ("tiles", "kn", "rows", "kn")
+    monkeypatch.setenv("JAXSPEC_W_LAYOUT", "rows")
+    assert for_kernels(_weight(rng, 128, 64)).w_layout == "rows"
 
 
 @pytest.mark.parametrize("tiling", [
@@ -98,7 +99,8 @@ def test_every_body_reads_tiles_bitwise_like_rows(tiling, sb):
 
 @pytest.mark.parametrize("rows,config", [
     (1, DispatchConfig()), (5, DispatchConfig()), (20, DispatchConfig()), (40, DispatchConfig(qmm_dense_rows=32)),
-    (5, DispatchConfig(backend="xla")),
+    (5, DispatchConfig(backend="xla")), (1, DispatchConfig(gemv_kernel="fma")),
+    (6, DispatchConfig(gemv_kernel="fma", gemv_block_n=128, gemv_groups_per_step=2, gemv_chains=True)),
 ])
 def test_dispatch_paths_read_tiles_bitwise_like_rows(rows, config):
     rng = np.random.default_rng()
