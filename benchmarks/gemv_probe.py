@@ -76,7 +76,8 @@ def stream(qw, *, block_n, gps, split_k, num_warps=4, num_stages=1, with_sb=True
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     n_groups = k // qw.group_size
     split, per_split = split_groups(n_groups, split_k)
-    w3 = word_tiles(qw.weight, block_n, qw.weight.shape[1] // n_groups) if tiles else qw.weight.reshape(n, n_groups, -1)
+    words = qw.words()  # MLX's rows (a copy inside the op for "tiles" weights; ncu's filter skips it)
+    w3 = word_tiles(words, block_n, words.shape[1] // n_groups) if tiles else words.reshape(n, n_groups, -1)
     kern = functools.partial(_stream_kernel, n=n, block_n=block_n, gps=gps, n_groups=n_groups,
                              groups_per_split=per_split, with_sb=with_sb, sb_kn=qw.sb_layout == "kn", tiles=tiles)
     return pl.pallas_call(
@@ -219,11 +220,11 @@ def variants(shape, rows):
         t = Tiling(block_m=MMA_ROWS, block_n=b, groups_per_step=g, split_k=sp, w_left=True, num_warps=nw,
                    dequant="weights")
         v[f"mma dq n{b} g{g} s{sp} w{nw}"] = launched(t)
-    v.update(layout_variants(mma_t))
+    v.update(layout_variants(mma_t, fma_t))
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
 
 
-def layout_variants(mma_t):
+def layout_variants(mma_t, fma_t):
     """Session 12: the tensor-core GEMV on MLX's row-major words and on 64-row tiles per group
     (QuantizedWeight.w_layout). Tile-major pure streams took 11.2 us against 21.0 row-major at the
     GEMV's grid (docs/kernels.md, log entry 13). Call 2 ran 1-3 pipeline stages, two groups per step
@@ -239,6 +240,10 @@ def layout_variants(mma_t):
             t = dataclasses.replace(mma_t, block_n=b, split_k=sp, num_warps=nw, num_stages=st, xsum=xs)
             name = f"s12 {layout} n{b} s{sp} w{nw} st{st} {xs}"
             v[name] = lambda x, w, t=t, lay=layout: launcher(t)(x, with_w_layout(w, lay), t, interpret=False)
+        # the CUDA-core GEMV (no MMA, no barrier, loads a step ahead) at its default and one group per step
+        for t in (fma_t, dataclasses.replace(fma_t, groups_per_step=1)):
+            v[f"s12 {layout} fma n{t.block_n} g{t.groups_per_step} s{t.split_k}"] = (
+                lambda x, w, t=t, lay=layout: launcher(t)(x, with_w_layout(w, lay), t, interpret=False))
     return v
 
 

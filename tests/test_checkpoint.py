@@ -94,8 +94,9 @@ def test_quantize_on_load_matches_mlx_quantize(tmp_path):
         w = q.params[name]
         assert isinstance(w, QuantizedWeight)
         wq, s, b = mx.quantize(to_mx(t.params[name]), group_size=32, bits=4)
-        np.testing.assert_array_equal(np.asarray(w.weight), np.array(wq), err_msg=name)
-        assert w.sb_layout == "kn"  # stored as the kernels read it; the values are MLX's
+        np.testing.assert_array_equal(np.asarray(w.words()), np.array(wq), err_msg=name)
+        # stored as the kernels read them (tiles where N is a multiple of 64); the values are MLX's
+        assert w.sb_layout == "kn" and w.w_layout == ("tiles" if w.shape[0] % 64 == 0 else "rows")
         ws, wb = w.sb_nk()
         np.testing.assert_array_equal(np.asarray(ws, np.float32), np.array(s.astype(mx.float32)))
         np.testing.assert_array_equal(np.asarray(wb, np.float32), np.array(b.astype(mx.float32)))
