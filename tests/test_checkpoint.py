@@ -13,7 +13,7 @@ import models
 from models import presets
 from models.checkpoint import LINEAR
 from models.config import FULL, SLIDING
-from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize, with_sb_layout
+from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize, with_sb_layout, with_w_layout
 
 mx = pytest.importorskip("mlx.core")
 
@@ -114,8 +114,9 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
     assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.layers.0.mlp.down_proj"]["bits"] == 8
     t2 = models.load_target(str(tmp_path / "t"), dtype=jnp.bfloat16, matmul=XLA)
     assert t2.config == t.config and set(t2.params) == set(t.params)
-    assert t2.params["layers.0.mlp.down_proj"].sb_layout == "kn"  # loaded in the kernels' layout
-    mlx = lambda w: with_sb_layout(w, "nk") if isinstance(w, QuantizedWeight) else w
+    down = t2.params["layers.0.mlp.down_proj"]  # loaded in the kernels' layouts (N = 64: tiles)
+    assert (down.sb_layout, down.w_layout) == ("kn", "tiles")
+    mlx = lambda w: with_w_layout(with_sb_layout(w, "nk"), "rows") if isinstance(w, QuantizedWeight) else w
     for name, w in t.params.items():
         for a, b in zip(jax.tree.leaves(mlx(w)), jax.tree.leaves(mlx(t2.params[name]))):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
