@@ -229,9 +229,9 @@ def layout_variants(mma_t, fma_t):
     (QuantizedWeight.w_layout). Tile-major pure streams took 11.2 us against 21.0 row-major at the
     GEMV's grid (docs/kernels.md, log entry 13). Call 2 ran 1-3 pipeline stages, two groups per step
     and a loaded-ahead next group (29-39 us, removed); this set: wider blocks (more bytes per load),
-    with the wrapper's group sums. The conversion is a separate XLA kernel here unless the weight sets
-    are already tiles ($JAXSPEC_W_LAYOUT=tiles): compare with ncu (its q4 filter skips the copy) or
-    with the env set."""
+    with the wrapper's group sums; and the CUDA-core GEMV. The weight sets come in the models' layout
+    (tiles unless $JAXSPEC_W_LAYOUT=rows), so the other layout's variants convert inside the op (a
+    separate XLA kernel): compare with ncu (its q4 filter skips the copy) or set the env."""
     v = {}
     for layout in ("rows", "tiles"):
         for b, sp, nw, st, xs in ((64, mma_t.split_k, 4, 3, "reduce"), (64, mma_t.split_k, 4, 1, "reduce"),

@@ -31,18 +31,29 @@ def load_sb_tiles(s_ref, b_ref, n0, block_n, g, gps, col_ok, g_ok, sb_kn: bool):
 def load_words(w_ref, n0, block_n, g, gps, col_ok, g_ok, w_tiles: bool):
     """Packed words of columns [n0, n0 + block_n) and groups [g, g + gps) as `[block_n, gps, words]`
     (masked: zeros), from `[N, groups, words]` or, for "tiles" weights (`w_tiles`), `[N/64, groups, 64,
-    words]`, where the step's words are gps-long runs of contiguous 64-row tiles (QuantizedWeight)."""
+    words]`, where the step's words are gps-long runs of contiguous 64-row tiles (QuantizedWeight);
+    block_n a multiple of 64 (whole tiles) or a divisor of it (rows of one tile: check_tile_block)."""
     wpg = w_ref.shape[-1]
     if not w_tiles:
         mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (block_n, gps, wpg))
         return pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
-    nt = block_n // TILE_ROWS
-    shape = (nt, gps, TILE_ROWS, wpg)
-    mask = jnp.broadcast_to(col_ok.reshape(nt, 1, TILE_ROWS, 1) & g_ok.reshape(1, gps, 1, 1), shape)
-    w = pltriton.load(w_ref.at[pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), :, :], mask=mask, other=0)
+    nt, rows = max(1, block_n // TILE_ROWS), min(block_n, TILE_ROWS)
+    shape = (nt, gps, rows, wpg)
+    mask = jnp.broadcast_to(col_ok.reshape(nt, 1, rows, 1) & g_ok.reshape(1, gps, 1, 1), shape)
+    # (a block narrower than a tile starts n0 % 64 rows into tile n0 // 64)
+    at = (pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), pl.ds(n0 % TILE_ROWS, rows) if rows < TILE_ROWS else slice(None))
+    w = pltriton.load(w_ref.at[at + (slice(None),)], mask=mask, other=0)
     if gps > 1:  # [tile, group, row, word] -> [tile, row, group, word]
         w = jnp.transpose(w, (0, 2, 1, 3))
     return w.reshape(block_n, gps, wpg)
+
+
+def check_tile_block(block_n: int) -> None:
+    """A launch on "tiles" weights reads whole 64-row tiles or rows of one: block_n must be a
+    multiple of 64 or divide it."""
+    if block_n % TILE_ROWS and TILE_ROWS % block_n:
+        raise ValueError(f"'tiles' weights need a block_n that is a multiple of {TILE_ROWS} or divides it, "
+                         f"got {block_n}")
 
 
 def fma(a, b, c, *, interpret: bool):
@@ -126,12 +137,10 @@ def pairs_in_k_order(pairs: list) -> jax.Array:
 
 def word_tiles(words: jax.Array, rows: int, words_per_tile: int) -> jax.Array:
     """`[N, W]` packed words as `[N / rows, W / words_per_tile, rows, words_per_tile]`: every tile of
-    `rows` weight rows by one step's words contiguous in memory. In MLX's row-major packing a step of
-    one 64-wide group reads 32 bytes of each row, 1920 bytes apart on a 3840-wide weight; both the
-    Triton GEMV and the Mosaic kernel sit at ~21 us (a third of the DRAM peak) on such steps whatever
-    their occupancy or instruction count (docs/kernels.md, log entry 12), though the Triton GEMV on
-    tile-contiguous words did not gain (entry 10). For measurement: gemv_probe's "stream tiles"
-    kernels and MosaicTiling.w_tiles make this copy inside the op."""
+    `rows` weight rows by one step's words contiguous in memory (with rows = 64 and one group per
+    tile, QuantizedWeight's stored "tiles" layout). For measurement on row-major weights:
+    gemv_probe's "stream tiles" kernels and MosaicTiling.w_tiles make this copy inside the op (a pure
+    read at the GEMV's grid: 21.0 us row-major, 11.2 tile-major; docs/kernels.md, log entry 13)."""
     n, w = words.shape
     if n % rows or w % words_per_tile:
         raise ValueError(f"word_tiles: a [{n}, {w}] word array does not split into [{rows}, {words_per_tile}] tiles")

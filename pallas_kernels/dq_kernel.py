@@ -27,7 +27,7 @@ from .codes import load_words
 def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
             groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles):
     """w_ref is the packed weight as `[N, groups, words per group]`, or `[N/64, groups, 64, words per
-    group]` for "tiles" weights (`w_tiles`: kernel.load_words); pids: this program's (N block
+    group]` for "tiles" weights (`w_tiles`: codes.load_words); pids: this program's (N block
     within this weight, M block, K split), from kernel.launch_many (several weights in one grid)."""
     t = tiling
     epw = 32 // bits

@@ -9,8 +9,8 @@ convert, and one FMA into its input. Per group of g inputs `sum_i x_i (1 + q_i/2
 
     x . (s*q + b) = 2^bits * s * t + (b - 2^bits * s) * sum(x),    t = sum_i x_i (1 + q_i/2^bits)
 
-and scales, biases and the row's group sums touch each group once. The packed words are read as
-stored (MLX's packing), scales and biases in either stored layout (`QuantizedWeight.sb_layout`).
+and scales, biases and the row's group sums touch each group once. The packed words and the scales
+and biases are read in either stored layout (`QuantizedWeight.w_layout`, `sb_layout`).
 The wrapper hands the kernel a float32 copy of the (small) activation as `[rows, groups, code,
 word]`, so code j of a thread's words meets one contiguous vector of inputs, and the group sums.
 
@@ -78,12 +78,13 @@ def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling,
 
     def load_w(g):  # packed words; groups past the split's end read as 0
         mask = (col_ok[:, None] & group_ok(g)[None, :]).reshape(wshape[:2] + (1,) * (len(wshape) - 2))
-        if w_tiles:  # [N/64, groups, 64, words...]: load [tiles, gps, 64, ...], then rows ahead of groups
-            nt = t.block_n // TILE_ROWS
-            tshape = (nt, TILE_ROWS) + wshape[1:]
+        if w_tiles:  # [N/64, groups, 64, words...]: load [tiles, gps, rows, ...], then rows ahead of groups
+            nt, r = max(1, t.block_n // TILE_ROWS), min(t.block_n, TILE_ROWS)  # whole tiles, or r rows of one
+            tshape = (nt, r) + wshape[1:]
             mask = jnp.broadcast_to(mask.reshape(tshape[:3] + (1,) * (len(wshape) - 2)), tshape)
             mask = jnp.swapaxes(mask, 1, 2)
-            w = pltriton.load(w_ref.at[(pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), slice(None)) + word_axes],
+            rows_at = pl.ds(n0 % TILE_ROWS, r) if r < TILE_ROWS else slice(None)
+            w = pltriton.load(w_ref.at[(pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), rows_at) + word_axes],
                               mask=mask, other=0)
             return jnp.swapaxes(w, 1, 2).reshape(wshape)
         mask = jnp.broadcast_to(mask, wshape)
@@ -143,9 +144,8 @@ def group_sums(x3: jax.Array) -> jax.Array:
 def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, interpret: bool) -> jax.Array:
     """`x2 [rows, K] @ dequantize(qw).T` -> `[rows, N]` in x2's dtype (float32 accumulation)."""
     w_tiles = qw.w_layout == "tiles"
-    if w_tiles and tiling.block_n % TILE_ROWS:
-        raise ValueError(f"'tiles' weights need a GemvTiling.block_n that is a multiple of {TILE_ROWS}, "
-                         f"got {tiling.block_n}")
+    if w_tiles:
+        codes.check_tile_block(tiling.block_n)
     rows, k = x2.shape
     n = qw.shape[0]
     g = qw.group_size
@@ -173,8 +173,8 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.
         # Poison, not zeros, so the CPU tests see it if a mask fails to hide the padding.
         extra = 2 * tiling.groups_per_step
-        w3 = pad_by(pad_to(w3, 0, tiling.block_n // TILE_ROWS if w_tiles else tiling.block_n, 0xFFFFFFFF), 1, extra,
-                    0xFFFFFFFF)
+        w3 = pad_by(pad_to(w3, 0, max(1, tiling.block_n // TILE_ROWS) if w_tiles else tiling.block_n, 0xFFFFFFFF),
+                    1, extra, 0xFFFFFFFF)
         scales, biases = (pad_by(pad_to(a, n_axis, tiling.block_n, 1.0), g_axis, extra, 1.0) for a in (scales, biases))
         x4, xs = pad_by(x4, 1, extra, 1.0), pad_by(xs, 1, extra, 1.0)
     out_n = scales.shape[n_axis]

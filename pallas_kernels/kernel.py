@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .codes import code_pairs, interleave, load_words, pairs_in_k_order, stack_halves
+from .codes import check_tile_block, code_pairs, interleave, load_words, pairs_in_k_order, stack_halves
 from .config import DEQUANTS, UNPACKS, XSUMS
 from .dq_kernel import dq_body
 from .quant import TILE_ROWS, QuantizedWeight
@@ -61,7 +61,7 @@ class Tiling:
     and was removed in session 8; so was one of its words, scales and biases together, carried
     through the loop: 29-39 us against 19-21, session 12, log entry 13. Word tiles are a stored
     layout, QuantizedWeight.w_layout, read by both bodies: 29.2 -> 27.3 us alone on MLX-layout
-    scales in log entry 10, 20.5 -> 19.3 on "kn" in entry 13.)"""
+    scales in log entry 10, 20.5 -> 19.4 on "kn" in entry 13.)"""
 
     block_m: int = MMA_ROWS
     block_n: int = 128
@@ -289,8 +289,8 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     rows, k = x2.shape
     first = qws[0]
     w_tiles = first.w_layout == "tiles"
-    if w_tiles and tiling.block_n % TILE_ROWS:
-        raise ValueError(f"'tiles' weights need a block_n that is a multiple of {TILE_ROWS}, got {tiling.block_n}")
+    if w_tiles:
+        check_tile_block(tiling.block_n)
     n_groups = k // first.group_size
     split, groups_per_split = split_groups(n_groups, tiling.split_k)
     dot_dtype = _dot_dtype(x2.dtype)
@@ -302,7 +302,7 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)
-        w_rows = tiling.block_n // TILE_ROWS if w_tiles else tiling.block_n  # weight rows or 64-row tiles
+        w_rows = max(1, tiling.block_n // TILE_ROWS) if w_tiles else tiling.block_n  # weight rows or 64-row tiles
         arrays = [(pad_to(w, 0, w_rows), pad_to(s, n_axis, tiling.block_n), pad_to(b, n_axis, tiling.block_n))
                   for w, s, b in arrays]
     out_rows = x2.shape[0] if interpret else rows

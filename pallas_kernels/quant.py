@@ -141,6 +141,7 @@ def with_w_layout(qw: QuantizedWeight, layout: str | None = None) -> QuantizedWe
     layout = default_w_layout() if layout is None else layout
     if layout not in W_LAYOUTS:
         raise ValueError(f"w_layout={layout!r}: expected one of {W_LAYOUTS}")
+    qw.validate()
     if layout == qw.w_layout:
         return qw
     words = qw.words()
@@ -249,12 +250,15 @@ def take_rows(w, ids, dtype=None) -> jax.Array:
     """Rows `ids` of a float `[N, K]` matrix or a QuantizedWeight (an embedding lookup), dequantized."""
     ids = jnp.asarray(ids)
     if isinstance(w, QuantizedWeight):
-        flat = ids.reshape(-1)
+        n, k = w.shape
+        # JAX's gather wraps negative ids and clamps the rest; done here once, so a tiled weight's
+        # words and every layout's scales come from the same row
+        flat = jnp.clip(jnp.where(ids < 0, ids + n, ids).reshape(-1), 0, n - 1)
         # a "kn" weight's scales of these rows are columns: gather them, not the transposed table
         s, b = ((a[flat] for a in (w.scales, w.biases)) if w.sb_layout == "nk"
                 else (a[:, flat].T for a in (w.scales, w.biases)))
         words = (w.weight[flat] if w.w_layout == "rows"  # a tiled weight's row r: tile r // 64, row r % 64
-                 else w.weight[flat // TILE_ROWS, :, flat % TILE_ROWS].reshape(flat.shape[0], -1))
+                 else w.weight[flat // TILE_ROWS, :, flat % TILE_ROWS].reshape(flat.shape[0], k * w.bits // 32))
         sub = QuantizedWeight(words, s, b, w.bits, w.group_size)
         out = dequantize(sub, dtype)
         return out.reshape(*ids.shape, out.shape[-1])

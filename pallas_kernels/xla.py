@@ -35,11 +35,10 @@ def dense_after_x(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     """`xla_quantized_matmul`, with the dequantization made to depend on x2 (its weights plus an exact
     zero computed from x2[0, 0]): the qmm dense fallback's form. Dequantizing reads only the weight,
     so XLA otherwise schedules every layer's dequantization early and keeps their bf16 copies alive
-    together: a 512-token prefill of the whole 12B held 7.6 GB of temporaries on the H200
-    (docs/kernels.md, log entry 12). Compiled for CPU, a 6-layer 12B slice's prefill went from 3.84 to
-    1.62 GB with this dependency (benchmarks/prefill_memory.py); an optimization barrier on (x, qw)
-    had not changed it. Not yet measured on a GPU. The zero is exact (nan_to_num keeps it finite),
-    so the result is bitwise xla_quantized_matmul's."""
+    together: a 512-token prefill of the whole 12B held 7.6 GB of temporaries on the H200 without
+    this dependency, and holds 0.27 GB with it, as 2 layers do (benchmarks/prefill_memory.py;
+    docs/kernels.md, log entries 12-13); an optimization barrier on (x, qw) had not changed it. The
+    zero is exact (nan_to_num keeps it finite), so the result is bitwise xla_quantized_matmul's."""
     w = dequantize(qw, x2.dtype)
     zero = (jnp.nan_to_num(x2[0, 0]) * 0).astype(w.dtype)
     return dense_matmul(x2, w + zero)

@@ -86,7 +86,8 @@ def test_mlx_written_checkpoint_loads_and_matches(tmp_path):
     assert rel_err(logits(t, IDS), logits(ref, IDS)) < 1e-5
 
 
-def test_quantize_on_load_matches_mlx_quantize(tmp_path):
+def test_quantize_on_load_matches_mlx_quantize(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXSPEC_W_LAYOUT", raising=False)  # the default layouts
     t = float_target(1)
     models.save(t, str(tmp_path / "f"))
     q = models.load_target(str(tmp_path / "f"), dtype=jnp.bfloat16, quantize={"bits": 4, "group_size": 32})
@@ -103,7 +104,8 @@ def test_quantize_on_load_matches_mlx_quantize(tmp_path):
     assert not isinstance(q.params["norm"], QuantizedWeight) and q.params["norm"].dtype == jnp.bfloat16
 
 
-def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
+def test_save_load_round_trip_quantized_target_and_assistant(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXSPEC_W_LAYOUT", raising=False)  # the default layouts
     t = presets.random_model(CFG, jax.random.PRNGKey(2), dtype=jnp.bfloat16,
                              quantize={"bits": 4, "group_size": 32}, matmul=XLA)
     down8 = quantize(float_target(3).params["layers.0.mlp.down_proj"].astype(jnp.bfloat16), bits=8, group_size=64)

@@ -19,7 +19,7 @@ from pallas_kernels import with_sb_layout, with_w_layout  # noqa: E402
     (64, 16, 1, 1, "nk", False), (64, 32, 2, 2, "kn", False), (64, 16, 4, 2, "nk", False), (72, 32, 2, 3, "nk", False),
     (80, 64, 4, 3, "kn", False),  # partial tiles, steps
     (64, 32, 2, 2, "kn", True), (128, 64, 4, 3, "nk", True)])  # a tile-major copy of the words
-@pytest.mark.parametrize("w_layout", ["rows", "tiles"])  # as stored
+@pytest.mark.parametrize("w_layout", ["rows", "tiles"])  # stored either way; stream() reads qw.words()
 def test_stream_checksum_counts_every_byte_once(n, block_n, gps, split, layout, tiles, w_layout):
     qw = with_sb_layout(random_qweight(jax.random.PRNGKey(block_n * 10 + gps + split), n, 512), layout)
     if n % 64 == 0:

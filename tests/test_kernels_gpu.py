@@ -169,9 +169,10 @@ def test_tile_word_layout_on_gpu():
            for n in (1984, 512)]
     tiles = [with_w_layout(q, "tiles") for q in qws]
     every = [DispatchConfig(gemv_kernel="fma"), DispatchConfig(mosaic=True)]
-    configs = {1: [DispatchConfig(), DispatchConfig(gemv_block_n=128), *every],
+    configs = {1: [DispatchConfig(), DispatchConfig(gemv_block_n=128), DispatchConfig(gemv_block_n=32), *every],
                8: [DispatchConfig(), DispatchConfig(gemv_block_n=128), *every],
-               64: [DispatchConfig(), DispatchConfig(dequant="codes"), DispatchConfig(mosaic=True)],
+               64: [DispatchConfig(), DispatchConfig(dequant="codes"), DispatchConfig(mosaic=True),
+                    DispatchConfig(qmm_tile_n=32)],  # (the 32-wide blocks: rows of one tile; added after call 4)
                300: [DispatchConfig(qmm_dense_rows=0)]}
     for rows, cfgs in configs.items():
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)

@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import (DispatchConfig, QuantizedWeight, dequantize, for_kernels, quantize, quantized_matmul,
                             quantized_matmul_many, take_rows, with_sb_layout, with_w_layout)
+from pallas_kernels.gemv import GemvTiling, gemv_launch
 from pallas_kernels.kernel import Tiling, launch
 from pallas_kernels.quant import default_w_layout
 
@@ -44,6 +45,11 @@ def test_tiles_hold_each_64_row_group_block_contiguously_and_round_trip(bits, gr
     np.testing.assert_array_equal(_f32(dequantize(t)), _f32(dequantize(qw)))
     ids = jnp.asarray([[3, 191], [64, 3]])
     np.testing.assert_array_equal(_f32(take_rows(t, ids)), _f32(take_rows(qw, ids)))
+    dense = _f32(dequantize(qw))
+    odd = jnp.asarray([-1, 250, -200])  # JAX's gather: -1 wraps to 191, the rest clamp to 191 and 0
+    for w in (qw, t):
+        np.testing.assert_array_equal(_f32(take_rows(w, odd)), dense[[191, 191, 0]])
+        assert take_rows(w, jnp.zeros((0,), jnp.int32)).shape == (0, 512)
     kn = with_sb_layout(t, "kn")  # the two layouts are independent
     assert (kn.sb_layout, kn.w_layout) == ("kn", "tiles")
     np.testing.assert_array_equal(_f32(take_rows(kn, ids)), _f32(take_rows(qw, ids)))
@@ -62,10 +68,12 @@ def test_bad_layouts_are_named():
     with pytest.raises(ValueError, match="rank 2"):
         dataclasses.replace(t, w_layout="rows").validate()
     x = jnp.asarray(rng.standard_normal((1, 128)), jnp.bfloat16)
-    with pytest.raises(ValueError, match="block_n that is a multiple of 64, got 32"):
-        launch(x, t, Tiling(block_n=32), interpret=True)
-    with pytest.raises(ValueError, match="GemvTiling.block_n that is a multiple of 64, got 32"):
-        quantized_matmul(x, t, config=DispatchConfig(gemv_kernel="fma", gemv_block_n=32))
+    with pytest.raises(ValueError, match="block_n that is a multiple of 64 or divides it, got 96"):
+        launch(x, t, Tiling(block_n=96), interpret=True)
+    with pytest.raises(ValueError, match="block_n that is a multiple of 64 or divides it, got 48"):
+        gemv_launch(x, t, GemvTiling(block_n=48), interpret=True)  # (the dispatch's blocks are powers of two)
+    with pytest.raises(ValueError, match="rank 2"):  # validated before converting
+        with_w_layout(dataclasses.replace(qw, weight=qw.weight[None]), "tiles")
 
 
 def test_for_kernels_tiles_only_where_n_allows(monkeypatch):
@@ -83,6 +91,8 @@ def test_for_kernels_tiles_only_where_n_allows(monkeypatch):
     Tiling(block_n=128, split_k=3, unpack="join", w_left=False),          # two tiles per block
     Tiling(block_m=32, block_n=128, groups_per_step=2, split_k=2, w_left=False, dequant="weights"),  # qmm's
     Tiling(block_m=32, block_n=64, groups_per_step=2, split_k=1, w_left=False, dequant="weights"),
+    Tiling(block_n=32, split_k=2, unpack="kpairs"),                       # rows of one tile
+    Tiling(block_m=16, block_n=16, groups_per_step=2, split_k=2, w_left=False, dequant="weights"),
 ])
 @pytest.mark.parametrize("sb", ["nk", "kn"])
 def test_every_body_reads_tiles_bitwise_like_rows(tiling, sb):
@@ -101,6 +111,8 @@ def test_every_body_reads_tiles_bitwise_like_rows(tiling, sb):
     (1, DispatchConfig()), (5, DispatchConfig()), (20, DispatchConfig()), (40, DispatchConfig(qmm_dense_rows=32)),
     (5, DispatchConfig(backend="xla")), (1, DispatchConfig(gemv_kernel="fma")),
     (6, DispatchConfig(gemv_kernel="fma", gemv_block_n=128, gemv_groups_per_step=2, gemv_chains=True)),
+    (3, DispatchConfig(gemv_kernel="fma", gemv_block_n=32, gemv_groups_per_step=2)),
+    (2, DispatchConfig(gemv_block_n=16)), (20, DispatchConfig(qmm_tile_n=32)),
 ])
 def test_dispatch_paths_read_tiles_bitwise_like_rows(rows, config):
     rng = np.random.default_rng()
