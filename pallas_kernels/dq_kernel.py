@@ -32,7 +32,6 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     t = tiling
     epw = 32 // bits
     gps = t.groups_per_step
-    wpg = w_ref.shape[-1]
     pid_n, pid_m, pid_s = pids
     m0, n0 = pid_m * t.block_m, pid_n * t.block_n
     row_ok = (m0 + jnp.arange(t.block_m)) < rows
