@@ -170,6 +170,13 @@ for s in $steps; do
             python3 benchmarks/gemv_probe.py --once --shape $shape --rows ${spec##*:} --only "=gemv mma,s12 " \
             --out "$out/ncu_layout12_probe_$shape"
         pkill -9 -f "gemv_probe.py --once"; done ;;
+    # the CUDA-core GEMV on both layouts next to the tensor-core default (written after session 12's
+    # device time ran out: unmeasured)
+    ncu_fma_tiles) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_fma_tiles 150 ncu --clock-control none --kernel-name regex:'q4' \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active \
+            python3 benchmarks/gemv_probe.py --once --shape 15360x3840 --rows 1,8 \
+            --only "=gemv mma,s12 rows fma,s12 tiles fma,=s12 tiles n64 s8 w4 st3 reduce" --out "$out/ncu_fma_tiles_probe"
+        pkill -9 -f "gemv_probe.py --once" ;;
     # the whole 12B decode forward with models storing tiles (call 2 also ran a loaded-ahead next
     # group, since removed: 8.44 ms), and with 128-wide GEMV blocks on tiles
     full_tiles) JAXSPEC_W_LAYOUT=tiles step full_tiles 80 $sb --no-assistant --runs forward --k-values 4 \
