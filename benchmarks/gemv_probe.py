@@ -30,11 +30,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import environment, hbm_bandwidth, no_command_buffers, sync  # noqa: E402
 from kernel_bench import GROUP, Timer, activations, n_sets_for, qbytes, weight_sets  # noqa: E402
 from pallas_kernels import DispatchConfig, quantized_matmul, with_sb_layout, with_w_layout  # noqa: E402
-from pallas_kernels.codes import load_sb_tiles, word_tiles  # noqa: E402
+from pallas_kernels.codes import load_sb_tiles  # noqa: E402
 from pallas_kernels.dispatch import launcher  # noqa: E402
 from pallas_kernels.gemv import GemvTiling  # noqa: E402
 from pallas_kernels.kernel import MMA_ROWS, Tiling, split_groups  # noqa: E402
 from pallas_kernels.mosaic_qmm import mosaic_qmm  # noqa: E402
+from pallas_kernels.quant import word_tiles  # noqa: E402
 from pallas_kernels.tiling import fma_gemv_tiling, gemv_tiling, mosaic_tiling, qmm_tiling, split_for  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def _stream_kernel(w_ref, s_ref, b_ref, o_ref, *, n, block_n, gps, n_groups, gro
 
 def stream(qw, *, block_n, gps, split_k, num_warps=4, num_stages=1, with_sb=True, tiles=False, interpret=None):
     """Read qw's words (and scales and biases) with a GEMV's grid and blocks; return a checksum. With
-    `tiles`, from a tile-major copy (codes.word_tiles, made inside the op: time it with ncu or a trace,
+    `tiles`, from a tile-major copy (quant.word_tiles, made inside the op: time it with ncu or a trace,
     whose 'stream' filter leaves the copy out)."""
     n, k = qw.shape
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret

@@ -29,23 +29,31 @@ def load_sb_tiles(s_ref, b_ref, n0, block_n, g, gps, col_ok, g_ok, sb_kn: bool):
 
 
 def load_words(w_ref, n0, block_n, g, gps, col_ok, g_ok, w_tiles: bool):
-    """Packed words of columns [n0, n0 + block_n) and groups [g, g + gps) as `[block_n, gps, words]`
-    (masked: zeros), from `[N, groups, words]` or, for "tiles" weights (`w_tiles`), `[N/64, groups, 64,
-    words]`, where the step's words are gps-long runs of contiguous 64-row tiles (QuantizedWeight);
-    block_n a multiple of 64 (whole tiles) or a divisor of it (rows of one tile: check_tile_block)."""
-    wpg = w_ref.shape[-1]
+    """Packed words of columns [n0, n0 + block_n) and groups [g, g + gps) as `[block_n, gps, *words]`
+    (masked: zeros), from `[N, groups, *words]` or, for "tiles" weights (`w_tiles`), `[N/64, groups,
+    64, *words]`, where the step's words are gps-long runs of contiguous 64-row tiles
+    (QuantizedWeight); `words` is the words per group, or gemv.py's [quads, 4] of them. block_n is a
+    multiple of 64 (whole tiles) or a divisor of it (rows of one tile: check_tile_block)."""
+    words = tuple(w_ref.shape[3 if w_tiles else 2:])
+    ones, rest = (1,) * len(words), (slice(None),) * len(words)
     if not w_tiles:
-        mask = jnp.broadcast_to(col_ok[:, None, None] & g_ok[None, :, None], (block_n, gps, wpg))
-        return pltriton.load(w_ref.at[pl.ds(n0, block_n), pl.ds(g, gps), :], mask=mask, other=0)
-    nt, rows = max(1, block_n // TILE_ROWS), min(block_n, TILE_ROWS)
-    shape = (nt, gps, rows, wpg)
-    mask = jnp.broadcast_to(col_ok.reshape(nt, 1, rows, 1) & g_ok.reshape(1, gps, 1, 1), shape)
+        shape = (block_n, gps) + words
+        mask = jnp.broadcast_to(col_ok.reshape(block_n, 1, *ones) & g_ok.reshape(1, gps, *ones), shape)
+        return pltriton.load(w_ref.at[(pl.ds(n0, block_n), pl.ds(g, gps)) + rest], mask=mask, other=0)
+    nt, rows = tile_span(block_n), min(block_n, TILE_ROWS)
+    shape = (nt, gps, rows) + words
+    mask = jnp.broadcast_to(col_ok.reshape(nt, 1, rows, *ones) & g_ok.reshape(1, gps, 1, *ones), shape)
     # (a block narrower than a tile starts n0 % 64 rows into tile n0 // 64)
     at = (pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), pl.ds(n0 % TILE_ROWS, rows) if rows < TILE_ROWS else slice(None))
-    w = pltriton.load(w_ref.at[at + (slice(None),)], mask=mask, other=0)
-    if gps > 1:  # [tile, group, row, word] -> [tile, row, group, word]
-        w = jnp.transpose(w, (0, 2, 1, 3))
-    return w.reshape(block_n, gps, wpg)
+    w = pltriton.load(w_ref.at[at + rest], mask=mask, other=0)
+    if gps > 1:  # [tile, group, row, ...] -> [tile, row, group, ...]
+        w = jnp.swapaxes(w, 1, 2)
+    return w.reshape((block_n, gps) + words)
+
+
+def tile_span(block_n: int) -> int:
+    """How many 64-row tiles a block of block_n weight rows reads (one for a block inside a tile)."""
+    return max(1, block_n // TILE_ROWS)
 
 
 def check_tile_block(block_n: int) -> None:
@@ -134,14 +142,3 @@ def pairs_in_k_order(pairs: list) -> jax.Array:
     j_axes = tuple(range(3, q.ndim))
     return jnp.transpose(q, (0, *j_axes, 1, 2)).reshape(n, -1)
 
-
-def word_tiles(words: jax.Array, rows: int, words_per_tile: int) -> jax.Array:
-    """`[N, W]` packed words as `[N / rows, W / words_per_tile, rows, words_per_tile]`: every tile of
-    `rows` weight rows by one step's words contiguous in memory (with rows = 64 and one group per
-    tile, QuantizedWeight's stored "tiles" layout). For measurement on row-major weights:
-    gemv_probe's "stream tiles" kernels and MosaicTiling.w_tiles make this copy inside the op (a pure
-    read at the GEMV's grid: 21.0 us row-major, 11.2 tile-major; docs/kernels.md, log entry 13)."""
-    n, w = words.shape
-    if n % rows or w % words_per_tile:
-        raise ValueError(f"word_tiles: a [{n}, {w}] word array does not split into [{rows}, {words_per_tile}] tiles")
-    return words.reshape(n // rows, rows, w // words_per_tile, words_per_tile).transpose(0, 2, 1, 3)

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from . import codes
 from .kernel import fold_splits, pad_by, pad_to, split_groups
-from .quant import TILE_ROWS, QuantizedWeight
+from .quant import QuantizedWeight
 
 @dataclasses.dataclass(frozen=True)
 class GemvTiling:
@@ -77,18 +77,7 @@ def _kernel(x_ref, xs_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, tiling,
     word_axes = (slice(None),) * (len(wshape) - 2)
 
     def load_w(g):  # packed words; groups past the split's end read as 0
-        mask = (col_ok[:, None] & group_ok(g)[None, :]).reshape(wshape[:2] + (1,) * (len(wshape) - 2))
-        if w_tiles:  # [N/64, groups, 64, words...]: load [tiles, gps, rows, ...], then rows ahead of groups
-            nt, r = max(1, t.block_n // TILE_ROWS), min(t.block_n, TILE_ROWS)  # whole tiles, or r rows of one
-            tshape = (nt, r) + wshape[1:]
-            mask = jnp.broadcast_to(mask.reshape(tshape[:3] + (1,) * (len(wshape) - 2)), tshape)
-            mask = jnp.swapaxes(mask, 1, 2)
-            rows_at = pl.ds(n0 % TILE_ROWS, r) if r < TILE_ROWS else slice(None)
-            w = pltriton.load(w_ref.at[(pl.ds(n0 // TILE_ROWS, nt), pl.ds(g, gps), rows_at) + word_axes],
-                              mask=mask, other=0)
-            return jnp.swapaxes(w, 1, 2).reshape(wshape)
-        mask = jnp.broadcast_to(mask, wshape)
-        return pltriton.load(w_ref.at[(pl.ds(n0, t.block_n), pl.ds(g, gps)) + word_axes], mask=mask, other=0)
+        return codes.load_words(w_ref, n0, t.block_n, g, gps, col_ok, group_ok(g), w_tiles)
 
     def quads(a):  # the four words a thread holds contiguously (the last axis), as four tensors
         return [p.squeeze(-1) for p in jnp.split(a, 4, axis=-1)]
@@ -173,7 +162,7 @@ def gemv_launch(x2: jax.Array, qw: QuantizedWeight, tiling: GemvTiling, *, inter
         # The last step (and the prefetch past it) may start up to 2 steps past the last group.
         # Poison, not zeros, so the CPU tests see it if a mask fails to hide the padding.
         extra = 2 * tiling.groups_per_step
-        w3 = pad_by(pad_to(w3, 0, max(1, tiling.block_n // TILE_ROWS) if w_tiles else tiling.block_n, 0xFFFFFFFF),
+        w3 = pad_by(pad_to(w3, 0, codes.tile_span(tiling.block_n) if w_tiles else tiling.block_n, 0xFFFFFFFF),
                     1, extra, 0xFFFFFFFF)
         scales, biases = (pad_by(pad_to(a, n_axis, tiling.block_n, 1.0), g_axis, extra, 1.0) for a in (scales, biases))
         x4, xs = pad_by(x4, 1, extra, 1.0), pad_by(xs, 1, extra, 1.0)

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .codes import check_tile_block, code_pairs, interleave, load_words, pairs_in_k_order, stack_halves
+from .codes import check_tile_block, code_pairs, interleave, load_words, pairs_in_k_order, stack_halves, tile_span
 from .config import DEQUANTS, UNPACKS, XSUMS
 from .dq_kernel import dq_body
-from .quant import TILE_ROWS, QuantizedWeight
+from .quant import QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
 
@@ -302,7 +302,7 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)
-        w_rows = max(1, tiling.block_n // TILE_ROWS) if w_tiles else tiling.block_n  # weight rows or 64-row tiles
+        w_rows = tile_span(tiling.block_n) if w_tiles else tiling.block_n  # weight rows or 64-row tiles
         arrays = [(pad_to(w, 0, w_rows), pad_to(s, n_axis, tiling.block_n), pad_to(b, n_axis, tiling.block_n))
                   for w, s, b in arrays]
     out_rows = x2.shape[0] if interpret else rows

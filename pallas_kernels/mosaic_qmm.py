@@ -36,9 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .codes import word_tiles
 from .kernel import fold_splits, pad_to, split_groups
-from .quant import QuantizedWeight
+from .quant import QuantizedWeight, with_w_layout
 
 ROWS_PER_WG = 64  # weight rows per warpgroup: the wgmma tile height
 
@@ -50,7 +49,7 @@ class MosaicTiling:
     groups per pipeline step (each its own TMA copies, one barrier for all: bigger steps amortise the
     step's wait and wgmma latency); n_sub: 64-row weight blocks per program, each with its own
     accumulator (x's tile is fetched once for all of them); w_tiles: read the words from a tile-major
-    copy (codes.word_tiles: each [64, group] tile one contiguous 2 KB run) made inside the call, for
+    copy (quant.with_w_layout: each [64, group] tile one contiguous 2 KB run) made inside the call, for
     measuring the kernel alone (ncu, traces) against row-major reads. Weights stored as "tiles"
     (QuantizedWeight.w_layout) are read that way as they are, whatever w_tiles says.
 
@@ -109,7 +108,7 @@ def mosaic_qmm(x2: jax.Array, qw: QuantizedWeight, tiling: MosaicTiling) -> jax.
     m_tiles = xp.shape[0] // tm
     w_tiles = tiling.w_tiles or qw.w_layout == "tiles"
     if w_tiles:  # [N/64, K/g, 64, g]: a step's tiles are contiguous runs (as stored, or a copy)
-        words = qw.weight if qw.w_layout == "tiles" else word_tiles(qw.weight, ROWS_PER_WG, g // 8)
+        words = with_w_layout(qw, "tiles").weight  # 64-row tiles: one warpgroup's block each
         codes = jax.lax.bitcast_convert_type(words, jnp.int4).reshape(n // ROWS_PER_WG, n_groups, ROWS_PER_WG, g)
     else:
         codes = jax.lax.bitcast_convert_type(qw.weight, jnp.int4).reshape(n, k)

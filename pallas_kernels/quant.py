@@ -127,6 +127,18 @@ def with_sb_layout(qw: QuantizedWeight, layout: str | None = None) -> QuantizedW
     return QuantizedWeight(qw.weight, s, b, qw.bits, qw.group_size, layout, qw.w_layout)
 
 
+def word_tiles(words: jax.Array, rows: int, words_per_tile: int) -> jax.Array:
+    """`[N, W]` packed words as `[N / rows, W / words_per_tile, rows, words_per_tile]`: every tile of
+    `rows` weight rows by one step's words contiguous in memory. With rows = 64 and one group per tile
+    it is QuantizedWeight's stored "tiles" layout (with_w_layout); gemv_probe's "stream tiles"
+    kernels make other shapes of it inside the op (a pure read at the GEMV's grid: 21.0 us row-major,
+    11.2 tile-major; docs/kernels.md, log entry 13)."""
+    n, w = words.shape
+    if n % rows or w % words_per_tile:
+        raise ValueError(f"word_tiles: a [{n}, {w}] word array does not split into [{rows}, {words_per_tile}] tiles")
+    return words.reshape(n // rows, rows, w // words_per_tile, words_per_tile).transpose(0, 2, 1, 3)
+
+
 def default_w_layout() -> str:
     """The word layout models store where N allows: "tiles" (the whole 12B decode forward on the
     H200: 6.07 / 6.19 ms against 6.27-6.28 / 6.55 for rows in two calls, docs/kernels.md log entry
@@ -146,11 +158,9 @@ def with_w_layout(qw: QuantizedWeight, layout: str | None = None) -> QuantizedWe
         return qw
     words = qw.words()
     if layout == "tiles":
-        n, w = words.shape
-        if n % TILE_ROWS:
-            raise ValueError(f"w_layout='tiles' needs N to be a multiple of {TILE_ROWS}, got N={n}")
-        groups = qw.shape[1] // qw.group_size
-        words = words.reshape(n // TILE_ROWS, TILE_ROWS, groups, w // groups).transpose(0, 2, 1, 3)
+        if qw.shape[0] % TILE_ROWS:
+            raise ValueError(f"w_layout='tiles' needs N to be a multiple of {TILE_ROWS}, got N={qw.shape[0]}")
+        words = word_tiles(words, TILE_ROWS, qw.group_size * qw.bits // 32)
     return QuantizedWeight(words, qw.scales, qw.biases, qw.bits, qw.group_size, qw.sb_layout, layout)
 
 

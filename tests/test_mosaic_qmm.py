@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import DispatchConfig, quantize, quantized_matmul, with_sb_layout
-from pallas_kernels.codes import word_tiles
+from pallas_kernels.quant import word_tiles
 from pallas_kernels.dispatch import _mosaic_runs
 from pallas_kernels.mosaic_qmm import MosaicTiling, mosaic_qmm, supports
 from pallas_kernels.tiling import mosaic_tiling
