@@ -153,7 +153,7 @@ for s in $steps; do
         --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,launch__occupancy_limit_warps,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum \
         python3 benchmarks/gemv_probe.py --once --shape 15360x3840 --rows 1,8 --only "=gemv mma,mosaic" --out "$out/ncu_mosaic_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
-    # session 11 (written after the device time ran out): tile-major words (codes.word_tiles), kernel
+    # session 11 (written after the device time ran out): tile-major words (quant.word_tiles), kernel
     # alone under ncu (the copy made inside the op is not a 'q4'/'stream' kernel): stream kernels at
     # the GEMV's grids, row-major against tile-major, and the Mosaic kernel with and without tiles
     ncu_tiles) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_tiles 200 ncu --clock-control none --kernel-name regex:'q4|stream' \
