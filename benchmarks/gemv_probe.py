@@ -222,7 +222,6 @@ def variants(shape, rows):
                    dequant="weights")
         v[f"mma dq n{b} g{g} s{sp} w{nw}"] = launched(t)
     v.update(layout_variants(mma_t, fma_t))
-    v.update(loads_first_variants(mma_t))
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
 
 
@@ -246,28 +245,6 @@ def layout_variants(mma_t, fma_t):
         for t in (fma_t, dataclasses.replace(fma_t, groups_per_step=1)):
             v[f"s12 {layout} fma n{t.block_n} g{t.groups_per_step} s{t.split_k}"] = (
                 lambda x, w, t=t, lay=layout: launcher(t)(x, with_w_layout(w, lay), t, interpret=False))
-    return v
-
-
-def loads_first_variants(mma_t):
-    """Session 13: the codes body with several groups per step whose loads all go out before the first
-    group's math (Tiling.loads_first; interleaved, a group's loads wait behind the previous group's MMA
-    fence and barrier, and stages do not help: 19.4-20.6 us at 1-3, log entry 13), next to the
-    interleaved schedule, the dequantize-first body (one load of a step's groups) and streams at more
-    programs. On the weight sets' layout (tiles by default)."""
-    v = {}
-    for b, gps, sp, xs, first in ((64, 4, 8, "reduce", False), (64, 2, 8, "reduce", True), (64, 4, 8, "reduce", True),
-                                  (64, 8, 8, "reduce", True), (64, 4, 8, "input", True), (64, 4, 4, "reduce", True),
-                                  (64, 8, 4, "reduce", True), (64, 4, 16, "reduce", True), (128, 4, 16, "input", True),
-                                  (128, 4, 8, "reduce", True)):
-        t = dataclasses.replace(mma_t, block_n=b, groups_per_step=gps, split_k=sp, xsum=xs, loads_first=first)
-        v[f"s13 n{b} g{gps} s{sp} {xs}{' first' if first else ''}"] = launched(t)
-    for b, gps, sp in ((64, 4, 8), (64, 4, 4), (64, 8, 4), (128, 4, 8)):
-        t = dataclasses.replace(mma_t, block_n=b, groups_per_step=gps, split_k=sp, dequant="weights")
-        v[f"s13 dq n{b} g{gps} s{sp}"] = launched(t)
-    for b, gps, sp in ((64, 1, 8), (64, 1, 16), (64, 4, 16), (32, 1, 8), (32, 2, 8)):
-        v[f"s13 stream tiles n{b} g{gps} s{sp}"] = functools.partial(
-            lambda x, w, b, g, s: stream(w, block_n=b, gps=g, split_k=s, tiles=True), b=b, g=gps, s=sp)
     return v
 
 

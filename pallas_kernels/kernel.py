@@ -57,9 +57,6 @@ class Tiling:
     20.0 us kernel alone at best (one row, 15360x3840; slower on 3840x15360), and the whole 12B
     forward took 6.57 ms against 6.41 (the sums are a kernel per launch; log entry 11). (A ones-tile dot, whose rows come out as sum(x) in the accumulator's
     layout, lost: 22.0 us.)
-    loads_first: with groups_per_step > 1, issue every group's loads (words, x, scales, biases)
-    before the first group's math. Interleaved (False), a later group's global loads wait behind the
-    earlier group's MMA fence and barrier, so a program only ever has one group's words in flight.
     (A prefetch of the next group's scales and biases lost on the H200 twice, log entries 3 and 7,
     and was removed in session 8; so was one of its words, scales and biases together, carried
     through the loop: 29-39 us against 19-21, session 12, log entry 13. Word tiles are a stored
@@ -77,7 +74,6 @@ class Tiling:
     unpack: str = "pairs"
     dequant: str = "codes"
     xsum: str = "reduce"
-    loads_first: bool = False
 
     def __post_init__(self):
         if self.xsum not in XSUMS:
@@ -177,43 +173,30 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
             return pltriton.dot(q, xd, trans_b=True, precision=precision)
         return pltriton.dot(xd, q, trans_b=True, precision=precision)
 
-    def load_group(g):  # one group's operands: scales, biases, x tile, words (and the wrapper's sums)
-        s, b = load_sb(g)
+    def group_math(acc, g, s, b):  # one group: load its tiles, dot, apply scale and bias
         x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)],
                           mask=x_mask, other=0)
         if w_tiles:
             w = load_words(w_ref, n0, t.block_n, g, 1, col_ok, one_ok, True).reshape(t.block_n, wpg)
         else:  # MLX's [N, K * bits / 32]
             w = pltriton.load(w_ref.at[pl.ds(n0, t.block_n), pl.ds(g * wpg, wpg)], mask=w_mask, other=0)
-        xsum = None
-        if xs_ref is not None:  # the wrapper's group_sums
-            xsum = pltriton.load(xs_ref.at[g, pl.ds(m0, t.block_m)], mask=row_ok, other=0)
-        return s, b, x, w, xsum
-
-    def group_math(acc, operands):  # one group: dot, apply scale and bias
-        s, b, x, w, xsum = operands
         d = tile_product(w, x)
         if magic is not None:
             b = b - magic[1] * s
-        if xsum is None:
+        if xs_ref is not None:  # the wrapper's group_sums
+            xsum = pltriton.load(xs_ref.at[g, pl.ds(m0, t.block_m)], mask=row_ok, other=0)
+        else:
             xsum = jnp.sum(x.astype(jnp.float32), axis=1)
         if t.w_left:  # acc is [block_n, block_m]
             return acc + d * s[:, None] + b[:, None] * xsum[None, :]
         return acc + d * s[None, :] + xsum[:, None] * b[None, :]
 
     def one_group(g, acc):
-        return group_math(acc, load_group(g))
+        return group_math(acc, g, *load_sb(g))
 
-    def step(i, acc):  # groups_per_step groups per iteration
-        groups = [g0 + i * t.groups_per_step + j for j in range(t.groups_per_step)]
-        if t.loads_first:
-            # every group's loads issued before any group's math: the math's MMA fences and barriers
-            # keep a later group's global loads from being hoisted above it
-            for operands in [load_group(g) for g in groups]:
-                acc = group_math(acc, operands)
-            return acc
-        for g in groups:
-            acc = one_group(g, acc)
+    def step(i, acc):  # groups_per_step groups per iteration: more loads in flight
+        for j in range(t.groups_per_step):
+            acc = one_group(g0 + i * t.groups_per_step + j, acc)
         return acc
 
     g0 = pid_s * groups_per_split

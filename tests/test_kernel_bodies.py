@@ -217,23 +217,3 @@ def test_group_sums_from_the_wrapper_match_float64_and_keep_rows_invariant():
         Tiling(xsum="mma")
     with pytest.raises(ValueError, match="gemv_xsum='sum'"):
         DispatchConfig(gemv_xsum="sum")
-
-
-@pytest.mark.parametrize("w_layout,xsum", [("rows", "reduce"), ("tiles", "input")])
-def test_loads_first_is_bitwise_the_interleaved_schedule(w_layout, xsum):
-    """Tiling.loads_first only moves a step's loads ahead of its math: same sums in the same order,
-    with whole steps and a remainder group (7 groups at 2 and 3 per step), rows alone or together."""
-    from pallas_kernels import with_w_layout
-    rng = np.random.default_rng()
-    qw, wd = _case(rng, 128, 448, jnp.bfloat16)
-    qw = with_w_layout(qw, w_layout)
-    x = jnp.asarray(rng.standard_normal((5, 448)), jnp.bfloat16)
-    for gps in (2, 3):
-        outs = [np.asarray(launch(x, qw, Tiling(block_n=64, groups_per_step=gps, unpack="kpairs", xsum=xsum,
-                                                loads_first=first), interpret=True).astype(jnp.float32))
-                for first in (False, True)]
-        np.testing.assert_array_equal(outs[1], outs[0])
-        assert _rel(outs[1], np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
-        alone = launch(x[3:4], qw, Tiling(block_n=64, groups_per_step=gps, unpack="kpairs", xsum=xsum,
-                                          loads_first=True), interpret=True)
-        np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), outs[1][3:4])
