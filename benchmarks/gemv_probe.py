@@ -134,6 +134,7 @@ def variants(shape, rows):
                        num_warps=nw, num_stages=3, xsum=xs, split_k=split_for(programs, k_groups(shape), target))
             v[f"qmm wl m{bm} n{bn} w{nw} {xs} p{target}"] = launched(t)
         v.update(mosaic_variants(shape, rows))
+        v.update(qmm_sweep13(shape, rows))
         dense = jax.random.normal(jax.random.PRNGKey(7), shape, jnp.bfloat16)  # a captured constant operand
         v["bf16 dot"] = lambda x, w: x @ dense.T
         return v, {k: str(t) for k, t in qmm.items()}
@@ -222,6 +223,7 @@ def variants(shape, rows):
                    dequant="weights")
         v[f"mma dq n{b} g{g} s{sp} w{nw}"] = launched(t)
     v.update(layout_variants(mma_t, fma_t))
+    v.update(gemv_sweep13(shape, mma_t, fma_t))
     return v, {"mma": str(mma_t), "fma": str(fma_t)}
 
 
@@ -245,6 +247,35 @@ def layout_variants(mma_t, fma_t):
         for t in (fma_t, dataclasses.replace(fma_t, groups_per_step=1)):
             v[f"s12 {layout} fma n{t.block_n} g{t.groups_per_step} s{t.split_k}"] = (
                 lambda x, w, t=t, lay=layout: launcher(t)(x, with_w_layout(w, lay), t, interpret=False))
+    return v
+
+
+def qmm_sweep13(shape, rows):
+    """Session 13: the dequantize-first qmm on tiles with smaller and more programs (several per SM, so
+    one program's dequantizing can overlap another's MMA), around the default (64 x 128, 2 groups,
+    split to ~132 programs), at 64-256 rows."""
+    base = qmm_tiling(rows, shape, GROUP, DispatchConfig(qmm_dense_rows=0))
+    v = {}
+    for bm, bn, gps, nw, st, target in ((64, 64, 2, 4, 3, 132), (64, 64, 2, 4, 3, 528), (64, 64, 1, 4, 3, 528),
+                                        (128, 64, 2, 4, 3, 264), (128, 64, 2, 8, 3, 264), (128, 128, 2, 8, 2, 264),
+                                        (64, 128, 2, 4, 4, 264), (32, 128, 2, 4, 3, 264), (128, 32, 2, 4, 3, 528)):
+        programs = -(-shape[0] // bn) * -(-rows // bm)
+        t = dataclasses.replace(base, block_m=bm, block_n=bn, groups_per_step=gps, num_warps=nw, num_stages=st,
+                                split_k=split_for(programs, k_groups(shape), target))
+        v[f"s13 qmm m{bm} n{bn} g{gps} w{nw} st{st} p{target}"] = launched(t)
+    v["s13 qmm tiled default"] = launched(base)
+    return v
+
+
+def gemv_sweep13(shape, mma_t, fma_t):
+    """Session 13: the tensor-core GEMV's K split and block width around the default for the tall
+    tied head (262144x3840 runs unsplit: 4096 programs of 60 groups), and the CUDA-core GEMV."""
+    v = {}
+    for b, sp, xs in ((64, 2, "reduce"), (64, 4, "reduce"), (64, 8, "reduce"), (128, 1, "reduce"), (128, 2, "reduce"),
+                      (128, 4, "input"), (64, 4, "input")):
+        t = dataclasses.replace(mma_t, block_n=b, split_k=sp, xsum=xs)
+        v[f"s13 gemv n{b} s{sp} {xs}"] = launched(t)
+    v["s13 fma default"] = launched(fma_t)
     return v
 
 

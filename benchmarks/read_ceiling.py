@@ -46,7 +46,7 @@ def run_jax(shapes, rows):
                                                + jnp.sum(s, dtype=jnp.uint32)), (w, s)),
             "xla copy(words)": (jax.jit(lambda w: w ^ jnp.uint32(0x5A5A5A5A)), (w,)),
         }
-        for r in rows:
+        for r in rows:  # (XLA autotunes a dot's first compile: run it outside ncu, or expect ~1000 kernels)
             x = jax.device_put(np.random.default_rng(2 + r).standard_normal((r, k)).astype(jnp.bfloat16))
             ops[f"xla bf16 dot [{r}, {k}] x [{eq_rows}, {k}]^T"] = (
                 jax.jit(lambda x, d: jnp.dot(x, d.T, preferred_element_type=jnp.float32).astype(x.dtype)), (x, dense))
@@ -56,10 +56,11 @@ def run_jax(shapes, rows):
                 print(f"ran {name} {n}x{k} call{i}", flush=True)
 
 
-def run_torch(shapes, rows):
+def run_torch(shapes, rows, dense_rows=False):
     import torch
     for n, k in shapes:
         words, sb, eq_rows = arrays(n, k)
+        eq_rows = n if dense_rows else eq_rows
         w = torch.from_numpy(words.view(np.int32)).cuda()
         dense = torch.from_numpy(np.random.default_rng(1).standard_normal((eq_rows, k), dtype=np.float32)).cuda()
         dense = dense.to(torch.bfloat16)  # one conversion kernel, before the measured ones
@@ -79,11 +80,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lib", choices=("jax", "torch"), default="jax")
     p.add_argument("--shapes", default="15360x3840")
-    p.add_argument("--rows", default="1,8", help="activation rows for the bf16 GEMV of equal bytes")
+    p.add_argument("--rows", default="1,8", help="activation rows for the bf16 GEMV of equal bytes ('' for none)")
+    p.add_argument("--dense", action="store_true", help="torch: the bf16 GEMM of the weight's own [N, K] "
+                   "(the qmm target's reference) instead of one of equal bytes")
     a = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    rows = [int(r) for r in a.rows.split(",")]
-    (run_jax if a.lib == "jax" else run_torch)(shapes, rows)
+    rows = [int(r) for r in a.rows.split(",") if r]
+    if a.dense:
+        if a.lib != "torch":
+            p.error("--dense runs the torch library's GEMM")
+        run_torch(shapes, rows, dense_rows=True)
+    else:
+        (run_jax if a.lib == "jax" else run_torch)(shapes, rows)
 
 
 if __name__ == "__main__":

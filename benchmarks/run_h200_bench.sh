@@ -177,22 +177,29 @@ for s in $steps; do
             python3 benchmarks/gemv_probe.py --once --shape 15360x3840 --rows 1,8 \
             --only "=gemv mma,s12 rows fma,s12 tiles fma,=s12 tiles n64 s8 w4 st3 reduce" --out "$out/ncu_fma_tiles_probe"
         pkill -9 -f "gemv_probe.py --once" ;;
-    # session 13: what the libraries take to read the same bytes (XLA reduce/copy, bf16 GEMV of equal
-    # bytes through XLA and PyTorch), kernel alone: the ceiling the qmv target is set against
-    ceiling) for lib in jax torch; do
-        XLA_PYTHON_CLIENT_PREALLOCATE=false step ceiling_$lib 150 ncu --clock-control none \
+    # session 13: what the libraries take to read the same bytes (XLA reduce/copy; a bf16 GEMV of equal
+    # bytes through PyTorch, i.e. cuBLAS), and cuBLAS's bf16 GEMM of the weight's own shape at qmm's
+    # rows, kernel alone: the ceilings the qmv and qmm targets are set against. (XLA's dot autotunes
+    # its first compile: ~1000 kernels under ncu, and the process crashed at its end in call 1.)
+    ceiling) XLA_PYTHON_CLIENT_PREALLOCATE=false step ceiling_jax 100 ncu --clock-control none \
             --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size \
-            python3 benchmarks/read_ceiling.py --lib $lib --shapes 15360x3840,262144x3840 --rows 1,8
-        pkill -9 -f "read_ceiling.py"; done ;;
-    # session 13: the codes body with a step's loads issued before its math (Tiling.loads_first),
-    # the dequantize-first body on tiles, the CUDA-core GEMV on tiles, streams at more programs
-    ncu_first) for spec in "15360x3840:1,8:s13,s12 tiles fma" "3840x15360:1:s13 n64,s13 dq n64,s13 stream tiles n64 g1" \
-                "262144x3840:1:s13 n64 g4 s8 reduce first,s13 n64 g8 s4,s13 stream tiles n64 g1 s8"; do
+            python3 benchmarks/read_ceiling.py --lib jax --shapes 15360x3840,262144x3840 --rows ""
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step ceiling_torch 100 ncu --clock-control none \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size \
+            python3 benchmarks/read_ceiling.py --lib torch --shapes 15360x3840,262144x3840 --rows 1,8
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step ceiling_dense 100 ncu --clock-control none \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size \
+            python3 benchmarks/read_ceiling.py --lib torch --dense --shapes 15360x3840,3840x15360 --rows 64,128,256,512
+        pkill -9 -f "read_ceiling.py" ;;
+    # session 13: the tied head's GEMV (262144x3840) around its unsplit default, and the tiled qmm on
+    # tiles with smaller / more programs at 64-256 rows (gemv_probe gemv_sweep13, qmm_sweep13)
+    ncu13) for spec in "262144x3840:1:=gemv mma,s13 gemv,s13 fma" "15360x3840:64,128,256:s13 qmm" \
+                "3840x15360:128:s13 qmm"; do
         shape=${spec%%:*}; rest=${spec#*:}; rows=${rest%%:*}; only=${rest#*:}
-        XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_first_$shape 200 ncu --clock-control none --kernel-name regex:'q4|stream' \
-            --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio \
-            python3 benchmarks/gemv_probe.py --once --shape $shape --rows $rows --only "=gemv mma,$only" \
-            --out "$out/ncu_first_probe_$shape"
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu13_$shape 200 ncu --clock-control none --kernel-name regex:'q4|stream' \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+            python3 benchmarks/gemv_probe.py --once --shape $shape --rows $rows --only "$only" \
+            --out "$out/ncu13_probe_$shape"
         pkill -9 -f "gemv_probe.py --once"; done ;;
     # the whole 12B decode forward with models storing tiles (call 2 also ran a loaded-ahead next
     # group, since removed: 8.44 ms), and with 128-wide GEMV blocks on tiles
