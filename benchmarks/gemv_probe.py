@@ -269,13 +269,21 @@ def qmm_sweep13(shape, rows):
 
 def gemv_sweep13(shape, mma_t, fma_t):
     """Session 13: the tensor-core GEMV's K split and block width around the default for the tall
-    tied head (262144x3840 runs unsplit: 4096 programs of 60 groups), and the CUDA-core GEMV."""
+    tied head (262144x3840 runs unsplit: 4096 programs of 60 groups), the CUDA-core GEMV, and the
+    dequantize-first body's bf16x2 path ("dqk": codes.dequant_pairs, kpairs unpack; one accumulating
+    dot per step, no per-group epilogue or sum(x))."""
     v = {}
     for b, sp, xs in ((64, 2, "reduce"), (64, 4, "reduce"), (64, 8, "reduce"), (128, 1, "reduce"), (128, 2, "reduce"),
                       (128, 4, "input"), (64, 4, "input")):
         t = dataclasses.replace(mma_t, block_n=b, split_k=sp, xsum=xs)
         v[f"s13 gemv n{b} s{sp} {xs}"] = launched(t)
     v["s13 fma default"] = launched(fma_t)
+    tall = shape[0] >= 65536  # the head: fewer splits
+    for b, gps, sp, st in ((64, 1, 8, 3), (64, 2, 8, 3), (64, 2, 4, 3), (64, 4, 4, 3), (64, 1, 16, 3), (64, 2, 8, 2),
+                           (128, 1, 8, 3), (128, 2, 8, 3), (128, 1, 16, 3), (128, 2, 4, 3)):
+        sp = max(1, sp // 4) if tall else sp
+        t = dataclasses.replace(mma_t, block_n=b, groups_per_step=gps, split_k=sp, num_stages=st, dequant="weights")
+        v[f"s13 dqk n{b} g{gps} s{sp} st{st}"] = launched(t)
     return v
 
 

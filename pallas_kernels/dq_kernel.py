@@ -25,10 +25,13 @@ from .codes import load_words
 
 
 def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles, kpairs):
     """w_ref is the packed weight as `[N, groups, words per group]`, or `[N/64, groups, 64, words per
     group]` for "tiles" weights (`w_tiles`: codes.load_words); pids: this program's (N block
-    within this weight, M block, K split), from kernel.launch_many (several weights in one grid)."""
+    within this weight, M block, K split), from kernel.launch_many (several weights in one grid).
+    kpairs (kernel.uses_kpairs): bf16 weights made two at a time in bf16x2 (codes.dequant_pairs) and
+    kept as code pairs along K, each group ordered [pair, word, half] to match x (kernel.kpairs_order),
+    so the weight tile goes from registers to the MMA without a shared-memory round trip."""
     t = tiling
     epw = 32 // bits
     gps = t.groups_per_step
@@ -50,6 +53,11 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
                           mask=row_ok[:, None] & k_ok[None, :], other=0)
         w = load_words(w_ref, n0, t.block_n, g, gps, col_ok, g_ok, w_tiles)
         s, b = C.load_sb_tiles(s_ref, b_ref, n0, t.block_n, g, gps, col_ok, g_ok, sb_kn)
+        xd = x.astype(dot_dtype)
+        if kpairs:  # [block_n, gps, words] -> bf16 s*q + b pairs, K ordered [group, pair, word, half]
+            s, b = (jnp.broadcast_to(v[:, :, None], w.shape) for v in (s, b))
+            q = C.pairs_in_k_order(C.dequant_pairs(w, s, b, bits, interpret=interpret))
+            return pltriton.dot(q, xd, trans_b=True, precision=precision) + acc
         s, b = s.astype(jnp.float32), b.astype(jnp.float32)
         s = s * float(2**bits)        # exact: a power-of-two scaling
         b = jnp.broadcast_to((b - s)[:, :, None], w.shape)
@@ -57,9 +65,8 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         # code j of every word, dequantized: s*q + b = 2^bits*s * (1 + q/2^bits) + (b - 2^bits*s)
         codes = [fma(code_as_float(w, top - bits * j), s, b).astype(dot_dtype) for j in range(epw)]
         q = C.interleave(codes).reshape(t.block_n, gps * group_size)
-        xd = x.astype(dot_dtype)
         if t.w_left:  # acc is [block_n, block_m]
-            return acc + pltriton.dot(q, xd, trans_b=True, precision=precision)
+            return pltriton.dot(q, xd, trans_b=True, precision=precision) + acc
         return acc + pltriton.dot(xd, q, trans_b=True, precision=precision)
 
     shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)

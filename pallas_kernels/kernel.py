@@ -95,11 +95,16 @@ def magic_offset(dot_dtype, bits: int):
     return None
 
 
-def uses_kpairs(tiling: Tiling, dot_dtype, bits: int) -> bool:
-    """Whether the launch runs the "kpairs" unpack: only the codes body has it, and it needs the magic
-    conversion and the weight on the left of the dot (else the codes body falls back to "pairs")."""
-    return (tiling.unpack == "kpairs" and tiling.dequant == "codes" and tiling.w_left
-            and tiling.convert == "bits" and magic_offset(dot_dtype, bits) is not None)
+def uses_kpairs(tiling: Tiling, dot_dtype, bits: int, scale_dtype=jnp.bfloat16) -> bool:
+    """Whether the launch runs the "kpairs" unpack (and so takes x in kpairs_order). It needs the magic
+    conversion and the weight on the left of the dot. The codes body has it for bf16/f16 dots; the
+    dequantize-first body for bf16 dots with bf16 scales (its bf16x2 dequantizing, codes.dequant_pairs).
+    Elsewhere the codes body falls back to "pairs" and the dequantize-first body to its float32 path."""
+    if tiling.unpack != "kpairs" or not tiling.w_left or tiling.convert != "bits" or magic_offset(dot_dtype, bits) is None:
+        return False
+    if tiling.dequant == "weights":
+        return jnp.dtype(dot_dtype) == jnp.bfloat16 and jnp.dtype(scale_dtype) == jnp.bfloat16
+    return True
 
 
 def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
@@ -125,7 +130,7 @@ def group_sums(x2: jax.Array, group_size: int) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles, xs_ref=None):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles, kpairs, xs_ref=None):
     t = tiling
     epw = 32 // bits            # codes per uint32 word
     wpg = group_size // epw     # words per group
@@ -140,7 +145,6 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     shifts = jnp.arange(epw, dtype=jnp.uint32) * jnp.uint32(bits)
     code_mask = jnp.uint32(2**bits - 1)
     magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
-    kpairs = uses_kpairs(t, dot_dtype, bits)
 
     def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
         # before either convert: the order the measured kernel had)
@@ -310,11 +314,12 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     out_dtype = x2.dtype if split == 1 else jnp.float32
     blocks = tuple(pl.cdiv(n, tiling.block_n) for n in ns)
     grid = (sum(blocks), pl.cdiv(rows, tiling.block_m), split)
-    if uses_kpairs(tiling, dot_dtype, first.bits):
+    kpairs = uses_kpairs(tiling, dot_dtype, first.bits, first.scales.dtype)
+    if kpairs:
         x2 = kpairs_order(x2, first.group_size, first.bits)
     common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision,
-                  interpret=interpret, sb_kn=sb_kn, w_tiles=w_tiles)
+                  interpret=interpret, sb_kn=sb_kn, w_tiles=w_tiles, kpairs=kpairs)
     if tiling.dequant == "weights":
         body = dq_body
         if not w_tiles:  # [N, groups, words per group] (tiles already have a group axis)
