@@ -251,19 +251,20 @@ def layout_variants(mma_t, fma_t):
 
 
 def qmm_sweep13(shape, rows):
-    """Session 13: the dequantize-first qmm on tiles with smaller and more programs (several per SM, so
-    one program's dequantizing can overlap another's MMA), around the default (64 x 128, 2 groups,
-    split to ~132 programs), at 64-256 rows."""
+    """Session 13: the dequantize-first qmm on tiles around the default (64 x 128, 2 groups, split to
+    ~132 programs; 256-row tiles from 256 rows), with its dequantizing in bf16x2 (the default since
+    session 13, codes.dequant_pairs) and in float32 (Tiling.dq_math="f32"), and with smaller / more
+    programs (call 2: none beat the default)."""
     base = qmm_tiling(rows, shape, GROUP, DispatchConfig(qmm_dense_rows=0))
     v = {}
-    for bm, bn, gps, nw, st, target in ((64, 64, 2, 4, 3, 132), (64, 64, 2, 4, 3, 528), (64, 64, 1, 4, 3, 528),
-                                        (128, 64, 2, 4, 3, 264), (128, 64, 2, 8, 3, 264), (128, 128, 2, 8, 2, 264),
-                                        (64, 128, 2, 4, 4, 264), (32, 128, 2, 4, 3, 264), (128, 32, 2, 4, 3, 528)):
-        programs = -(-shape[0] // bn) * -(-rows // bm)
-        t = dataclasses.replace(base, block_m=bm, block_n=bn, groups_per_step=gps, num_warps=nw, num_stages=st,
-                                split_k=split_for(programs, k_groups(shape), target))
-        v[f"s13 qmm m{bm} n{bn} g{gps} w{nw} st{st} p{target}"] = launched(t)
-    v["s13 qmm tiled default"] = launched(base)
+    for bm, bn, gps, nw, st, target in ((None, None, None, None, None, None), (128, 128, 2, 8, 2, 264),
+                                        (64, 64, 2, 4, 3, 528), (64, 128, 4, 4, 3, 132)):
+        t = base if bm is None else dataclasses.replace(
+            base, block_m=bm, block_n=bn, groups_per_step=gps, num_warps=nw, num_stages=st,
+            split_k=split_for(-(-shape[0] // bn) * -(-rows // bm), k_groups(shape), target))
+        for math in ("bf16x2", "f32"):
+            name = "default" if bm is None else f"m{bm} n{bn} g{gps} w{nw} st{st} p{target}"
+            v[f"s13 qmm {name} {math}"] = launched(dataclasses.replace(t, dq_math=math))
     return v
 
 

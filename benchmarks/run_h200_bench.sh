@@ -205,9 +205,16 @@ for s in $steps; do
                 "3840x15360:128:s13 qmm"; do ncu13_step "$spec"; done ;;
     # session 13: the dequantize-first body's bf16x2 path (gemv_probe "s13 dqk") next to the default,
     # kernel alone, on the MLP shapes at 1 and 8 rows and on the tied head; then its GPU test
+    # (call 3: 3840x15360 and the head ran; 15360x3840 crashed under ncu before its first launch)
     ncu_dqk) for spec in "15360x3840:1,8:=gemv mma,s13 dqk" "3840x15360:1:=gemv mma,s13 dqk" \
                 "262144x3840:1:=gemv mma,=s13 gemv n128 s4 input,s13 dqk"; do ncu13_step "$spec"; done
         step pytest_dqk 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "bf16x2 or unpacks_and_bodies" ;;
+    # session 13: qmm's dequantizing in bf16x2 against float32 (gemv_probe qmm_sweep13) at 64-256 rows,
+    # and the dqk GEMV at 8 rows on 15360x3840 (call 3's crashed step)
+    ncu_qmm13) for spec in "15360x3840:64,128,256:s13 qmm" "3840x15360:128:s13 qmm" \
+                "15360x3840:8:=gemv mma,=s13 dqk n64 g1 s8 st3,=s13 dqk n64 g1 s16 st3,=s13 dqk n64 g2 s8 st3"; do
+            ncu13_step "$spec"; mv "$out/ncu13_${spec%%:*}.log" "$out/ncu_qmm13_$(echo ${spec%%:*}_${spec#*:} | cut -d: -f1).log"; done
+        step pytest_qmm13 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "bf16x2 or unpacks_and_bodies or prefill_rows or tile_word_layout or kn_scale or fused_launch" ;;
     # the whole 12B decode forward with models storing tiles (call 2 also ran a loaded-ahead next
     # group, since removed: 8.44 ms), and with 128-wide GEMV blocks on tiles
     full_tiles) JAXSPEC_W_LAYOUT=tiles step full_tiles 80 $sb --no-assistant --runs forward --k-values 4 \

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .codes import check_tile_block, code_pairs, interleave, load_words, pairs_in_k_order, stack_halves, tile_span
 from .config import DEQUANTS, UNPACKS, XSUMS
-from .dq_kernel import dq_body
+from .dq_kernel import dq_body, uses_bf16x2
 from .quant import QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
@@ -50,6 +50,9 @@ class Tiling:
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
+    dq_math: the dequantize-first body's arithmetic for bf16 dots with bf16 scales: "bf16x2" (two
+    weights per instruction, codes.dequant_pairs) or "f32" (a float32 FMA and half a convert per
+    weight); other dtypes always take "f32".
     xsum: how the codes body gets each group's sum(x) for the bias term. "reduce" sums the x tile
     (converts, adds, shuffles and a shared-memory exchange across warps: about 30 instructions and a
     barrier per loop step in pip Triton's SASS); "input" has the wrapper sum each group of x once
@@ -74,12 +77,15 @@ class Tiling:
     unpack: str = "pairs"
     dequant: str = "codes"
     xsum: str = "reduce"
+    dq_math: str = "bf16x2"
 
     def __post_init__(self):
         if self.xsum not in XSUMS:
             raise ValueError(f"Tiling.xsum={self.xsum!r}: expected one of {XSUMS}")
         if self.unpack not in UNPACKS:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
+        if self.dq_math not in ("bf16x2", "f32"):
+            raise ValueError(f"Tiling.dq_math={self.dq_math!r}: expected 'bf16x2' or 'f32'")
         if self.dequant not in DEQUANTS:
             raise ValueError(f"Tiling.dequant={self.dequant!r}: expected one of {DEQUANTS}")
 
@@ -103,7 +109,7 @@ def uses_kpairs(tiling: Tiling, dot_dtype, bits: int, scale_dtype=jnp.bfloat16) 
     if tiling.unpack != "kpairs" or not tiling.w_left or tiling.convert != "bits" or magic_offset(dot_dtype, bits) is None:
         return False
     if tiling.dequant == "weights":
-        return jnp.dtype(dot_dtype) == jnp.bfloat16 and jnp.dtype(scale_dtype) == jnp.bfloat16
+        return uses_bf16x2(tiling, dot_dtype, bits, scale_dtype)
     return True
 
 
