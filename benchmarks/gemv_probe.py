@@ -251,40 +251,31 @@ def layout_variants(mma_t, fma_t):
 
 
 def qmm_sweep13(shape, rows):
-    """Session 13: the dequantize-first qmm on tiles around the default (64 x 128, 2 groups, split to
-    ~132 programs; 256-row tiles from 256 rows), with its dequantizing in bf16x2 (the default since
-    session 13, codes.dequant_pairs) and in float32 (Tiling.dq_math="f32"), and with smaller / more
-    programs (call 2: none beat the default)."""
+    """Session 13: the dequantize-first qmm on tiles with smaller and more programs (several per SM, so
+    one program's dequantizing can overlap another's MMA), around the default (64 x 128, 2 groups,
+    split to ~132 programs), at 64-256 rows."""
     base = qmm_tiling(rows, shape, GROUP, DispatchConfig(qmm_dense_rows=0))
     v = {}
-    for bm, bn, gps, nw, st, target in ((None, None, None, None, None, None), (128, 128, 2, 8, 2, 264),
-                                        (64, 64, 2, 4, 3, 528), (64, 128, 4, 4, 3, 132)):
-        t = base if bm is None else dataclasses.replace(
-            base, block_m=bm, block_n=bn, groups_per_step=gps, num_warps=nw, num_stages=st,
-            split_k=split_for(-(-shape[0] // bn) * -(-rows // bm), k_groups(shape), target))
-        for math in ("bf16x2", "f32"):
-            name = "default" if bm is None else f"m{bm} n{bn} g{gps} w{nw} st{st} p{target}"
-            v[f"s13 qmm {name} {math}"] = launched(dataclasses.replace(t, dq_math=math))
+    for bm, bn, gps, nw, st, target in ((64, 64, 2, 4, 3, 132), (64, 64, 2, 4, 3, 528), (64, 64, 1, 4, 3, 528),
+                                        (128, 64, 2, 4, 3, 264), (128, 64, 2, 8, 3, 264), (128, 128, 2, 8, 2, 264),
+                                        (64, 128, 2, 4, 4, 264), (32, 128, 2, 4, 3, 264), (128, 32, 2, 4, 3, 528)):
+        programs = -(-shape[0] // bn) * -(-rows // bm)
+        t = dataclasses.replace(base, block_m=bm, block_n=bn, groups_per_step=gps, num_warps=nw, num_stages=st,
+                                split_k=split_for(programs, k_groups(shape), target))
+        v[f"s13 qmm m{bm} n{bn} g{gps} w{nw} st{st} p{target}"] = launched(t)
+    v["s13 qmm tiled default"] = launched(base)
     return v
 
 
 def gemv_sweep13(shape, mma_t, fma_t):
     """Session 13: the tensor-core GEMV's K split and block width around the default for the tall
-    tied head (262144x3840 runs unsplit: 4096 programs of 60 groups), the CUDA-core GEMV, and the
-    dequantize-first body's bf16x2 path ("dqk": codes.dequant_pairs, kpairs unpack; one accumulating
-    dot per step, no per-group epilogue or sum(x))."""
+    tied head (262144x3840 runs unsplit: 4096 programs of 60 groups), and the CUDA-core GEMV."""
     v = {}
     for b, sp, xs in ((64, 2, "reduce"), (64, 4, "reduce"), (64, 8, "reduce"), (128, 1, "reduce"), (128, 2, "reduce"),
                       (128, 4, "input"), (64, 4, "input")):
         t = dataclasses.replace(mma_t, block_n=b, split_k=sp, xsum=xs)
         v[f"s13 gemv n{b} s{sp} {xs}"] = launched(t)
     v["s13 fma default"] = launched(fma_t)
-    tall = shape[0] >= 65536  # the head: fewer splits
-    for b, gps, sp, st in ((64, 1, 8, 3), (64, 2, 8, 3), (64, 2, 4, 3), (64, 4, 4, 3), (64, 1, 16, 3), (64, 2, 8, 2),
-                           (128, 1, 8, 3), (128, 2, 8, 3), (128, 1, 16, 3), (128, 2, 4, 3)):
-        sp = max(1, sp // 4) if tall else sp
-        t = dataclasses.replace(mma_t, block_n=b, groups_per_step=gps, split_k=sp, num_stages=st, dequant="weights")
-        v[f"s13 dqk n{b} g{gps} s{sp} st{st}"] = launched(t)
     return v
 
 

@@ -21,14 +21,6 @@ step() {  # name timeout command...: run, log, re-pack
     grep -v Warning "$out/$name.log" | grep -v "^  res = \|^    return rule" | tail -n 22 | cut -c1-300
     tar czf "$dest/results.tgz" -C "$out" .
 }
-ncu13_step() {  # "SHAPE:ROWS:ONLY": gemv_probe --once under ncu, kernel alone
-    local spec=$1 shape rest rows only
-    shape=${spec%%:*}; rest=${spec#*:}; rows=${rest%%:*}; only=${rest#*:}
-    XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu13_$shape 200 ncu --clock-control none --kernel-name regex:'q4|stream' \
-        --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
-        python3 benchmarks/gemv_probe.py --once --shape $shape --rows $rows --only "$only" --out "$out/ncu13_probe_$shape"
-    pkill -9 -f "gemv_probe.py --once"
-}
 for s in $steps; do
     case $s in
     # where a whole-12B decode forward's time goes: kernel time by kind, idle gaps (profile.md)
@@ -202,19 +194,13 @@ for s in $steps; do
     # session 13: the tied head's GEMV (262144x3840) around its unsplit default, and the tiled qmm on
     # tiles with smaller / more programs at 64-256 rows (gemv_probe gemv_sweep13, qmm_sweep13)
     ncu13) for spec in "262144x3840:1:=gemv mma,s13 gemv,s13 fma" "15360x3840:64,128,256:s13 qmm" \
-                "3840x15360:128:s13 qmm"; do ncu13_step "$spec"; done ;;
-    # session 13: the dequantize-first body's bf16x2 path (gemv_probe "s13 dqk") next to the default,
-    # kernel alone, on the MLP shapes at 1 and 8 rows and on the tied head; then its GPU test
-    # (call 3: 3840x15360 and the head ran; 15360x3840 crashed under ncu before its first launch)
-    ncu_dqk) for spec in "15360x3840:1,8:=gemv mma,s13 dqk" "3840x15360:1:=gemv mma,s13 dqk" \
-                "262144x3840:1:=gemv mma,=s13 gemv n128 s4 input,s13 dqk"; do ncu13_step "$spec"; done
-        step pytest_dqk 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "bf16x2 or unpacks_and_bodies" ;;
-    # session 13: qmm's dequantizing in bf16x2 against float32 (gemv_probe qmm_sweep13) at 64-256 rows,
-    # and the dqk GEMV at 8 rows on 15360x3840 (call 3's crashed step)
-    ncu_qmm13) for spec in "15360x3840:64,128,256:s13 qmm" "3840x15360:128:s13 qmm" \
-                "15360x3840:8:=gemv mma,=s13 dqk n64 g1 s8 st3,=s13 dqk n64 g1 s16 st3,=s13 dqk n64 g2 s8 st3"; do
-            ncu13_step "$spec"; mv "$out/ncu13_${spec%%:*}.log" "$out/ncu_qmm13_$(echo ${spec%%:*}_${spec#*:} | cut -d: -f1).log"; done
-        step pytest_qmm13 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "bf16x2 or unpacks_and_bodies or prefill_rows or tile_word_layout or kn_scale or fused_launch" ;;
+                "3840x15360:128:s13 qmm"; do
+        shape=${spec%%:*}; rest=${spec#*:}; rows=${rest%%:*}; only=${rest#*:}
+        XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu13_$shape 200 ncu --clock-control none --kernel-name regex:'q4|stream' \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+            python3 benchmarks/gemv_probe.py --once --shape $shape --rows $rows --only "$only" \
+            --out "$out/ncu13_probe_$shape"
+        pkill -9 -f "gemv_probe.py --once"; done ;;
     # the whole 12B decode forward with models storing tiles (call 2 also ran a loaded-ahead next
     # group, since removed: 8.44 ms), and with 128-wide GEMV blocks on tiles
     full_tiles) JAXSPEC_W_LAYOUT=tiles step full_tiles 80 $sb --no-assistant --runs forward --k-values 4 \

@@ -132,50 +132,13 @@ def code_pairs(w, bits: int, pattern: int, dtype, *, interpret: bool) -> list:
     return pairs
 
 
-BF16_ONE_X2 = 0x3F803F80  # bf16x2 (1.0, 1.0)
-
-
-def dequant_pairs(w, s, b, bits: int, *, interpret: bool) -> list:
-    """`pairs[j]` `[..., words, 2]` bf16: codes j and j + half of each word (as code_pairs) dequantized
-    to `s*q + b`, rounded once to bf16 as `dequantize(qw, bf16)` rounds them; s and b are bf16 of w's
-    shape. On the GPU a pair costs one shift (shared by its halves), one LOP3 to `128 + q` in both
-    halves (code_pairs), one bf16x2 FMA to subtract 128 (exact) and one bf16x2 FMA `q*s + b`: about two
-    instructions per weight, where the float32 path of dq_body spends a shift, a LOP3, an FMA and half a
-    convert on each."""
-    epw = 32 // bits
-    half = epw // 2
-    mask = (2**bits - 1) * 0x10001
-    pattern, offset = 0x4300, 128.0  # kernel.magic_offset for bf16 (bits <= 7)
-    both = pattern * 0x10001
-    minus = 0xC300C300  # bf16x2 (-128, -128)
-    pairs = []
-    if interpret:
-        for p in code_pairs(w, bits, pattern, jnp.bfloat16, interpret=True):
-            q = p.astype(jnp.float32) - offset  # exact
-            sb = [jnp.broadcast_to(v[..., None], p.shape).astype(jnp.float32) for v in (s, b)]
-            pairs.append((q * sb[0] + sb[1]).astype(jnp.bfloat16))  # q*s exact in float32
-        return pairs
-    for j in range(half):
-        op = f"shr.u32 t, $1, {bits * j};" if j else "mov.b32 t, $1;"
-        asm = ("{ .reg .b32 t, c, sp, bp; .reg .b16 d; " + op +
-               f" lop3.b32 t, t, {mask:#x}, {both:#x}, 0xea; mov.b32 c, {minus:#x}; mov.b32 sp, {BF16_ONE_X2:#x};"
-               " fma.rn.bf16x2 t, t, sp, c; mov.b32 sp, {$2, $2}; mov.b32 bp, {$3, $3};"
-               " fma.rn.bf16x2 t, t, sp, bp; mov.b32 HALVES, t; }")
-        # one asm per half, as code_pairs (ptxas computes the shared register once)
-        lo, hi = (pltriton.elementwise_inline_asm(
-            asm.replace("HALVES", halves), args=[w, s, b], constraints="=h,r,h,h", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)])[0] for halves in ("{$0, d}", "{d, $0}"))
-        pairs.append(jnp.stack([lo, hi], axis=-1))
-    return pairs
-
-
 def pairs_in_k_order(pairs: list) -> jax.Array:
-    """`pairs[j]` `[n, *groups, words, 2]` (code_pairs, dequant_pairs) -> `[n, groups * len(pairs) *
-    words * 2]`, each group ordered [j, word, half]. Stacks on new last axes (joins), then one transpose
-    moves the pair index ahead of the words: the two halves of every 32-bit register stay neighbours
-    along K, which is how the MMA operand holds bf16/f16 pairs, so Triton needs no shuffle through
-    shared memory (pip Triton's sm_90 build)."""
-    lead = pairs[0].ndim - 2  # n and any group axis, ahead of [words, 2]
-    q = stack_halves(pairs)  # [n, *groups, words, half, pair index bits...]
-    j_axes = tuple(range(lead + 2, q.ndim))
-    return jnp.transpose(q, (*range(lead), *j_axes, lead, lead + 1)).reshape(pairs[0].shape[0], -1)
+    """`pairs[j]` `[n, words, 2]` (code_pairs) -> `[n, len(pairs) * words * 2]` ordered [j, word, half].
+    Stacks on new last axes (joins), then one transpose moves the pair index ahead of the words: the
+    two halves of every 32-bit register stay neighbours along K, which is how the MMA operand holds
+    bf16/f16 pairs, so Triton needs no shuffle through shared memory (pip Triton's sm_90 build)."""
+    n = pairs[0].shape[0]
+    q = stack_halves(pairs)  # [n, words, half, pair index bits...]
+    j_axes = tuple(range(3, q.ndim))
+    return jnp.transpose(q, (0, *j_axes, 1, 2)).reshape(n, -1)
+

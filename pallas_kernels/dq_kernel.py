@@ -24,21 +24,11 @@ from . import codes as C
 from .codes import load_words
 
 
-def uses_bf16x2(tiling, dot_dtype, bits: int, scale_dtype) -> bool:
-    """Whether the body dequantizes in bf16x2 (codes.dequant_pairs): `Tiling.dq_math == "bf16x2"`, a bf16
-    dot, bf16 scales and codes that fit the magic pattern (bits <= 7). Else float32 FMAs."""
-    return (tiling.dq_math == "bf16x2" and tiling.convert == "bits" and bits <= 7
-            and jnp.dtype(dot_dtype) == jnp.bfloat16 and jnp.dtype(scale_dtype) == jnp.bfloat16)
-
-
 def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles, kpairs):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles):
     """w_ref is the packed weight as `[N, groups, words per group]`, or `[N/64, groups, 64, words per
     group]` for "tiles" weights (`w_tiles`: codes.load_words); pids: this program's (N block
-    within this weight, M block, K split), from kernel.launch_many (several weights in one grid).
-    kpairs (kernel.uses_kpairs, only with the bf16x2 math: uses_bf16x2): the bf16x2 pairs stay whole
-    along K, each group ordered [pair, word, half] to match x (kernel.kpairs_order), so the weight
-    tile goes from registers to the MMA without a shared-memory round trip."""
+    within this weight, M block, K split), from kernel.launch_many (several weights in one grid)."""
     t = tiling
     epw = 32 // bits
     gps = t.groups_per_step
@@ -49,7 +39,6 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     g_start = pid_s * groups_per_split
     g_end = jnp.minimum(g_start + groups_per_split, n_groups)
     top = 23 - bits
-    bf16x2 = uses_bf16x2(t, dot_dtype, bits, s_ref.dtype)
     code_as_float = functools.partial(C.code_as_float, bits=bits, interpret=interpret)
     fma = functools.partial(C.fma, interpret=interpret)
 
@@ -61,17 +50,6 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
                           mask=row_ok[:, None] & k_ok[None, :], other=0)
         w = load_words(w_ref, n0, t.block_n, g, gps, col_ok, g_ok, w_tiles)
         s, b = C.load_sb_tiles(s_ref, b_ref, n0, t.block_n, g, gps, col_ok, g_ok, sb_kn)
-        xd = x.astype(dot_dtype)
-        if bf16x2:  # [block_n, gps, words] -> bf16 s*q + b, two weights per instruction
-            s, b = (jnp.broadcast_to(v[:, :, None], w.shape) for v in (s, b))
-            pairs = C.dequant_pairs(w, s, b, bits, interpret=interpret)
-            if kpairs:  # K ordered [group, pair, word, half], as x (kernel.kpairs_order)
-                q = C.pairs_in_k_order(pairs)
-            else:  # input order ([word, half, pair index bits]: codes.stack_halves)
-                q = C.stack_halves(pairs).reshape(t.block_n, gps * group_size)
-            if t.w_left:
-                return pltriton.dot(q, xd, trans_b=True, precision=precision) + acc
-            return pltriton.dot(xd, q, trans_b=True, precision=precision) + acc
         s, b = s.astype(jnp.float32), b.astype(jnp.float32)
         s = s * float(2**bits)        # exact: a power-of-two scaling
         b = jnp.broadcast_to((b - s)[:, :, None], w.shape)
@@ -79,8 +57,9 @@ def dq_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
         # code j of every word, dequantized: s*q + b = 2^bits*s * (1 + q/2^bits) + (b - 2^bits*s)
         codes = [fma(code_as_float(w, top - bits * j), s, b).astype(dot_dtype) for j in range(epw)]
         q = C.interleave(codes).reshape(t.block_n, gps * group_size)
+        xd = x.astype(dot_dtype)
         if t.w_left:  # acc is [block_n, block_m]
-            return pltriton.dot(q, xd, trans_b=True, precision=precision) + acc
+            return acc + pltriton.dot(q, xd, trans_b=True, precision=precision)
         return acc + pltriton.dot(xd, q, trans_b=True, precision=precision)
 
     shape = (t.block_n, t.block_m) if t.w_left else (t.block_m, t.block_n)

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .codes import check_tile_block, code_pairs, interleave, load_words, pairs_in_k_order, stack_halves, tile_span
 from .config import DEQUANTS, UNPACKS, XSUMS
-from .dq_kernel import dq_body, uses_bf16x2
+from .dq_kernel import dq_body
 from .quant import QuantizedWeight
 
 MMA_ROWS = 16  # Triton's `dot` needs at least 16 rows; GEMV launches use exactly this many.
@@ -50,9 +50,6 @@ class Tiling:
     dequant: "codes" multiplies the exact codes and scales each group's small product (this file);
     "weights" dequantizes every weight to s*q + b first and accumulates one dot per loop step
     (dq_kernel.py; join unpack only).
-    dq_math: the dequantize-first body's arithmetic for bf16 dots with bf16 scales: "bf16x2" (two
-    weights per instruction, codes.dequant_pairs) or "f32" (a float32 FMA and half a convert per
-    weight); other dtypes always take "f32".
     xsum: how the codes body gets each group's sum(x) for the bias term. "reduce" sums the x tile
     (converts, adds, shuffles and a shared-memory exchange across warps: about 30 instructions and a
     barrier per loop step in pip Triton's SASS); "input" has the wrapper sum each group of x once
@@ -77,15 +74,12 @@ class Tiling:
     unpack: str = "pairs"
     dequant: str = "codes"
     xsum: str = "reduce"
-    dq_math: str = "bf16x2"
 
     def __post_init__(self):
         if self.xsum not in XSUMS:
             raise ValueError(f"Tiling.xsum={self.xsum!r}: expected one of {XSUMS}")
         if self.unpack not in UNPACKS:
             raise ValueError(f"Tiling.unpack={self.unpack!r}: expected one of {UNPACKS}")
-        if self.dq_math not in ("bf16x2", "f32"):
-            raise ValueError(f"Tiling.dq_math={self.dq_math!r}: expected 'bf16x2' or 'f32'")
         if self.dequant not in DEQUANTS:
             raise ValueError(f"Tiling.dequant={self.dequant!r}: expected one of {DEQUANTS}")
 
@@ -101,16 +95,11 @@ def magic_offset(dot_dtype, bits: int):
     return None
 
 
-def uses_kpairs(tiling: Tiling, dot_dtype, bits: int, scale_dtype=jnp.bfloat16) -> bool:
-    """Whether the launch runs the "kpairs" unpack (and so takes x in kpairs_order). It needs the magic
-    conversion and the weight on the left of the dot. The codes body has it for bf16/f16 dots; the
-    dequantize-first body for bf16 dots with bf16 scales (its bf16x2 dequantizing, codes.dequant_pairs).
-    Elsewhere the codes body falls back to "pairs" and the dequantize-first body to its float32 path."""
-    if tiling.unpack != "kpairs" or not tiling.w_left or tiling.convert != "bits" or magic_offset(dot_dtype, bits) is None:
-        return False
-    if tiling.dequant == "weights":
-        return uses_bf16x2(tiling, dot_dtype, bits, scale_dtype)
-    return True
+def uses_kpairs(tiling: Tiling, dot_dtype, bits: int) -> bool:
+    """Whether the launch runs the "kpairs" unpack: only the codes body has it, and it needs the magic
+    conversion and the weight on the left of the dot (else the codes body falls back to "pairs")."""
+    return (tiling.unpack == "kpairs" and tiling.dequant == "codes" and tiling.w_left
+            and tiling.convert == "bits" and magic_offset(dot_dtype, bits) is not None)
 
 
 def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
@@ -136,7 +125,7 @@ def group_sums(x2: jax.Array, group_size: int) -> jax.Array:
 
 
 def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, tiling, n_groups,
-            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles, kpairs, xs_ref=None):
+            groups_per_split, dot_dtype, precision, interpret, pids, sb_kn, w_tiles, xs_ref=None):
     t = tiling
     epw = 32 // bits            # codes per uint32 word
     wpg = group_size // epw     # words per group
@@ -151,6 +140,7 @@ def _kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, til
     shifts = jnp.arange(epw, dtype=jnp.uint32) * jnp.uint32(bits)
     code_mask = jnp.uint32(2**bits - 1)
     magic = magic_offset(dot_dtype, bits) if t.convert == "bits" else None
+    kpairs = uses_kpairs(t, dot_dtype, bits)
 
     def load_sb(g):  # the scales and biases of group g, [block_n], as float32 (both loads issued
         # before either convert: the order the measured kernel had)
@@ -320,12 +310,11 @@ def launch_many(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple
     out_dtype = x2.dtype if split == 1 else jnp.float32
     blocks = tuple(pl.cdiv(n, tiling.block_n) for n in ns)
     grid = (sum(blocks), pl.cdiv(rows, tiling.block_m), split)
-    kpairs = uses_kpairs(tiling, dot_dtype, first.bits, first.scales.dtype)
-    if kpairs:
+    if uses_kpairs(tiling, dot_dtype, first.bits):
         x2 = kpairs_order(x2, first.group_size, first.bits)
     common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dot_dtype, precision=precision,
-                  interpret=interpret, sb_kn=sb_kn, w_tiles=w_tiles, kpairs=kpairs)
+                  interpret=interpret, sb_kn=sb_kn, w_tiles=w_tiles)
     if tiling.dequant == "weights":
         body = dq_body
         if not w_tiles:  # [N, groups, words per group] (tiles already have a group axis)

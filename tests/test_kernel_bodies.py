@@ -217,28 +217,3 @@ def test_group_sums_from_the_wrapper_match_float64_and_keep_rows_invariant():
         Tiling(xsum="mma")
     with pytest.raises(ValueError, match="gemv_xsum='sum'"):
         DispatchConfig(gemv_xsum="sum")
-
-
-@pytest.mark.parametrize("w_layout,sb_layout,gps,split", [("rows", "nk", 1, 1), ("tiles", "kn", 2, 2),
-                                                          ("tiles", "kn", 3, 1)])
-def test_bf16x2_dequantize_first_body(w_layout, sb_layout, gps, split):
-    """The dequantize-first body's bf16x2 path (kpairs unpack, codes.dequant_pairs): x rows that are
-    one-hot read single weights back, bitwise `dequantize(qw, bf16)`; random x agrees with float64
-    and is row invariant, with uneven splits and a step past a split's end (7 groups)."""
-    from pallas_kernels import with_sb_layout, with_w_layout
-    rng = np.random.default_rng()
-    k = 448
-    qw0, wd = _case(rng, 128, k, jnp.bfloat16)
-    qw = with_sb_layout(with_w_layout(qw0, w_layout), sb_layout)
-    t = Tiling(block_n=64, groups_per_step=gps, split_k=split, unpack="kpairs", dequant="weights")
-    cols = rng.choice(k, size=16, replace=False)
-    onehot = jnp.asarray(np.eye(k)[cols], jnp.bfloat16)
-    got = launch(onehot, qw, t, interpret=True)
-    want = dequantize(qw0, jnp.bfloat16)[:, cols].T
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-    x = jnp.asarray(rng.standard_normal((6, k)), jnp.bfloat16)
-    multi = np.asarray(launch(x, qw, t, interpret=True).astype(jnp.float32))
-    assert _rel(multi, np.asarray(x.astype(jnp.float32), np.float64) @ wd.T) < 1e-2
-    for i in (0, 5):
-        alone = launch(x[i:i + 1], qw, t, interpret=True)
-        np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), multi[i:i + 1])

@@ -93,32 +93,6 @@ def test_tensor_core_unpacks_and_bodies_on_gpu(dtype, bits):
         np.testing.assert_array_equal(np.asarray(f(x[3:4]).astype(jnp.float32)), multi[3:4])
 
 
-@pytest.mark.parametrize("n,k", [(15360, 3840), (3840, 15360)])
-def test_bf16x2_dequantize_first_gemv_on_gpu(n, k):
-    """The dequantize-first body's bf16x2 path (inline fma.rn.bf16x2) in the models' layouts at real
-    shapes and several launches: one-hot rows read back bitwise `dequantize(qw, bf16)`; random rows
-    agree with float64 and each row is bitwise the same alone or among 8."""
-    from pallas_kernels import for_kernels
-    from pallas_kernels.kernel import Tiling, launch
-    rng = np.random.default_rng()
-    qw0 = quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16))
-    qw = for_kernels(qw0)
-    wd = dequantize(qw0, jnp.bfloat16)
-    cols = rng.choice(k, size=16, replace=False)
-    onehot = jnp.asarray(np.eye(k)[cols], jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
-    ref = np.asarray(x, np.float64) @ np.asarray(wd.astype(jnp.float32), np.float64).T
-    for bn, gps, split in ((64, 1, 8), (64, 2, 4), (128, 2, 8)):
-        t = Tiling(block_n=bn, groups_per_step=gps, split_k=split, unpack="kpairs", dequant="weights")
-        f = jax.jit(lambda x, t=t: launch(x, qw, t, interpret=False))
-        np.testing.assert_array_equal(np.asarray(f(onehot).astype(jnp.float32)),
-                                      np.asarray(wd[:, cols].T.astype(jnp.float32)), err_msg=str(t))
-        multi = np.asarray(f(x).astype(jnp.float32))
-        assert np.linalg.norm(multi - ref) / np.linalg.norm(ref) < 1e-2, t
-        for i in (0, 3, 7):
-            np.testing.assert_array_equal(np.asarray(f(x[i:i + 1]).astype(jnp.float32)), multi[i:i + 1])
-
-
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
 def test_qmm_at_prefill_rows_on_gpu(dtype, tol):
     """qmm at 256 and 520 rows through the dispatch: with the dense fallback on (the default:
