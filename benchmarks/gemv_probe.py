@@ -268,10 +268,12 @@ def qmm_sweep13(shape, rows):
 
 
 def gemv_sweep13(shape, mma_t, fma_t):
-    """Session 13: the tensor-core GEMV's K split and block width around the default for the tall
-    tied head (262144x3840 runs unsplit: 4096 programs of 60 groups), and the CUDA-core GEMV."""
+    """Session 13: the tensor-core GEMV's K split and block width for the tall tied head (262144x3840:
+    before session 13 the default ran it unsplit, n64 s1: 4096 programs of 60 groups; n128 s4 with
+    the wrapper's sums is its default since), and the CUDA-core GEMV."""
     v = {}
-    for b, sp, xs in ((64, 2, "reduce"), (64, 4, "reduce"), (64, 8, "reduce"), (128, 1, "reduce"), (128, 2, "reduce"),
+    for b, sp, xs in ((64, 1, "reduce"), (64, 2, "reduce"), (64, 4, "reduce"), (64, 8, "reduce"), (128, 1, "reduce"),
+                      (128, 2, "reduce"),
                       (128, 4, "input"), (64, 4, "input")):
         t = dataclasses.replace(mma_t, block_n=b, split_k=sp, xsum=xs)
         v[f"s13 gemv n{b} s{sp} {xs}"] = launched(t)

@@ -201,6 +201,16 @@ for s in $steps; do
             python3 benchmarks/gemv_probe.py --once --shape $shape --rows $rows --only "$only" \
             --out "$out/ncu13_probe_$shape"
         pkill -9 -f "gemv_probe.py --once"; done ;;
+    # session 13: the tied head's new default launch (tiling.TALL_N) next to the old one, kernel
+    # alone at 1 and 8 rows; its GPU test; then the kernel table on tiles and the whole-12B forward
+    final13) XLA_PYTHON_CLIENT_PREALLOCATE=false step ncu_head 150 ncu --clock-control none --kernel-name regex:'q4' \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active \
+            python3 benchmarks/gemv_probe.py --once --shape 262144x3840 --rows 1,8 --only "=gemv mma,=s13 gemv n64 s1 reduce" \
+            --out "$out/ncu_head_probe"
+        pkill -9 -f "gemv_probe.py --once"
+        step pytest_head 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "tall_head or fused_launch"
+        step kernel_table 260 python3 benchmarks/kernel_bench.py --phase table --shapes 15360x3840,3840x15360,262144x3840 \
+            --table-rows 1,2,4,8,16,64,128,256 --deadline 230 --out "$out/kb" ;;
     # the whole 12B decode forward with models storing tiles (call 2 also ran a loaded-ahead next
     # group, since removed: 8.44 ms), and with 128-wide GEMV blocks on tiles
     full_tiles) JAXSPEC_W_LAYOUT=tiles step full_tiles 80 $sb --no-assistant --runs forward --k-values 4 \

@@ -18,6 +18,14 @@ _QMM_TARGET_PROGRAMS = 132
 _MIN_GROUPS_PER_SPLIT = 4
 
 
+# The tall tied head (262144x3840 at Gemma 4 12B; one launch a forward, the largest): 64-row tiles
+# unsplit (4096 programs of 60 groups, the 1920-program rule's choice) took 261-263 us under ncu on
+# the H200, 128-row tiles split 4 with the wrapper's group sums 217-219 (session 13, docs/kernels.md
+# log entry 14). At the layer shapes those launches had not helped the whole model (entry 11).
+TALL_N = 1 << 17
+_TALL_BLOCK_N, _TALL_SPLIT, _TALL_XSUM = 128, 4, "input"
+
+
 def split_for(programs: int, n_groups: int, target: int) -> int:
     """The power-of-two K split that brings `programs` up to `target`, keeping a few groups per split."""
     split = 1
@@ -36,10 +44,13 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     if config.gemv_kernel == "fma":
         return fma_gemv_tiling(shape, group_size, config)
     n, k = shape
-    block_n = config.gemv_block_n or _GEMV_BLOCK_N
+    tall = n >= TALL_N
+    block_n = config.gemv_block_n or (_TALL_BLOCK_N if tall else _GEMV_BLOCK_N)
     n_groups = k // group_size
     if config.gemv_split_k is not None:
         split = config.gemv_split_k
+    elif tall and config.gemv_target_programs is None:
+        split = min(_TALL_SPLIT, n_groups)
     else:
         split = split_for(-(-n // block_n), n_groups, config.gemv_target_programs or _TARGET_PROGRAMS)
     # One group per loop step and the weight tile on the left of the dot won the sweep at all shapes;
@@ -50,7 +61,7 @@ def gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig)
     return Tiling(block_m=MMA_ROWS, block_n=block_n, groups_per_step=config.gemv_groups_per_step or 1,
                   split_k=split, w_left=True, num_warps=4, num_stages=config.gemv_num_stages or 3,
                   dequant=config.dequant or "codes", unpack=config.gemv_unpack or "kpairs",
-                  xsum=config.gemv_xsum or "reduce")
+                  xsum=config.gemv_xsum or (_TALL_XSUM if tall else "reduce"))
 
 
 def fma_gemv_tiling(shape: tuple[int, int], group_size: int, config: DispatchConfig) -> GemvTiling:

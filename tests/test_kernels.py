@@ -249,3 +249,26 @@ def test_bad_input_errors():
         quantized_matmul(jnp.ones((17, 128)), qw, path="multirow")
     with pytest.raises(ValueError, match="backend"):
         DispatchConfig(backend="cuda")
+
+
+def test_tall_weight_gemv_launch(monkeypatch):
+    """Weights of at least tiling.TALL_N rows (the tied head) take 128-row tiles split 4 with the
+    wrapper's group sums; explicit overrides still win. Lowered threshold, so interpret mode can run
+    it: rows agree with float64 and each row is bitwise the same alone or among 8."""
+    from pallas_kernels import tiling
+    from pallas_kernels.kernel import Tiling
+    head = tiling.gemv_tiling((262144, 3840), 64, DispatchConfig())
+    assert (head.block_n, head.split_k, head.xsum) == (128, 4, "input")
+    assert tiling.gemv_tiling((262144, 3840), 64, DispatchConfig(gemv_block_n=64, gemv_xsum="reduce")).block_n == 64
+    assert tiling.gemv_tiling((15360, 3840), 64, DispatchConfig()).xsum == "reduce"
+    monkeypatch.setattr(tiling, "TALL_N", 256)
+    assert isinstance(tiling.gemv_tiling((256, 512), 64, DispatchConfig()), Tiling)
+    assert tiling.gemv_tiling((256, 512), 64, DispatchConfig()).block_n == 128
+    rng = np.random.default_rng()
+    qw, wd = _case(rng, 256, 512, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
+    multi = np.asarray(quantized_matmul(x, qw, path="multirow").astype(jnp.float32))
+    assert _rel(multi, _ref(x, wd)) < 1e-2
+    for i in (0, 7):
+        alone = quantized_matmul(x[i:i + 1], qw, path="qmv")
+        np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), multi[i:i + 1])

@@ -93,6 +93,23 @@ def test_tensor_core_unpacks_and_bodies_on_gpu(dtype, bits):
         np.testing.assert_array_equal(np.asarray(f(x[3:4]).astype(jnp.float32)), multi[3:4])
 
 
+def test_tall_head_gemv_on_gpu():
+    """The tied head's launch (tiling.TALL_N: 128-row tiles, split 4, the wrapper's group sums) at its
+    real shape in the models' layouts: every row agrees with a float32 HIGHEST-precision XLA product
+    and is bitwise the same alone or among 8."""
+    from pallas_kernels import for_kernels
+    key = jax.random.PRNGKey(int(np.random.default_rng().integers(2**31)))
+    qw = for_kernels(quantize(jax.random.normal(key, (262144, 3840), jnp.bfloat16) * 0.05))
+    x = jax.random.normal(jax.random.fold_in(key, 1), (8, 3840), jnp.bfloat16)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw, jnp.float32).T,
+                             precision=jax.lax.Precision.HIGHEST), np.float64)
+    multi = np.asarray(quantized_matmul(x, qw, path="multirow").astype(jnp.float32))
+    assert np.linalg.norm(multi - ref) / np.linalg.norm(ref) < 1e-2
+    for i in (0, 5):
+        alone = quantized_matmul(x[i:i + 1], qw, path="qmv")
+        np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), multi[i:i + 1])
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
 def test_qmm_at_prefill_rows_on_gpu(dtype, tol):
     """qmm at 256 and 520 rows through the dispatch: with the dense fallback on (the default:
