@@ -3,12 +3,15 @@
 The qmv target (docs/kernels.md) is a fraction of a bytes floor taken at the copy bandwidth of a
 multi-GB buffer. A 33 MB weight is read in ~10 us, where ramp-up and tail are a large share, so
 this measures what the best-tuned code we did not write achieves on the same byte count: XLA's
-reduction over the packed words (and over words + scales + biases), a bf16 GEMV through XLA
-(cuBLAS) and through PyTorch whose matrix has exactly the 4-bit weight's bytes, and a device copy.
+reduction over the packed words (and over words + scales + biases), an elementwise pass, and a bf16
+GEMV whose matrix has exactly the 4-bit weight's bytes (through PyTorch, i.e. cuBLAS; through XLA
+too, but XLA autotunes a dot's first compile, ~1000 kernels under ncu, and the process crashed at
+its end on the H200: pass --rows '' there). `--dense`: PyTorch's bf16 GEMM of the weight's own
+shape, the reference of the qmm target. The `ceiling` step of run_h200_bench.sh runs all three:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \\
-        python benchmarks/read_ceiling.py --lib jax --shapes 15360x3840,262144x3840
+        python benchmarks/read_ceiling.py --lib torch --shapes 15360x3840,262144x3840 --rows 1,8
 
 Inputs are made on the host (numpy) so the only kernels in the process are the measured ones; each
 op runs once, after a compile-and-run warm-up call (ncu profiles both: read the second). ncu flushes
@@ -46,7 +49,7 @@ def run_jax(shapes, rows):
                                                + jnp.sum(s, dtype=jnp.uint32)), (w, s)),
             "xla copy(words)": (jax.jit(lambda w: w ^ jnp.uint32(0x5A5A5A5A)), (w,)),
         }
-        for r in rows:  # (XLA autotunes a dot's first compile: run it outside ncu, or expect ~1000 kernels)
+        for r in rows:
             x = jax.device_put(np.random.default_rng(2 + r).standard_normal((r, k)).astype(jnp.bfloat16))
             ops[f"xla bf16 dot [{r}, {k}] x [{eq_rows}, {k}]^T"] = (
                 jax.jit(lambda x, d: jnp.dot(x, d.T, preferred_element_type=jnp.float32).astype(x.dtype)), (x, dense))
