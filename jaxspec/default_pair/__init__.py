@@ -5,35 +5,41 @@
     out = jaxspec.generate(target, ids, assistant=assistant, max_new_tokens=64)
     print(tokenizer.decode(out.tokens[0]))
 
-A small Gemma-4-style target and its MTP assistant trained by `benchmarks/train_default_pair.py` on
-the Python standard library's source, stored in the MLX 4-bit layout (see docs/default-pair.md for
-sizes, training and measured quality). Files, under `default_pair_path()`:
+A small Gemma-4-style target and its MTP assistant trained by `jaxspec.default_pair.train` on the
+Python standard library's source, stored in the MLX 4-bit layout (see docs/default-pair.md for sizes,
+training and measured quality). Files, in this package's directory (`default_pair_path()`):
 
     target/{config.json, model.safetensors}      assistant/{config.json, model.safetensors}
     tokenizer.json                               metrics.json          heldout_prompts.json
 
-`$JAXSPEC_DEFAULT_PAIR` points the loader at another directory with the same layout.
+Every function takes `path=None`, the packaged directory; pass another directory with the same layout
+(e.g. the --out of a training run) to use that pair instead. This module stays light (json, os): the
+training recipe lives in the `train` submodule and is imported only when run.
 """
 from __future__ import annotations
 
 import json
 import os
 
-PAIR_ENV = "JAXSPEC_DEFAULT_PAIR"
-_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_pair")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = ("target/config.json", "target/model.safetensors", "assistant/config.json",
             "assistant/model.safetensors", "tokenizer.json")
-PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
-TRAIN_COMMAND = "PYTHONPATH=. python benchmarks/train_default_pair.py --out OUT"
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2  # the tokenizer's first three tokens: <pad>, <eos>, <bos>
+TRAIN_COMMAND = "python -m jaxspec.default_pair.train --out OUT"
 
 
 def default_pair_path() -> str:
-    """The directory the default pair is read from: $JAXSPEC_DEFAULT_PAIR, else jaxspec/default_pair."""
-    return os.environ.get(PAIR_ENV) or _HERE
+    """The packaged pair's directory (this package's own directory)."""
+    return _HERE
+
+
+def _resolve(path: str | None) -> str:
+    return _HERE if path is None else os.fspath(path)
 
 
 def missing_files(path: str | None = None) -> list[str]:
-    path = default_pair_path() if path is None else path
+    """The REQUIRED files absent from `path` (default: the packaged pair)."""
+    path = _resolve(path)
     return [f for f in REQUIRED if not os.path.isfile(os.path.join(path, f))]
 
 
@@ -46,13 +52,14 @@ def _require(path: str) -> None:
     if missing:
         raise FileNotFoundError(
             f"the default model pair is not installed: {path!r} lacks {missing}. Train it with "
-            f"`{TRAIN_COMMAND}` (an H200 does it in under 7 minutes) and copy OUT's files there, set "
-            f"${PAIR_ENV} to such a directory, or pass your own checkpoints (models.load_target / "
+            f"`{TRAIN_COMMAND}` (an H200 does it in under 7 minutes) and copy OUT's files to "
+            f"{_HERE!r}, pass path=OUT, or pass your own checkpoints (models.load_target / "
             "models.load_assistant)")
 
 
 def load_default_pair(dtype=None, *, matmul=None, path: str | None = None):
-    """Load the shipped pair -> (models.Target, models.Assistant, tokenizers.Tokenizer).
+    """Load the pair in `path` (default: the packaged one) -> (models.Target, models.Assistant,
+    tokenizers.Tokenizer).
 
     dtype: activation / scale dtype (default bfloat16); matmul: a pallas_kernels.DispatchConfig for
     both models (e.g. DispatchConfig(backend="xla") on CPU). Raises FileNotFoundError naming the
@@ -62,7 +69,7 @@ def load_default_pair(dtype=None, *, matmul=None, path: str | None = None):
 
     import models
 
-    path = default_pair_path() if path is None else path
+    path = _resolve(path)
     _require(path)
     dtype = jnp.bfloat16 if dtype is None else dtype
     target = models.load_target(os.path.join(path, "target"), dtype=dtype, matmul=matmul)
@@ -76,17 +83,15 @@ def load_default_pair(dtype=None, *, matmul=None, path: str | None = None):
 
 def default_pair_metrics(path: str | None = None) -> dict:
     """metrics.json written by the training script (corpus, sizes, steps, losses, measured quality)."""
-    path = default_pair_path() if path is None else path
-    with open(os.path.join(path, "metrics.json")) as f:
+    with open(os.path.join(_resolve(path), "metrics.json")) as f:
         return json.load(f)
 
 
 def heldout_prompts(path: str | None = None) -> list[dict]:
     """The held-out evaluation prompts shipped with the pair: dicts with file, offset, ids, text."""
-    path = default_pair_path() if path is None else path
-    with open(os.path.join(path, "heldout_prompts.json")) as f:
+    with open(os.path.join(_resolve(path), "heldout_prompts.json")) as f:
         return json.load(f)["prompts"]
 
 
-__all__ = ["EOS_ID", "PAIR_ENV", "default_pair_available", "default_pair_metrics", "default_pair_path",
-           "heldout_prompts", "load_default_pair", "missing_files"]
+__all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "REQUIRED", "TRAIN_COMMAND", "default_pair_available",
+           "default_pair_metrics", "default_pair_path", "heldout_prompts", "load_default_pair", "missing_files"]
