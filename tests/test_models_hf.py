@@ -11,7 +11,7 @@ pytest.importorskip("transformers", minversion="5.24")
 import models  # noqa: E402
 from models import presets  # noqa: E402
 from models.config import FULL, SLIDING  # noqa: E402
-from models.testing import hf_assistant, hf_target  # noqa: E402
+from hf_models import hf_assistant, hf_target  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 
 XLA = DispatchConfig(backend="xla")

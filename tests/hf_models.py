@@ -1,17 +1,20 @@
-"""Helpers for tests: tiny HF transformers reference models (torch, float32, eager attention).
+"""Tiny HF transformers reference models (torch, float32, eager attention) for the model tests.
 
-Imported only by tests; needs the dev extras (torch, transformers >= 5.24).
+Needs the dev extras (torch, transformers >= 5.24): import it after `pytest.importorskip` of both.
 """
 from __future__ import annotations
 
 import math
+
+import torch
+from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4Config, Gemma4ForCausalLM,
+                          Gemma4ForConditionalGeneration, Gemma4TextConfig)
 
 
 def _randomize(model, seed: int) -> None:
     """Fresh random weights of realistic scale (HF's 0.02-std init makes every logit ~0):
     matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.2^2), layer_scalar ~ U(0.5, 1.5),
     token_ordering a random permutation."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -28,8 +31,6 @@ def _randomize(model, seed: int) -> None:
 
 def hf_target(cfg_dict: dict, seed: int = 0, multimodal: bool = False):
     """A random-weight HF Gemma4ForCausalLM (or Gemma4ForConditionalGeneration when multimodal)."""
-    import torch
-    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
     d = {k: v for k, v in cfg_dict.items() if k != "model_type"}
     text = Gemma4TextConfig(**d, attn_implementation="eager")
     if multimodal:
@@ -45,8 +46,7 @@ def hf_target(cfg_dict: dict, seed: int = 0, multimodal: bool = False):
 
 
 def hf_assistant(cfg_dict: dict, seed: int = 1):
-    import torch
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+    """A random-weight HF Gemma4AssistantForCausalLM."""
     d = {k: v for k, v in cfg_dict.items() if k != "model_type"}
     cfg = Gemma4AssistantConfig(**d)
     cfg._attn_implementation = "eager"
