@@ -6,14 +6,17 @@
     cache = cache.replace(lengths=new_lengths)                      # rollback
     d_logits, h_next = models.draft_step(assistant, target, cache, token, h_prev, position)
 
+Loaders and random_model resolve the matmul dispatch once (`DispatchConfig.from_env()` unless
+given `matmul=`); a Target/Assistant built directly holds `DispatchConfig()`. Imports run one way:
+checkpoint, presets -> assistant -> target -> layers, cache, params -> config (and pallas_kernels).
 See docs/models.md for the design and the draft position convention.
 """
 from . import presets
 from .assistant import Assistant, assistant_stack, centroid_logits, draft_step, make_assistant, visible_keys
 from .cache import KVCache, init_cache
-from .checkpoint import (assistant_shapes, load_assistant, load_target, quantize_model, save,
-                         target_shapes)
+from .checkpoint import load_assistant, load_target, quantize_model, save
 from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
+from .params import assistant_shapes, target_shapes
 from .target import Target, embed, forward, logits, make_target, row_bucket, shared_kv
 
 __all__ = [

@@ -3,7 +3,7 @@
 Params: the assistant's inner text model under its HF names without "model." ("embed_tokens",
 "layers.0.self_attn.q_proj", "norm", ...) plus the top-level modules under their own names
 ("pre_projection", "post_projection", "lm_head" when untied, "masked_embedding.centroids",
-"masked_embedding.token_ordering").
+"masked_embedding.token_ordering"; models.params.TOP_LEVEL, assistant_shapes).
 """
 from __future__ import annotations
 
@@ -16,17 +16,16 @@ from pallas_kernels import DispatchConfig, take_rows
 from .cache import KVCache
 from .config import SLIDING, AssistantConfig, check_fit
 from .layers import apply_rope, attention, linear, mlp, rms_norm, rope_tables
+from .params import assistant_shapes, check_params
 from .target import Target, embed, shared_kv
-
-TOP_LEVEL = ("pre_projection", "post_projection", "lm_head", "masked_embedding.centroids",
-             "masked_embedding.token_ordering")
 
 
 @struct.dataclass
 class Assistant:
+    """Static config and matmul as for Target (`matmul` defaults to `DispatchConfig()`)."""
     config: AssistantConfig = struct.field(pytree_node=False)
     params: dict
-    matmul: DispatchConfig | None = struct.field(pytree_node=False, default=None)
+    matmul: DispatchConfig = struct.field(pytree_node=False, default_factory=DispatchConfig)
 
     @property
     def dtype(self):
@@ -146,6 +145,6 @@ def centroid_logits(assistant: Assistant, hn: jax.Array, head) -> jax.Array:
 
 
 def make_assistant(config: AssistantConfig, params: dict, matmul: DispatchConfig | None = None) -> Assistant:
-    from .checkpoint import assistant_shapes, check_params
+    """Build an Assistant after checking its params against the config (`matmul=None`: DispatchConfig())."""
     check_params(params, assistant_shapes(config), "assistant")
-    return Assistant(config=config, params=params, matmul=matmul)
+    return Assistant(config=config, params=params, matmul=DispatchConfig() if matmul is None else matmul)

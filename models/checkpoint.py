@@ -4,6 +4,11 @@ A checkpoint is a directory with config.json and one or more *.safetensors shard
 name, shape and dtype is checked from the shard headers before any tensor data is read; then the
 tensors are read one at a time from the memory-mapped shards (no second full copy in host memory),
 cast, optionally quantized, and placed on the default device.
+
+Files hold MLX's quantized layout (`weight [N, K*bits/32]` uint32, `scales` / `biases [N, K/g]`);
+models hold the kernels' (`QuantizedWeight`): loading converts with `QuantizedWeight.from_mlx`,
+saving with `to_mlx()`, so a save/load round trip is lossless. The parameter names and shapes a
+config expects come from models.params.
 """
 from __future__ import annotations
 
@@ -19,73 +24,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import QuantizedWeight, for_kernels, quantize
+from pallas_kernels import DispatchConfig, QuantizedWeight, quantize
 from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
+from .assistant import Assistant
 from .config import AssistantConfig, TargetConfig, check_fit
+from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, quant_spec, quantizable, quantize_params,
+                     target_shapes)
+from .target import Target
 
-LINEAR, VECTOR, INDEX = "linear", "vector", "index"  # 2-D weight | float buffer | integer buffer
-BUFFERS = ("layer_scalar", "token_ordering")  # stored without a ".weight" suffix
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.", "language_model.", "")
 _IGNORED_PARTS = {"vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector",
                   "vision_model", "audio_model", "rotary_emb"}
-
-
-# ---- expected parameters ---------------------------------------------------------------------------
-def _stack_shapes(cfg: TargetConfig, q_only: bool) -> dict[str, tuple[tuple[int, ...], str]]:
-    h, out = cfg.hidden_size, {}
-    out["embed_tokens"] = ((cfg.vocab_size, h), LINEAR)
-    out["norm"] = ((h,), VECTOR)
-    if cfg.has_per_layer_inputs:
-        n, pd = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-        out["embed_tokens_per_layer"] = ((cfg.vocab_size_per_layer_input, n * pd), LINEAR)
-        out["per_layer_model_projection"] = ((n * pd, h), LINEAR)
-        out["per_layer_projection_norm"] = ((pd,), VECTOR)
-    for i in range(cfg.num_hidden_layers):
-        pre, hd = f"layers.{i}.", cfg.layer_head_dims[i]
-        nq, nkv, ff = cfg.num_attention_heads, cfg.layer_kv_heads[i], cfg.mlp_width(i)
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
-            out[pre + norm] = ((h,), VECTOR)
-        out[pre + "layer_scalar"] = ((1,), VECTOR)
-        out[pre + "self_attn.q_proj"] = ((nq * hd, h), LINEAR)
-        out[pre + "self_attn.q_norm"] = ((hd,), VECTOR)
-        out[pre + "self_attn.o_proj"] = ((h, nq * hd), LINEAR)
-        if not q_only and not cfg.kv_shared(i):
-            out[pre + "self_attn.k_proj"] = ((nkv * hd, h), LINEAR)
-            out[pre + "self_attn.k_norm"] = ((hd,), VECTOR)
-            if not cfg.k_eq_v(i):
-                out[pre + "self_attn.v_proj"] = ((nkv * hd, h), LINEAR)
-        out[pre + "mlp.gate_proj"] = ((ff, h), LINEAR)
-        out[pre + "mlp.up_proj"] = ((ff, h), LINEAR)
-        out[pre + "mlp.down_proj"] = ((h, ff), LINEAR)
-        if cfg.has_per_layer_inputs:
-            pd = cfg.hidden_size_per_layer_input
-            out[pre + "per_layer_input_gate"] = ((pd, h), LINEAR)
-            out[pre + "per_layer_projection"] = ((h, pd), LINEAR)
-            out[pre + "post_per_layer_input_norm"] = ((h,), VECTOR)
-    return out
-
-
-def target_shapes(cfg: TargetConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (logical shape, kind) of every target parameter."""
-    out = _stack_shapes(cfg, q_only=False)
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = ((cfg.vocab_size, cfg.hidden_size), LINEAR)
-    return out
-
-
-def assistant_shapes(cfg: AssistantConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    a = cfg.text
-    out = _stack_shapes(a, q_only=True)
-    out["pre_projection"] = ((a.hidden_size, 2 * cfg.backbone_hidden_size), LINEAR)
-    out["post_projection"] = ((cfg.backbone_hidden_size, a.hidden_size), LINEAR)
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = ((a.vocab_size, a.hidden_size), LINEAR)
-    if cfg.use_ordered_embeddings:
-        out["masked_embedding.centroids"] = ((cfg.num_centroids, a.hidden_size), LINEAR)
-        out["masked_embedding.token_ordering"] = ((a.vocab_size,), INDEX)
-    return out
 
 
 def _ignorable(name: str, cfg: TargetConfig) -> bool:
@@ -96,28 +48,6 @@ def _ignorable(name: str, cfg: TargetConfig) -> bool:
         return (i < cfg.num_hidden_layers and cfg.kv_shared(i)
                 and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm"))
     return False
-
-
-def check_params(params: dict, shapes: dict, what: str) -> None:
-    """ValueError naming missing / unexpected params and shape mismatches."""
-    if not isinstance(params, dict):
-        raise ValueError(f"{what} params must be a dict, got {type(params).__name__}")
-    missing = sorted(set(shapes) - set(params))
-    unexpected = sorted(set(params) - set(shapes))
-    problems = []
-    if missing:
-        problems.append(f"missing params {missing}")
-    if unexpected:
-        problems.append(f"unexpected params {unexpected}")
-    for name in sorted(set(shapes) & set(params)):
-        want, kind = shapes[name]
-        got = tuple(params[name].shape)
-        if got != tuple(want):
-            problems.append(f"param {name!r} has shape {got}, expected {tuple(want)}")
-        if isinstance(params[name], QuantizedWeight) and kind != LINEAR:
-            problems.append(f"param {name!r} is quantized but only linear/embedding weights may be")
-    if problems:
-        raise ValueError(f"{what} params do not match the config: " + "; ".join(problems))
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -171,8 +101,6 @@ def _module_format(qcfg: dict | None, ckpt_module: str, name: str, n_words: int,
 def _plan(path: str, shapes: dict, qcfg: dict | None, skip) -> tuple[dict, list, int]:
     """Match every tensor of the shards to a param from the headers only. Returns
     (plan: name -> dict(kind, keys, bits, group_size), handles, total bytes)."""
-    from safetensors import safe_open
-
     handles, where = [], {}
     for fn in _shards(path):
         h = safe_open(fn, framework="numpy")
@@ -289,8 +217,12 @@ class _Progress:
 
 
 def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label) -> dict:
+    """Read the planned tensors one at a time. Quantized tensors become QuantizedWeights in the
+    kernels' layout (built from the file's MLX arrays), their scales and biases cast to `dtype`;
+    float ones are cast to `dtype` and, under `quantize_spec`, quantized if they are linear weights
+    whose K is a whole number of groups; integer buffers become int32."""
     plan, handles, total = _plan(path, shapes, qcfg, skip)
-    bits, gs = _quant_spec(quantize_spec)
+    bits, gs = quant_spec(quantize_spec)
     prog = _Progress(total, label, progress)
     params = {}
     for name in sorted(plan):
@@ -300,9 +232,7 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
             w = jnp.asarray(wh.get_tensor(wk))
             s = jnp.asarray(sh.get_tensor(sk)).astype(dtype)
             b = jnp.asarray(bh.get_tensor(bk)).astype(dtype)
-            params[name] = QuantizedWeight(w, s, b, entry["bits"], entry["group_size"])
-            params[name].validate()
-            params[name] = for_kernels(params[name])  # the kernels' layouts, see pallas_kernels
+            params[name] = QuantizedWeight.from_mlx(w, s, b, entry["bits"], entry["group_size"])
             prog.add(w.size * 4 + s.size * 2 + b.size * 2)
             continue
         (key, h), = entry["keys"]
@@ -311,31 +241,22 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
             params[name] = jnp.asarray(host.astype(np.int32))
         else:
             arr = jnp.asarray(host).astype(dtype)
-            if bits and entry["kind"] == LINEAR and arr.shape[-1] % gs == 0:
-                arr = for_kernels(quantize(arr, bits=bits, group_size=gs))
+            if bits and quantizable(arr.shape, entry["kind"], gs):
+                arr = quantize(arr, bits=bits, group_size=gs)
             params[name] = arr
         prog.add(host.size * 4)
         del host
     return params
 
 
-def _quant_spec(spec) -> tuple[int, int]:
-    if spec is None:
-        return 0, 0
-    if not isinstance(spec, dict) or set(spec) - {"bits", "group_size"}:
-        raise ValueError(f"quantize must be None or a dict with 'bits' and 'group_size', got {spec!r}")
-    bits, gs = int(spec.get("bits", 4)), int(spec.get("group_size", 64))
-    if bits not in SUPPORTED_BITS or gs not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"quantize={spec!r}: bits must be in {SUPPORTED_BITS}, group_size in {SUPPORTED_GROUP_SIZES}")
-    return bits, gs
-
-
-def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul=None, progress: bool | None = None):
+def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None,
+                progress: bool | None = None) -> Target:
     """Load a Gemma 4 target (gemma4_text, or the text part of gemma4 / gemma4_unified) from an HF or
     MLX (quantized) checkpoint directory. `quantize={"bits": 4, "group_size": 64}` quantizes float
-    linear/embedding weights on load (weights already quantized in the file are kept as they are)."""
-    from .target import Target
-
+    linear/embedding weights on load (weights already quantized in the file are kept as they are).
+    `matmul=None` resolves to `DispatchConfig.from_env()` here, once: the model then holds that
+    config and nothing later reads the environment."""
+    matmul = DispatchConfig.from_env() if matmul is None else matmul
     d = _read_config(path)
     cfg = TargetConfig.from_dict(d)
     if not cfg.cache_layers:
@@ -346,12 +267,12 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul=None, pr
     return Target(config=cfg, params=params, matmul=matmul)
 
 
-def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul=None, target=None,
-                   progress: bool | None = None):
+def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None,
+                   target=None, progress: bool | None = None) -> Assistant:
     """Load a gemma4_assistant / gemma4_unified_assistant checkpoint. With `target=` (a Target or a
-    TargetConfig) the pairing is checked first (hidden size, vocabulary, head dims, KV heads)."""
-    from .assistant import Assistant
-
+    TargetConfig) the pairing is checked first (hidden size, vocabulary, head dims, KV heads).
+    `quantize` and `matmul` as for `load_target`."""
+    matmul = DispatchConfig.from_env() if matmul is None else matmul
     d = _read_config(path)
     cfg = AssistantConfig.from_dict(d)
     if target is not None:
@@ -364,7 +285,6 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul=None,
 
 # ---- writing -------------------------------------------------------------------------------------
 def _ckpt_module(model, name: str) -> str:
-    from .assistant import TOP_LEVEL, Assistant
     if isinstance(model, Assistant):
         return name if name in TOP_LEVEL else "model." + name
     return name if name == "lm_head" else "model." + name
@@ -376,9 +296,6 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
     `quantization` config (and its `quantization_config` copy) gives the common bits/group_size with
     per-module overrides. HF names ("model." prefix), so `load_target` / `load_assistant` and mlx-lm
     style readers read it back."""
-    from safetensors.numpy import save_file
-
-    from .assistant import Assistant
     cfg = model.config
     d = cfg.to_dict()
     formats: dict[str, tuple[int, int]] = {}
@@ -388,8 +305,8 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
         mod = _ckpt_module(model, name)
         if isinstance(w, QuantizedWeight):
             formats[mod] = (w.bits, w.group_size)
-            scales, biases = w.sb_nk()  # the file keeps MLX's layouts whatever the model stores
-            tensors += [(mod + ".weight", w.words()), (mod + ".scales", scales), (mod + ".biases", biases)]
+            words, scales, biases = w.to_mlx()  # files hold MLX's layout, models the kernels'
+            tensors += [(mod + ".weight", words), (mod + ".scales", scales), (mod + ".biases", biases)]
         elif name.split(".")[-1] in BUFFERS:
             tensors.append((mod, w))
         else:
@@ -432,20 +349,7 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
         json.dump(d, f, indent=1)
 
 
-def quantize_params(params: dict, shapes: dict, *, bits: int = 4, group_size: int = 64) -> dict:
-    """Swap every float linear/embedding leaf whose K is a multiple of group_size for a QuantizedWeight."""
-    _quant_spec({"bits": bits, "group_size": group_size})
-    out = {}
-    for name, w in params.items():
-        kind = shapes.get(name, (None, None))[1]
-        if kind == LINEAR and not isinstance(w, QuantizedWeight) and w.shape[-1] % group_size == 0:
-            w = for_kernels(quantize(w, bits=bits, group_size=group_size))
-        out[name] = w
-    return out
-
-
 def quantize_model(model, *, bits: int = 4, group_size: int = 64):
     """A Target or Assistant with its float linear/embedding weights quantized (a leaf swap)."""
-    from .assistant import Assistant
     shapes = assistant_shapes(model.config) if isinstance(model, Assistant) else target_shapes(model.config)
     return model.replace(params=quantize_params(model.params, shapes, bits=bits, group_size=group_size))

@@ -11,24 +11,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import DispatchConfig, quantized_matmul, quantized_matmul_many
+from pallas_kernels import ROW_TILE, DispatchConfig, quantized_matmul, quantized_matmul_many
 
 from .config import RopeConfig
 
-# Row invariance: up to this many query rows, attention always computes exactly this many, so a
-# [B, 1] decode step and a [B, K] verify see the same dot shapes (XLA picks kernels per shape).
-ROW_BUCKET = 16
 _NEG = float(np.finfo(np.float32).min)  # finite: a fully masked (padding) row stays NaN-free
 
 
-def linear(x: jax.Array, w, matmul: DispatchConfig | None) -> jax.Array:
+def linear(x: jax.Array, w, matmul: DispatchConfig) -> jax.Array:
     """`x @ w.T` for a float `[N, K]` weight or a QuantizedWeight; output in x's dtype."""
     return quantized_matmul(x, w, config=matmul)
 
 
-def linear_many(x: jax.Array, ws, matmul: DispatchConfig | None) -> tuple[jax.Array, ...]:
-    """`linear(x, w)` for each w, in one kernel launch where the dispatch can (the projections that
-    read one x: q/k/v, gate/up; DispatchConfig.fused_launch)."""
+def linear_many(x: jax.Array, ws, matmul: DispatchConfig) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each w of the projections that read one x (q/k/v, gate/up), through
+    `quantized_matmul_many` (one launch where the dispatch can)."""
     return quantized_matmul_many(x, ws, config=matmul)
 
 
@@ -73,7 +70,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rot * sin[:, :, None, :]
 
 
-def mlp(x: jax.Array, gate, up, down, act: str, matmul) -> jax.Array:
+def mlp(x: jax.Array, gate, up, down, act: str, matmul: DispatchConfig) -> jax.Array:
     g, u = linear_many(x, (gate, up), matmul)
     return linear(activation(g, act) * u, down, matmul)
 
@@ -83,12 +80,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
     q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, mask bool `[B, T, C]` (True = visible).
     Returns `[B, T, Hq * D]` in q's dtype. Scores and softmax in float32; the probabilities are cast
-    to v's dtype before the weighted sum (as HF does). T <= ROW_BUCKET is padded to ROW_BUCKET.
+    to v's dtype before the weighted sum (as HF does).
+
+    Row invariance: a block of T < ROW_TILE queries is padded to ROW_TILE (pad rows repeat the last
+    row's mask and are dropped), so a [B, 1] decode step and a [B, K] verify run the same dot
+    shapes (XLA picks kernels and fusions per shape) and each real row gets the same result.
     """
     b, t, hq, d = q.shape
     hkv = k.shape[2]
-    if t < ROW_BUCKET:
-        pad = ROW_BUCKET - t
+    if t < ROW_TILE:
+        pad = ROW_TILE - t
         q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
         mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)), mode="edge")
     tp = q.shape[1]

@@ -7,7 +7,8 @@ speed measurements with random weights, not for loading real checkpoints (those 
 
 `random_model(cfg, key, quantize={"bits": 4, "group_size": 64})` builds quantized weights directly
 (random packed words + random scales/biases), one parameter at a time, so a 12B model never exists
-in float anywhere.
+in float anywhere. `tiny_pair(seed)` is a tiny target + assistant whose random weights are shaped
+so that greedy speculation accepts some drafts and rejects others (smoke tests, the quickstart).
 """
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels import QuantizedWeight, for_kernels
+from pallas_kernels import DispatchConfig, QuantizedWeight
 
-from .checkpoint import INDEX, LINEAR, _quant_spec, assistant_shapes, target_shapes
+from .assistant import Assistant, make_assistant
 from .config import FULL, SLIDING, AssistantConfig, TargetConfig
+from .params import INDEX, LINEAR, assistant_shapes, quant_spec, quantizable, target_shapes
+from .target import Target, make_target
 
 Q4 = {"bits": 4, "group_size": 64}  # read-only default of random_model
 _ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -135,7 +139,8 @@ def assistant_config(name: str) -> AssistantConfig:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _rand_quantized(key, shape, bits, group_size, dtype):
     """Codes uniform over [0, 2^bits), per-group scale ~ 2a/(2^bits - 1) and bias ~ -a (jittered),
-    a = sqrt(3 / K): dequantized weights are roughly uniform on [-a, a] (variance ~1/K)."""
+    a = sqrt(3 / K): dequantized weights are roughly uniform on [-a, a] (variance ~1/K). Drawn in
+    MLX's layout, stored in the kernels' (QuantizedWeight.from_mlx)."""
     n, k = shape
     kw, ks, kb = jax.random.split(key, 3)
     a = math.sqrt(3.0 / k)
@@ -143,7 +148,7 @@ def _rand_quantized(key, shape, bits, group_size, dtype):
     g = k // group_size
     scales = (2 * a / (2 ** bits - 1)) * jax.random.uniform(ks, (n, g), jnp.float32, 0.8, 1.2)
     biases = -a * jax.random.uniform(kb, (n, g), jnp.float32, 0.8, 1.2)
-    return QuantizedWeight(words, scales.astype(dtype), biases.astype(dtype), bits, group_size)
+    return QuantizedWeight.from_mlx(words, scales.astype(dtype), biases.astype(dtype), bits, group_size)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -157,8 +162,10 @@ def _rand_float(key, shape, kind, dtype):
 def random_params(shapes: dict, key, *, dtype=jnp.bfloat16, quantize=None) -> dict:
     """Random params for `shapes` (name -> (shape, kind)). Large models: one jitted call per
     parameter on the device, so peak memory is the params themselves. Small ones (tests): numpy on
-    the host, which avoids compiling dozens of RNG kernels on a CPU-only machine."""
-    bits, gs = _quant_spec(quantize)
+    the host, which avoids compiling dozens of RNG kernels on a CPU-only machine. Either way the
+    result is a function of `key` alone. Linear weights whose K is a whole number of groups are
+    quantized under `quantize`; the rest are float."""
+    bits, gs = quant_spec(quantize)
     dtype = jnp.dtype(dtype)
     names = sorted(shapes)
     if sum(math.prod(shapes[n][0]) for n in names) <= (1 << 24) and not isinstance(key, jax.core.Tracer):
@@ -169,16 +176,15 @@ def random_params(shapes: dict, key, *, dtype=jnp.bfloat16, quantize=None) -> di
         k = jax.random.fold_in(key, j)
         if kind == INDEX:  # token_ordering: a random permutation of the vocabulary
             out[name] = jax.random.permutation(k, shape[0]).astype(jnp.int32)
-        elif kind == LINEAR and bits and shape[-1] % gs == 0:
-            out[name] = for_kernels(_rand_quantized(k, shape, bits, gs, dtype))
+        elif bits and quantizable(shape, kind, gs):
+            out[name] = _rand_quantized(k, shape, bits, gs, dtype)
         else:
             out[name] = _rand_float(k, shape, kind, dtype)
     return out
 
 
 def _random_params_host(shapes, names, key, dtype, bits, gs):
-    """The same distributions as the device path, drawn with numpy (seeded from `key`)."""
-    import numpy as np
+    """The same distributions as the device path, drawn with numpy (seeded from `key`'s data)."""
     raw = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     rng = np.random.default_rng([int(x) for x in np.asarray(raw).astype(np.uint32).ravel()])
     out = {}
@@ -186,14 +192,14 @@ def _random_params_host(shapes, names, key, dtype, bits, gs):
         shape, kind = tuple(shapes[name][0]), shapes[name][1]
         if kind == INDEX:
             out[name] = jnp.asarray(rng.permutation(shape[0]).astype(np.int32))
-        elif kind == LINEAR and bits and shape[-1] % gs == 0:
+        elif bits and quantizable(shape, kind, gs):
             n, k = shape
             a = math.sqrt(3.0 / k)
             words = rng.integers(0, 2 ** 32, size=(n, k * bits // 32), dtype=np.uint32)
             s = (2 * a / (2 ** bits - 1)) * rng.uniform(0.8, 1.2, size=(n, k // gs))
             b = -a * rng.uniform(0.8, 1.2, size=(n, k // gs))
-            out[name] = for_kernels(QuantizedWeight(jnp.asarray(words), jnp.asarray(s, jnp.float32).astype(dtype),
-                                                    jnp.asarray(b, jnp.float32).astype(dtype), bits, gs))
+            out[name] = QuantizedWeight.from_mlx(jnp.asarray(words), jnp.asarray(s, jnp.float32).astype(dtype),
+                                                 jnp.asarray(b, jnp.float32).astype(dtype), bits, gs)
         elif kind == LINEAR:
             a = math.sqrt(3.0 / shape[-1])
             out[name] = jnp.asarray(rng.uniform(-a, a, size=shape), jnp.float32).astype(dtype)
@@ -202,12 +208,12 @@ def _random_params_host(shapes, names, key, dtype, bits, gs):
     return out
 
 
-def random_model(cfg, key, dtype=jnp.bfloat16, quantize=Q4, matmul=None):
+def random_model(cfg, key, dtype=jnp.bfloat16, quantize=Q4, matmul: DispatchConfig | None = None):
     """A Target (for a TargetConfig) or an Assistant (for an AssistantConfig) with random weights,
     quantized directly (the default, `quantize={"bits": 4, "group_size": 64}`: no float copy of a
-    linear weight is ever made); `quantize=None` gives float weights."""
-    from .assistant import Assistant
-    from .target import Target
+    linear weight is ever made); `quantize=None` gives float weights. `matmul=None` resolves to
+    `DispatchConfig.from_env()` here, once (as `load_target` does)."""
+    matmul = DispatchConfig.from_env() if matmul is None else matmul
     if isinstance(cfg, str):
         raise ValueError("random_model takes a config; use presets.target_config(name) / assistant_config(name)")
     if isinstance(cfg, AssistantConfig):
@@ -219,3 +225,47 @@ def random_model(cfg, key, dtype=jnp.bfloat16, quantize=Q4, matmul=None):
         return Target(config=cfg, params=random_params(target_shapes(cfg), key, dtype=dtype, quantize=quantize),
                       matmul=matmul)
     raise ValueError(f"random_model needs a TargetConfig or AssistantConfig, got {type(cfg).__name__}")
+
+
+# ---- a tiny pair that speculates -------------------------------------------------------------------
+def tiny_pair(seed: int = 0, vocab_size: int = 512, context: int = 256, target_layers: int = 2,
+              dtype=jnp.bfloat16, *, matmul: DispatchConfig | None = None) -> tuple[Target, Assistant]:
+    """A tiny random target (`target_layers` layers, the last full-attention, the rest sliding) and a
+    one-layer assistant that fits it, 4-bit with group size 32, for smoke tests and the quickstart.
+
+    Random weights alone make a target that repeats one token and an assistant that never agrees
+    with it, which says nothing about speculation. So the weights are shaped: the target's blocks
+    are damped (post-attention / post-feedforward norms x0.2) and its final norm gets random signs
+    and magnitudes in [0.5, 1.5], so its next token is mostly a function of the current one; the
+    assistant shares the target's embedding table and final norm, and passes the token embedding
+    straight through (pre_projection = [I | small random mix of h_prev], blocks damped x0.03), so it
+    predicts that function often but not always.
+
+    Both configs carry max_position_embeddings=context and pad/eos/bos ids 0/1/2. The result is a
+    function of `seed` alone. `matmul=None` resolves to `DispatchConfig.from_env()`."""
+    if target_layers < 1:
+        raise ValueError(f"target_layers={target_layers} must be >= 1")
+    matmul = DispatchConfig.from_env() if matmul is None else matmul
+    dtype = jnp.dtype(dtype)
+    ids = dict(max_position_embeddings=context, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    td = tiny_target_dict(vocab_size=vocab_size, num_hidden_layers=target_layers,
+                          layer_types=[SLIDING] * (target_layers - 1) + [FULL], **ids)
+    ad = tiny_assistant_dict(td, text=dict(hidden_size=td["hidden_size"], num_hidden_layers=1,
+                                           num_kv_shared_layers=1, layer_types=[FULL], **ids))
+    tcfg, acfg = TargetConfig.from_dict(td), AssistantConfig.from_dict(ad)
+    q = {"bits": 4, "group_size": 32}
+    kt, ka = jax.random.split(jax.random.PRNGKey(seed))
+    rng = np.random.default_rng(seed)  # the shaping's own draws
+    h = tcfg.hidden_size
+    post = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+    tp = random_params(target_shapes(tcfg), kt, dtype=dtype, quantize=q)
+    tp["norm"] = jnp.asarray(rng.choice([-1.0, 1.0], h) * rng.uniform(0.5, 1.5, h), dtype)
+    tp = {name: w * 0.2 if name.endswith(post) else w for name, w in tp.items()}
+
+    ap = random_params(assistant_shapes(acfg), ka, dtype=dtype, quantize=q)
+    ap["embed_tokens"], ap["norm"] = tp["embed_tokens"], tp["norm"]
+    mix = 0.03 * rng.standard_normal((h, h)) / np.sqrt(h)
+    ap["pre_projection"] = jnp.asarray(np.concatenate([np.eye(h), mix], 1), dtype)
+    ap = {name: w * 0.03 if name.endswith(post) else w for name, w in ap.items()}
+    return make_target(tcfg, tp, matmul), make_assistant(acfg, ap, matmul)

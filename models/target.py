@@ -16,13 +16,17 @@ from .cache import KVCache, init_cache, write_rows
 from .config import TargetConfig
 from .layers import (activation, apply_rope, attention, causal_mask, linear, linear_many, mlp, rms_norm,
                      rope_tables, scale_of)
+from .params import check_params, target_shapes
 
 
 @struct.dataclass
 class Target:
+    """config and matmul are static (hashable) fields: a jitted function compiles once per pair.
+    `matmul` is the dispatch every linear of the model uses; `DispatchConfig()` by default (it reads
+    no environment; `load_target` and `presets.random_model` resolve `DispatchConfig.from_env()`)."""
     config: TargetConfig = struct.field(pytree_node=False)
     params: dict
-    matmul: DispatchConfig | None = struct.field(pytree_node=False, default=None)
+    matmul: DispatchConfig = struct.field(pytree_node=False, default_factory=DispatchConfig)
 
     @property
     def dtype(self):
@@ -63,9 +67,10 @@ def row_bucket(target: Target, batch: int) -> int:
     on the H200 a [1, 4] verify differed from four [1, 1] steps by up to 0.9 in the logits, on CPU
     by 1e-6 at B = 1). Computing every forward of T <= bucket tokens at exactly `bucket` tokens
     makes decode and verify one computation, so greedy speculative decoding is bit-exact by
-    construction. The bucket keeps batch * bucket within the multirow matmul window, where extra
-    rows cost no weight traffic (the kernel reads each weight tile once for up to 16 rows)."""
-    mm = target.matmul or DispatchConfig()
+    construction. The bucket keeps batch * bucket within the model's multirow matmul window
+    (`target.matmul.multirow_max_rows`, at most ROW_TILE), where extra rows cost no weight traffic
+    (the kernel reads each weight tile once for all of them); without multirow it is 1."""
+    mm = target.matmul
     window = mm.multirow_max_rows if mm.multirow else 1
     return max(1, window // batch)
 
@@ -208,10 +213,10 @@ def check_tokens(tokens, vocab: int) -> None:
 
 
 def make_target(config: TargetConfig, params: dict, matmul: DispatchConfig | None = None) -> Target:
-    """Build a Target after checking every expected param is present with the right shape."""
-    from .checkpoint import check_params, target_shapes  # avoid an import cycle
+    """Build a Target after checking every expected param is present with the right shape.
+    `matmul=None` gives `DispatchConfig()` (no environment read)."""
     if not config.cache_layers:
         raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
     check_params(params, target_shapes(config), "target")
-    return Target(config=config, params=params, matmul=matmul)
+    return Target(config=config, params=params, matmul=DispatchConfig() if matmul is None else matmul)
 
