@@ -1,7 +1,11 @@
 """Train the default (target, assistant) pair that jaxspec ships and loads when no model is given.
 
-    PYTHONPATH=. python benchmarks/train_default_pair.py --out OUT            # the real run (one H200)
-    PYTHONPATH=. python benchmarks/train_default_pair.py --out OUT --smoke    # tiny, CPU, ~2 minutes
+    python -m jaxspec.default_pair.train --out OUT            # the real run (one H200)
+    python -m jaxspec.default_pair.train --out OUT --smoke    # tiny sizes, CPU, a few minutes
+    python -m jaxspec.default_pair.train --out OUT --eval-only   # re-measure the pair in OUT
+
+OUT then holds the files `jaxspec.default_pair` reads (`load_default_pair(path=OUT)`); copying them
+into the package directory makes them the shipped pair.
 
 Everything is built from text every machine has offline, the Python standard library's own source
 (`sysconfig.get_paths()["stdlib"]`, *.py, test directories and site-packages skipped; files whose
@@ -20,9 +24,10 @@ sha1(relative path) is 0 mod 20 are held out):
    position t+1 (exactly what `models.draft_step` reads after a prefill of t+1 tokens), and learns the
    target's distribution at t+1; steps 1..J-1 get the next (teacher-forced) token and the assistant's
    OWN previous h_next, unrolled, as the loop runs them;
-6. both models quantized, written with `models.save` (MLX layout), reloaded, and measured: held-out
-   perplexity (vs a unigram baseline) and greedy speculative decoding with `jaxspec.generate` at K=4
-   (acceptance, tokens per round, byte parity with classic decoding, speed).
+6. both models quantized, written with `models.save` (MLX layout), reloaded with
+   `load_default_pair(path=OUT)`, and measured: held-out perplexity (vs a unigram baseline) and greedy
+   speculative decoding with `jaxspec.generate` at K=4 (acceptance, tokens per round, byte parity with
+   classic decoding, speed).
 
 Output (`--out`): target/{config.json,model.safetensors}, assistant/{config.json,model.safetensors},
 tokenizer.json, heldout_prompts.json, metrics.json (rewritten after every phase).
@@ -32,6 +37,9 @@ counts. The step counts are calibrated from the measured step time to fit the ti
 --target-steps / --assistant-steps are given; the metrics record them, so passing them back
 reproduces a run (up to GPU reduction order; --deterministic-gpu, on by default, asks XLA for
 deterministic ops when this XLA accepts the flag).
+
+This module is a script: `main()` is the only place that reads or sets the process environment
+(XLA_FLAGS, before the first computation initialises the backend). Importing it computes nothing.
 """
 from __future__ import annotations
 
@@ -48,18 +56,28 @@ import sysconfig
 import time
 import traceback
 
-T_START = time.time()
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tokenizers
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
 
-PAD, EOS, BOS = 0, 1, 2
-SPECIALS = ["<pad>", "<eos>", "<bos>"]
+import jaxspec
+import models
+from jaxspec.loop import DRAFT_POSITION_OFFSET
+from models.config import FULL, SLIDING
+from models.layers import linear
+from models.params import LINEAR
+from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize
+
+from . import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair
+
+T_START = time.time()  # main() restarts it: --deadline counts from there
+SPECIALS = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID}  # the tokenizer's first ids, in this order
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 HELDOUT_MOD = 20
-SLIDING, FULL = "sliding_attention", "full_attention"
-ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 
 
 @dataclasses.dataclass
@@ -135,14 +153,10 @@ class Metrics:
 
 
 def _json_default(o):
-    try:
-        import numpy as np
-        if isinstance(o, np.generic):
-            return o.item()
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-    except ImportError:
-        pass
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
     return str(o)
 
 
@@ -150,16 +164,19 @@ def _json_default(o):
 # XLA determinism flag (probed in a subprocess: an unknown XLA flag aborts the process)
 
 
-def setup_xla_flags(enabled: bool) -> dict:
+def deterministic_xla_flags(enabled: bool, environ) -> tuple[dict, str | None]:
+    """-> (info for metrics.json, the XLA_FLAGS value to run with, or None to leave it as it is).
+    `environ` is the process environment main() passes in; the flag is kept only if a child process
+    with it runs the op kinds training uses."""
     flag = "--xla_gpu_deterministic_ops=true"
     info = {"requested": enabled, "flag": flag, "applied": False}
     if not enabled:
-        return info
-    current = os.environ.get("XLA_FLAGS", "")
+        return info, None
+    current = environ.get("XLA_FLAGS", "")
     if "xla_gpu_deterministic_ops" in current:
         info.update(applied=True, note="already in XLA_FLAGS")
-        return info
-    env = dict(os.environ, XLA_FLAGS=(current + " " + flag).strip())
+        return info, None
+    env = dict(environ, XLA_FLAGS=(current + " " + flag).strip())
     probe = ("import jax, jax.numpy as jnp\n"  # the op kinds training uses: gather/scatter-add, bf16 dots, softmax
              "E = jnp.linspace(-1, 1, 64 * 32, dtype=jnp.float32).reshape(64, 32); ids = jnp.arange(16) % 7\n"
              "f = lambda E: jnp.sum(jax.nn.log_softmax(jax.lax.dot_general(jnp.take(E, ids, 0).astype(jnp.bfloat16), "
@@ -170,14 +187,13 @@ def setup_xla_flags(enabled: bool) -> dict:
     except subprocess.TimeoutExpired:
         log("WARNING: XLA flag probe timed out; running without deterministic GPU ops")
         info["note"] = "probe timed out"
-        return info
+        return info, None
     if r.returncode == 0:
-        os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
         info.update(applied=True, probe=r.stdout.strip())
-    else:
-        log(f"WARNING: this XLA rejects {flag} (rc {r.returncode}); running without it:\n{r.stderr[-800:]}")
-        info["note"] = f"rejected: {r.stderr[-300:]}"
-    return info
+        return info, env["XLA_FLAGS"]
+    log(f"WARNING: this XLA rejects {flag} (rc {r.returncode}); running without it:\n{r.stderr[-800:]}")
+    info["note"] = f"rejected: {r.stderr[-300:]}"
+    return info, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,14 +247,13 @@ def is_heldout(rel: str) -> bool:
 
 
 def train_tokenizer(texts, vocab: int):
-    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
-    tok = Tokenizer(tmodels.BPE())
+    tok = Tokenizer(BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, special_tokens=sorted(SPECIALS, key=SPECIALS.get),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer, length=len(texts))
-    for i, s in enumerate(SPECIALS):
+    for s, i in SPECIALS.items():
         if tok.token_to_id(s) != i:
             raise RuntimeError(f"special token {s!r} got id {tok.token_to_id(s)}, expected {i}")
     if tok.get_vocab_size() > vocab:
@@ -251,30 +266,42 @@ def encode_files(tok, texts):
     return [e.ids for e in tok.encode_batch(texts)]
 
 
+def token_stream(file_ids) -> np.ndarray:
+    """The files' tokens as one int32 stream, <eos> after every file."""
+    return np.concatenate([np.asarray(ids + [EOS_ID], np.int32) for ids in file_ids])
+
+
 # ------------------------------------------------------------------------------------------------
 # Configs
 
 
-def target_dict(s: Sizes) -> dict:
+def _text_dict(s: Sizes, **fields) -> dict:
+    """A gemma4_text config dict: the target's sizes and choices, `fields` replacing some. Softcapped
+    logits, tied embeddings, no per-layer inputs; every field not set here (RoPE: theta 1e4 on sliding
+    layers, proportional with theta 1e6 and a quarter of the dims rotated on full layers; RMSNorm eps
+    1e-6; tanh GELU; K != V; no KV sharing) takes models.TargetConfig's Gemma 4 defaults."""
+    d = dict(model_type="gemma4_text", vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn,
+             num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+             head_dim=s.head_dim, global_head_dim=s.global_head_dim, sliding_window=s.window,
+             final_logit_softcapping=30.0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    d.update(fields)
+    return d
+
+
+def target_config(s: Sizes) -> models.TargetConfig:
+    """Every `full_every`-th layer and the last one full attention, the others sliding."""
     types = [FULL if (i + 1) % s.full_every == 0 or i == s.layers - 1 else SLIDING for i in range(s.layers)]
-    return dict(model_type="gemma4_text", vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn,
-                num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                head_dim=s.head_dim, global_head_dim=s.global_head_dim, num_global_key_value_heads=None,
-                attention_k_eq_v=False, layer_types=types, sliding_window=s.window, rope_parameters=ROPE,
-                rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0,
-                tie_word_embeddings=True, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
-                vocab_size_per_layer_input=0, use_double_wide_mlp=False, enable_moe_block=False,
-                attention_bias=False)
+    return models.TargetConfig.from_dict(_text_dict(s, layer_types=types))
 
 
-def assistant_dict(s: Sizes) -> dict:
-    types = [SLIDING] * (s.a_layers - 1) + [FULL]
-    text = dict(target_dict(s), hidden_size=s.a_hidden, intermediate_size=s.a_ffn, num_hidden_layers=s.a_layers,
-                num_attention_heads=s.a_heads, layer_types=types, num_kv_shared_layers=s.a_layers,
-                final_logit_softcapping=None)
-    return dict(model_type="gemma4_assistant", text_config=text, backbone_hidden_size=s.hidden,
-                use_ordered_embeddings=False, num_centroids=2048, centroid_intermediate_top_k=32,
-                tie_word_embeddings=True)
+def assistant_config(s: Sizes) -> models.AssistantConfig:
+    """a_layers Q-only layers (sliding, then one full) over the target's K/V with the target's head
+    geometry; no softcap; a tied plain head (no ordered-embeddings centroids)."""
+    text = _text_dict(s, hidden_size=s.a_hidden, intermediate_size=s.a_ffn, num_hidden_layers=s.a_layers,
+                      num_attention_heads=s.a_heads, layer_types=[SLIDING] * (s.a_layers - 1) + [FULL],
+                      num_kv_shared_layers=s.a_layers, final_logit_softcapping=None)
+    return models.AssistantConfig.from_dict(dict(model_type="gemma4_assistant", text_config=text,
+                                                 backbone_hidden_size=s.hidden, use_ordered_embeddings=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,7 +309,7 @@ def assistant_dict(s: Sizes) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxspec.default_pair.train", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and budgets (CPU check of the whole script)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -332,12 +359,10 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# JAX parts (imported after the XLA flags are set)
+# Model pieces for training (the `models` code, batched over every position of a window)
 
 
 def to_dtype(tree, dtype):
-    import jax
-    import jax.numpy as jnp
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
@@ -346,9 +371,6 @@ def init_params(shapes: dict, key, n_layers: int) -> dict:
     embedding ~ N(0, 0.02^2) (with a tied head a larger table makes the current token's own logit huge);
     norms 1, except q/k norms = head_dim^-1/4 (attention has scale 1.0: unit-variance logits at init) and
     the post-attention / post-FFN norms = (2 L)^-1/2 (each block starts as a small residual update)."""
-    import jax
-    import jax.numpy as jnp
-    from models.checkpoint import LINEAR
     params = {}
     for j, name in enumerate(sorted(shapes)):
         shape, kind = shapes[name]
@@ -366,8 +388,8 @@ def init_params(shapes: dict, key, n_layers: int) -> dict:
 
 
 def make_tx(weight_decay: float, params: dict):
-    import jax
-    import optax
+    """AdamW's update direction (b2 0.95, global-norm clip 1, decay on 2-D weights only); the learning
+    rate is applied by the step, so the schedule can be calibrated after the step count is known."""
     mask = jax.tree.map(lambda p: p.ndim == 2, params)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
                        optax.add_decayed_weights(weight_decay, mask))
@@ -383,21 +405,17 @@ def lr_at(step: int, total: int, peak: float, warmup: int, final_frac: float = 0
 
 
 def sample_windows(data, key, n: int, length: int):
-    import jax
     starts = jax.random.randint(key, (n,), 0, data.shape[0] - length + 1)
     return jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (length,)))(starts)
 
 
 def token_nll(logits, labels):
-    import jax
-    import jax.numpy as jnp
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(lp, labels[..., None], axis=-1)[..., 0]
 
 
 def target_logits(tcfg, params, tokens, dtype):
-    """Cache-free causal scoring through models.forward (the shipped architecture code)."""
-    import models
+    """Cache-free causal scoring through models.forward -> (logits, post-norm hidden, cache)."""
     t = models.Target(config=tcfg, params=to_dtype(params, dtype))
     cache = models.init_cache(tcfg, tokens.shape[0], tokens.shape[1], dtype)
     return models.forward(t, tokens, cache)
@@ -405,45 +423,29 @@ def target_logits(tcfg, params, tokens, dtype):
 
 def assistant_forward(acfg, tcfg, ap: dict, teacher_params: dict, tok, h_prev, kv: dict, lengths, position):
     """`models.draft_step` for many queries at once: tok [B, Q] (embedded with the target's table),
-    h_prev [B, Q, H_target], kv {layer type: (k, v) [B, C, kv, hd]} from the target's cache, lengths [B, Q]
-    (the committed cache length each query sees, models.visible_keys), position [B, Q] (RoPE).
+    h_prev [B, Q, H_target], kv `models.shared_kv` of the target's cache, lengths [B, Q] (the committed
+    cache length each query sees, models.visible_keys), position [B, Q] (RoPE).
     Returns (logits f32 [B, Q, V], h_next [B, Q, H_target]). The layers are models.assistant_stack, the
-    code draft_step runs; the script still checks the two agree before training."""
-    import jax.numpy as jnp
-    import models
-    from models.layers import linear
+    code draft_step runs, then draft_step's plain head (assistant_config has no ordered embeddings);
+    self_check compares the two before training."""
     assistant = models.Assistant(config=acfg, params=ap)
     teacher = models.Target(config=tcfg, params=teacher_params)
     hn = models.assistant_stack(assistant, teacher, tok, h_prev, kv, lengths, position)
     head = ap["embed_tokens"] if acfg.tie_word_embeddings else ap["lm_head"]
-    return linear(hn, head, None).astype(jnp.float32), linear(hn, ap["post_projection"], None)
-
-
-def draft_position_offset() -> int:
-    """The loop's query position relative to the cache length (0: HF's convention)."""
-    try:
-        from jaxspec.loop import DRAFT_POSITION_OFFSET
-        return int(DRAFT_POSITION_OFFSET)
-    except ImportError:
-        return 0
-
-
-def teacher_kv(tcfg, cache) -> dict:
-    return {lt: (cache.k[tcfg.cache_slot(tcfg.store_layer(lt))], cache.v[tcfg.cache_slot(tcfg.store_layer(lt))])
-            for lt in (SLIDING, FULL) if tcfg.store_layer(lt) is not None}
+    mm = assistant.matmul
+    return linear(hn, head, mm).astype(jnp.float32), linear(hn, ap["post_projection"], mm)
 
 
 def unrolled_drafts(acfg, tcfg, ap, teacher_params, tokens, hidden, cache, steps: int):
     """Teacher-forced, unrolled draft steps over every position t of `tokens` [B, S] whose labels exist:
     queries t = 0..S-1-steps see keys < t+1; step j reads token t+1+j and (j = 0) the target hidden at t
     or (j > 0) its own previous h_next, and predicts what the target predicts at t+1+j.
-    Returns [(logits [B, Q, V], label index slice start)] per step."""
-    import jax.numpy as jnp
+    Returns one logits array [B, S - steps, V] per step."""
     b, s = tokens.shape
     q = s - steps
     lengths = jnp.broadcast_to(jnp.arange(1, q + 1, dtype=jnp.int32)[None], (b, q))
-    position = lengths + draft_position_offset()
-    kv = teacher_kv(tcfg, cache)
+    position = lengths + DRAFT_POSITION_OFFSET  # the loop's query position for a cache of `lengths`
+    kv = models.shared_kv(tcfg, cache)
     h = hidden[:, :q]
     outs = []
     for j in range(steps):
@@ -457,9 +459,6 @@ def unrolled_drafts(acfg, tcfg, ap, teacher_params, tokens, hidden, cache, steps
 def self_check(acfg, tcfg, ap32, teacher32, seq_tokens, steps: int) -> float:
     """Max |logit diff| between assistant_forward (batched, as trained) and models.draft_step (as the
     loop runs it) over `steps` chained draft steps at a few positions, float32."""
-    import jax
-    import jax.numpy as jnp
-    import models
     tokens = jnp.asarray(seq_tokens, jnp.int32)[None]
     s = tokens.shape[1]
     _, hidden, cache = jax.jit(lambda p, x: target_logits(tcfg, p, x, jnp.float32))(teacher32, tokens)
@@ -472,7 +471,7 @@ def self_check(acfg, tcfg, ap32, teacher32, seq_tokens, steps: int) -> float:
     worst = 0.0
     for t in sorted({0, q // 2, q - 1}):
         c = cache.replace(lengths=jnp.asarray([t + 1], jnp.int32))
-        pos = jnp.asarray([t + 1 + draft_position_offset()], jnp.int32)
+        pos = jnp.asarray([t + 1 + DRAFT_POSITION_OFFSET], jnp.int32)
         h = hidden[:, t]
         for j in range(steps):
             lg, h = draft(assistant, target, c, tokens[:, t + 1 + j], h, pos)
@@ -553,7 +552,6 @@ def run_phase(name, step_call, *, budget_s, end_by, max_steps, fixed_steps, peak
 
 
 def jax_list(x):
-    import numpy as np
     return [float(v) for v in np.asarray(x).reshape(-1)]
 
 
@@ -562,6 +560,8 @@ def jax_list(x):
 
 
 def main(argv=None) -> int:
+    global T_START
+    T_START = time.time()
     args = parse_args(argv)
     sizes = dataclasses.replace(PRESETS[args.preset or ("smoke" if args.smoke else "full")])
     if args.batch:
@@ -575,20 +575,14 @@ def main(argv=None) -> int:
         return eval_only(args)
     os.makedirs(args.out, exist_ok=True)
     metrics = Metrics(os.path.join(args.out, "metrics.json"))
-    metrics.set("script", "benchmarks/train_default_pair.py")
+    metrics.set("script", "jaxspec.default_pair.train")
     metrics.set("argv", sys.argv[1:] if argv is None else list(argv))
     metrics.set("args", vars(args))
     metrics.set("sizes", dataclasses.asdict(sizes))
-    metrics.set("xla_deterministic_ops", setup_xla_flags(args.deterministic_gpu))
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    import tokenizers
-
-    import models
-    from pallas_kernels import QuantizedWeight, dequantize
+    xla_info, xla_flags = deterministic_xla_flags(args.deterministic_gpu, os.environ)
+    if xla_flags is not None:  # the backend is not initialised yet: nothing has computed
+        os.environ["XLA_FLAGS"] = xla_flags
+    metrics.set("xla_deterministic_ops", xla_info)
 
     on_gpu = jax.default_backend() == "gpu"
     metrics.set("versions", dict(python=platform.python_version(), jax=jax.__version__, optax=optax.__version__,
@@ -612,14 +606,13 @@ def main(argv=None) -> int:
     t = time.time()
     train_ids = encode_files(tok, [x for _, x in train_files])
     held_ids = encode_files(tok, [x for _, x in held_files])
-    train_data = np.concatenate([np.asarray(ids + [EOS], np.int32) for ids in train_ids])
-    held_data = np.concatenate([np.asarray(ids + [EOS], np.int32) for ids in held_ids])
+    train_data, held_data = token_stream(train_ids), token_stream(held_ids)
     corpus.update(train_tokens=int(train_data.size), heldout_tokens=int(held_data.size),
                   bytes_per_token=round(corpus["train_bytes"] / max(1, train_data.size), 3),
-                  file_separator="<eos> (id 1) after every file")
+                  file_separator=f"<eos> (id {EOS_ID}) after every file")
     metrics.set("corpus", corpus)
     metrics.set("tokenizer", dict(type="byte-level BPE (tokenizers)", vocab_size=tok.get_vocab_size(),
-                                  special_tokens={s: i for i, s in enumerate(SPECIALS)},
+                                  special_tokens=SPECIALS,
                                   trained_on="the training files", seconds=timings["tokenizer"]))
     phase_done("encode", t)
     log(f"tokens: train {train_data.size:,}, held-out {held_data.size:,} "
@@ -634,8 +627,7 @@ def main(argv=None) -> int:
                   f, indent=1)
 
     # ---- target -------------------------------------------------------------------------------
-    tcfg = models.TargetConfig.from_dict(target_dict(sizes))
-    acfg = models.AssistantConfig.from_dict(assistant_dict(sizes))
+    tcfg, acfg = target_config(sizes), assistant_config(sizes)
     models.check_fit(acfg, tcfg)
     tshapes, ashapes = models.target_shapes(tcfg), models.assistant_shapes(acfg)
     n_t = sum(math.prod(s) for s, _ in tshapes.values())
@@ -720,7 +712,8 @@ def main(argv=None) -> int:
     n_new = seq - gp
 
     @jax.jit
-    def greedy(tp, prompt):
+    def greedy(tp, prompt):  # one compiled loop per batch of training windows; no EOS stop
+
         tgt = models.Target(config=tcfg, params=tp)
         b = prompt.shape[0]
         cache = models.init_cache(tcfg, b, seq, cdt)
@@ -857,9 +850,6 @@ def main(argv=None) -> int:
 def eval_only(args) -> int:
     """Re-run the evaluation of the pair in args.out (its tokenizer, sizes and held-out prompts)."""
     metrics = Metrics(os.path.join(args.out, "metrics.json"), keep=True)
-    import jax
-    import numpy as np
-    from tokenizers import Tokenizer
     sizes = dataclasses.replace(PRESETS[args.preset or ("smoke" if args.smoke else "full")])
     for k, v in metrics.d.get("sizes", {}).items():
         if hasattr(sizes, k):
@@ -869,10 +859,9 @@ def eval_only(args) -> int:
             setattr(sizes, name, getattr(args, name))
     tok = Tokenizer.from_file(os.path.join(args.out, "tokenizer.json"))
     train_files, held_files, corpus = find_corpus(args.max_files)
-    train_data = np.concatenate([np.asarray(ids + [EOS], np.int32) for ids in encode_files(tok, [x for _, x in train_files])])
-    held_data = np.concatenate([np.asarray(ids + [EOS], np.int32) for ids in encode_files(tok, [x for _, x in held_files])])
-    with open(os.path.join(args.out, "heldout_prompts.json")) as f:
-        prompts = json.load(f)["prompts"][:sizes.n_prompts]
+    train_data = token_stream(encode_files(tok, [x for _, x in train_files]))
+    held_data = token_stream(encode_files(tok, [x for _, x in held_files]))
+    prompts = heldout_prompts(args.out)[:sizes.n_prompts]
     log(f"eval-only on {jax.devices()[0]}: {args.out}, corpus {corpus['n_train_files']}/{corpus['n_heldout_files']} "
         f"files from {corpus['stdlib']} (Python {corpus['python']})")
     metrics.set("eval_only_corpus", {k: corpus[k] for k in ("stdlib", "python", "files_sha256")})
@@ -883,7 +872,7 @@ def eval_only(args) -> int:
 
 
 def eval_windows(data, length: int, n: int | None):
-    import numpy as np
+    """Consecutive windows of `length` tokens overlapping by one (each token is a label once), at most n."""
     m = (data.size - 1) // (length - 1)
     if n is not None:
         m = min(m, n)
@@ -893,7 +882,6 @@ def eval_windows(data, length: int, n: int | None):
 def pick_prompts(tok, held_files, held_ids, sizes, seed):
     """Deterministic held-out prompts: from files with enough tokens (in a seeded order), the window of
     prompt_tokens that starts after the first bare newline token at or after a third of the file."""
-    import numpy as np
     order = np.random.default_rng(seed).permutation(len(held_files))
     out = []
     p = sizes.prompt_tokens
@@ -913,16 +901,9 @@ def pick_prompts(tok, held_files, held_ids, sizes, seed):
     return out
 
 
-def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, args_bytes_per_token) -> list:
-    """Reload the saved pair and measure it. Each part records an error (and prints its traceback)
-    instead of stopping the others. Returns the list of errors."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import models
-    from pallas_kernels import DispatchConfig
-
+def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, bytes_per_token) -> list:
+    """Reload the saved pair (as jaxspec.default_pair loads it) and measure it. Each part records an
+    error (and prints its traceback) instead of stopping the others. Returns the list of errors."""
     errors = []
     ev = {}
     xla = DispatchConfig(backend="xla")
@@ -945,10 +926,7 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
     loaded = {}
 
     def load():
-        tgt = models.load_target(os.path.join(args.out, "target"), dtype=dtype)
-        ast = models.load_assistant(os.path.join(args.out, "assistant"), dtype=dtype, target=tgt)
-        if not on_gpu:
-            tgt, ast = tgt.replace(matmul=xla), ast.replace(matmul=xla)
+        tgt, ast, _ = load_default_pair(dtype, matmul=None if on_gpu else xla, path=args.out)
         loaded.update(target=tgt, assistant=ast)
         return dict(dtype=str(jnp.dtype(dtype)), matmul="pallas (default)" if on_gpu else "xla")
 
@@ -978,19 +956,18 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
         return dict(heldout_tokens_scored=int(n), windows=int(len(windows)), window=seq,
                     unigram_ppl=round(math.exp(uni), 2), target_q4_ppl=round(math.exp(q_sum / n), 3),
                     target_q4_nll=round(q_sum / n, 4), unigram_nll=round(uni, 4),
-                    approx_bits_per_byte=round(q_sum / n / math.log(2) / args_bytes_per_token, 4),
+                    approx_bits_per_byte=round(q_sum / n / math.log(2) / bytes_per_token, 4),
                     note=("the saved 4-bit target, reloaded, XLA matmul path; unigram: add-one smoothed "
                           "training-token frequencies; float-vs-4-bit on the training-time held-out windows: "
                           "target_training.best_heldout_loss / quantized_heldout_loss"))
 
     def speculative():
-        import jaxspec
         tgt, ast = loaded["target"], loaded["assistant"]
         n_new = sizes.eval_new_tokens
         rows = [p["ids"] for p in prompts]
         # warm-up (compiles both modes and the exactness probe; not timed)
-        jaxspec.generate(tgt, rows[0], max_new_tokens=n_new, block_size=1, eos_token_ids=[EOS])
-        jaxspec.generate(tgt, rows[0], assistant=ast, max_new_tokens=n_new, block_size=4, eos_token_ids=[EOS])
+        jaxspec.generate(tgt, rows[0], max_new_tokens=n_new, block_size=1, eos_token_ids=[EOS_ID])
+        jaxspec.generate(tgt, rows[0], assistant=ast, max_new_tokens=n_new, block_size=4, eos_token_ids=[EOS_ID])
         res = dict(block_size=4, batch=1, new_tokens_per_prompt=n_new, prompts=len(rows), per_prompt=[])
         tot = dict(drafted=0, accepted=0, row_rounds=0, new=0, cls_s=0.0, spec_s=0.0, identical=0, ids_equal=0)
         hist = np.zeros(4, np.int64)
@@ -999,12 +976,12 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
             if time.time() - T_START > hard_limit - 10:
                 res["stopped_early"] = f"time limit after {i} prompts"
                 break
-            c = jaxspec.generate(tgt, r, max_new_tokens=n_new, block_size=1, eos_token_ids=[EOS])
-            s = jaxspec.generate(tgt, r, assistant=ast, max_new_tokens=n_new, block_size=4, eos_token_ids=[EOS])
+            c = jaxspec.generate(tgt, r, max_new_tokens=n_new, block_size=1, eos_token_ids=[EOS_ID])
+            s = jaxspec.generate(tgt, r, assistant=ast, max_new_tokens=n_new, block_size=4, eos_token_ids=[EOS_ID])
             if s.stats.mode == "classic":  # the probe dropped speculation (not merely a smaller K)
                 fallback = s.stats.fallback
                 s = jaxspec.generate(tgt, r, assistant=ast, max_new_tokens=n_new, block_size=4,
-                                     eos_token_ids=[EOS], exactness_probe=False)
+                                     eos_token_ids=[EOS_ID], exactness_probe=False)
             ct, st = c.tokens[0], s.tokens[0]
             same_bytes = tok.decode(ct).encode() == tok.decode(st).encode()
             tot["identical"] += int(same_bytes)
