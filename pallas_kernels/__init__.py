@@ -8,9 +8,9 @@ weight tile read once for all rows), more -> qmm (the tiled kernel; from `Dispat
 rows dequantize + XLA's dense dot). See `select_path`, `DispatchConfig`.
 This package knows nothing about models.
 """
-from .config import DispatchConfig, select_path
+from .config import ROW_TILE, DispatchConfig, select_path
 from .dispatch import quantized_matmul, quantized_matmul_many
-from .quant import QuantizedWeight, dequantize, for_kernels, quantize, take_rows, with_sb_layout, with_w_layout
+from .quant import QuantizedWeight, dequantize, quantize, take_rows
 
-__all__ = ["DispatchConfig", "QuantizedWeight", "dequantize", "for_kernels", "quantize", "quantized_matmul",
-           "quantized_matmul_many", "select_path", "take_rows", "with_sb_layout", "with_w_layout"]
+__all__ = ["ROW_TILE", "DispatchConfig", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
+           "quantized_matmul_many", "select_path", "take_rows"]
