@@ -11,9 +11,9 @@ from safetensors.numpy import save_file
 
 import models
 from models import presets
-from models.checkpoint import LINEAR
 from models.config import FULL, SLIDING
-from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize, with_sb_layout, with_w_layout
+from models.params import LINEAR
+from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize
 
 mx = pytest.importorskip("mlx.core")
 
@@ -28,6 +28,11 @@ logits = jax.jit(models.logits)
 
 def float_target(seed=0):
     return presets.random_model(CFG, jax.random.PRNGKey(seed), dtype=jnp.float32, quantize=None, matmul=XLA)
+
+
+def host(a):
+    """A float array as float32 (bf16 values are exact in it), any other (packed words, ids) as it is."""
+    return np.asarray(a, np.float32) if jnp.issubdtype(a.dtype, jnp.floating) else np.asarray(a)
 
 
 def rel_err(a, b):
@@ -86,8 +91,7 @@ def test_mlx_written_checkpoint_loads_and_matches(tmp_path):
     assert rel_err(logits(t, IDS), logits(ref, IDS)) < 1e-5
 
 
-def test_quantize_on_load_matches_mlx_quantize(tmp_path, monkeypatch):
-    monkeypatch.delenv("JAXSPEC_W_LAYOUT", raising=False)  # the default layouts
+def test_quantize_on_load_matches_mlx_quantize(tmp_path):
     t = float_target(1)
     models.save(t, str(tmp_path / "f"))
     q = models.load_target(str(tmp_path / "f"), dtype=jnp.bfloat16, quantize={"bits": 4, "group_size": 32})
@@ -95,17 +99,17 @@ def test_quantize_on_load_matches_mlx_quantize(tmp_path, monkeypatch):
         w = q.params[name]
         assert isinstance(w, QuantizedWeight)
         wq, s, b = mx.quantize(to_mx(t.params[name]), group_size=32, bits=4)
-        np.testing.assert_array_equal(np.asarray(w.words()), np.array(wq), err_msg=name)
-        # stored as the kernels read them (tiles where N is a multiple of 64); the values are MLX's
-        assert w.sb_layout == "kn" and w.w_layout == ("tiles" if w.shape[0] % 64 == 0 else "rows")
-        ws, wb = w.sb_nk()
+        ww, ws, wb = w.to_mlx()
+        np.testing.assert_array_equal(np.asarray(ww), np.array(wq), err_msg=name)
+        # stored as the kernels read them (64-row tiles per group, [K/g, N] scales); the values are MLX's
+        n, k = w.shape
+        assert w.weight.shape == (-(-n // 64), k // 32, 64, 4) and w.scales.shape == (k // 32, n), name
         np.testing.assert_array_equal(np.asarray(ws, np.float32), np.array(s.astype(mx.float32)))
         np.testing.assert_array_equal(np.asarray(wb, np.float32), np.array(b.astype(mx.float32)))
     assert not isinstance(q.params["norm"], QuantizedWeight) and q.params["norm"].dtype == jnp.bfloat16
 
 
-def test_save_load_round_trip_quantized_target_and_assistant(tmp_path, monkeypatch):
-    monkeypatch.delenv("JAXSPEC_W_LAYOUT", raising=False)  # the default layouts
+def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
     t = presets.random_model(CFG, jax.random.PRNGKey(2), dtype=jnp.bfloat16,
                              quantize={"bits": 4, "group_size": 32}, matmul=XLA)
     down8 = quantize(float_target(3).params["layers.0.mlp.down_proj"].astype(jnp.bfloat16), bits=8, group_size=64)
@@ -116,12 +120,14 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path, monkeypat
     assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.layers.0.mlp.down_proj"]["bits"] == 8
     t2 = models.load_target(str(tmp_path / "t"), dtype=jnp.bfloat16, matmul=XLA)
     assert t2.config == t.config and set(t2.params) == set(t.params)
-    down = t2.params["layers.0.mlp.down_proj"]  # loaded in the kernels' layouts (N = 64: tiles)
-    assert (down.sb_layout, down.w_layout) == ("kn", "tiles")
-    mlx = lambda w: with_w_layout(with_sb_layout(w, "nk"), "rows") if isinstance(w, QuantizedWeight) else w
+    down = t2.params["layers.0.mlp.down_proj"]  # loaded in the kernels' layout, its own format
+    assert (down.bits, down.group_size) == (8, 64) and down.weight.shape == (1, 2, 64, 16)
+    mlx = lambda w: w.to_mlx() if isinstance(w, QuantizedWeight) else (w,)
     for name, w in t.params.items():
-        for a, b in zip(jax.tree.leaves(mlx(w)), jax.tree.leaves(mlx(t2.params[name]))):
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+        assert type(w) is type(t2.params[name]), name
+        for a, b in zip(mlx(w), mlx(t2.params[name]), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(host(a), host(b), err_msg=name)
     # MLX reads the written format: its dequantize equals ours
     arrays = {}
     for f in os.listdir(tmp_path / "t"):
@@ -138,8 +144,35 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path, monkeypat
     a2 = models.load_assistant(str(tmp_path / "a"), dtype=jnp.bfloat16, target=t2)
     assert a2.config == a.config and a2.params["masked_embedding.token_ordering"].dtype == jnp.int32
     for name, w in a.params.items():
-        for x, y in zip(jax.tree.leaves(w), jax.tree.leaves(a2.params[name])):
-            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), err_msg=name)
+        for x, y in zip(mlx(w), mlx(a2.params[name]), strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            np.testing.assert_array_equal(host(x), host(y), err_msg=name)
+
+
+def test_loading_resolves_the_dispatch_env_once(tmp_path, monkeypatch):
+    """load_target / load_assistant / random_model read DispatchConfig.from_env() when matmul is not
+    given, at load; a model built directly holds DispatchConfig() whatever the environment says, and
+    row_bucket follows the model's own config."""
+    t = float_target(7)
+    models.save(t, str(tmp_path / "t"))
+    acfg = models.AssistantConfig.from_dict(presets.tiny_assistant_dict(TDICT))
+    a = presets.random_model(acfg, jax.random.PRNGKey(8), dtype=jnp.float32, quantize=None, matmul=XLA)
+    models.save(a, str(tmp_path / "a"))
+    monkeypatch.setenv("JAXSPEC_QMV_MULTIROW_MAX_ROWS", "4")
+    t2 = models.load_target(str(tmp_path / "t"), dtype=jnp.float32)
+    a2 = models.load_assistant(str(tmp_path / "a"), dtype=jnp.float32)
+    r = presets.random_model(CFG, jax.random.PRNGKey(0), dtype=jnp.float32, quantize=None)
+    for m in (t2, a2, r):
+        assert m.matmul == DispatchConfig.from_env() and m.matmul.multirow_max_rows == 4
+    assert models.row_bucket(t2, 1) == 4 and models.row_bucket(t2, 2) == 2
+    direct = [models.Target(config=CFG, params=t2.params), models.make_target(CFG, t2.params),
+              models.Assistant(config=acfg, params=a2.params), models.make_assistant(acfg, a2.params)]
+    for m in direct:
+        assert m.matmul == DispatchConfig() and m.matmul.multirow_max_rows == 8
+    assert models.row_bucket(direct[0], 1) == 8
+    assert models.load_target(str(tmp_path / "t"), dtype=jnp.float32, matmul=XLA).matmul is XLA
+    monkeypatch.setenv("JAXSPEC_QMV_MULTIROW_MAX_ROWS", "2")  # read at load only
+    assert t2.matmul.multirow_max_rows == 4 and models.row_bucket(t2, 1) == 4
 
 
 # ---- bad input -------------------------------------------------------------------------------------
