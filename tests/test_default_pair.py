@@ -1,14 +1,27 @@
-"""The shipped default pair (jaxspec/default_pair, trained by benchmarks/train_default_pair.py).
+"""The shipped default pair (jaxspec/default_pair, trained by jaxspec.default_pair.train).
 
-Skipped when the pair is not installed. Otherwise, on CPU: it loads (4-bit MLX layout, within the size
-budget, assistant fits the target), and on held-out prompts shipped with it greedy speculative decoding
-at K=4 is byte-identical to classic decoding and accepts at least MIN_ACCEPTANCE of the drafts: a
-regression guard with a margin below what the shipped pair measures (docs/default-pair.md).
+The loader: `path=None` is the package directory, any other directory with the same files is read
+instead, a missing pair raises an error naming the files and the training command, and importing the
+loader does not import the training recipe. Skipped when the pair is not installed, otherwise on CPU:
+it loads (4-bit MLX layout, within the size budget, assistant fits the target), the recipe's configs
+are the shipped ones, and on held-out prompts shipped with it greedy speculative decoding at K=4 is
+byte-identical to classic decoding and accepts at least MIN_ACCEPTANCE of the drafts: a regression
+guard with a margin below what the shipped pair measures (docs/default-pair.md).
+
+The recipe: its batched training forward of the assistant agrees with models.draft_step, and (slow)
+a tiny end-to-end run writes a pair that load_default_pair(path=OUT) loads and that decodes
+speculatively exactly as classically.
 """
+import dataclasses
 import functools
+import json
 import os
+import subprocess
+import sys
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxspec
@@ -32,7 +45,8 @@ MIN_TARGET_PARAMS = 30e6    # the issue's "at least ~30M parameters" (shipped: 3
 needs_pair = pytest.mark.skipif(
     not dp.default_pair_available(),
     reason=(f"default pair not installed at {dp.default_pair_path()} (missing {dp.missing_files()}); "
-            f"train it with `{dp.TRAIN_COMMAND}` and copy OUT there, or set ${dp.PAIR_ENV}"))
+            f"train it with `{dp.TRAIN_COMMAND}` and copy OUT there"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,9 +55,39 @@ def pair():
 
 
 def test_missing_pair_raises_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="target/config.json"):
+    with pytest.raises(FileNotFoundError, match="target/config.json") as e:
         dp.load_default_pair(path=str(tmp_path))
+    assert "python -m jaxspec.default_pair.train --out OUT" in str(e.value)
     assert not dp.default_pair_available(str(tmp_path))
+    assert dp.missing_files(str(tmp_path)) == list(dp.REQUIRED)
+
+
+def test_path_selects_the_directory(tmp_path):
+    """path=None is the package's own directory; another path is read instead of it."""
+    assert dp.default_pair_path() == os.path.dirname(os.path.abspath(dp.__file__))
+    for f in dp.REQUIRED:
+        os.makedirs(os.path.dirname(tmp_path / f), exist_ok=True)
+        (tmp_path / f).write_bytes(b"")
+    rng = np.random.default_rng()
+    prompts = [dict(file=f"f{i}.py", offset=int(rng.integers(1000)), ids=rng.integers(0, 99, 5).tolist(), text="x")
+               for i in range(3)]
+    metrics = {"marker": float(rng.random())}
+    (tmp_path / "heldout_prompts.json").write_text(json.dumps({"prompts": prompts}))
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    assert dp.default_pair_available(tmp_path) and dp.missing_files(str(tmp_path)) == []
+    assert dp.heldout_prompts(str(tmp_path)) == prompts
+    assert dp.default_pair_metrics(str(tmp_path)) == metrics
+    os.remove(tmp_path / "assistant" / "model.safetensors")
+    assert dp.missing_files(str(tmp_path)) == ["assistant/model.safetensors"]
+
+
+def test_loader_does_not_import_the_recipe():
+    code = ("import sys, jaxspec.default_pair as dp; dp.default_pair_available(); "
+            "print(sorted(m for m in sys.modules if m == 'optax' or m.startswith('optax.') "
+            "or m == 'jaxspec.default_pair.train'))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
 
 
 @needs_pair
@@ -88,3 +132,75 @@ def test_greedy_speculative_is_classic_and_accepts():
     rate, per_round = accepted / drafted, emitted / rounds
     assert rate >= MIN_ACCEPTANCE, (rate, per_round)
     assert per_round >= MIN_TOKENS_PER_ROUND, (rate, per_round)
+
+
+@needs_pair
+def test_recipe_makes_the_shipped_configs():
+    """The recipe's full preset gives exactly the shipped configs, sizes and special tokens."""
+    pytest.importorskip("optax")
+    from jaxspec.default_pair import train
+    path = dp.default_pair_path()
+    with open(os.path.join(path, "target", "config.json")) as f:
+        shipped_target = models.TargetConfig.from_dict(json.load(f))
+    with open(os.path.join(path, "assistant", "config.json")) as f:
+        shipped_assistant = models.AssistantConfig.from_dict(json.load(f))
+    assert train.target_config(train.FULL_SIZES) == shipped_target
+    assert train.assistant_config(train.FULL_SIZES) == shipped_assistant
+    metrics = dp.default_pair_metrics()
+    assert metrics["sizes"] == dataclasses.asdict(train.FULL_SIZES)
+    assert metrics["tokenizer"]["special_tokens"] == train.SPECIALS
+    _, _, tok = pair()
+    assert {s: tok.token_to_id(s) for s in train.SPECIALS} == train.SPECIALS
+
+
+def _scaled_embedding(params, key):
+    """Unit-variance embedding rows, so logits are O(sqrt(H)) and a disagreement shows."""
+    return dict(params, embed_tokens=jax.random.normal(key, params["embed_tokens"].shape, jnp.float32))
+
+
+def test_training_forward_is_draft_step():
+    """The assistant's batched, teacher-forced training forward (every position, 3 unrolled steps)
+    gives the logits models.draft_step gives when run as the loop runs it, on fresh random weights."""
+    pytest.importorskip("optax")
+    from jaxspec.default_pair import train
+    sizes = train.SMOKE_SIZES
+    tcfg, acfg = train.target_config(sizes), train.assistant_config(sizes)
+    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(2 ** 31))), 5)
+    tp = _scaled_embedding(train.init_params(models.target_shapes(tcfg), keys[0], tcfg.num_hidden_layers), keys[1])
+    ap = _scaled_embedding(train.init_params(models.assistant_shapes(acfg), keys[2], acfg.text.num_hidden_layers),
+                           keys[3])
+    length = sizes.window + 12  # past the sliding window, so windowed and full layers differ
+    tokens = jax.random.randint(keys[4], (length,), 0, sizes.vocab)
+    diff = train.self_check(acfg, tcfg, ap, tp, tokens, sizes.draft_steps)
+    assert diff < 1e-3, diff  # the bound the recipe itself checks before training (float32: ~1e-5)
+
+
+@pytest.mark.slow
+def test_tiny_training_run(tmp_path):
+    """`python -m jaxspec.default_pair.train --smoke` with fixed small step counts: the files the loader
+    reads, metrics.json with every phase and no eval error, and a pair that load_default_pair(path=OUT)
+    loads and that decodes speculatively (K=4) exactly as classically."""
+    pytest.importorskip("optax")
+    out = tmp_path / "pair"
+    argv = ["--out", str(out), "--smoke", "--target-steps", "30", "--assistant-steps", "10", "--gen-seqs", "16",
+            "--n-prompts", "2", "--eval-new-tokens", "8", "--ppl-windows", "8", "--val-windows", "4",
+            "--no-deterministic-gpu"]
+    r = subprocess.run([sys.executable, "-m", "jaxspec.default_pair.train", *argv], cwd=REPO, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert dp.missing_files(str(out)) == []
+    metrics = dp.default_pair_metrics(str(out))
+    assert metrics["target_training"]["steps"] == 30 and metrics["assistant_training"]["steps"] == 10
+    assert metrics["assistant_self_check_max_abs_diff"] < 1e-3
+    ev = metrics["eval"]
+    assert not any("error" in v for v in ev.values() if isinstance(v, dict)), ev
+    assert ev["speculative"]["byte_identical"] == "2/2"
+    target, assistant, tok = dp.load_default_pair(jnp.float32, matmul=XLA, path=str(out))
+    assert tok.token_to_id("<eos>") == dp.EOS_ID
+    prompts = dp.heldout_prompts(str(out))
+    assert len(prompts) == 2
+    for p in prompts:
+        kw = dict(max_new_tokens=12, eos_token_ids=[dp.EOS_ID])
+        classic = jaxspec.generate(target, p["ids"], block_size=1, **kw)
+        spec = jaxspec.generate(target, p["ids"], assistant=assistant, block_size=BLOCK, **kw)
+        assert spec.stats.mode == "speculative" and spec.tokens == classic.tokens
