@@ -1,4 +1,5 @@
-"""quantized_matmul on every path against a float64 numpy reference; row invariance; bad input.
+"""quantized_matmul on every path against a float64 numpy reference; row invariance; the config and
+its environment knobs; bad input.
 
 On a machine without a GPU the Pallas kernels run in interpret mode (the same kernel code); on a
 GPU these same tests run the Triton-compiled kernels."""
@@ -7,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul, select_path
+from pallas_kernels import (ROW_TILE, DispatchConfig, dequantize, quantize, quantized_matmul,
+                            quantized_matmul_many, select_path)
+from pallas_kernels import launch
 
 # Scaled-down Gemma shapes with non-power-of-two N and K (3840 -> 192, 2816 -> 176, 1536 -> 96 ...).
 SHAPES = [(176, 192), (96, 320), (80, 128)]
@@ -25,7 +28,7 @@ def _ref(x, wd):
 
 
 def _rel(a, b):
-    return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+    return np.linalg.norm(np.asarray(jnp.asarray(a, jnp.float32), np.float64) - b) / np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -40,16 +43,14 @@ def test_default_dispatch_matches_float64(n, k, rows):
     assert _rel(y, _ref(x, wd)) < 1e-5
 
 
-# kernel: "fma" the CUDA-core GEMV, "mma" the tensor-core one (default)
-@pytest.mark.parametrize("path,rows,kernel", [("qmv", 1, "fma"), ("qmv", 3, "fma"), ("multirow", 4, "fma"),
-                                              ("multirow", 16, "fma"), ("qmv", 1, "mma"), ("qmv", 3, "mma"), ("multirow", 4, "mma"),
-                                              ("multirow", 16, "mma"), ("qmm", 2, None), ("qmm", 20, None)])
+@pytest.mark.parametrize("path,rows", [("qmv", 1), ("qmv", 3), ("multirow", 4), ("multirow", ROW_TILE),
+                                       ("qmm", 2), ("qmm", 20)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
-def test_each_path_each_dtype(path, rows, kernel, dtype, tol):
+def test_each_path_each_dtype(path, rows, dtype, tol):
     rng = np.random.default_rng()
     qw, wd = _case(rng, 176, 192, dtype)
     x = jnp.asarray(rng.standard_normal((rows, 192)), dtype)
-    y = quantized_matmul(x, qw, path=path, config=DispatchConfig(gemv_kernel=kernel or "mma"))
+    y = quantized_matmul(x, qw, path=path)
     assert y.dtype == dtype
     assert _rel(y, _ref(x, wd)) < tol
 
@@ -57,10 +58,10 @@ def test_each_path_each_dtype(path, rows, kernel, dtype, tol):
 @pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, 2), (jnp.bfloat16, 4), (jnp.bfloat16, 8),
                                         (jnp.float16, 4), (jnp.float16, 8), (jnp.float32, 4)])
 def test_magic_code_conversion_is_exact(dtype, bits):
-    """The kernel's "bits" conversion: (pattern | code) read as a float must be offset + code exactly,
-    for every code; where the codes do not fit the mantissa there must be no pattern."""
+    """The GEMV's conversion: (pattern | code) read as a float must be offset + code exactly, for
+    every code; where the codes do not fit the mantissa there must be no pattern."""
     import ml_dtypes
-    from pallas_kernels.kernel import magic_offset
+    from pallas_kernels.unpack import magic_offset
     got = magic_offset(dtype, bits)
     np_dtype = {jnp.bfloat16: ml_dtypes.bfloat16, jnp.float16: np.float16, jnp.float32: np.float32}[dtype]
     mantissa = {jnp.bfloat16: 7, jnp.float16: 10, jnp.float32: 23}[dtype]
@@ -73,29 +74,15 @@ def test_magic_code_conversion_is_exact(dtype, bits):
     np.testing.assert_array_equal(values, offset + codes.astype(np.float64))
 
 
-@pytest.mark.parametrize("dtype,bits", [(jnp.bfloat16, 4), (jnp.float16, 4), (jnp.float16, 8)])
-def test_bits_and_cvt_conversions_agree(dtype, bits):
-    """Both code conversions give the product to within one rounding of x's dtype."""
-    from pallas_kernels.kernel import Tiling, launch
+@pytest.mark.parametrize("bits,group_size,dtype", [(8, 64, jnp.float32), (4, 32, jnp.bfloat16),
+                                                   (4, 128, jnp.float32), (8, 128, jnp.bfloat16),
+                                                   (2, 64, jnp.bfloat16)])
+def test_other_formats(bits, group_size, dtype):
     rng = np.random.default_rng()
-    qw, wd = _case(rng, 176, 192, dtype, bits=bits)
-    x = jnp.asarray(rng.standard_normal((5, 192)), dtype)
-    ref = _ref(x, wd)
-    outs = {c: np.asarray(launch(x, qw, Tiling(block_n=64, convert=c, split_k=2), interpret=True), np.float64)
-            for c in ("bits", "cvt")}
-    eps = float(jnp.finfo(dtype).eps)
-    for c, y in outs.items():
-        assert np.all(np.abs(y - ref) <= eps * np.abs(ref) + 1e-3 * np.abs(ref).max()), c
-    assert np.abs(outs["bits"] - outs["cvt"]).max() <= 2 * eps * np.abs(ref).max()
-
-
-@pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32), (4, 128), (8, 128)])
-def test_other_formats(bits, group_size):
-    rng = np.random.default_rng()
-    qw, wd = _case(rng, 48, 256, jnp.float32, bits=bits, group_size=group_size)
+    qw, wd = _case(rng, 48, 256, dtype, bits=bits, group_size=group_size)
     for rows in (1, 6, 24):
-        x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
-        assert _rel(quantized_matmul(x, qw), _ref(x, wd)) < 1e-5
+        x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
+        assert _rel(quantized_matmul(x, qw), _ref(x, wd)) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
 def test_leading_dims_and_poisoned_output_is_overwritten():
@@ -113,27 +100,21 @@ def test_leading_dims_and_poisoned_output_is_overwritten():
     np.testing.assert_allclose(y.reshape(6, 96), _ref(x.reshape(6, 128), wd), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,k,kernel", [(jnp.bfloat16, 192, "mma"), (jnp.float32, 512, "mma"),
-                                            (jnp.float32, 512, "fma")])
-def test_multirow_rows_bitwise_equal_qmv(dtype, k, kernel):
-    """Row i of a multirow launch is bitwise the qmv result for row i alone (greedy parity needs it).
-    (K = 512 catches the fma GEMV's group sums depending on the row count through XLA's reduce; a
-    float32 case at K = 192 added nothing to it and cost CI 42 s. The fma GEMV computes in a float32
-    copy of x, so its bfloat16 case (26 s) added only the cast: dropped in session 8.)"""
+@pytest.mark.parametrize("dtype,k", [(jnp.bfloat16, 192), (jnp.float32, 512)])
+def test_multirow_rows_bitwise_equal_qmv(dtype, k):
+    """Row i of a multirow launch is bitwise the qmv result for row i alone (greedy parity needs it)."""
     rng = np.random.default_rng()
     qw, _ = _case(rng, 176, k, dtype)
-    cfg = DispatchConfig(gemv_kernel=kernel)
     x = jnp.asarray(rng.standard_normal((8, k)), dtype)
-    alone = [np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv", config=cfg).astype(jnp.float32))
-             for i in range(8)]
+    alone = [np.asarray(quantized_matmul(x[i:i + 1], qw, path="qmv").astype(jnp.float32)) for i in range(8)]
     for rows in range(2, 9):  # each row count is its own launch; row i must not notice the others
-        multi = np.asarray(quantized_matmul(x[:rows], qw, path="multirow", config=cfg).astype(jnp.float32))
+        multi = np.asarray(quantized_matmul(x[:rows], qw, path="multirow").astype(jnp.float32))
         for i in range(rows):
             np.testing.assert_array_equal(multi[i:i + 1], alone[i])
 
 
 def test_qmm_rows_do_not_depend_on_other_rows():
-    """Reported property: within one tiled launch shape, a row's result ignores the other rows."""
+    """Within one tiled launch shape, a row's result ignores the other rows."""
     rng = np.random.default_rng()
     qw, _ = _case(rng, 96, 192, jnp.float32)
     x = jnp.asarray(rng.standard_normal((24, 192)), jnp.float32)
@@ -161,69 +142,38 @@ def test_float_weight_path():
                                np.asarray(x, np.float64) @ np.asarray(w, np.float64).T, rtol=1e-5, atol=1e-5)
 
 
-def test_select_path_rule(monkeypatch):
+def test_select_path_rule():
     assert select_path(1) == "qmv"
     assert [select_path(r) for r in (2, 5, 8)] == ["multirow"] * 3
     assert select_path(9) == "qmm"
     assert select_path(4, DispatchConfig(multirow=False)) == "qmv"
     assert select_path(12, DispatchConfig(multirow_max_rows=12)) == "multirow"
-    monkeypatch.setenv("JAXSPEC_QMV_MULTIROW", "0")
-    monkeypatch.setenv("JAXSPEC_QMV_MULTIROW_MAX_ROWS", "4")
-    monkeypatch.setenv("JAXSPEC_QMM_TILE_M", "32")
-    cfg = DispatchConfig()
-    assert (cfg.multirow, cfg.multirow_max_rows, cfg.qmm_tile_m) == (False, 4, 32)
+
+
+def test_environment_is_read_by_from_env_only(monkeypatch):
+    """The five user knobs reach the config through from_env (explicit overrides win); DispatchConfig()
+    ignores the environment; malformed values name the variable."""
+    for var, value in (("JAXSPEC_QMV_MULTIROW", "0"), ("JAXSPEC_QMV_MULTIROW_MAX_ROWS", "4"),
+                       ("JAXSPEC_QMM_TILE_M", "32"), ("JAXSPEC_QMM_DENSE_ROWS", "0"), ("JAXSPEC_MTP_VERIFY_PAD", "1")):
+        monkeypatch.setenv(var, value)
+    assert DispatchConfig() == DispatchConfig(multirow=True, multirow_max_rows=8, qmm_tile_m=None, qmm_dense_rows=256,
+                                              verify_pad=False)
+    cfg = DispatchConfig.from_env()
+    assert (cfg.multirow, cfg.multirow_max_rows, cfg.qmm_tile_m, cfg.qmm_dense_rows, cfg.verify_pad) == (
+        False, 4, 32, 0, True)
     assert select_path(3, cfg) == "qmv" and select_path(5, cfg) == "qmm"
+    assert DispatchConfig.from_env(backend="xla", qmm_tile_m=64).qmm_tile_m == 64
+    assert DispatchConfig.from_env({}) == DispatchConfig()
     monkeypatch.setenv("JAXSPEC_QMM_TILE_M", "24")
-    with pytest.raises(ValueError, match="power of two"):
-        DispatchConfig()
-
-
-def test_fma_gemv_env_overrides_reach_the_tiling(monkeypatch):
-    from pallas_kernels.tiling import gemv_tiling
-    for name, value in (("JAXSPEC_GEMV_KERNEL", "fma"), ("JAXSPEC_GEMV_BLOCK_N", "256"),
-                        ("JAXSPEC_GEMV_GROUPS_PER_STEP", "1"), ("JAXSPEC_GEMV_CHAINS", "1")):
-        monkeypatch.setenv(name, value)
-    t = gemv_tiling((3840, 2048), 64, DispatchConfig())
-    assert (t.block_n, t.groups_per_step, t.chains) == (256, 1, True)
-    monkeypatch.delenv("JAXSPEC_GEMV_CHAINS")
-    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).chains is False
-    monkeypatch.setenv("JAXSPEC_GEMV_GROUPS_PER_STEP", "0")
-    with pytest.raises(ValueError, match="gemv_groups_per_step"):
-        DispatchConfig()
-    monkeypatch.delenv("JAXSPEC_GEMV_GROUPS_PER_STEP")
-    monkeypatch.setenv("JAXSPEC_GEMV_KERNEL", "mma")
-    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).num_stages == 3   # the tensor-core GEMV's default
-    monkeypatch.setenv("JAXSPEC_GEMV_STAGES", "2")
-    assert gemv_tiling((3840, 2048), 64, DispatchConfig()).num_stages == 2
-    monkeypatch.setenv("JAXSPEC_GEMV_STAGES", "0")
-    with pytest.raises(ValueError, match="gemv_num_stages"):
-        DispatchConfig()
-
-
-@pytest.mark.parametrize("bits,group_size,k,split_k,gps,dtype", [
-    (4, 64, 320, 3, 2, jnp.float32),    # 5 groups: uneven splits, a half-empty last step
-    (4, 32, 224, 2, 4, jnp.bfloat16),   # 7 groups
-    (8, 128, 384, 1, 2, jnp.float16),   # 3 groups, 4 codes per word
-    (4, 128, 256, 2, 1, jnp.float32),
-    (4, 64, 384, 2, 2, jnp.float32),    # 6 groups, 3 per split: a step straddles each split's end
-    (8, 32, 320, 2, 4, jnp.float16)])   # 10 groups, 5 per split, 4 per step
-def test_fma_gemv_tilings(bits, group_size, k, split_k, gps, dtype):
-    """The CUDA-core GEMV with split-K and several groups per step, where the groups do not divide
-    evenly (the masked tail must add exact zeros), on every format, with and without the prefetch
-    and the word-quad chains;
-    rows 1..3 against float64 and against each other bitwise."""
-    from pallas_kernels.gemv import GemvTiling, gemv_launch
-    rng = np.random.default_rng()
-    qw, wd = _case(rng, 72, k, dtype, bits=bits, group_size=group_size)
-    x = jnp.asarray(rng.standard_normal((3, k)), dtype)
-    tol = 1e-5 if dtype == jnp.float32 else 1e-2
-    for prefetch, chains in ((True, False), (False, False), (True, True)):
-        tiling = GemvTiling(block_n=32, groups_per_step=gps, split_k=split_k, prefetch=prefetch, chains=chains)
-        y = gemv_launch(x, qw, tiling, interpret=True)
-        assert y.shape == (3, 72) and y.dtype == dtype
-        assert _rel(y, _ref(x, wd)) < tol
-        one = gemv_launch(x[2:], qw, tiling, interpret=True)
-        np.testing.assert_array_equal(np.asarray(y[2:], np.float32), np.asarray(one, np.float32))
+    with pytest.raises(ValueError, match="power of two.*JAXSPEC_QMM_TILE_M"):
+        DispatchConfig.from_env()
+    monkeypatch.setenv("JAXSPEC_QMM_TILE_M", "big")
+    with pytest.raises(ValueError, match="JAXSPEC_QMM_TILE_M='big' is not an integer"):
+        DispatchConfig.from_env()
+    monkeypatch.setenv("JAXSPEC_QMM_TILE_M", "")
+    monkeypatch.setenv("JAXSPEC_MTP_VERIFY_PAD", "maybe")
+    with pytest.raises(ValueError, match="JAXSPEC_MTP_VERIFY_PAD='maybe' must be 0 or 1"):
+        DispatchConfig.from_env()
 
 
 def test_multirow_off_still_correct():
@@ -245,28 +195,66 @@ def test_bad_input_errors():
         quantized_matmul(jnp.ones((2, 128)), jnp.ones((2, 32, 128)))
     with pytest.raises(ValueError, match="path="):
         quantized_matmul(jnp.ones((2, 128)), qw, path="gemm")
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        quantized_matmul(jnp.ones((17, 128)), qw, path="multirow")
-    with pytest.raises(ValueError, match="backend"):
-        DispatchConfig(backend="cuda")
+    with pytest.raises(ValueError, match=f"at most {ROW_TILE} rows"):
+        quantized_matmul(jnp.ones((ROW_TILE + 1, 128)), qw, path="multirow")
+    for bad, msg in ((dict(backend="cuda"), "backend"), (dict(multirow_max_rows=ROW_TILE + 1), "multirow_max_rows"),
+                     (dict(qmm_dense_rows=-1), "qmm_dense_rows"), (dict(multirow=1), "multirow=1"),
+                     (dict(qmm_tile_m=48), "power of two")):
+        with pytest.raises(ValueError, match=msg):
+            DispatchConfig(**bad)
 
 
-def test_tall_weight_gemv_launch(monkeypatch):
-    """Weights of at least tiling.TALL_N rows (the tied head) take 128-row tiles split 4 with the
-    wrapper's group sums; explicit overrides still win. Lowered threshold, so interpret mode can run
-    it: rows agree with float64 and each row is bitwise the same alone or among 8."""
-    from pallas_kernels import tiling
-    head = tiling.gemv_tiling((262144, 3840), 64, DispatchConfig())
+def test_tall_weight_gemv_launch():
+    """Weights of at least TALL_N rows (the tied head) take 128-row tiles split 4 with the wrapper's
+    group sums. That launch on a small weight: rows agree with float64 and each row is bitwise the
+    same alone or among 8."""
+    head = launch.gemv_tiling((262144, 3840), 64)
     assert (head.block_n, head.split_k, head.xsum) == (128, 4, "input")
-    assert tiling.gemv_tiling((262144, 3840), 64, DispatchConfig(gemv_block_n=64, gemv_xsum="reduce")).block_n == 64
-    assert tiling.gemv_tiling((15360, 3840), 64, DispatchConfig()).xsum == "reduce"
-    monkeypatch.setattr(tiling, "TALL_N", 256)
-    assert tiling.gemv_tiling((256, 512), 64, DispatchConfig()).block_n == 128
+    layer = launch.gemv_tiling((15360, 3840), 64)
+    assert (layer.block_n, layer.xsum) == (64, "reduce")
     rng = np.random.default_rng()
     qw, wd = _case(rng, 256, 512, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
-    multi = np.asarray(quantized_matmul(x, qw, path="multirow").astype(jnp.float32))
+    t = launch.Tiling(block_n=128, split_k=4, xsum="input")
+    multi = np.asarray(launch.gemv(x, (qw,), t, interpret=True)[0].astype(jnp.float32))
     assert _rel(multi, _ref(x, wd)) < 1e-2
     for i in (0, 7):
-        alone = quantized_matmul(x[i:i + 1], qw, path="qmv")
+        alone = launch.gemv(x[i:i + 1], (qw,), t, interpret=True)[0]
         np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), multi[i:i + 1])
+
+
+@pytest.mark.parametrize("rows,body", [(3, "gemv"), (20, "qmm")])
+def test_one_launch_of_several_weights_is_bitwise_one_launch_each(rows, body):
+    rng = np.random.default_rng()
+    (qa, wa), (qb, wb) = _case(rng, 100, 192, jnp.bfloat16), _case(rng, 16, 192, jnp.bfloat16)  # ragged ends
+    x = jnp.asarray(rng.standard_normal((rows, 192)), jnp.bfloat16)
+    run = getattr(launch, body)
+    t = launch.Tiling(block_m=16 if body == "gemv" else 32, block_n=64, split_k=2,
+                      groups_per_step=1 if body == "gemv" else 2)
+    together = run(x, (qa, qb), t, interpret=True)
+    for got, qw, wd in zip(together, (qa, qb), (wa, wb)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(run(x, (qw,), t, interpret=True)[0]))
+        assert _rel(got, _ref(x, wd)) < 1e-2
+
+
+def test_quantized_matmul_many_matches_float64_keeps_rows_invariant_and_falls_back():
+    rng = np.random.default_rng()
+    (qa, wa), (qb, wb) = _case(rng, 96, 192, jnp.bfloat16), _case(rng, 40, 192, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 6, 192)), jnp.bfloat16)   # 12 rows: qmm
+    for xs in (x[0, :5], x):                                            # 5 rows: multirow
+        for y, wd in zip(quantized_matmul_many(xs, (qa, qb)), (wa, wb)):
+            assert y.shape == (*xs.shape[:-1], wd.shape[0]) and y.dtype == jnp.bfloat16
+            assert _rel(y, _ref(xs, wd)) < 1e-2
+    multi = quantized_matmul_many(x[0, :5], (qa, qb))
+    alone = quantized_matmul_many(x[0, 3:4], (qa, qb))  # a row alone (qmv) and among five: one tiling
+    for a, m in zip(alone, multi):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(m[3:4]))
+    q8 = quantize(jnp.asarray(rng.standard_normal((24, 192)), jnp.bfloat16), bits=8)
+    dense = jnp.asarray(rng.standard_normal((16, 192)), jnp.bfloat16)
+    ws = (qa, q8, dense)   # mixed formats: one call per weight, the same results
+    for y, w in zip(quantized_matmul_many(x[0, :1], ws), ws):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(quantized_matmul(x[0, :1], w)))
+    with pytest.raises(ValueError, match="at least one weight"):
+        quantized_matmul_many(x, ())
+    with pytest.raises(ValueError, match="one format"):
+        launch.gemv(x[0], (qa, q8), launch.Tiling(), interpret=True)

@@ -1,4 +1,5 @@
-"""The MLX affine format: bit-exact against mlx.core.quantize, and dequantize against mlx."""
+"""The MLX affine format: bit-exact against mlx.core.quantize, dequantize against mlx, and the
+in-memory layout's round trip through MLX's file layout."""
 import mlx.core as mx
 import numpy as np
 import jax.numpy as jnp
@@ -30,14 +31,36 @@ def test_quantize_bit_exact_with_mlx(dtype, bits, group_size):
     qw = quantize(wj, bits=bits, group_size=group_size)
     wm = mx.array(np.asarray(wj.astype(jnp.float32)), dtype=MLX_DTYPES[dtype])
     mq, ms, mb = mx.quantize(wm, group_size=group_size, bits=bits)
-    assert qw.weight.dtype == jnp.uint32 and qw.scales.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(qw.weight), np.array(mq))
-    np.testing.assert_array_equal(np.asarray(qw.scales.astype(jnp.float32)), np.array(ms.astype(mx.float32)))
-    np.testing.assert_array_equal(np.asarray(qw.biases.astype(jnp.float32)), np.array(mb.astype(mx.float32)))
+    words, scales, biases = qw.to_mlx()
+    assert words.dtype == jnp.uint32 and scales.dtype == dtype and qw.shape == (48, 4 * group_size)
+    np.testing.assert_array_equal(np.asarray(words), np.array(mq))
+    np.testing.assert_array_equal(np.asarray(scales.astype(jnp.float32)), np.array(ms.astype(mx.float32)))
+    np.testing.assert_array_equal(np.asarray(biases.astype(jnp.float32)), np.array(mb.astype(mx.float32)))
     # Dequantize in float32 from the same words matches mlx's dequantize.
     ref = np.array(mx.dequantize(mq, ms.astype(mx.float32), mb.astype(mx.float32),
                                  group_size=group_size, bits=bits))
     np.testing.assert_allclose(np.asarray(dequantize(qw, jnp.float32)), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,bits,group_size", [(64, 4, 64), (100, 4, 32), (130, 8, 128), (7, 2, 64)])
+def test_mlx_layout_round_trip(n, bits, group_size):
+    """from_mlx stores 64-row tiles per group (rows past N zero) and [K/g, N] scales; to_mlx gives
+    MLX's arrays back bit for bit; each stored tile holds the MLX words of its rows and group."""
+    rng = np.random.default_rng()
+    k = 4 * group_size
+    wpg = group_size * bits // 32
+    words = rng.integers(0, 2**32, (n, k * bits // 32), dtype=np.uint32)
+    scales, biases = (jnp.asarray(rng.standard_normal((n, k // group_size)), jnp.bfloat16) for _ in range(2))
+    qw = QuantizedWeight.from_mlx(words, scales, biases, bits, group_size)
+    qw.validate()
+    assert qw.shape == (n, k) and qw.weight.shape == (-(-n // 64), k // group_size, 64, wpg)
+    assert qw.scales.shape == (k // group_size, n)
+    for got, want in zip(qw.to_mlx(), (words, scales, biases)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    r, g = int(rng.integers(n)), int(rng.integers(k // group_size))
+    np.testing.assert_array_equal(np.asarray(qw.weight[r // 64, g, r % 64]), words[r, g * wpg:(g + 1) * wpg])
+    pad = np.asarray(qw.weight).transpose(0, 2, 1, 3).reshape(-1, k * bits // 32)[n:]
+    assert not pad.any()
 
 
 def test_format_properties():
@@ -56,11 +79,14 @@ def test_format_properties():
 
 
 def test_take_rows_matches_dequantize():
+    """An embedding lookup, negative ids wrapping and out-of-range ids clamped as JAX's gather does."""
     rng = np.random.default_rng()
-    qw = quantize(jnp.asarray(rng.standard_normal((40, 128)), jnp.bfloat16))
-    ids = rng.integers(0, 40, size=(3, 5))
+    qw = quantize(jnp.asarray(rng.standard_normal((140, 128)), jnp.bfloat16))
+    ids = rng.integers(-140, 140, size=(3, 5))
+    ids[0, 0] = 500
     got = np.asarray(take_rows(qw, jnp.asarray(ids), jnp.float32))
-    np.testing.assert_array_equal(got, np.asarray(dequantize(qw, jnp.float32))[ids])
+    full = np.asarray(dequantize(qw, jnp.float32))
+    np.testing.assert_array_equal(got, full[np.clip(np.where(ids < 0, ids + 140, ids), 0, 139)])
 
 
 @pytest.mark.parametrize("kwargs, msg", [
@@ -82,10 +108,17 @@ def test_quantize_rejects_bad_shapes_and_dtypes():
         quantize(jnp.ones((4, 64), jnp.int32))
 
 
-def test_validate_names_bad_fields():
-    qw = quantize(jnp.asarray(np.random.default_rng().standard_normal((8, 128)), jnp.float32))
-    bad = QuantizedWeight(qw.weight, qw.scales[:, :1], qw.biases, 4, 64)
-    with pytest.raises(ValueError, match="scales has shape"):
-        bad.validate()
-    with pytest.raises(ValueError, match="rank 2"):
-        QuantizedWeight(qw.weight[None], qw.scales, qw.biases, 4, 64).validate()
+def test_validate_and_from_mlx_name_bad_fields():
+    rng = np.random.default_rng()
+    qw = quantize(jnp.asarray(rng.standard_normal((8, 128)), jnp.float32))
+    with pytest.raises(ValueError, match="biases has shape"):
+        QuantizedWeight(qw.weight, qw.scales, qw.biases[:1], 4, 64).validate()
+    with pytest.raises(ValueError, match="weight must be"):
+        QuantizedWeight(qw.weight[..., :4], qw.scales, qw.biases, 4, 64).validate()
+    with pytest.raises(ValueError, match="uint32"):
+        QuantizedWeight(qw.weight.astype(jnp.int32), qw.scales, qw.biases, 4, 64).validate()
+    words, scales, biases = qw.to_mlx()
+    with pytest.raises(ValueError, match="do not agree"):
+        QuantizedWeight.from_mlx(words[:, :8], scales, biases, 4, 64)
+    with pytest.raises(ValueError, match="unsupported bits"):
+        QuantizedWeight.from_mlx(words, scales, biases, 3, 64)
