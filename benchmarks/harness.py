@@ -80,13 +80,15 @@ def hbm_bandwidth(gib: float = 2.0) -> float:
     return 2 * n * 4 / t
 
 
-def environment() -> dict:
+def environment(commit: str | None = None) -> dict:
+    """Device, JAX version, date, and the commit measured: `commit` (a tool's --commit, for trees
+    copied without .git), else `git rev-parse` of the working tree, else "unknown"."""
     dev = jax.devices()[0]
-    commit = os.environ.get("JAXSPEC_COMMIT")
     if not commit:
         try:
             commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                             stderr=subprocess.DEVNULL).strip()
+                                             stderr=subprocess.DEVNULL,
+                                             cwd=os.path.dirname(os.path.abspath(__file__))).strip()
         except Exception:
             commit = "unknown"
     return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
