@@ -2,7 +2,8 @@
 
     python benchmarks/speculative_bench.py --target 12b --assistant 12b --k-values 2,4 \
         --verify-pad off,on --qmm-tile-m 16,64 --multirow on,off --out DIR
-    jaxspec bench ...   (same arguments)
+    python benchmarks/speculative_bench.py --target default --runs loop --k-values 4 --max-tokens 64 \
+        --each-prompt --out DIR          (the shipped pair on its held-out prompts: README's row)
 
 Runs (--runs, comma separated):
   forward  per-forward time of the target at [B, T] for T = 1 and every K (and the padded width),
@@ -10,14 +11,18 @@ Runs (--runs, comma separated):
   loop     jaxspec.generate classic vs speculative for every (multirow, K, B, verify_pad, tile_m):
            decode tokens/s (prefill excluded, first token counted), speedup, acceptance, mean
            accepted length, tokens per round, round cost in classic forwards, draft and verify ms
-           per round (timed as separate calls at the round's shapes), greedy parity.
+           per round (timed as separate calls at the round's shapes), greedy parity. With
+           --each-prompt every prompt runs alone (B = 1) and the decode times and counts are summed.
   scaling  classic aggregate tokens/s at each --scaling-batch.
 Every configuration is its own compiled function, warmed up before timing; medians over repeats.
+The models' DispatchConfig is built once, `DispatchConfig.from_env(...)` with --backend applied, and
+passed to the loaders; --multirow and --qmm-tile-m are explicit `config.replace(...)` variants of it.
 Writes DIR/speculative.json, DIR/speculative.md and DIR/speculative.png.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,10 +38,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from harness import environment, median_time  # noqa: E402
+from harness import environment, hbm_bandwidth, median_time  # noqa: E402
 from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
+from jaxspec import default_pair as dp  # noqa: E402
 from jaxspec import verify as V  # noqa: E402
 
 # The seed system's measured acceptance on its real Gemma pair at K = 4, for predicted speedups with
@@ -72,24 +78,26 @@ def truncate_layers(cfg_dict: dict, n: int) -> dict:
     return d
 
 
-def load_pair(args, dtype):
+def load_pair(args, dtype, matmul: DispatchConfig):
+    """(target, assistant or None, description) for --target / --assistant, both on `matmul`."""
     q = {"bits": 4, "group_size": 64}
     key = jax.random.key(args.seed)
     if os.path.isdir(args.target):
-        target = models.load_target(args.target, dtype=dtype, quantize=None if args.float else q)
-        assistant = (models.load_assistant(args.assistant, dtype=dtype, quantize=None if args.float else q)
+        target = models.load_target(args.target, dtype=dtype, quantize=None if args.float else q, matmul=matmul)
+        assistant = (models.load_assistant(args.assistant, dtype=dtype, quantize=None if args.float else q,
+                                           matmul=matmul)
                      if args.assistant and os.path.isdir(args.assistant) else None)
         return target, assistant, f"checkpoint {args.target}"
     tdict = models.presets.TARGETS[args.target] if args.target != "tiny" else models.presets.tiny_target_dict()
     if args.layers:
         tdict = truncate_layers(tdict, args.layers)
     tcfg = models.TargetConfig.from_dict(tdict)
-    target = models.presets.random_model(tcfg, key, dtype=dtype, quantize=None if args.float else q)
+    target = models.presets.random_model(tcfg, key, dtype=dtype, quantize=None if args.float else q, matmul=matmul)
     assistant = None
     if args.assistant:
         acfg = models.presets.assistant_config(args.assistant)
         assistant = models.presets.random_model(acfg, jax.random.fold_in(key, 1), dtype=dtype,
-                                                quantize=None if args.float else q)
+                                                quantize=None if args.float else q, matmul=matmul)
     what = f"preset {args.target}" + (f" (first {args.layers} of its layers)" if args.layers else "")
     return target, assistant, what + ", random 4-bit weights"
 
@@ -111,7 +119,6 @@ def resolve_default_pair(args):
     """`--target default`: the shipped pair, its tokenizer, and its held-out prompts unless others are given."""
     if args.target != "default":
         return
-    from jaxspec import default_pair as dp
     path = dp.default_pair_path()
     if not dp.default_pair_available(path):
         raise SystemExit(f"--target default: the default pair is not installed at {path} "
@@ -137,19 +144,31 @@ def tokenize_prompt(args):
                      f"{args.target!r}; presets have none, use --prompt-ids or --prompt-len there)")
 
 
-def prompts(args, vocab, batch):
+def prompt_rows(args, vocab, batch):
+    """The prompts given (file, ids, text, the default pair's held-out ones), else `batch` random ones."""
     rng = np.random.default_rng(args.seed)
     if args.prompts_file:
-        rows = [json.loads(l) for l in open(args.prompts_file) if l.strip()]
-    elif args.prompt_ids:
-        rows = [json.loads(args.prompt_ids)]
-    elif args.prompt:
-        rows = [args.prompt_tokens]
-    elif getattr(args, "default_prompts", None):
-        rows = args.default_prompts
-    else:
-        rows = [rng.integers(1, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
+        return [json.loads(l) for l in open(args.prompts_file) if l.strip()]
+    if args.prompt_ids:
+        return [json.loads(args.prompt_ids)]
+    if args.prompt:
+        return [args.prompt_tokens]
+    if getattr(args, "default_prompts", None):
+        return args.default_prompts
+    return [rng.integers(1, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
+
+
+def prompts(args, vocab, batch):
+    """One batch of `batch` rows, cycling through the prompts."""
+    rows = prompt_rows(args, vocab, batch)
     return [rows[i % len(rows)] for i in range(batch)]
+
+
+def prompt_sets(args, vocab, batch):
+    """The batches the loop run decodes: every prompt alone with --each-prompt, else one batch."""
+    if args.each_prompt:
+        return [[r] for r in prompt_rows(args, vocab, batch)]
+    return [prompts(args, vocab, batch)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +239,7 @@ def verify_bitwise(target, batch, k):
 
 
 def run_forward(args, target, assistant, out, deadline):
-    base = target.matmul or DispatchConfig()
+    base = target.matmul
     t1 = None
     for mr in args.multirow:
         tgt = target.replace(matmul=base.replace(multirow=mr))
@@ -255,20 +274,37 @@ def run_forward(args, target, assistant, out, deadline):
     return t1
 
 
-def gen_stats(target, assistant, rows, k, args, pad):
-    res = None
-    times = []
-    for _ in range(args.warmup + args.repeats):
-        res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
-                               max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[],
-                               exactness_probe=args.exactness_probe)
-        times.append(res.stats.decode_s)
-    st = res.stats
-    decode_s = statistics.median(times[args.warmup:])
-    return res, dict(decode_s=decode_s, tokens_per_s=st.new_tokens / decode_s, rounds=st.rounds,
-                     acceptance_rate=st.acceptance_rate, mean_accepted_len=st.mean_accepted_len,
-                     tokens_per_round=st.tokens_per_round, fallback=st.fallback, new_tokens=st.new_tokens,
-                     hist=st.accepted_hist, verify_width=st.verify_width, k_run=st.block_size)
+def gen_stats(target, assistant, sets, k, args, pad):
+    """Decode every batch of `sets` (median decode time over --repeats after --warmup each) and sum
+    them: (the tokens of each batch, the summed statistics). Rates are over the sums (acceptance =
+    accepted / drafted; per-round means weighted by each batch's active row-rounds)."""
+    tokens, stats, decode_s = [], [], 0.0
+    for rows in sets:
+        res, times = None, []
+        for _ in range(args.warmup + args.repeats):
+            res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
+                                   max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[],
+                                   exactness_probe=args.exactness_probe)
+            times.append(res.stats.decode_s)
+        tokens.append(res.tokens)
+        stats.append(res.stats)
+        decode_s += statistics.median(times[args.warmup:])
+    total = lambda f: sum(getattr(st, f) for st in stats)  # noqa: E731
+    row_rounds = total("row_rounds")
+    per_round = lambda f: (sum(getattr(st, f) * st.row_rounds for st in stats) / row_rounds  # noqa: E731
+                           if row_rounds else getattr(stats[0], f))
+    hist = [0] * max(len(st.accepted_hist) for st in stats)
+    for st in stats:
+        for a, c in enumerate(st.accepted_hist):
+            hist[a] += c
+    drafted = total("drafted")
+    return tokens, dict(decode_s=decode_s, tokens_per_s=total("new_tokens") / decode_s, rounds=total("rounds"),
+                        acceptance_rate=total("accepted") / drafted if drafted else 0.0,
+                        mean_accepted_len=per_round("mean_accepted_len"),
+                        tokens_per_round=per_round("tokens_per_round"),
+                        fallback=next((st.fallback for st in stats if st.fallback), None),
+                        new_tokens=total("new_tokens"), hist=hist, verify_width=stats[-1].verify_width,
+                        k_run=min(st.block_size for st in stats), prompts=len(sets))
 
 
 def round_phases(target, batch, spec, draft_step_ms, round_ms):
@@ -285,12 +321,12 @@ def round_phases(target, batch, spec, draft_step_ms, round_ms):
 
 
 def run_loop(args, target, assistant, out, deadline):
-    base = target.matmul or DispatchConfig()
+    base = target.matmul
     for mr in args.multirow:
         for b in args.batch:
-            rows = prompts(args, target.config.vocab_size, b)
+            sets = prompt_sets(args, target.config.vocab_size, b)
             tgt = target.replace(matmul=base.replace(multirow=mr))
-            cres, classic = gen_stats(tgt, None, rows, 1, args, False)
+            ctoks, classic = gen_stats(tgt, None, sets, 1, args, False)
             per_fwd = classic["decode_s"] / max(classic["rounds"], 1)
             out.append(dict(run="loop", mode="classic", multirow=mr, batch=b, **classic))
             print(f"classic B={b} multirow={mr}: {classic['tokens_per_s']:.1f} tok/s "
@@ -305,12 +341,13 @@ def run_loop(args, target, assistant, out, deadline):
                             print("time budget reached: skipping the rest of the loop runs", flush=True)
                             return
                         t = tgt.replace(matmul=tgt.matmul.replace(qmm_tile_m=tm)) if tm else tgt
-                        sres, spec = gen_stats(t, assistant, rows, k, args, pad)
+                        stoks, spec = gen_stats(t, assistant, sets, k, args, pad)
                         round_s = spec["decode_s"] / max(spec["rounds"], 1)
+                        same = sum(s == c for s, c in zip(stoks, ctoks))
                         row = dict(run="loop", mode="speculative", multirow=mr, batch=b, k=k, verify_pad=pad,
                                    tile_m=tm, **spec, speedup=spec["tokens_per_s"] / classic["tokens_per_s"],
                                    round_ms=round_s * 1e3, round_cost=round_s / per_fwd,
-                                   greedy_equal=sres.tokens == cres.tokens)
+                                   greedy_equal=same == len(sets), greedy_equal_prompts=f"{same}/{len(sets)}")
                         row.update(round_phases(t, b, spec, draft_step_ms, row["round_ms"]))
                         if spec["k_run"] == SEED_K:
                             for name, tpr in SEED_TOKENS_PER_ROUND.items():
@@ -328,7 +365,7 @@ def run_scaling(args, target, out, deadline):
         if time.time() > deadline:
             return
         rows = prompts(args, target.config.vocab_size, b)
-        _, classic = gen_stats(target, None, rows, 1, args, False)
+        _, classic = gen_stats(target, None, [rows], 1, args, False)
         out.append(dict(run="scaling", batch=b, **classic))
         print(f"scaling classic B={b}: {classic['tokens_per_s']:.1f} tok/s aggregate", flush=True)
 
@@ -342,8 +379,10 @@ def write_report(path, meta, rows):
     lines = [f"# speculative_bench — {meta['what']}", "",
              f"{meta['env']['device']}, JAX {meta['env']['jax']}, commit {meta['env']['commit']}, "
              f"{meta['env']['date']}", "",
-             "Command: `" + "".join(f"{k}={v} " for k, v in meta.get("jaxspec_env", {}).items()
-                                    if k != "JAXSPEC_COMMIT") + f"{meta['command']}`", ""]
+             "Command: `" + "".join(f"{k}={v} " for k, v in meta.get("jaxspec_env", {}).items())
+             + f"{meta['command']}`", ""]
+    if meta.get("matmul"):
+        lines += ["Models' DispatchConfig: " + ", ".join(f"{k}={v}" for k, v in meta["matmul"].items()), ""]
     if meta.get("floor_ms"):
         lines += [f"Weight bytes per token: {meta['weight_bytes'] / 1e9:.3f} GB; floor at "
                   f"{meta['hbm_tbps']:.2f} TB/s: {meta['floor_ms']:.3f} ms"
@@ -377,7 +416,8 @@ def write_report(path, meta, rows):
                          f"| {r['acceptance_rate']:.2f} | {r['mean_accepted_len']:.2f} | {r['tokens_per_round']:.2f} "
                          f"| {r.get('round_ms', 0):.2f} | {_ms(r.get('draft_ms'))} | {_ms(r.get('verify_ms'))} "
                          f"| {r.get('round_cost', 1.0):.2f} | {pred} "
-                         f"| {r.get('greedy_equal', '')}{' FALLBACK: ' + r['fallback'] if r.get('fallback') else ''} |")
+                         f"| {r.get('greedy_equal_prompts') if r.get('prompts', 1) > 1 else r.get('greedy_equal', '')}"
+                         f"{' FALLBACK: ' + r['fallback'] if r.get('fallback') else ''} |")
         lines.append("")
     sc = [r for r in rows if r["run"] == "scaling"]
     if sc:
@@ -432,6 +472,9 @@ def build_parser():
     ap.add_argument("--prompt", default=None, help="prompt text (needs a tokenizer: --tokenizer or the checkpoint's)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json for --prompt")
     ap.add_argument("--runs", default="forward,loop", type=lambda s: _csv(s))
+    ap.add_argument("--each-prompt", action="store_true",
+                    help="loop run: decode every prompt alone (B = 1) and sum the times and counts "
+                         "(the default pair's held-out prompts, --prompts-file)")
     ap.add_argument("--scaling-batch", default="1,2,4,8,16,32", type=lambda s: _csv(s, int))
     ap.add_argument("--exactness-probe", default="on", type=_onoff,
                     help="off: run K as asked even where verify is not bit-identical to decode (with "
@@ -444,13 +487,17 @@ def build_parser():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--backend", default=None, choices=["pallas", "xla"],
                     help="matmul backend (default: pallas; on CPU that is slow interpret mode)")
+    ap.add_argument("--commit", default=None, help="the commit to name in the report (default: git rev-parse)")
     ap.add_argument("--out", default="out/speculative")
     return ap
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     args.verify_pad = [_onoff(v) for v in args.verify_pad_raw.split(",")]
+    if args.each_prompt and args.batch != [1]:
+        ap.error("--each-prompt decodes every prompt alone: it needs --batch 1")
     resolve_default_pair(args)
     if args.prompt:
         args.prompt_tokens = tokenize_prompt(args)  # once, and before any model is built
@@ -462,21 +509,17 @@ def main(argv=None):
     deadline = time.time() + args.time_budget
     dtype = jnp.dtype(args.dtype)
     t0 = time.time()
-    target, assistant, what = load_pair(args, dtype)
-    if args.backend:
-        cfg = DispatchConfig(backend=args.backend)
-        target = target.replace(matmul=cfg)
-        assistant = assistant.replace(matmul=cfg) if assistant is not None else None
+    matmul = DispatchConfig.from_env(**({"backend": args.backend} if args.backend else {}))
+    target, assistant, what = load_pair(args, dtype, matmul)
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
-    env = environment()
+    env = environment(args.commit)
     meta = dict(what=what, env=env, command="python benchmarks/speculative_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                args={k: v for k, v in vars(args).items()},
+                args={k: v for k, v in vars(args).items()}, matmul=dataclasses.asdict(matmul),
                 jaxspec_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXSPEC_")})
     rows: list[dict] = []
     wb = weight_bytes_per_token(target)
     meta["weight_bytes"] = wb
     if env["platform"] == "gpu":
-        from harness import hbm_bandwidth
         bw = hbm_bandwidth()
         meta["hbm_tbps"] = bw / 1e12
         meta["floor_ms"] = wb / bw * 1e3

@@ -85,3 +85,26 @@ def test_exactness_probe_off_reaches_generate(tmp_path, monkeypatch):
              "--max-tokens", "6", "--dtype", "float32", "--out", out, *FAST])
     [spec] = [r for r in _report(out)[1] if r.get("mode") == "speculative"]
     assert spec["k_run"] == 3 and spec["fallback"] is None and spec["new_tokens"] == 6
+
+
+def test_each_prompt_sums_single_prompt_runs(tmp_path, monkeypatch):
+    """--each-prompt decodes every prompt alone and sums: tokens and rounds add up over the prompts, and
+    parity is counted per prompt. The models' DispatchConfig is DispatchConfig.from_env() with
+    --backend applied, built once and recorded."""
+    monkeypatch.setenv("JAXSPEC_QMM_DENSE_ROWS", "0")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[5, 6, 7, 8]\n[9, 10, 11, 12, 13, 14, 15]\n[3, 4]\n")
+    out = str(tmp_path / "o")
+    sb.main(["--target", "tiny", "--runs", "loop", "--k-values", "3", "--prompts-file", str(prompts), "--each-prompt",
+             "--max-tokens", "5", "--dtype", "float32", "--out", out, *FAST])
+    meta, rows = _report(out)
+    assert meta["matmul"]["backend"] == "xla" and meta["matmul"]["qmm_dense_rows"] == 0
+    [classic] = [r for r in rows if r.get("mode") == "classic"]
+    [spec] = [r for r in rows if r.get("mode") == "speculative"]
+    for r in (classic, spec):
+        assert r["prompts"] == 3 and r["new_tokens"] == 3 * 5
+    assert classic["rounds"] == 3 * 4  # classic: one round per token after the prefill's first
+    assert spec["greedy_equal"] is True and spec["greedy_equal_prompts"] == "3/3"
+    assert sum(spec["hist"]) == spec["rounds"] >= 3  # B = 1: one row-round per round, every prompt ran
+    with pytest.raises(SystemExit):
+        sb.main(["--target", "tiny", "--each-prompt", "--batch", "2", "--out", out])
