@@ -4,7 +4,7 @@
 
 Times `--steps` dependent forwards in one jit (as speculative_bench's forward run does), then
 traces one such call with the JAX profiler and sums the device's kernel events by name and by
-kind: our 4-bit matmul kernels (GEMV, tiled), XLA fusions, dense matmuls, the rest. The difference
+kind: our 4-bit matmul kernels (GEMV, tiled qmm), XLA fusions, dense matmuls, the rest. The difference
 between the wall time and the summed kernel time is time the GPU sat idle between kernels (launch
 gaps, host work). Writes DIR/profile.md, DIR/profile.json and the raw trace under DIR/trace/; prints
 the table last. On a machine without a GPU it reports the host's XLA executor events instead (the
@@ -29,10 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import environment, median_time, no_command_buffers  # noqa: E402
 from speculative_bench import forward_loop, load_pair, weight_bytes_per_token  # noqa: E402
 
-# Kernel-name patterns, first match wins. Pallas names its kernels (pallas_kernels: q4mm_m16_* is the
-# tensor-core GEMV, q4mm_m64_* the tiled path, q4gemv_* the CUDA-core GEMV).
-KINDS = [("4-bit GEMV (tensor cores)", ("mm_m16_",)), ("4-bit GEMV (CUDA cores)", ("gemv_r",)),
-         ("4-bit tiled matmul", ("mm_m",)),
+from pallas_kernels import DispatchConfig  # noqa: E402
+
+# Kernel-name patterns, first match wins. pallas_kernels.launch names its kernels q{bits}gemv_m*_n*
+# (qmv, multirow) and q{bits}qmm_m*_n* (the tiled GEMM), with _x{count} for several weights in one
+# launch. (Traces from before 2026-12-02 name them q4mm_m16_* and q4mm[dq]_m64_*: the last two patterns.)
+KINDS = [("4-bit GEMV", ("gemv_m",)), ("4-bit tiled matmul", ("qmm_m",)),
+         ("4-bit GEMV", ("mm_m16_",)), ("4-bit tiled matmul", ("mm_m", "mmdq_m")),
          ("dense matmul (XLA/cuBLAS)", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "dot")),
          ("XLA fusion", ("fusion", "loop_", "input_", "reduce", "transpose", "copy", "concatenate")),
          ("memset/memcpy", ("memset", "memcpy"))]
@@ -164,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1, help="tokens per row: 1 = decode, K = a K-wide verify")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None, help="the commit to name in the report (default: git rev-parse)")
     ap.add_argument("--out", default="out/profile")
     ap.add_argument("--from-trace", action="store_true",
                     help="re-summarize the trace and profile.json already in --out (no model, no GPU)")
@@ -176,7 +180,7 @@ def main(argv=None) -> int:
     no_command_buffers()  # else the kernels replayed inside CUDA graphs are missing from the trace
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    target, _, what = load_pair(args, jnp.bfloat16)
+    target, _, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env())
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
     run, call_args = forward_loop(target, args.batch, args.width, args.width, args.steps)
     wall_us = median_time(run, *call_args, warmup=1, repeats=5) / args.steps * 1e6
@@ -185,7 +189,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(run(*call_args))
     events, source = kernel_events(read_trace(log_dir))
     summary = summarize(events, args.steps)
-    env = environment()
+    env = environment(args.commit)
     meta = {"what": what, "env": env, "batch": args.batch, "width": args.width, "steps": args.steps,
             "source": source, "weight_gb": weight_bytes_per_token(target) / 1e9,
             "command": "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:] if argv is None else argv)}

@@ -26,19 +26,26 @@ def test_sums_only_the_device_stream_kernels():
         _meta(2, "/device:GPU:0"), _meta(2, None, 1, "Stream #13(Compute)"), _meta(2, None, 2, "XLA Ops"),
         _x(1, 7, "PjitFunction(run)", 0, 500.0),                      # host: not device work
         _x(2, 2, "fusion.3", 10, 40.0),                               # the op level repeats the kernels
-        _x(2, 1, "q4mm_m16_n128", 10, 12.5), _x(2, 1, "q4mm_m16_n128", 30, 7.5),
-        _x(2, 1, "q4mm_m64_n128", 40, 6.0), _x(2, 1, "q4gemv_r1_n64", 50, 3.0),
+        _x(2, 1, "q4gemv_m16_n64", 10, 12.5), _x(2, 1, "q4gemv_m16_n64_x3", 30, 7.5),
+        _x(2, 1, "q4qmm_m64_n128", 40, 6.0), _x(2, 1, "q4qmm_m16_n128", 50, 3.0),
         _x(2, 1, "loop_multiply_fusion", 60, 2.0), _x(2, 1, "nvjet_hsh_64x8_gemm", 70, 4.0),
         _x(2, 1, "some_custom_thing", 80, 1.0)]}
     events, source = pf.kernel_events(trace)
     assert source == "device streams" and len(events) == 7
     s = pf.summarize(events, forwards=2)
     kinds = {k: v["us"] for k, v in s["by_kind"].items()}
-    assert kinds == {"4-bit GEMV (tensor cores)": 10.0, "4-bit tiled matmul": 3.0, "dense matmul (XLA/cuBLAS)": 2.0,
-                     "4-bit GEMV (CUDA cores)": 1.5, "XLA fusion": 1.0, "other": 0.5}
-    assert s["by_name"]["q4mm_m16_n128"] == {"us": 10.0, "count": 1.0}
+    # (a qmm launch with 16-row tiles is still the tiled GEMM, not the GEMV)
+    assert kinds == {"4-bit GEMV": 10.0, "4-bit tiled matmul": 4.5, "dense matmul (XLA/cuBLAS)": 2.0,
+                     "XLA fusion": 1.0, "other": 0.5}
+    assert s["by_name"]["q4gemv_m16_n64"] == {"us": 6.25, "count": 0.5}
     assert s["busy_us"] == 18.0
-    assert list(s["by_kind"])[0] == "4-bit GEMV (tensor cores)"  # largest first
+    assert list(s["by_kind"])[0] == "4-bit GEMV"  # largest first
+
+
+def test_kernel_names_of_older_traces():
+    """Traces saved before the kernels' rename (--from-trace) still sort into the same kinds."""
+    assert pf.kind_of("q4mm_m16_n64_x3") == "4-bit GEMV"
+    assert pf.kind_of("q4mmdq_m64_n128") == pf.kind_of("q4mm_m64_n128") == "4-bit tiled matmul"
 
 
 def test_leaves_drops_containers():
@@ -59,8 +66,8 @@ def test_end_to_end_on_cpu(tmp_path):
 
 def test_overlapping_stream_kernels_are_all_kept():
     """Consecutive GPU kernels whose trace timestamps overlap slightly (seen on the H200) are not nested."""
-    evs = [_x(2, 1, "q4mm_m16_n128", 0, 50.0), _x(2, 1, "fusion_1", 49.9, 2.0), _x(2, 1, "q4mm_m16_n128", 51.8, 50.0)]
-    assert [e["name"] for e in pf.leaves(evs)] == ["q4mm_m16_n128", "fusion_1", "q4mm_m16_n128"]
+    evs = [_x(2, 1, "q4gemv_m16_n64", 0, 50.0), _x(2, 1, "fusion_1", 49.9, 2.0), _x(2, 1, "q4gemv_m16_n64", 51.8, 50.0)]
+    assert [e["name"] for e in pf.leaves(evs)] == ["q4gemv_m16_n64", "fusion_1", "q4gemv_m16_n64"]
 
 
 def test_from_trace_rebuilds_the_same_summary(tmp_path):
