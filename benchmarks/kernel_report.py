@@ -10,9 +10,9 @@ from collections import defaultdict
 
 
 Q4_G64_BYTES_PER_WEIGHT = 0.5625  # 4-bit codes + a bf16 scale and bias per 64 weights
-COPY_TBPS = 4.3  # the H200's measured HBM copy bandwidth (docs/kernels.md, "The two numbers")
+COPY_TBPS = 4.3  # the H200's HBM copy bandwidth (docs/kernels.md, "The bytes floor")
 COLORS = {"pallas (auto path)": "tab:orange", "pallas:qmv-per-row": "tab:red", "pallas:qmm-forced": "tab:green",
-          "xla:dequant+dot": "tab:purple", "dense-bf16:jnp.dot": "tab:blue"}
+          "pallas:qmm-tiled": "tab:olive", "xla:dequant+dot": "tab:purple", "dense-bf16:jnp.dot": "tab:blue"}
 
 
 def load(paths):
@@ -74,36 +74,23 @@ def report(rows, md_path, png_path, command, note=None):
         out.append("")
     tiles = [r for r in rows if r["phase"] == "tiles" and "us" in r]
     if tiles:
-        out += ["## qmm tiling sweep (us)", ""]
+        out += ["## qmm tilings around the default (us)", ""]
         grid = defaultdict(dict)
-        for r in tiles:  # older runs swept tile_m x split; newer ones name a variant of the default
-            split = "1" if r.get("split_k", 1) == 1 else "auto"
-            grid[(r["n"], r["k"], r["rows"])][r.get("variant") or f"tile_m={r['tile_m']}, split {split}"] = r["us"]
+        for r in tiles:
+            grid[(r["n"], r["k"], r["rows"])][r["variant"]] = r["us"]
         cols = list(dict.fromkeys(c for d in grid.values() for c in d))
-        out += ["Split-K \"auto\" brings the program count to about one wave (132 SMs), as the default does.", "",
+        out += ["The default splits K until about one wave of programs (132 SMs).", "",
                 "| N x K | rows | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
         for (n, k, rws), d in sorted(grid.items()):
             out.append(f"| {n}x{k} | {rws} | " + " | ".join(f"{d.get(c, float('nan')):.1f}" for c in cols) + " |")
         out.append("")
     out += launch_table(
-        rows, "sweep", "GEMV launch sweep (rows 1 and 8)",
-        "`convert`: how codes become MMA operands (`cvt`: int->float instructions; `bits`: the code "
-        "ORed into a float's mantissa, offset folded into the bias). Other columns: the launch shape.",
-        ["convert", "prefetch_sb (removed)", "sb_by_group (removed)", "block_n", "split_k", "warps", "stages",
-         "groups/step"],
-        lambda r, t: [t.get("convert", "cvt"), t.get("prefetch_sb", False), t.get("sb_by_group", False),
-                      t["block_n"], t["split_k"], t["num_warps"], t["num_stages"], t["groups_per_step"]])
-    out += launch_table(
-        rows, "fma", "CUDA-core GEMV (\"fma\", pallas_kernels/gemv.py) around its default, and the tensor-core GEMV",
-        None, ["variant", "block_n", "groups/step", "split_k", "warps"],
-        lambda r, t: [r["variant"], t["block_n"], t["groups_per_step"], t["split_k"], t["num_warps"]])
-    out += launch_table(
-        rows, "locality", "Bytes per row per loop step (both GEMV kernels)",
-        "A program reads block_n weight rows x groups_per_step x 32 bytes per loop step; rows are "
-        "K/2 bytes apart. K split as the dispatch would for that block_n.",
-        ["kernel", "block_n x groups/step", "bytes per row per step", "split_k", "warps"],
-        lambda r, t: [r["kernel"], f"{t['block_n']} x {t['groups_per_step']}", r["bytes_per_row_step"],
-                      t["split_k"], t["num_warps"]])
+        rows, "sweep", "GEMV launches around the default (rows 1 and 8)",
+        "Explicit `launch.Tiling`s passed to `launch.gemv`; `xsum`: each group's sum(x) reduced in the "
+        "kernel or summed once by the wrapper.",
+        ["variant", "block_n", "split_k", "warps", "stages", "groups/step", "xsum"],
+        lambda r, t: [r.get("variant", ""), t["block_n"], t["split_k"], t["num_warps"], t["num_stages"],
+                      t["groups_per_step"], t.get("xsum", "reduce")])
     open(md_path, "w").write("\n".join(out))
     if png_path and table:
         import matplotlib
@@ -115,7 +102,7 @@ def report(rows, md_path, png_path, command, note=None):
             series = defaultdict(list)
             for r in table:
                 if (r["n"], r["k"]) == (n, k):
-                    auto = r["backend"] == "pallas" and r["path"] in ("qmv", "multirow", "qmm")
+                    auto = r["backend"] == "pallas" and r["path"] in ("qmv", "multirow", "qmm", "qmm (dense)")
                     series["pallas (auto path)" if auto else f"{r['backend']}:{r['path']}"].append((r["rows"], r["us"]))
             for name, pts in sorted(series.items()):
                 ax.plot(*zip(*sorted(pts)), "o-", ms=3, label=name, color=COLORS.get(name))
