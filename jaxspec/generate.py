@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
+from pallas_kernels import ROW_TILE
+
 from . import loop as L
 from . import sampling as S
 from . import verify as V
 
-PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this (fewer recompiles)
+# Prompts are right-padded to whole row tiles (the prefill's matmul rows; fewer recompiles).
+PROMPT_BUCKET = ROW_TILE
 BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
 
 
@@ -81,14 +84,19 @@ class Generator:
       key a jax PRNG key; limit int32 [B] per-row budgets in 1..max_new_tokens (default: all
       max_new_tokens); stop_ids int32 [S] EOS/stop ids padded with -1 (default: none).
     `gen.inputs(prompt_ids, ...)` builds those arrays from Python lists; `gen.tokens(state)` cuts
-    the output rows. `gen.run(...)` does the same as `gen(...)` through the two halves, prefill
-    (shared by all block sizes) and decode, each compiled ahead of time and timed; generate uses it.
+    the output rows.
+
+    The same computation in two halves, each compiled ahead of time once per shapes: `prefill`
+    (shared by all block sizes) gives the state, `decode(..., max_rounds)` runs up to max_rounds
+    rounds from it and can be called again on the state it returns (streaming does; the state's
+    shapes never change, so every call runs one program). `gen.run(...)` is prefill + one decode
+    of the whole budget, timed without compilation; `generate` uses it.
     """
 
     def __init__(self, spec: L.LoopSpec):
         self.spec = spec
         self._run = jax.jit(lambda t, a, *xs: L.run(spec, t, a, *xs))
-        self._decode = jax.jit(lambda t, a, s: L.decode(spec, t, a, s), donate_argnums=(2,))
+        self._decode = jax.jit(lambda t, a, s, n: L.decode(spec, t, a, s, n), donate_argnums=(2,))
 
     def __call__(self, target, assistant, prompt, lengths, key, limit=None, stop_ids=None):
         b = prompt.shape[0]
@@ -101,30 +109,46 @@ class Generator:
     def prefill_spec(self, target, prompt) -> L.PrefillSpec:
         return self.spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
 
-    def prefill(self, target, prompt, lengths, key, limit, stop_ids):
-        return _PREFILL(self.prefill_spec(target, prompt), target, prompt, lengths, key, limit, stop_ids)
+    def compiled_prefill(self, target, prompt, lengths, key, limit, stop_ids) -> Callable[[], L.DecodeState]:
+        """`() -> state`: the prefill of these inputs, compiled now (cached per shapes), run when
+        called; the state comes in decode's shapes (`loop.start`)."""
+        args = (target, prompt, lengths, key, limit, stop_ids)
+        pre = _aot(_PREFILL, "prefill", self.prefill_spec(target, prompt), *args)
+        return lambda: L.start(self.spec, pre(*args))
 
-    def decode(self, target, assistant, state):
-        return self._decode(target, assistant, state)
+    def compiled_decode(self, target, assistant, state) -> Callable[[L.DecodeState, int], L.DecodeState]:
+        """`(state, max_rounds) -> state`: up to max_rounds more rounds, compiled now (cached per
+        shapes: one program for every state and budget). The state passed in is donated."""
+        drafter = assistant if self.spec.speculative else None
+        n = jnp.zeros((), jnp.int32)
+        dec = _aot(self._decode, ("decode", self.spec), None, target, drafter, state, n)
+        return lambda s, max_rounds: dec(target, drafter, s, jnp.asarray(max_rounds, jnp.int32))
+
+    def prefill(self, target, prompt, lengths, key, limit, stop_ids) -> L.DecodeState:
+        return self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids)()
+
+    def decode(self, target, assistant, state, max_rounds: int | None = None) -> L.DecodeState:
+        """Up to `max_rounds` rounds (default: until every row is done); `state` is donated."""
+        n = self.spec.max_new_tokens if max_rounds is None else max_rounds
+        return self.compiled_decode(target, assistant, state)(state, n)
 
     def run(self, target, assistant, prompt, lengths, key, limit, stop_ids):
         """-> (state, prefill seconds, decode seconds), compilation excluded."""
-        args = (target, prompt, lengths, key, limit, stop_ids)
-        pre = _aot(_PREFILL, "prefill", self.prefill_spec(target, prompt), *args)
+        pre = self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids)
         t0 = time.perf_counter()
-        state = jax.block_until_ready(pre(*args))
+        state = jax.block_until_ready(pre())
         t1 = time.perf_counter()
-        drafter = assistant if self.spec.speculative else None
-        dec = _aot(self._decode, ("decode", self.spec), None, target, drafter, state)
+        dec = self.compiled_decode(target, assistant, state)
         t2 = time.perf_counter()
-        state = jax.block_until_ready(dec(target, drafter, state))
+        state = jax.block_until_ready(dec(state, self.spec.max_new_tokens))
         t3 = time.perf_counter()
         return state, t1 - t0, t3 - t2
 
     def compiled_decode_text(self, target, assistant, state) -> str:
         """The optimized HLO of the decode loop (to inspect launches per round)."""
         drafter = assistant if self.spec.speculative else None
-        return _aot(self._decode, ("decode", self.spec), None, target, drafter, state).as_text()
+        n = jnp.zeros((), jnp.int32)
+        return _aot(self._decode, ("decode", self.spec), None, target, drafter, state, n).as_text()
 
     def inputs(self, prompt_ids, *, max_new_tokens=None, eos_token_ids=(), stop_token_ids=(), seed=0,
                prompt_width=None):
@@ -168,8 +192,8 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
     """The jitted generation function for one static setting (cached: equal arguments return the
     same Generator). block_size=1 is classic decoding (no assistant). max_new_tokens is the output
     buffer and the largest per-row budget; smaller budgets and EOS/stop ids are runtime inputs.
-    verify_pad: None ($JAXSPEC_MTP_VERIFY_PAD, else verify.DEFAULT_VERIFY_PAD), a bool or a width.
-    cache_size: KV positions per row (None: prompt width + max_new_tokens + verify width).
+    verify_pad: None (the target's `matmul.verify_pad`, read when the Generator runs), a bool or a
+    width. cache_size: KV positions per row (None: prompt width + max_new_tokens + verify width).
     See Generator for the call signature."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -177,7 +201,8 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     params = S.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, draft=draft)
     spec = L.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=params,
-                      verify_pad=V.resolve_verify_pad(verify_pad), cache_size=cache_size)
+                      verify_pad=None if verify_pad is None else V.resolve_verify_pad(verify_pad, None),
+                      cache_size=cache_size)
     gen = _GENERATORS.get(spec)
     if gen is None:
         gen = _GENERATORS[spec] = Generator(spec)
@@ -274,7 +299,7 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
         if not hasattr(assistant, "config") or not hasattr(assistant.config, "backbone_hidden_size"):
             raise ValueError(f"assistant must be a models.Assistant, got {type(assistant).__name__}")
         models.check_fit(assistant.config, target.config)
-    pad = V.resolve_verify_pad(verify_pad)
+    pad = V.resolve_verify_pad(verify_pad, target.matmul)
     batch = len(rows)
     k = block_size if assistant is not None else 1
     width = V.verify_width(k, batch, pad, target.matmul)
@@ -301,25 +326,49 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
 # generate
 
 
-def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
-             verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-             exactness_probe: bool = True) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
-    `assistant` is given (block_size K: K-1 drafts + one K-wide verify per round), classically
-    otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
-    sampling with temperature / top_k / top_p.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated generation request, ready to run: the Generator, its drafter (None when
+    classic) and input arrays, and why speculation was dropped or shrunk. `generate` runs it in
+    one decode call, `streaming.stream_generate` in chunks; `result` reports either."""
 
-    prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
-    eos_token_ids: None takes the target config's EOS ids when it has any. Generation of a row stops
-    after the first EOS or stop token (kept in the output).
-    verify_pad: None ($JAXSPEC_MTP_VERIFY_PAD or verify.DEFAULT_VERIFY_PAD), bool, or a width.
-    draft: "sample" (draw drafts from q) or "argmax" (T > 0 only).
-    cache_size: KV positions per row (None: just enough).
-    exactness_probe: at T = 0, check once per shape that a K-wide verify is bit-identical to K
-    single steps and fall back to classic decoding with a warning when it is not.
-    """
+    gen: Generator
+    drafter: Any
+    inputs: tuple                       # (prompt, lengths, key, limit, stop_ids)
+    batch: int
+    verify_width: int
+    fallback: str | None
+    probe_logit_diff: float | None
+
+    def result(self, state, prefill_s: float, decode_s: float) -> GenerationResult:
+        out, n_out, rounds, row_rounds, drafted, accepted, hist = jax.device_get(
+            (state.out, state.n_out, state.rounds, state.row_rounds, state.drafted, state.accepted, state.hist))
+        batch, spec = self.batch, self.gen.spec
+        tokens = [out[b, :n_out[b]].tolist() for b in range(batch)]
+        new_tokens = int(n_out.sum())
+        row_r = int(row_rounds.sum())
+        drafted, accepted = int(drafted.sum()), int(accepted.sum())
+        stats = GenerationStats(
+            mode="speculative" if spec.speculative else "classic",
+            block_size=spec.block_size, verify_width=self.verify_width,
+            rounds=int(rounds), row_rounds=row_r, drafted=drafted, accepted=accepted,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            mean_accepted_len=accepted / row_r if row_r else 0.0,
+            tokens_per_round=(new_tokens - batch) / row_r if row_r else 0.0,
+            accepted_hist=[int(x) for x in hist], new_tokens=new_tokens,
+            prefill_s=prefill_s, decode_s=decode_s,
+            decode_tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("inf"),
+            fallback=self.fallback, probe_logit_diff=self.probe_logit_diff)
+        return GenerationResult(tokens=tokens, stats=stats)
+
+
+def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
+         temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+         eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
+         verify_pad=None, draft: str = "sample", cache_size: int | None = None,
+         exactness_probe: bool = True) -> Plan:
+    """`generate`'s arguments -> a Plan: every input check (on the host, before anything is
+    compiled), then the exactness probe (T = 0), the Generator and its input arrays."""
     rows = _as_batch(prompt_ids)
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
@@ -334,12 +383,37 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
     gen = make_generate(block_size=k, max_new_tokens=_round_up(int(max_new_tokens), BUDGET_BUCKET),
                         temperature=float(temperature), top_k=top_k, top_p=top_p, verify_pad=pad, draft=draft,
                         cache_size=capacity)
-    prompt, lengths, key, limit, stop_ids = gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop,
-                                                       seed=seed, prompt_width=prompt_width)
-    state, prefill_s, decode_s = gen.run(target, assistant, prompt, lengths, key, limit, stop_ids)
-    result = _result(state, gen.spec, batch, target, prefill_s, decode_s, fallback)
-    result.stats.probe_logit_diff = diff
-    return result
+    inputs = gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop, seed=seed,
+                        prompt_width=prompt_width)
+    return Plan(gen=gen, drafter=assistant if k > 1 else None, inputs=inputs, batch=batch,
+                verify_width=gen.spec.width(batch, target.matmul), fallback=fallback, probe_logit_diff=diff)
+
+
+def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
+             verify_pad=None, draft: str = "sample", cache_size: int | None = None,
+             exactness_probe: bool = True) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
+    `assistant` is given (block_size K: K-1 drafts + one K-wide verify per round), classically
+    otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
+    sampling with temperature / top_k / top_p.
+
+    prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
+    eos_token_ids: None takes the target config's EOS ids when it has any. Generation of a row stops
+    after the first EOS or stop token (kept in the output).
+    verify_pad: None (the target's `matmul.verify_pad`), a bool, or a width.
+    draft: "sample" (draw drafts from q) or "argmax" (T > 0 only).
+    cache_size: KV positions per row (None: just enough).
+    exactness_probe: at T = 0, check once per shape that a K-wide verify is bit-identical to K
+    single steps and fall back to classic decoding with a warning when it is not.
+    """
+    p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
+             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
+             stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,
+             exactness_probe=exactness_probe)
+    state, prefill_s, decode_s = p.gen.run(target, p.drafter, *p.inputs)
+    return p.result(state, prefill_s, decode_s)
 
 
 def effective_block_size(target, assistant, batch, block_size, temperature, pad, exactness_probe):
@@ -370,24 +444,3 @@ def effective_block_size(target, assistant, batch, block_size, temperature, pad,
                 fallback = f"exactness probe failed (max |logit diff| {first_diff:.3g})"
                 k, diff = 1, first_diff
     return k, fallback, diff
-
-
-def _result(state, spec, batch, target, prefill_s, decode_s, fallback) -> GenerationResult:
-    out, n_out, rounds, row_rounds, drafted, accepted, hist = jax.device_get(
-        (state.out, state.n_out, state.rounds, state.row_rounds, state.drafted, state.accepted, state.hist))
-    tokens = [out[b, :n_out[b]].tolist() for b in range(batch)]
-    new_tokens = int(n_out.sum())
-    row_r = int(row_rounds.sum())
-    drafted, accepted = int(drafted.sum()), int(accepted.sum())
-    stats = GenerationStats(
-        mode="speculative" if spec.speculative else "classic",
-        block_size=spec.block_size, verify_width=spec.width(batch, target.matmul),
-        rounds=int(rounds), row_rounds=row_r, drafted=drafted, accepted=accepted,
-        acceptance_rate=accepted / drafted if drafted else 0.0,
-        mean_accepted_len=accepted / row_r if row_r else 0.0,
-        tokens_per_round=(new_tokens - batch) / row_r if row_r else 0.0,
-        accepted_hist=[int(x) for x in hist], new_tokens=new_tokens,
-        prefill_s=prefill_s, decode_s=decode_s,
-        decode_tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("inf"),
-        fallback=fallback)
-    return GenerationResult(tokens=tokens, stats=stats)

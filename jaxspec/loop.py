@@ -12,8 +12,9 @@ One round with block size K (classic decoding is the same machinery with K = 1 a
    carry the verify hidden at a as the next h_prev.
 
 Rows are independent: each has its own lengths, counters and done flag. A finished row keeps its
-cache length, its outputs are no longer written and it counts in no statistic; the loop ends when
-every row is done (or the round guard trips). Nothing goes back to the host between rounds.
+cache length, its outputs are no longer written and it counts in no statistic; `decode` ends when
+every row is done or its round budget is spent. Nothing goes back to the host between the rounds of
+one `decode` call.
 """
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ class LoopSpec:
     block_size: int                 # K; 1 means classic decoding
     max_new_tokens: int             # N >= 1: output buffer size, the largest budget
     sampling: S.SamplingParams
-    verify_pad: Any = False         # resolved: False, True (qmm threshold) or an int width
+    verify_pad: Any = None          # None (the target's matmul.verify_pad), a bool (True: the
+                                    # qmm threshold) or an int width; see verify.verify_width
     cache_size: int | None = None   # None: prompt width + N - 1 + verify width, rounded up
 
     @property
@@ -105,7 +107,8 @@ class DecodeState:
     row_rounds: jax.Array   # int32 [B]: rounds in which the row was active
     drafted: jax.Array      # int32 [B]
     accepted: jax.Array     # int32 [B]: accepted draft tokens (before budget/stop truncation)
-    hist: jax.Array         # int32 [K]: active row-rounds by accepted count a ([0] after prefill)
+    hist: jax.Array         # int32 [K]: active row-rounds by accepted count a (empty from prefill,
+                            # sized by `start`)
 
 
 def _cache_dtype(target):
@@ -219,23 +222,40 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
         hist=state.hist + jnp.sum(jax.nn.one_hot(n_acc, k, dtype=jnp.int32) * act[:, None], axis=0))
 
 
-def decode(spec: LoopSpec, target, assistant, state: DecodeState) -> DecodeState:
-    """All rounds in one `lax.while_loop`. Every round emits >= 1 token per active row, so
-    max_new_tokens rounds always suffice (the guard never trips in a correct run)."""
+def start(spec: LoopSpec, state: DecodeState) -> DecodeState:
+    """The prefill's state in decode's shapes: the accepted-length histogram sized to K. Prefill
+    itself does not depend on K, so classic and speculative runs of one prompt shape share it."""
+    return state.replace(hist=jnp.zeros((spec.block_size,), jnp.int32))
+
+
+def decode(spec: LoopSpec, target, assistant, state: DecodeState, max_rounds: jax.Array) -> DecodeState:
+    """Rounds in one `lax.while_loop` while some row is active and fewer than `max_rounds` (a traced
+    int32 scalar) rounds ran in this call. `generate` passes max_new_tokens, which always
+    suffices (every round emits >= 1 token per active row); streaming passes its chunk size and
+    calls again with the returned state, so one compiled program serves both. The state's shapes
+    do not change (see `start`)."""
     if spec.speculative and assistant is None:
         raise ValueError("speculative decoding (block_size > 1) needs an assistant")
     k = spec.block_size
     if state.out.shape[1] < spec.max_new_tokens + k - 1:
         raise ValueError(f"output buffer {state.out.shape[1]} < max_new_tokens + block_size - 1")
-    if state.hist.shape[0] != k:
-        state = state.replace(hist=jnp.zeros((k,), jnp.int32))
+    if state.hist.shape != (k,):
+        raise ValueError(f"hist has shape {state.hist.shape}, decode needs ({k},): pass the state through loop.start")
 
-    def cond(s):
-        return jnp.any(~s.done) & (s.rounds < spec.max_new_tokens)
+    def cond(carry):
+        s, i = carry
+        return jnp.any(~s.done) & (i < max_rounds)
 
-    return jax.lax.while_loop(cond, lambda s: decode_round(spec, target, assistant, s), state)
+    def body(carry):
+        s, i = carry
+        return decode_round(spec, target, assistant, s), i + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
+    return state
 
 
 def run(spec: LoopSpec, target, assistant, prompt, lengths, key, limit, stop_ids) -> DecodeState:
+    """Prefill and the whole decode (one traceable function)."""
     pspec = spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
-    return decode(spec, target, assistant, prefill(pspec, target, prompt, lengths, key, limit, stop_ids))
+    state = start(spec, prefill(pspec, target, prompt, lengths, key, limit, stop_ids))
+    return decode(spec, target, assistant, state, jnp.int32(spec.max_new_tokens))

@@ -17,19 +17,16 @@ import numpy as np
 
 import models
 from pallas_kernels import DispatchConfig, select_path
-from pallas_kernels.config import env_bool
 
-VERIFY_PAD_ENV = "JAXSPEC_MTP_VERIFY_PAD"
-# The default is decided by the benchmark (docs/loop.md). Until it is measured: off.
-DEFAULT_VERIFY_PAD = False
 PAD_TOKEN = 0
 
 
-def resolve_verify_pad(verify_pad) -> bool | int:
-    """None -> $JAXSPEC_MTP_VERIFY_PAD (0|1) -> DEFAULT_VERIFY_PAD. True: pad to the qmm threshold;
-    an int: pad to that width (must be >= block_size, checked by the caller); False/0: no padding."""
+def resolve_verify_pad(verify_pad, matmul: DispatchConfig | None) -> bool | int:
+    """None -> the target's `matmul.verify_pad` (resolved from the environment once, when the model
+    was loaded). True: pad to the qmm threshold; an int: pad to that width (must be >= block_size,
+    checked by the caller); False/0: no padding."""
     if verify_pad is None:
-        return env_bool(VERIFY_PAD_ENV, DEFAULT_VERIFY_PAD)
+        return bool((DispatchConfig() if matmul is None else matmul).verify_pad)
     if isinstance(verify_pad, (bool, np.bool_)):
         return bool(verify_pad)
     if isinstance(verify_pad, (int, np.integer)):
@@ -49,7 +46,8 @@ def qmm_threshold_width(block_size: int, batch: int, matmul: DispatchConfig | No
 
 
 def verify_width(block_size: int, batch: int, verify_pad, matmul: DispatchConfig | None) -> int:
-    """The static verify width for a resolved `verify_pad` (K when off, or when K <= 1)."""
+    """The static verify width for `verify_pad` (see resolve_verify_pad): K when off, or when K <= 1."""
+    verify_pad = resolve_verify_pad(verify_pad, matmul)
     if block_size <= 1 or verify_pad is False:
         return block_size
     if verify_pad is True:

@@ -1,5 +1,5 @@
 """jaxspec.generate / make_generate: greedy byte parity with classic decoding, batches, EOS and
-budgets, stats, the draft plumbing, the exactness probe, padded verify, bad input.
+budgets, stats, the draft plumbing, streaming, the exactness probe, padded verify, bad input.
 
 References are independent of the loop under test: classic output is checked against a
 step-by-step host loop over models.forward (one row at a time, unpadded prefill); speculative
@@ -23,6 +23,7 @@ import jaxspec
 import models
 import importlib
 G = importlib.import_module("jaxspec.generate")
+from jaxspec import streaming
 from jaxspec import verify as V
 from models import presets
 from pallas_kernels import DispatchConfig
@@ -307,6 +308,62 @@ def test_no_host_round_trip_in_decode():
         assert bad not in hlo, bad
 
 
+@pytest.mark.parametrize("k,temperature", [(4, 0.0), (4, 0.8), (1, 0.8)])
+def test_streaming_equals_generate(k, temperature):
+    """stream_generate runs generate's two compiled programs (no other compilation) and yields,
+    chunk by chunk, exactly generate's tokens and stats for the same arguments and seed, greedy
+    and sampled; every chunk but the last ran exactly rounds_per_chunk rounds."""
+    t, a = pair()
+    rows = [list(r) for r in prompts()]
+    kw = dict(assistant=a, max_new_tokens=20, block_size=k, temperature=temperature, seed=5, exactness_probe=False)
+    ref = jaxspec.generate(t, rows, **kw)
+    if temperature > 0:  # the seed matters: another one samples other tokens
+        assert jaxspec.generate(t, rows, **{**kw, "seed": 6}).tokens != ref.tokens
+    programs = dict(G._AOT)
+    for per_chunk in (1, 3):
+        chunks = list(streaming.stream_generate(t, rows, rounds_per_chunk=per_chunk, **kw))
+        assert G._AOT == programs
+        assert chunks[0].tokens == [r[:1] for r in ref.tokens] and chunks[0].rounds == 0
+        assert [c.rounds for c in chunks[1:-1]] == [per_chunk * i for i in range(1, len(chunks) - 1)]
+        assert [c.done for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert [sum((c.tokens[b] for c in chunks), []) for b in range(len(rows))] == ref.tokens
+        res = chunks[-1].result
+        assert res.tokens == ref.tokens and chunks[-1].rounds == ref.stats.rounds
+        for key in ("mode", "block_size", "rounds", "row_rounds", "drafted", "accepted", "accepted_hist",
+                    "new_tokens"):
+            assert getattr(res.stats, key) == getattr(ref.stats, key), key
+    got = []
+    res = streaming.generate_streaming(t, rows, on_tokens=got.append, rounds_per_chunk=2, **kw)
+    assert res.tokens == ref.tokens
+    assert [sum((c[b] for c in got), []) for b in range(len(rows))] == ref.tokens and all(any(c) for c in got)
+
+
+def test_decode_round_budget():
+    """Generator.decode(state, max_rounds) stops after max_rounds rounds of this call (the state's
+    shapes unchanged), and calls chained from the prefill end where one full decode ends."""
+    t, a = pair()
+    gen = jaxspec.make_generate(block_size=4, max_new_tokens=BUDGET)
+    args = gen.inputs([list(r) for r in prompts()])
+    full = jax.device_get(gen.decode(t, a, gen.prefill(t, *args)))
+    state = gen.prefill(t, *args)
+    shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), state)
+    calls = 0
+    while not bool(state.done.all()):
+        before = int(state.rounds)
+        state = gen.decode(t, a, state, 2)
+        calls += 1
+        ran = int(state.rounds) - before
+        assert ran in (1, 2) if bool(state.done.all()) else ran == 2
+        assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), state) == shapes
+    assert calls == -(-int(full.rounds) // 2)
+    state = jax.device_get(state)
+    for name in ("out", "n_out", "rounds", "row_rounds", "accepted", "hist"):
+        np.testing.assert_array_equal(getattr(state, name), getattr(full, name))
+    # a zero budget runs no round
+    state = gen.prefill(t, *args)
+    assert int(gen.decode(t, a, state, 0).rounds) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Exactness probe
 
@@ -386,16 +443,20 @@ def test_verify_width():
 
 
 def test_verify_pad_resolution(monkeypatch):
-    monkeypatch.delenv(V.VERIFY_PAD_ENV, raising=False)
-    assert V.resolve_verify_pad(None) is V.DEFAULT_VERIFY_PAD
-    monkeypatch.setenv(V.VERIFY_PAD_ENV, "1")
-    assert V.resolve_verify_pad(None) is True
-    assert V.resolve_verify_pad(False) is False
-    monkeypatch.setenv(V.VERIFY_PAD_ENV, "0")
-    assert V.resolve_verify_pad(None) is False
-    monkeypatch.setenv(V.VERIFY_PAD_ENV, "maybe")
-    with pytest.raises(ValueError, match=V.VERIFY_PAD_ENV):
-        V.resolve_verify_pad(None)
+    """None takes the target's dispatch config (resolved from the environment when the model was
+    loaded); jaxspec itself reads no environment; an explicit argument wins."""
+    monkeypatch.setenv("JAXSPEC_MTP_VERIFY_PAD", "1")
+    assert V.resolve_verify_pad(None, DispatchConfig()) is False
+    assert V.resolve_verify_pad(None, None) is False
+    assert V.resolve_verify_pad(None, DispatchConfig(verify_pad=True)) is True
+    assert V.resolve_verify_pad(False, DispatchConfig(verify_pad=True)) is False
+    assert V.resolve_verify_pad(0, DispatchConfig(verify_pad=True)) is False
+    assert V.resolve_verify_pad(True, DispatchConfig()) is True
+    assert V.resolve_verify_pad(16, DispatchConfig(verify_pad=True)) == 16
+    for bad in ("1", -2, 1.5):
+        with pytest.raises(ValueError, match="verify_pad"):
+            V.resolve_verify_pad(bad, None)
+    assert DispatchConfig.from_env().verify_pad is True  # the knob lives in the dispatch config
 
 
 def test_padded_verify_forward():
@@ -430,14 +491,19 @@ def test_padded_verify_forward():
 
 
 def test_padded_verify_token_parity():
-    """B=1, K=4 padded to 9 verify rows (the tiled path's threshold) vs classic."""
+    """B=1, K=4 padded to 9 verify rows (the tiled path's threshold) vs classic: asked for with
+    verify_pad=True, and by the target's dispatch config with verify_pad=None."""
     t, a = pair()
     rows = [list(r) for r in prompts()[1:2]]
-    s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=24, block_size=4, verify_pad=True,
-                         exactness_probe=False)
-    assert s.stats.verify_width > 4 and s.stats.mode == "speculative"
-    assert s.tokens == [r[:24] for r in classic_full()[1:2]]
-    assert s.stats.accepted > 0
+    padding = t.replace(matmul=t.matmul.replace(verify_pad=True))
+    for target, pad in ((t, True), (padding, None)):
+        s = jaxspec.generate(target, rows, assistant=a, max_new_tokens=24, block_size=4, verify_pad=pad,
+                             exactness_probe=False)
+        assert s.stats.verify_width == 9 and s.stats.mode == "speculative"
+        assert s.tokens == [r[:24] for r in classic_full()[1:2]]
+        assert s.stats.accepted > 0
+    assert jaxspec.generate(padding, rows, assistant=a, max_new_tokens=4, block_size=4, verify_pad=False,
+                            exactness_probe=False).stats.verify_width == 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,15 +561,3 @@ def test_assistant_mismatch(no_compute, overrides, match):
     t, _ = pair()
     with pytest.raises(ValueError, match=match):
         jaxspec.generate(t, [1, 2, 3], assistant=_mismatched_assistant(**overrides))
-
-
-def test_verify_pad_env(monkeypatch):
-    monkeypatch.delenv(V.VERIFY_PAD_ENV, raising=False)
-    assert V.resolve_verify_pad(None) is V.DEFAULT_VERIFY_PAD
-    for raw, want in (("1", True), ("on", True), ("0", False), ("off", False)):
-        monkeypatch.setenv(V.VERIFY_PAD_ENV, raw)
-        assert V.resolve_verify_pad(None) is want
-    assert V.resolve_verify_pad(16) == 16  # an explicit argument wins over the environment
-    monkeypatch.setenv(V.VERIFY_PAD_ENV, "maybe")
-    with pytest.raises(ValueError, match="JAXSPEC_MTP_VERIFY_PAD='maybe' must be 0 or 1"):
-        V.resolve_verify_pad(None)
