@@ -1,40 +1,35 @@
-"""The `jaxspec` command line.
+"""The `jaxspec` command line: argument handling and output; the work is the library's.
 
     jaxspec generate "def fibonacci(n):" --max-tokens 64 --compare      # the embedded default pair
     jaxspec generate "Hello" --model DIR --assistant DIR --stream
     jaxspec generate "Why is the sky blue?" --model DIR --assistant DIR --chat --temperature 0.7 --top-p 0.95
-    jaxspec bench ...                                                   # benchmarks/speculative_bench.py
     jaxspec tiny-pair DIR                                               # a tiny random pair (smoke tests)
 
 `generate` prints the generated text on stdout, then one stats line (decode tokens/s, acceptance,
 mean accepted length, speedup over classic decoding with --compare). Progress, the compile notice
 and warnings go to stderr. Bad input (a missing model directory, a directory that is not a model,
 an assistant for another target, a prompt longer than the context, ...) is one line on stderr and
-exit status 2; --debug shows the traceback instead.
+exit status 2, found before anything is loaded or compiled where the config files can tell; --debug
+shows the traceback instead.
 
-Compiled programs are cached on disk (JAX's persistent compilation cache) in
-$JAXSPEC_COMPILE_CACHE, default ~/.cache/jaxspec/jax; JAXSPEC_COMPILE_CACHE=0 or
---no-compile-cache turns it off, and an explicit JAX_COMPILATION_CACHE_DIR wins.
+Compiled programs are kept in JAX's persistent compilation cache: --compile-cache DIR (default
+~/.cache/jaxspec/jax), --no-compile-cache to run without it; a cache directory already set in
+JAX's own configuration (e.g. $JAX_COMPILATION_CACHE_DIR) is left as it is. The speculative
+benchmark is `python benchmarks/speculative_bench.py` in a source checkout.
 """
 from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
-import itertools
 import json
 import os
 import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-PACKAGE_DIR = Path(__file__).resolve().parent
-DEFAULT_PAIR_DIR = PACKAGE_DIR / "default_pair"
-BENCH_SCRIPT = PACKAGE_DIR.parent / "benchmarks" / "speculative_bench.py"
-COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"
+DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "jaxspec", "jax")
 
 
 class UsageError(Exception):
@@ -59,7 +54,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def _read_config(path: str, role: str) -> dict:
-    """config.json of a model directory, with the checks that make a directory a model."""
+    """config.json of a model directory, read up front (before the tokenizer, the context check
+    and loading); the weights are the loader's to check."""
     if not os.path.exists(path):
         raise UsageError(f"{role} directory {path!r} does not exist")
     if not os.path.isdir(path):
@@ -74,26 +70,22 @@ def _read_config(path: str, role: str) -> dict:
         raise UsageError(f"{path!r} is not a model directory: config.json is unreadable ({_one_line(e)})") from None
     if not isinstance(d, dict):
         raise UsageError(f"{path!r} is not a model directory: config.json is not a JSON object")
-    if not glob.glob(os.path.join(path, "*.safetensors")):
-        raise UsageError(f"{path!r} is not a model directory: no *.safetensors weights")
     return d
 
 
 def _parse_configs(model_dir: str, assistant_dir: str | None):
-    """(target config dict, TargetConfig, AssistantConfig or None), pairing checked, from the
+    """(TargetConfig, AssistantConfig or None), parsed by models and the pairing checked, from the
     config files alone (nothing is loaded)."""
     import models
 
-    d = _read_config(model_dir, "model")
     try:
-        tcfg = models.TargetConfig.from_dict(d)
+        tcfg = models.TargetConfig.from_dict(_read_config(model_dir, "model"))
     except (ValueError, NotImplementedError) as e:
         raise UsageError(f"{model_dir!r} is not a usable Gemma 4 target model: {_one_line(e)}") from None
     acfg = None
     if assistant_dir is not None:
-        ad = _read_config(assistant_dir, "assistant")
         try:
-            acfg = models.AssistantConfig.from_dict(ad)
+            acfg = models.AssistantConfig.from_dict(_read_config(assistant_dir, "assistant"))
         except (ValueError, NotImplementedError) as e:
             raise UsageError(f"{assistant_dir!r} is not a usable Gemma 4 assistant (MTP drafter): "
                              f"{_one_line(e)}") from None
@@ -103,75 +95,39 @@ def _parse_configs(model_dir: str, assistant_dir: str | None):
             detail = _one_line(e).replace("assistant does not fit the target: ", "")
             raise UsageError(f"assistant {assistant_dir!r} was made for a different target than "
                              f"{model_dir!r}: {detail}") from None
-    return d, tcfg, acfg
+    return tcfg, acfg
 
 
-def context_length(config: dict) -> int | None:
-    """max_position_embeddings of a target config.json (top level or text_config), or None."""
-    for d in (config, config.get("text_config") or {}):
-        v = d.get("max_position_embeddings")
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
+def default_pair_dirs(path: str | None = None) -> tuple[str, str] | None:
+    """(target dir, assistant dir) of the pair in `path` (default: the packaged default pair, see
+    jaxspec.default_pair), or None when it is incomplete."""
+    from . import default_pair
 
-
-def default_pair_dirs() -> tuple[str, str] | None:
-    """(target dir, assistant dir) of the embedded default pair, or None when it is not installed.
-
-    Uses `jaxspec.default_pair` (`default_pair_available()` / `default_pair_path()`, which honour
-    $JAXSPEC_DEFAULT_PAIR): the pair directory holds target/, assistant/ and a shared
-    tokenizer.json. Without that module, model directories under jaxspec/default_pair/ are told
-    apart by their config.json model_type."""
-    try:
-        from . import default_pair as dp
-    except Exception:
-        dp = None
-    available = getattr(dp, "default_pair_available", None)
-    path_fn = getattr(dp, "default_pair_path", None)
-    if callable(available) and callable(path_fn):
-        if not available():
-            return None
-        root = path_fn()
-        return os.path.join(root, "target"), os.path.join(root, "assistant")
-    if not DEFAULT_PAIR_DIR.is_dir():
+    if not default_pair.default_pair_available(path):
         return None
-    target = assistant = None
-    for cfg in sorted(DEFAULT_PAIR_DIR.glob("*/config.json")):
-        try:
-            mt = json.loads(cfg.read_text()).get("model_type", "")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if "assistant" in mt:
-            assistant = assistant or str(cfg.parent)
-        elif mt.startswith("gemma4"):
-            target = target or str(cfg.parent)
-    if target and assistant:
-        return target, assistant
-    return None
+    root = default_pair.default_pair_path() if path is None else path
+    return os.path.join(root, "target"), os.path.join(root, "assistant")
 
 
 def enable_compile_cache(path: str | None = None) -> str | None:
-    """Turn on JAX's persistent compilation cache (a later run with the same shapes skips
-    compilation). Returns the directory, or None when it is off ($JAXSPEC_COMPILE_CACHE=0) or JAX's
-    own JAX_COMPILATION_CACHE_DIR already decides."""
+    """Keep compiled programs in JAX's persistent compilation cache (a later run with the same
+    shapes skips compilation), in `path` (default ~/.cache/jaxspec/jax). A directory already set in
+    JAX's configuration (`jax_compilation_cache_dir`, e.g. from $JAX_COMPILATION_CACHE_DIR) wins and
+    is left with its settings. Returns the directory in use, or None when the cache cannot be
+    turned on (e.g. a read-only home: then the run goes on without it)."""
     import jax
 
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return None
-    raw = path or os.environ.get(COMPILE_CACHE_ENV, "")
-    if raw.lower() in ("0", "off", "false", "no"):
-        return None
-    if not raw:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        raw = os.path.join(base, "jaxspec", "jax")
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = os.path.expanduser(DEFAULT_COMPILE_CACHE if path is None else path)
     try:
-        os.makedirs(raw, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", raw)
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    except Exception:  # a read-only home, an old JAX: run without the cache
+    except Exception:
         return None
-    return raw
+    return path
 
 
 def _dir_bytes(path: str) -> int:
@@ -205,19 +161,19 @@ def _load(kind: str, path: str, **kw):
 
 
 def _matmul_config(choice: str):
+    """The dispatch config for --backend: auto is the Pallas kernels on a GPU and XLA's
+    dequantize + dot elsewhere; the environment's dispatch knobs (DispatchConfig.from_env) apply."""
     import jax
 
     from pallas_kernels import DispatchConfig
 
     on_gpu = jax.default_backend() == "gpu"
     if choice == "auto":
-        if os.environ.get("JAXSPEC_MATMUL_BACKEND"):
-            return DispatchConfig()
-        return DispatchConfig() if on_gpu else DispatchConfig(backend="xla")
-    if choice == "pallas" and not on_gpu:
+        choice = "pallas" if on_gpu else "xla"
+    elif choice == "pallas" and not on_gpu:
         _note("jaxspec: note: no GPU: the Pallas kernels run in interpret mode (very slow); "
               "--backend xla is the fast choice on CPU")
-    return DispatchConfig(backend=choice)
+    return DispatchConfig.from_env(backend=choice)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,10 +190,17 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
     if args.model is None:
         if args.assistant is not None:
             raise UsageError("--assistant needs --model (the target it drafts for)")
-        pair = default_pair_dirs()
+        pair = default_pair_dirs(args.pair)
+        if pair is None and args.pair is not None:
+            from .default_pair import missing_files
+
+            lacks = ", ".join(missing_files(args.pair))
+            raise UsageError(f"--pair {args.pair!r} is not a model pair: it lacks {lacks}")
         if pair is None:
             raise UsageError("no model given and the embedded default pair is not installed: pass --model DIR")
         model_dir, assistant_dir = pair
+    elif args.pair is not None:
+        raise UsageError("--pair and --model exclude each other")
     else:
         model_dir, assistant_dir = args.model, args.assistant
     if args.no_assistant:
@@ -276,21 +239,14 @@ def _flush_warnings(caught) -> None:
 
 
 def _generate_streamed(target, ids, assistant, tok, kw, rounds_per_chunk, show, caught):
-    """Stream the text to stdout as rounds complete; returns the GenerationResult, or None when
-    streaming is unavailable (then nothing was printed and the caller generates normally)."""
+    """Stream the text to stdout as rounds complete; returns the GenerationResult."""
     from . import streaming
     from .tokenizer import IncrementalDecoder
 
     dec = IncrementalDecoder(tok)
     result = None
-    try:
-        chunks = streaming.stream_generate(target, [ids], assistant=assistant, rounds_per_chunk=rounds_per_chunk,
-                                           **kw)
-        first = next(chunks)
-    except streaming.StreamingUnavailable as e:
-        _note(f"jaxspec: note: streaming is unavailable ({_one_line(e)}); the text is printed at the end")
-        return None
-    for chunk in itertools.chain([first], chunks):
+    for chunk in streaming.stream_generate(target, [ids], assistant=assistant, rounds_per_chunk=rounds_per_chunk,
+                                           **kw):
         if show and caught:
             _flush_warnings(caught)
             caught.clear()
@@ -319,7 +275,7 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise UsageError("empty prompt")
     model_dir, assistant_dir = _resolve_dirs(args)
-    tdict, tcfg, acfg = _parse_configs(model_dir, assistant_dir)
+    tcfg, _ = _parse_configs(model_dir, assistant_dir)
 
     try:
         tok = load_tokenizer(model_dir, args.tokenizer)
@@ -337,7 +293,7 @@ def cmd_generate(args) -> int:
         raise UsageError(f"tokenizer {tok.source!r} produced token id {max(ids)} but the model's vocabulary has "
                          f"{tcfg.vocab_size} tokens: wrong tokenizer for this model?")
     max_tokens = args.max_tokens
-    ctx = context_length(tdict)
+    ctx = tcfg.max_position_embeddings
     if ctx is not None:
         if len(ids) >= ctx:
             raise UsageError(f"the prompt is {len(ids)} tokens, longer than the model's context of {ctx} tokens "
@@ -351,8 +307,7 @@ def cmd_generate(args) -> int:
 
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
-    if not args.no_compile_cache:
-        enable_compile_cache()
+    cache_dir = None if args.no_compile_cache else enable_compile_cache(args.compile_cache)
     matmul = _matmul_config(args.backend)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
     target = _load("target", model_dir, dtype=dtype, matmul=matmul)
@@ -362,18 +317,17 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=max_tokens, block_size=args.block_size, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=stop, verify_pad=verify_pad)
     mode = "speculative decode loop" if assistant is not None else "decode loop"
-    _note(f"compiling the {mode} (first run for these shapes can take a while; later runs reuse the "
-          "on-disk compile cache) ...")
+    _note(f"compiling the {mode} (the first run for these shapes can take a while"
+          + ("; later runs reuse the on-disk compile cache) ..." if cache_dir else ") ..."))
 
     show = not args.json
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = None
-        if args.stream:
+        streamed = args.stream
+        if streamed:
             result = _generate_streamed(target, ids, assistant, tok, kw, args.stream_rounds, show, caught)
-        streamed = result is not None
-        if result is None:
+        else:
             result = jaxspec.generate(target, [ids], assistant=assistant, **kw)
             if show:
                 sys.stdout.write(tok.decode(result.tokens[0]) + "\n")
@@ -406,163 +360,20 @@ def cmd_generate(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# bench, tiny-pair
-
-
-def cmd_bench(argv: list[str]) -> int:
-    """Forward to benchmarks/speculative_bench.py's main(argv) (a source checkout only: the
-    benchmarks are not part of the installed package)."""
-    if not BENCH_SCRIPT.is_file():
-        raise UsageError(f"jaxspec bench needs {BENCH_SCRIPT.relative_to(BENCH_SCRIPT.parent.parent)} from a source "
-                         f"checkout (not found at {BENCH_SCRIPT}); clone the repository and `pip install -e .`")
-    for p in (str(BENCH_SCRIPT.parent), str(BENCH_SCRIPT.parent.parent)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    spec = importlib.util.spec_from_file_location("speculative_bench", BENCH_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["speculative_bench"] = mod
-    spec.loader.exec_module(mod)
-    main_fn = getattr(mod, "main", None)
-    if not callable(main_fn):
-        raise UsageError(f"{BENCH_SCRIPT} has no main(argv)")
-    try:
-        rc = main_fn(list(argv))
-    except SystemExit as e:  # argparse --help / usage errors inside the benchmark
-        rc = e.code
-    if rc is None:
-        return EXIT_OK
-    return rc if isinstance(rc, int) else EXIT_ERROR
-
-
-_DEMO_CORPUS = """\
-def fibonacci(n):
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-
-def factorial(n):
-    result = 1
-    for i in range(2, n + 1):
-        result *= i
-    return result
-
-class Stack:
-    def __init__(self):
-        self.items = []
-
-    def push(self, item):
-        self.items.append(item)
-
-    def pop(self):
-        return self.items.pop()
-
-for name, value in sorted(table.items()):
-    print(f"{name}: {value}")
-
-Speculative decoding lets a small draft model propose several tokens and a large target model
-check them all in one forward pass. Every draft up to the first disagreement is kept, plus one
-token from the target, so the output is exactly what the target alone would have written.
-The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single
-step. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: ( ) [ ] { } < > = + - * / % , . ; :
-Unicode: café, naïve, über, smörgåsbord, 東京, 日本語, ☃, π ≈ 3.14159.
-"""
-
-
-def _demo_text() -> str:
-    return _DEMO_CORPUS * 3
-
-
-def write_tiny_pair(path: str, *, seed: int = 0, vocab_size: int = 512, context: int = 256,
-                    target_layers: int = 2) -> tuple[str, str]:
-    """Write a tiny random Gemma-4-shaped target + assistant (4-bit MLX format, bf16 scales) and a
-    byte-level BPE tokenizer trained on a few KB of text to `path/target` and `path/assistant`.
-    Returns the two directories. For smoke tests and the quickstart notebook: the text it generates
-    is noise, and acceptance is whatever random weights give."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    import models
-    from models.checkpoint import INDEX, LINEAR
-    from models.config import FULL, SLIDING
-    from models.presets import tiny_assistant_dict, tiny_target_dict
-    from pallas_kernels import QuantizedWeight
-
-    from .tokenizer import DEMO_SPECIAL_TOKENS, train_byte_bpe
-
-    if target_layers < 1:
-        raise ValueError("target_layers must be >= 1")
-    types = [SLIDING] * (target_layers - 1) + [FULL]
-    td = tiny_target_dict(vocab_size=vocab_size, num_hidden_layers=target_layers, layer_types=types)
-    ad = tiny_assistant_dict(td, text=dict(hidden_size=td["hidden_size"], num_hidden_layers=1,
-                                           num_kv_shared_layers=1, layer_types=[FULL]))
-    tcfg, acfg = models.TargetConfig.from_dict(td), models.AssistantConfig.from_dict(ad)
-    rng = np.random.default_rng(seed)
-    gs = 32
-
-    def params(shapes):
-        out = {}
-        for name in sorted(shapes):
-            shape, kind = shapes[name]
-            if kind == INDEX:
-                out[name] = jnp.asarray(rng.permutation(shape[0]), jnp.int32)
-            elif kind == LINEAR and shape[-1] % gs == 0:
-                n, k = shape
-                a = float(np.sqrt(3.0 / k))
-                words = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
-                scales = (2 * a / 15) * rng.uniform(0.8, 1.2, (n, k // gs))
-                biases = -a * rng.uniform(0.8, 1.2, (n, k // gs))
-                out[name] = QuantizedWeight(jnp.asarray(words), jnp.asarray(scales, jnp.bfloat16),
-                                            jnp.asarray(biases, jnp.bfloat16), 4, gs)
-            elif kind == LINEAR:
-                a = float(np.sqrt(3.0 / shape[-1]))
-                out[name] = jnp.asarray(rng.uniform(-a, a, shape), jnp.bfloat16)
-            else:
-                out[name] = jnp.asarray(1.0 + 0.1 * rng.standard_normal(shape), jnp.bfloat16)
-        return out
-
-    # Random weights alone make a model that repeats one token and an assistant that never agrees
-    # with it. Shape them (as tests/test_generate.py does) so the demo says something about
-    # speculation: the target's blocks are damped and its final norm gets random signs, so its next
-    # token is mostly a function of the current one; the assistant shares the target's embedding
-    # table and final norm and passes the token embedding straight through (identity
-    # pre-projection, damped blocks), so it predicts that function often but not always.
-    tp = params(models.target_shapes(tcfg))
-    h = tcfg.hidden_size
-    tp["norm"] = jnp.asarray(rng.choice([-1.0, 1.0], h) * rng.uniform(0.5, 1.5, h), jnp.bfloat16)
-    post = ("post_attention_layernorm", "post_feedforward_layernorm")
-    for name in tp:
-        if name.endswith(post):
-            tp[name] = tp[name] * 0.2
-    ap = params(models.assistant_shapes(acfg))
-    ap["embed_tokens"], ap["norm"] = tp["embed_tokens"], tp["norm"]
-    mix = 0.03 * rng.standard_normal((h, h)) / np.sqrt(h)
-    ap["pre_projection"] = jnp.asarray(np.concatenate([np.eye(h), mix], 1), jnp.bfloat16)
-    for name in ap:
-        if name.endswith(post):
-            ap[name] = ap[name] * 0.03
-    target = models.Target(config=tcfg, params=tp)
-    assistant = models.Assistant(config=acfg, params=ap)
-    tdir, adir = os.path.join(path, "target"), os.path.join(path, "assistant")
-    models.save(target, tdir)
-    models.save(assistant, adir)
-    extra = dict(max_position_embeddings=context, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    for d in (tdir, adir):
-        cpath = os.path.join(d, "config.json")
-        with open(cpath) as f:
-            cfg = json.load(f)
-        cfg.update(extra)
-        with open(cpath, "w") as f:
-            json.dump(cfg, f, indent=1)
-    tok = train_byte_bpe([_demo_text()], vocab_size=vocab_size)
-    tok.save(os.path.join(tdir, "tokenizer.json"))
-    pad, eos, bos = DEMO_SPECIAL_TOKENS
-    with open(os.path.join(tdir, "tokenizer_config.json"), "w") as f:
-        json.dump(dict(bos_token=bos, eos_token=eos, pad_token=pad), f, indent=1)
-    return tdir, adir
+# tiny-pair
 
 
 def cmd_tiny_pair(args) -> int:
-    tdir, adir = write_tiny_pair(args.dir, seed=args.seed)
+    """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's."""
+    import models
+
+    from .tokenizer import DEMO_CORPUS, train_byte_bpe
+
+    target, assistant = models.presets.tiny_pair(seed=args.seed)
+    tdir, adir = os.path.join(args.dir, "target"), os.path.join(args.dir, "assistant")
+    models.save(target, tdir)
+    models.save(assistant, adir)
+    train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size).save(os.path.join(tdir, "tokenizer.json"))
     print(f"wrote {tdir} and {adir}\ntry: jaxspec generate \"def f(x):\" --model {tdir} --assistant {adir}")
     return EXIT_OK
 
@@ -592,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--model", metavar="DIR", help="target model directory (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
+    g.add_argument("--pair", metavar="DIR", help="without --model: a pair directory laid out like the default "
+                                                "pair (target/, assistant/, tokenizer.json) instead of the "
+                                                "packaged one")
     g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (one user turn)")
@@ -603,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=_positive_int, default=4, metavar="K",
                    help="verify width K: K-1 drafts + 1 per round (default 4)")
     g.add_argument("--verify-pad", choices=("on", "off"), default=None,
-                   help="pad the verify to the tiled matmul path (default: $JAXSPEC_MTP_VERIFY_PAD, else off)")
+                   help="pad the verify to the tiled matmul path (default: the dispatch config's verify_pad, "
+                        "i.e. $JAXSPEC_MTP_VERIFY_PAD, else off)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS / end-of-turn tokens")
     g.add_argument("--stream", action="store_true", help="print tokens as rounds complete")
     g.add_argument("--stream-rounds", type=_positive_int, default=1, metavar="R",
@@ -615,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation / scale dtype (default bfloat16)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
     g.add_argument("--no-stats", action="store_true", help="print only the text")
+    g.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help=f"directory of the on-disk compilation cache (default {DEFAULT_COMPILE_CACHE}; a "
+                        "directory set in JAX's own configuration wins)")
     g.add_argument("--no-compile-cache", action="store_true", help="do not use the on-disk compilation cache")
     g.add_argument("--debug", action="store_true", help="show tracebacks")
     g.set_defaults(func=cmd_generate)
@@ -625,8 +443,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--debug", action="store_true", help="show tracebacks")
     t.set_defaults(func=cmd_tiny_pair)
 
-    sub.add_parser("bench", help="run the speculative benchmark (benchmarks/speculative_bench.py; "
-                                 "`jaxspec bench --help` for its options)", add_help=False)
     return p
 
 
@@ -670,10 +486,6 @@ def _guarded(fn, arg, debug: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "bench":
-        rest = argv[1:]
-        debug = "--debug" in rest
-        return _guarded(cmd_bench, rest, debug)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

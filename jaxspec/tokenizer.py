@@ -263,6 +263,42 @@ class IncrementalDecoder:
 # ---- building small tokenizers (tests, demos) ----------------------------------------------------
 DEMO_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 
+# About a kilobyte of code and prose for `train_byte_bpe([DEMO_CORPUS])`: the toy tokenizer of the tiny
+# random pair (`jaxspec tiny-pair`, the quickstart). Non-ASCII text included, so multi-byte
+# characters split across tokens and incremental decoding has something to hold back.
+DEMO_CORPUS = """\
+def fibonacci(n):
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+def factorial(n):
+    result = 1
+    for i in range(2, n + 1):
+        result *= i
+    return result
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+for name, value in sorted(table.items()):
+    print(f"{name}: {value}")
+
+Speculative decoding lets a small draft model propose several tokens and a large target model
+check them all in one forward pass. Every draft up to the first disagreement is kept, plus one
+token from the target, so the output is exactly what the target alone would have written.
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single
+step. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: ( ) [ ] { } < > = + - * / % , . ; :
+Unicode: café, naïve, über, smörgåsbord, 東京, 日本語, ☃, π ≈ 3.14159.
+"""
+
 
 def train_byte_bpe(texts: Iterable[str], *, vocab_size: int = 512,
                    special_tokens: Sequence[str] = DEMO_SPECIAL_TOKENS, bos_token: str | None = "<bos>"):

@@ -1,10 +1,10 @@
-"""The `jaxspec` CLI end to end on CPU (a tiny random pair written on the fly, run as
-`python -m jaxspec` subprocesses): text + stats line, --compare, streamed == non-streamed, bad
-input (one line, exit status 2, no traceback unless --debug), `jaxspec bench` forwarding; plus the
-tokenizer helpers.
+"""The `jaxspec` CLI end to end on CPU (a tiny random pair written by `jaxspec tiny-pair`, run as
+`python -m jaxspec` subprocesses): text + stats line, --compare, streamed == non-streamed, the
+default pair's layout, bad input (one line, exit status 2, no traceback unless --debug), the compile
+cache flags; plus the tokenizer helpers.
 
-Compiled programs go to a persistent compilation cache shared with tests/test_notebook.py (same
-tiny shapes), so only the first run of a session compiles.
+Compiled programs go to a persistent compilation cache (--compile-cache) shared with
+tests/test_notebook.py (same tiny shapes), so only the first run of a session compiles.
 """
 import json
 import os
@@ -29,21 +29,25 @@ STATS = re.compile(r"^stats: speculative K=4 \| (\d+) new tokens \| decode [\d.]
 
 
 def run_cli(*args, stdin=None, timeout=300):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               JAXSPEC_COMPILE_CACHE=CACHE, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    return subprocess.run([sys.executable, "-m", "jaxspec", *args], cwd=REPO, env=env, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "jaxspec", *args], cwd=REPO, env=env,
+                       input=None if stdin is None else stdin.encode(), capture_output=True, timeout=timeout)
+    # decoded by hand: text mode would turn a generated "\r" into "\n"
+    r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
+    return r
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    return cli.write_tiny_pair(str(root))
+    root = str(tmp_path_factory.mktemp("pair"))
+    assert cli.main(["tiny-pair", root]) == 0
+    return os.path.join(root, "target"), os.path.join(root, "assistant")
 
 
 def gen_args(pair, *extra):
-    return ("generate", PROMPT, "--model", pair[0], "--assistant", pair[1], "--max-tokens", MAX_TOKENS, *extra)
+    return ("generate", PROMPT, "--model", pair[0], "--assistant", pair[1], "--max-tokens", MAX_TOKENS,
+            "--compile-cache", CACHE, *extra)
 
 
 # ---- end to end --------------------------------------------------------------------------------
@@ -72,7 +76,7 @@ def test_stream_prints_text_then_stats_line(pair, plain):
     m = STATS.match(lines[-1])
     assert m, lines[-1]
     assert int(m.group(1)) == len(plain["tokens"])
-    assert "Traceback" not in r.stderr and "streaming is unavailable" not in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_streamed_tokens_equal_non_streamed(pair, plain):
@@ -85,20 +89,47 @@ def test_streamed_tokens_equal_non_streamed(pair, plain):
         assert s["stats"][key] == plain["stats"][key], key
 
 
-def test_default_pair_layout(pair, plain, tmp_path, monkeypatch):
-    """Without --model the embedded pair is used: PAIR/{target,assistant} with one shared
-    PAIR/tokenizer.json (jaxspec.default_pair's layout; $JAXSPEC_DEFAULT_PAIR points elsewhere)."""
+def test_default_pair_layout(pair, plain, tmp_path, capsys):
+    """Without --model the default pair's layout is used: PAIR/{target,assistant} with one shared
+    PAIR/tokenizer.json (jaxspec.default_pair); --pair names such a directory, by default the
+    packaged one."""
     root = tmp_path / "default_pair"
     shutil.copytree(pair[0], root / "target")
     shutil.copytree(pair[1], root / "assistant")
     os.replace(root / "target" / "tokenizer.json", root / "tokenizer.json")
-    os.remove(root / "target" / "tokenizer_config.json")  # no declared EOS: "<eos>" by name
-    monkeypatch.setenv("JAXSPEC_DEFAULT_PAIR", str(root))
-    assert cli.default_pair_dirs() == (str(root / "target"), str(root / "assistant"))
+    assert cli.default_pair_dirs(str(root)) == (str(root / "target"), str(root / "assistant"))
     assert load_tokenizer(str(root / "target")).eos_token_ids == (1,)
-    r = run_cli("generate", PROMPT, "--max-tokens", MAX_TOKENS, "--json")  # inherits $JAXSPEC_DEFAULT_PAIR
+    r = run_cli("generate", PROMPT, "--pair", str(root), "--max-tokens", MAX_TOKENS, "--compile-cache", CACHE,
+                "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokens"] == plain["tokens"]
+    from jaxspec import default_pair
+    packaged = cli.default_pair_dirs()
+    assert packaged is None or packaged[0] == os.path.join(default_pair.default_pair_path(), "target")
+    os.remove(root / "tokenizer.json")
+    err = _bad(capsys, "generate", "hi", "--pair", str(root))
+    assert "is not a model pair: it lacks tokenizer.json" in err
+    assert "exclude each other" in _bad(capsys, "generate", "hi", "--pair", str(root), "--model", pair[0])
+
+
+def test_compile_cache_flags(pair, tmp_path):
+    """--compile-cache DIR fills DIR; --no-compile-cache leaves it alone; JAX's own cache setting
+    wins over the flag."""
+    cache = tmp_path / "cache"
+    args = ("generate", "x", "--model", pair[0], "--max-tokens", "2", "--json")
+    r = run_cli(*args, "--compile-cache", str(cache), "--no-compile-cache")
+    assert r.returncode == 0, r.stderr
+    assert not cache.exists() and "on-disk compile cache" not in r.stderr
+    r = run_cli(*args, "--compile-cache", str(cache))
+    assert r.returncode == 0, r.stderr
+    assert any(cache.iterdir()) and "on-disk compile cache" in r.stderr
+    own = tmp_path / "jax_own"
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(own))
+    code = ("import jax; from jaxspec import cli; "
+            f"print(cli.enable_compile_cache({str(cache)!r}), jax.config.jax_compilation_cache_dir)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(own), str(own)]
 
 
 # ---- bad input: one line, exit status 2 --------------------------------------------------------
@@ -120,9 +151,16 @@ def test_not_a_model_dir(capsys, tmp_path, pair):
     # an assistant passed as the target
     err = _bad(capsys, "generate", "hi", "--model", pair[1])
     assert "not a usable Gemma 4 target" in err and "assistant" in err
-    # a config.json but no weights
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text"}))
-    assert "no *.safetensors" in _bad(capsys, "generate", "hi", "--model", str(tmp_path))
+    # a model directory without its weights: the loader finds it, before anything is compiled
+    t = tmp_path / "t"
+    shutil.copytree(pair[0], t)
+    for f in t.glob("*.safetensors"):
+        f.unlink()
+    assert cli.main(["generate", "hi", "--model", str(t), "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "compiling" not in err
+    assert err.strip().splitlines()[-1] == (f"jaxspec: error: cannot load the target from {str(t)!r}: "
+                                            f"no *.safetensors files in {str(t)!r}")
 
 
 def test_assistant_for_another_target(capsys, tmp_path, pair):
@@ -146,7 +184,8 @@ def test_usage_error(capsys):
 
 
 def test_no_default_pair(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "default_pair_dirs", lambda: None)
+    from jaxspec import default_pair
+    monkeypatch.setattr(default_pair, "default_pair_available", lambda path=None: False)
     err = _bad(capsys, "generate", "hi")
     assert "no model given and the embedded default pair is not installed: pass --model DIR" in err
 
@@ -167,18 +206,6 @@ def test_real_exit_code_and_debug_traceback(tmp_path):
     assert r.stderr.strip().splitlines() == [f"jaxspec: error: model directory {str(tmp_path / 'nope')!r} does not exist"]
     r = run_cli("generate", "hi", "--model", str(tmp_path / "nope"), "--debug")
     assert r.returncode == 2 and "Traceback" in r.stderr
-
-
-# ---- bench forwarding --------------------------------------------------------------------------
-def test_bench_forwards_argv(tmp_path, monkeypatch, capsys):
-    script = tmp_path / "speculative_bench.py"
-    script.write_text("def main(argv):\n    print('bench got', argv)\n    return 3\n")
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", script)
-    assert cli.main(["bench", "--k-values", "2,4"]) == 3
-    assert "bench got ['--k-values', '2,4']" in capsys.readouterr().out
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "missing" / "speculative_bench.py")
-    assert cli.main(["bench"]) == 2
-    assert "jaxspec bench needs" in capsys.readouterr().err
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -215,15 +242,3 @@ def test_chat_template(tmp_path):
     with pytest.raises(ValueError, match="chat template error: no"):
         load_tokenizer(str(d)).apply_chat_template([])
     assert render_chat_template("{{ x | tojson }}", [], x={"a": 1}) == '{"a": 1}'
-
-
-def test_stream_falls_back_when_streaming_is_unavailable(monkeypatch, capsys):
-    from jaxspec import streaming
-
-    def unavailable(*a, **k):
-        raise streaming.StreamingUnavailable("streaming needs jaxspec.loop.decode")
-
-    monkeypatch.setattr(streaming, "stream_generate", unavailable)
-    assert cli._generate_streamed(None, [1], None, None, {}, 1, True, []) is None
-    err = capsys.readouterr().err
-    assert "streaming is unavailable (streaming needs jaxspec.loop.decode); the text is printed at the end" in err
