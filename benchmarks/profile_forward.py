@@ -33,7 +33,7 @@ from pallas_kernels import DispatchConfig  # noqa: E402
 
 # Kernel-name patterns, first match wins. pallas_kernels.launch names its kernels q{bits}gemv_m*_n*
 # (qmv, multirow) and q{bits}qmm_m*_n* (the tiled GEMM), with _x{count} for several weights in one
-# launch. (Traces from before 2026-12-02 name them q4mm_m16_* and q4mm[dq]_m64_*: the last two patterns.)
+# launch. (Older saved traces name them q4mm_m16_* and q4mm[dq]_m64_*: the last two patterns.)
 KINDS = [("4-bit GEMV", ("gemv_m",)), ("4-bit tiled matmul", ("qmm_m",)),
          ("4-bit GEMV", ("mm_m16_",)), ("4-bit tiled matmul", ("mm_m", "mmdq_m")),
          ("dense matmul (XLA/cuBLAS)", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "dot")),
@@ -76,9 +76,8 @@ def kernel_events(trace: dict) -> tuple[list[dict], str]:
 def leaves(events: list[dict]) -> list[dict]:
     """The events that contain no other event of their thread (host threads nest a thunk, a while
     loop and its ops). An event is a container only if it holds the next one whole: on the H200's
-    stream consecutive kernels overlap by ~0.1 us in the trace's timestamps, and a rule of "the next
-    one starts before this one ends" dropped 2346 of 4846 kernels there (session 4: almost every
-    4-bit GEMV), so the first profile summed 1.4 of 13 ms."""
+    stream consecutive kernels overlap by ~0.1 us in the trace's timestamps, so a rule of "the next
+    one starts before this one ends" would drop about half of them (almost every 4-bit GEMV)."""
     out = []
     by_thread = defaultdict(list)
     for e in events:
