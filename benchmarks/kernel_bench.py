@@ -124,10 +124,10 @@ def _rel(y, ref):
     return float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
 
 
-def check_phase(T, key, shapes=None):
+def check_phase(T, key, shapes):
     """Correctness on the GPU at real shapes: every path vs a float32 reference, multirow == each row
     alone bitwise, a qmm row independent of the launch's other rows."""
-    for n, k in shapes or [(15360, 3840), (3840, 15360), (2048, 3840)]:
+    for n, k in shapes:
         qw = random_qweight(key, n, k)
         wd = dequantize(qw, jnp.float32)
         for rows in (1, 4, 8, 16, 64, 256):
@@ -306,8 +306,9 @@ def main(argv=None):
     ap.add_argument("--phase", default="check,table", help="comma-separated: check, table, sweep, tiles")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=None,
-                    help="NxK,NxK of SHAPES or EXTRA_SHAPES (default: check three real shapes, table and sweep "
-                         "all of SHAPES, the table the two MLP shapes with --quick, tiles the two MLP shapes)")
+                    help="table, sweep and tiles phases: NxK,NxK of SHAPES or EXTRA_SHAPES (default: table and "
+                         "sweep all of SHAPES, the table the two MLP shapes with --quick; tiles the two MLP shapes)")
+    ap.add_argument("--check-shapes", default="15360x3840,3840x15360,2048x3840", help="check phase: NxK,NxK")
     ap.add_argument("--table-rows", default=None, help="table phase only: row counts, e.g. 1,8,64,256")
     ap.add_argument("--tile-rows", default=None, help="tiles phase only: row counts, e.g. 512")
     ap.add_argument("--variants", default=None,
@@ -316,12 +317,15 @@ def main(argv=None):
                     help="seconds after start past which no new measurement starts (then the summary)")
     ap.add_argument("--commit", default=None, help="the commit to name in the results (default: git rev-parse)")
     args = ap.parse_args(argv)
-    only = None
-    if args.shapes:
-        only = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        unknown = [s for s in only if s not in SHAPES + EXTRA_SHAPES]
+    def shapes(flag, text):
+        out = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+        unknown = [s for s in out if s not in SHAPES + EXTRA_SHAPES]
         if unknown:
-            ap.error(f"--shapes {unknown}: not among the benchmark shapes {SHAPES}")
+            ap.error(f"{flag} {unknown}: not among the benchmark shapes {SHAPES + EXTRA_SHAPES}")
+        return out
+
+    only = shapes("--shapes", args.shapes) if args.shapes else None
+    check_shapes = shapes("--check-shapes", args.check_shapes)
     phases = args.phase.split(",")
     bad = [p for p in phases if p not in ("check", "table", "sweep", "tiles")]
     if bad:
@@ -337,7 +341,7 @@ def main(argv=None):
     T.record(phase="env", **env, hbm_tbps=bw / 1e12, empty_call_us=T.empty * 1e6, argv=sys.argv)
     print(env, f"HBM {bw / 1e12:.2f} TB/s, empty call {T.empty * 1e6:.0f} us", flush=True)
     key = jax.random.key(0)
-    run = {"check": lambda: check_phase(T, key, only),
+    run = {"check": lambda: check_phase(T, key, check_shapes),
            "table": lambda: table_phase(T, key, args.quick, only, _ints(args.table_rows)),
            "sweep": lambda: gemv_sweep(T, key, args.quick, only, names),
            "tiles": lambda: tiles_phase(T, key, args.quick, _ints(args.tile_rows), names, only)}
