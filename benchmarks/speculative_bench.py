@@ -43,7 +43,7 @@ from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
-from jaxspec import verify as V  # noqa: E402
+from jaxspec import verify  # noqa: E402
 
 # The seed system's measured acceptance on its real Gemma pair at K = 4, for predicted speedups with
 # random weights (only for rounds that ran K = 4: at K = 2 a round yields at most 2 tokens).
@@ -184,7 +184,7 @@ def forward_loop(target, batch, width, k_real, steps=8):
         def body(_, carry):
             toks, c = carry
             if width > k_real:
-                logits, hidden, c2 = V.verify_forward(target, toks[:, :k_real], c, width)
+                logits, hidden, c2 = verify.verify_forward(target, toks[:, :k_real], c, width)
             else:
                 logits, hidden, c2 = models.forward(target, toks, c)
             nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
@@ -257,7 +257,7 @@ def run_forward(args, target, assistant, out, deadline):
                 print(f"  verify K={k}: {fk * 1e3:.2f} ms = {fk / f1:.2f} forwards", flush=True)
                 if mr and "on" in args.verify_pad_raw and k in args.pad_k_values:
                     for tm in args.qmm_tile_m:
-                        w = V.verify_width(k, b, True, base.replace(qmm_tile_m=tm))
+                        w = verify.verify_width(k, b, True, base.replace(qmm_tile_m=tm))
                         tp = forward_time(target.replace(matmul=base.replace(qmm_tile_m=tm)), b, w, k)
                         out.append(dict(run="forward", multirow=mr, batch=b, width=w, k=k, tile_m=tm,
                                         ms=tp * 1e3, cost=tp / f1, padded=True))

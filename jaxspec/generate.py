@@ -14,9 +14,9 @@ import numpy as np
 import models
 from pallas_kernels import ROW_TILE
 
-from . import loop as L
-from . import sampling as S
-from . import verify as V
+from . import loop
+from . import sampling
+from . import verify
 
 # Prompts are right-padded to whole row tiles (the prefill's matmul rows; fewer recompiles).
 PROMPT_BUCKET = ROW_TILE
@@ -61,7 +61,7 @@ class GenerationResult:
 # The jitted function
 
 
-_PREFILL = jax.jit(L.prefill, static_argnums=0)  # shared by every Generator (keyed by PrefillSpec)
+_PREFILL = jax.jit(loop.prefill, static_argnums=0)  # shared by every Generator (keyed by PrefillSpec)
 _AOT: dict = {}
 
 
@@ -93,10 +93,10 @@ class Generator:
     of the whole budget, timed without compilation; `generate` uses it.
     """
 
-    def __init__(self, spec: L.LoopSpec):
+    def __init__(self, spec: loop.LoopSpec):
         self.spec = spec
-        self._run = jax.jit(lambda t, a, *xs: L.run(spec, t, a, *xs))
-        self._decode = jax.jit(lambda t, a, s, n: L.decode(spec, t, a, s, n), donate_argnums=(2,))
+        self._run = jax.jit(lambda t, a, *xs: loop.run(spec, t, a, *xs))
+        self._decode = jax.jit(lambda t, a, s, n: loop.decode(spec, t, a, s, n), donate_argnums=(2,))
 
     def __call__(self, target, assistant, prompt, lengths, key, limit=None, stop_ids=None):
         b = prompt.shape[0]
@@ -106,17 +106,17 @@ class Generator:
             stop_ids = stop_array(())
         return self._run(target, assistant, prompt, lengths, key, limit, stop_ids)
 
-    def prefill_spec(self, target, prompt) -> L.PrefillSpec:
+    def prefill_spec(self, target, prompt) -> loop.PrefillSpec:
         return self.spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
 
-    def compiled_prefill(self, target, prompt, lengths, key, limit, stop_ids) -> Callable[[], L.DecodeState]:
+    def compiled_prefill(self, target, prompt, lengths, key, limit, stop_ids) -> Callable[[], loop.DecodeState]:
         """`() -> state`: the prefill of these inputs, compiled now (cached per shapes), run when
         called; the state comes in decode's shapes (`loop.start`)."""
         args = (target, prompt, lengths, key, limit, stop_ids)
         pre = _aot(_PREFILL, "prefill", self.prefill_spec(target, prompt), *args)
-        return lambda: L.start(self.spec, pre(*args))
+        return lambda: loop.start(self.spec, pre(*args))
 
-    def compiled_decode(self, target, assistant, state) -> Callable[[L.DecodeState, int], L.DecodeState]:
+    def compiled_decode(self, target, assistant, state) -> Callable[[loop.DecodeState, int], loop.DecodeState]:
         """`(state, max_rounds) -> state`: up to max_rounds more rounds, compiled now (cached per
         shapes: one program for every state and budget). The state passed in is donated."""
         drafter = assistant if self.spec.speculative else None
@@ -124,10 +124,10 @@ class Generator:
         dec = _aot(self._decode, ("decode", self.spec), None, target, drafter, state, n)
         return lambda s, max_rounds: dec(target, drafter, s, jnp.asarray(max_rounds, jnp.int32))
 
-    def prefill(self, target, prompt, lengths, key, limit, stop_ids) -> L.DecodeState:
+    def prefill(self, target, prompt, lengths, key, limit, stop_ids) -> loop.DecodeState:
         return self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids)()
 
-    def decode(self, target, assistant, state, max_rounds: int | None = None) -> L.DecodeState:
+    def decode(self, target, assistant, state, max_rounds: int | None = None) -> loop.DecodeState:
         """Up to `max_rounds` rounds (default: until every row is done); `state` is donated."""
         n = self.spec.max_new_tokens if max_rounds is None else max_rounds
         return self.compiled_decode(target, assistant, state)(state, n)
@@ -199,9 +199,9 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    params = S.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, draft=draft)
-    spec = L.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=params,
-                      verify_pad=None if verify_pad is None else V.resolve_verify_pad(verify_pad, None),
+    params = sampling.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, draft=draft)
+    spec = loop.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=params,
+                      verify_pad=None if verify_pad is None else verify.resolve_verify_pad(verify_pad, None),
                       cache_size=cache_size)
     gen = _GENERATORS.get(spec)
     if gen is None:
@@ -280,7 +280,7 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not _is_int(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
-    S.validate_sampling(temperature, top_k, top_p, draft)
+    sampling.validate_sampling(temperature, top_k, top_p, draft)
     for i, row in enumerate(rows):
         lo, hi = min(row), max(row)
         if lo < 0 or hi >= vocab:
@@ -299,10 +299,10 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
         if not hasattr(assistant, "config") or not hasattr(assistant.config, "backbone_hidden_size"):
             raise ValueError(f"assistant must be a models.Assistant, got {type(assistant).__name__}")
         models.check_fit(assistant.config, target.config)
-    pad = V.resolve_verify_pad(verify_pad, target.matmul)
+    pad = verify.resolve_verify_pad(verify_pad, target.matmul)
     batch = len(rows)
     k = block_size if assistant is not None else 1
-    width = V.verify_width(k, batch, pad, target.matmul)
+    width = verify.verify_width(k, batch, pad, target.matmul)
     longest = max(len(r) for r in rows)
     if cache_size is not None:
         if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 1:
@@ -428,19 +428,19 @@ def effective_block_size(target, assistant, batch, block_size, temperature, pad,
     if assistant is not None and k == 1:
         fallback = "block_size=1: nothing to draft"
     if k > 1 and temperature == 0 and exactness_probe:
-        width = V.verify_width(k, batch, pad, target.matmul)
-        exact, diff = V.exactness_probe(target, batch, k, width)
+        width = verify.verify_width(k, batch, pad, target.matmul)
+        exact, diff = verify.exactness_probe(target, batch, k, width)
         if not exact:
             first_diff, bucket = diff, models.row_bucket(target, batch)
             if 2 <= bucket < k:
-                exact, diff = V.exactness_probe(target, batch, bucket, V.verify_width(bucket, batch, pad, target.matmul))
+                exact, diff = verify.exactness_probe(target, batch, bucket, verify.verify_width(bucket, batch, pad, target.matmul))
             if exact:
-                V.warn_inexact(k, width, first_diff, instead=bucket)
+                verify.warn_inexact(k, width, first_diff, instead=bucket)
                 fallback = (f"exactness probe failed at K={k} (max |logit diff| {first_diff:.3g}): "
                             f"ran K={bucket}, the row bucket at B={batch}")
                 k = bucket
             else:
-                V.warn_inexact(k, width, first_diff)
+                verify.warn_inexact(k, width, first_diff)
                 fallback = f"exactness probe failed (max |logit diff| {first_diff:.3g})"
                 k, diff = 1, first_diff
     return k, fallback, diff

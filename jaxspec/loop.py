@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import struct
 
 import models
-from . import sampling as S
-from . import verify as V
+from . import sampling
+from . import verify
 
 # Query position passed to models.draft_step, relative to the cache length L at the start of a
 # round (after rollback; the bonus token's position is L). 0 is HF's convention, the one
@@ -49,7 +49,7 @@ class PrefillSpec:
     """Everything static about a prefill; independent of the block size, so classic and
     speculative runs of one shape share one compiled prefill."""
 
-    sampling: S.SamplingParams
+    sampling: sampling.SamplingParams
     max_new_tokens: int
     capacity: int
     out_width: int
@@ -62,7 +62,7 @@ class LoopSpec:
 
     block_size: int                 # K; 1 means classic decoding
     max_new_tokens: int             # N >= 1: output buffer size, the largest budget
-    sampling: S.SamplingParams
+    sampling: sampling.SamplingParams
     verify_pad: Any = None          # None (the target's matmul.verify_pad), a bool (True: the
                                     # qmm threshold) or an int width; see verify.verify_width
     cache_size: int | None = None   # None: prompt width + N - 1 + verify width, rounded up
@@ -72,7 +72,7 @@ class LoopSpec:
         return self.block_size > 1
 
     def width(self, batch: int, matmul) -> int:
-        return V.verify_width(self.block_size, batch, self.verify_pad, matmul)
+        return verify.verify_width(self.block_size, batch, self.verify_pad, matmul)
 
     def capacity(self, prompt_width: int, batch: int, matmul) -> int:
         if self.cache_size is not None:
@@ -112,7 +112,7 @@ class DecodeState:
 
 
 def _cache_dtype(target):
-    return V._cache_dtype(target)
+    return verify._cache_dtype(target)
 
 
 def _stop_mask(tokens, stop_ids):
@@ -138,7 +138,7 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     logits, hidden, cache = models.forward(target, prompt, cache, logits_at=last)  # [B, 1, V]
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     key, k_first = jax.random.split(key)
-    first = S.sample(k_first, logits[:, 0], spec.sampling)
+    first = sampling.sample(k_first, logits[:, 0], spec.sampling)
     out = jnp.zeros((b, spec.out_width), jnp.int32).at[:, 0].set(first)
     limit = jnp.clip(limit.astype(jnp.int32), 1, n)
     stop_ids = stop_ids.astype(jnp.int32)
@@ -160,7 +160,7 @@ def _draft(spec, assistant, target, state, key):
     def step(carry, step_key):
         tok, h = carry
         logits, h_next = models.draft_step(assistant, target, cache, tok, h, position)
-        d, q = S.draft_choice(step_key, logits, params)
+        d, q = sampling.draft_choice(step_key, logits, params)
         return (d, h_next.astype(h.dtype)), (d if q is None else (d, q))
 
     keys = None if params.greedy else jax.random.split(key, k - 1)  # greedy: no RNG work at all
@@ -186,14 +186,14 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
     else:
         drafts, q = jnp.zeros((b, 0), jnp.int32), None
         tokens = state.bonus[:, None]
-    logits, hidden, cache = V.verify_forward(target, tokens, state.cache, spec.width(b, target.matmul))
+    logits, hidden, cache = verify.verify_forward(target, tokens, state.cache, spec.width(b, target.matmul))
     if params.greedy:
-        n_acc, emitted = S.greedy_accept(drafts, logits)
+        n_acc, emitted = sampling.greedy_accept(drafts, logits)
     else:
-        p = S.probs_from_logits(logits, params)
+        p = sampling.probs_from_logits(logits, params)
         if q is None:
             q = jnp.zeros((b, 0, p.shape[-1]), jnp.float32)
-        n_acc, emitted = S.speculative_accept(k_accept, drafts, q, p)
+        n_acc, emitted = sampling.speculative_accept(k_accept, drafts, q, p)
 
     active = ~state.done
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]

@@ -24,7 +24,7 @@ import models
 import importlib
 G = importlib.import_module("jaxspec.generate")
 from jaxspec import streaming
-from jaxspec import verify as V
+from jaxspec import verify
 from models import presets
 from pallas_kernels import DispatchConfig
 
@@ -370,7 +370,7 @@ def test_decode_round_budget():
 
 def test_exactness_probe_and_fallback(monkeypatch):
     t, a = pair()
-    exact, diff = V.exactness_probe(t, 3, 4, 4)
+    exact, diff = verify.exactness_probe(t, 3, 4, 4)
     assert exact and diff == 0.0
     # The probe sees a last-bit difference between the wide and the single-token forward.
     real_forward = models.forward
@@ -381,12 +381,12 @@ def test_exactness_probe_and_fallback(monkeypatch):
             logits = logits.at[:, -1].multiply(1 + 2 ** -20)
         return logits, hidden, cache
 
-    V._PROBE_CACHE.clear()
+    verify._PROBE_CACHE.clear()
     monkeypatch.setattr(models, "forward", nudged)
-    exact, diff = V.exactness_probe(t, 3, 4, 4)
+    exact, diff = verify.exactness_probe(t, 3, 4, 4)
     assert not exact and 0 < diff < 1e-3
     monkeypatch.setattr(models, "forward", real_forward)
-    V._PROBE_CACHE.clear()
+    verify._PROBE_CACHE.clear()
     # generate falls back to classic, with a warning, when the probe fails
     rows = [list(r) for r in prompts()]
     monkeypatch.setattr(V, "exactness_probe", lambda *args, **kw: (False, 0.5))
@@ -430,14 +430,14 @@ def test_failed_probe_shrinks_k_to_the_row_bucket(monkeypatch):
 
 def test_verify_width():
     mm = DispatchConfig(backend="xla", multirow_max_rows=8)
-    assert V.verify_width(4, 1, True, mm) == 9
-    assert V.verify_width(4, 2, True, mm) == 5
-    assert V.verify_width(4, 3, True, mm) == 4  # 12 rows already take the tiled path
-    assert V.verify_width(4, 1, False, mm) == 4
-    assert V.verify_width(4, 1, 16, mm) == 16
-    assert V.verify_width(1, 1, True, mm) == 1  # classic: nothing to pad
+    assert verify.verify_width(4, 1, True, mm) == 9
+    assert verify.verify_width(4, 2, True, mm) == 5
+    assert verify.verify_width(4, 3, True, mm) == 4  # 12 rows already take the tiled path
+    assert verify.verify_width(4, 1, False, mm) == 4
+    assert verify.verify_width(4, 1, 16, mm) == 16
+    assert verify.verify_width(1, 1, True, mm) == 1  # classic: nothing to pad
     for b in (1, 2, 3, 5):
-        w = V.verify_width(3, b, True, mm)
+        w = verify.verify_width(3, b, True, mm)
         from pallas_kernels import select_path
         assert select_path(w * b, mm) == "qmm" and (w == 3 or select_path((w - 1) * b, mm) != "qmm")
 
@@ -446,16 +446,16 @@ def test_verify_pad_resolution(monkeypatch):
     """None takes the target's dispatch config (resolved from the environment when the model was
     loaded); jaxspec itself reads no environment; an explicit argument wins."""
     monkeypatch.setenv("JAXSPEC_MTP_VERIFY_PAD", "1")
-    assert V.resolve_verify_pad(None, DispatchConfig()) is False
-    assert V.resolve_verify_pad(None, None) is False
-    assert V.resolve_verify_pad(None, DispatchConfig(verify_pad=True)) is True
-    assert V.resolve_verify_pad(False, DispatchConfig(verify_pad=True)) is False
-    assert V.resolve_verify_pad(0, DispatchConfig(verify_pad=True)) is False
-    assert V.resolve_verify_pad(True, DispatchConfig()) is True
-    assert V.resolve_verify_pad(16, DispatchConfig(verify_pad=True)) == 16
+    assert verify.resolve_verify_pad(None, DispatchConfig()) is False
+    assert verify.resolve_verify_pad(None, None) is False
+    assert verify.resolve_verify_pad(None, DispatchConfig(verify_pad=True)) is True
+    assert verify.resolve_verify_pad(False, DispatchConfig(verify_pad=True)) is False
+    assert verify.resolve_verify_pad(0, DispatchConfig(verify_pad=True)) is False
+    assert verify.resolve_verify_pad(True, DispatchConfig()) is True
+    assert verify.resolve_verify_pad(16, DispatchConfig(verify_pad=True)) == 16
     for bad in ("1", -2, 1.5):
         with pytest.raises(ValueError, match="verify_pad"):
-            V.resolve_verify_pad(bad, None)
+            verify.resolve_verify_pad(bad, None)
     assert DispatchConfig.from_env().verify_pad is True  # the knob lives in the dispatch config
 
 
@@ -472,9 +472,9 @@ def test_padded_verify_forward():
     cache = models.init_cache(t.config, batch, 6 + 20, t.dtype)
     _, _, cache = jax.jit(models.forward)(t, prefix, cache)
     cache = cache.replace(lengths=jnp.asarray([6, 4], jnp.int32))  # ragged rows
-    f = jax.jit(V.verify_forward, static_argnums=3)
+    f = jax.jit(verify.verify_forward, static_argnums=3)
     l0, h0, c0 = f(t, block, cache, k)
-    threshold = V.verify_width(k, batch, True, t.matmul)
+    threshold = verify.verify_width(k, batch, True, t.matmul)
     assert threshold == 5
     for width in (threshold, 20):
         l1, h1, c1 = f(t, block, cache, width)

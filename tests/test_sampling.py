@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from scipy import stats as sstats
 
-from jaxspec import sampling as S
+from jaxspec import sampling
 
 
 def np_filter_probs(logits, temperature, top_k=None, top_p=None):
@@ -54,8 +54,8 @@ def np_filter_probs(logits, temperature, top_k=None, top_p=None):
 def test_filter_matches_numpy(temperature, top_k, top_p):
     rng = np.random.default_rng(zlib.crc32(repr((temperature, top_k, top_p)).encode()))
     logits = rng.normal(size=(7, 50)).astype(np.float32) * 3
-    params = S.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    got = np.asarray(jax.jit(S.probs_from_logits, static_argnums=1)(jnp.asarray(logits), params))
+    params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = np.asarray(jax.jit(sampling.probs_from_logits, static_argnums=1)(jnp.asarray(logits), params))
     want = np_filter_probs(logits, temperature, top_k, top_p)
     np.testing.assert_array_equal(got > 0, want > 0)  # the same support, exactly
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
@@ -69,8 +69,8 @@ def test_sampling_params_validation():
                 dict(temperature=1.0, top_p=1.5), dict(temperature=1.0, top_k=0),
                 dict(temperature=1.0, draft="nope")):
         with pytest.raises(ValueError):
-            S.SamplingParams(**bad)
-    assert S.SamplingParams().greedy and not S.SamplingParams(temperature=0.5).greedy
+            sampling.SamplingParams(**bad)
+    assert sampling.SamplingParams().greedy and not sampling.SamplingParams(temperature=0.5).greedy
 
 
 def np_inverse_cdf(p, u):
@@ -87,7 +87,7 @@ def test_sample_from_probs_exact():
     u = rng.random(64).astype(np.float32)
     u[:4] = np.float32(1 - 2**-24)
     u[4:6] = 0.0
-    got = np.asarray(jax.jit(S.sample_from_probs)(jnp.asarray(p), jnp.asarray(u)))
+    got = np.asarray(jax.jit(sampling.sample_from_probs)(jnp.asarray(p), jnp.asarray(u)))
     cdf = np.cumsum(p.astype(np.float64), -1)
     checked = 0
     for r in range(64):
@@ -128,7 +128,7 @@ def test_accept_step_matches_formula(k):
         p, q, d = _random_block(rng, b, k, v)
     u_acc = rng.random((b, k - 1)).astype(np.float32)
     u_res = rng.random(b).astype(np.float32)
-    fn = jax.jit(S.speculative_accept_from_uniforms)
+    fn = jax.jit(sampling.speculative_accept_from_uniforms)
     n_acc, emitted = map(np.asarray, fn(jnp.asarray(d), jnp.asarray(q), jnp.asarray(p),
                                         jnp.asarray(u_acc), jnp.asarray(u_res)))
     hist = np.zeros(k, int)
@@ -146,7 +146,7 @@ def test_accept_step_matches_formula(k):
         qa = q[r, a].astype(np.float64) if a < k - 1 else np.zeros(v)
         res = np.maximum(pa - qa, 0)
         res = res / res.sum()
-        got_res = np.asarray(S.residual_probs(jnp.asarray(p[r, a]), jnp.asarray(qa.astype(np.float32))))
+        got_res = np.asarray(sampling.residual_probs(jnp.asarray(p[r, a]), jnp.asarray(qa.astype(np.float32))))
         np.testing.assert_allclose(got_res, res, rtol=1e-5, atol=1e-7)
         np.testing.assert_array_equal(emitted[r, :a], d[r, :a])
         cdf = np.cumsum(res)
@@ -163,7 +163,7 @@ def test_greedy_walk():
     logits = rng.normal(size=(b, k, v)).astype(np.float32)
     am = logits.argmax(-1)
     d = np.where(rng.random((b, k - 1)) < 0.7, am[:, : k - 1], rng.integers(0, v, (b, k - 1))).astype(np.int32)
-    n_acc, emitted = map(np.asarray, S.greedy_accept(jnp.asarray(d), jnp.asarray(logits)))
+    n_acc, emitted = map(np.asarray, sampling.greedy_accept(jnp.asarray(d), jnp.asarray(logits)))
     for r in range(b):
         a = next((i for i in range(k - 1) if d[r, i] != am[r, i]), k - 1)
         assert n_acc[r] == a
@@ -192,7 +192,7 @@ def _simulate_markov(key, P, Q_draw, Q_claim, start, n_chains, k, n_tokens=3):
         prevs = jnp.concatenate([last[:, None], d], 1)  # context of each verify position
         p = P[prevs]                                    # [N, k, V]
         q = Q_claim[prevs[:, : k - 1]]                  # [N, k-1, V]
-        n_acc, emitted = S.speculative_accept(ka, d, q, p)
+        n_acc, emitted = sampling.speculative_accept(ka, d, q, p)
         out = jax.vmap(lambda o, e, s: jax.lax.dynamic_update_slice(o, e, (s,)))(out, emitted, n)
         n = n + n_acc + 1
         last = jnp.take_along_axis(emitted, n_acc[:, None], 1)[:, 0]
@@ -242,11 +242,11 @@ def test_rejection_sampling_is_lossless_markov(k):
 def test_draft_choice_argmax_is_one_hot():
     rng = np.random.default_rng(5)
     logits = jnp.asarray(rng.normal(size=(4, 11)).astype(np.float32))
-    params = S.SamplingParams(temperature=0.8, top_k=4, draft="argmax")
-    tok, q = S.draft_choice(jax.random.key(0), logits, params)
+    params = sampling.SamplingParams(temperature=0.8, top_k=4, draft="argmax")
+    tok, q = sampling.draft_choice(jax.random.key(0), logits, params)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(logits).argmax(-1))
     np.testing.assert_array_equal(np.asarray(q), np.eye(11)[np.asarray(logits).argmax(-1)])
-    params = S.SamplingParams(temperature=0.8, top_k=4)
-    tok, q = S.draft_choice(jax.random.key(0), logits, params)
+    params = sampling.SamplingParams(temperature=0.8, top_k=4)
+    tok, q = sampling.draft_choice(jax.random.key(0), logits, params)
     assert np.all(np.asarray(q)[np.arange(4), np.asarray(tok)] > 0)
     np.testing.assert_allclose(np.asarray(q), np_filter_probs(np.asarray(logits), 0.8, 4), rtol=2e-5, atol=1e-7)

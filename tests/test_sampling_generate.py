@@ -12,7 +12,7 @@ import pytest
 
 import jaxspec
 import models
-from jaxspec import sampling as S
+from jaxspec import sampling
 from test_generate import make_pair
 from test_sampling import np_filter_probs
 
@@ -107,8 +107,8 @@ def _biased_accept(key, draft_tokens, q, p):
     k_acc, k_res = jax.random.split(key)
     u_accept = jax.random.uniform(k_acc, (b, k - 1), jnp.float32)
     u_resample = jax.random.uniform(k_res, (b,), jnp.float32)
-    n_acc, _ = S.speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample)
-    tok = S.sample_from_probs(p[jnp.arange(b), n_acc], u_resample)  # the bug: p, not the residual
+    n_acc, _ = sampling.speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample)
+    tok = sampling.sample_from_probs(p[jnp.arange(b), n_acc], u_resample)  # the bug: p, not the residual
     pos = jnp.arange(k)[None, :]
     drafts = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], 1)
     return n_acc, jnp.where(pos < n_acc[:, None], drafts, tok[:, None]).astype(jnp.int32)
