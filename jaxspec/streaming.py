@@ -16,14 +16,12 @@ Cost: one dispatch and one device-to-host read per chunk; raise `rounds_per_chun
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from typing import Callable, Iterator, Sequence
 
 import jax
 
-# `jaxspec.generate` is also the name of the function the package exports, so fetch the module itself.
-G = importlib.import_module("jaxspec.generate")
+from .generate import GenerationResult, plan
 
 
 @dataclasses.dataclass
@@ -35,7 +33,7 @@ class StreamChunk:
     tokens: list[list[int]]
     rounds: int
     done: bool
-    result: G.GenerationResult | None = None
+    result: GenerationResult | None = None
 
 
 def stream_generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
@@ -50,7 +48,7 @@ def stream_generate(target, prompt_ids, *, assistant=None, max_new_tokens: int =
     the iteration early abandons the generation."""
     if isinstance(rounds_per_chunk, bool) or not isinstance(rounds_per_chunk, int) or rounds_per_chunk < 1:
         raise ValueError(f"rounds_per_chunk must be an integer >= 1, got {rounds_per_chunk!r}")
-    p = G.plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
+    p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
                stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,
                exactness_probe=exactness_probe)
@@ -85,7 +83,7 @@ def _stream(p, target, rounds_per_chunk: int) -> Iterator[StreamChunk]:
     yield StreamChunk(tokens=pending, rounds=rounds, done=True, result=p.result(state, prefill_s, decode_s))
 
 
-def generate_streaming(target, prompt_ids, *, on_tokens: Callable[[list[list[int]]], None], **kwargs) -> G.GenerationResult:
+def generate_streaming(target, prompt_ids, *, on_tokens: Callable[[list[list[int]]], None], **kwargs) -> GenerationResult:
     """Run `stream_generate` to the end, calling `on_tokens(new_tokens_per_row)` for every chunk
     with tokens in it; returns the GenerationResult. (HF's `streamer=` style.)"""
     result = None
