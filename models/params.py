@@ -11,6 +11,8 @@ can import it at the top.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from pallas_kernels import QuantizedWeight, quantize
 from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
@@ -114,7 +116,11 @@ def quant_spec(spec) -> tuple[int, int]:
         return 0, 0
     if not isinstance(spec, dict) or set(spec) - {"bits", "group_size"}:
         raise ValueError(f"quantize must be None or a dict with 'bits' and 'group_size', got {spec!r}")
-    bits, gs = int(spec.get("bits", 4)), int(spec.get("group_size", 64))
+    bits, gs = spec.get("bits", 4), spec.get("group_size", 64)
+    for key, v in (("bits", bits), ("group_size", gs)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"quantize={spec!r}: {key} must be an integer, got {v!r} ({type(v).__name__})")
+    bits, gs = int(bits), int(gs)
     if bits not in SUPPORTED_BITS or gs not in SUPPORTED_GROUP_SIZES:
         raise ValueError(f"quantize={spec!r}: bits must be in {SUPPORTED_BITS}, group_size in {SUPPORTED_GROUP_SIZES}")
     return bits, gs

@@ -104,10 +104,38 @@ class QuantizedWeight:
 
 
 def check_format(bits: int, group_size: int) -> None:
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"unsupported bits={bits!r}: supported are {SUPPORTED_BITS}")
-    if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"unsupported group_size={group_size!r}: supported are {SUPPORTED_GROUP_SIZES}")
+    """ValueError unless bits and group_size are integers (Python or numpy) of a supported format."""
+    for name, v, ok in (("bits", bits, SUPPORTED_BITS), ("group_size", group_size, SUPPORTED_GROUP_SIZES)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name} must be an integer, got {v!r} ({type(v).__name__})")
+        if v not in ok:
+            raise ValueError(f"unsupported {name}={v!r}: supported are {ok}")
+
+
+_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+
+
+def all_finite(x) -> jax.Array:
+    """One fused isfinite reduction on device: a bool scalar, not synchronised (for batching checks)."""
+    return _all_finite(x)
+
+
+def describe_nonfinite(x) -> str:
+    """'2 NaN and 1 inf of 4096 values, the first at index (0, 5)' for a concrete array (host copy)."""
+    h = np.asarray(jax.device_get(x), np.float32)
+    nan, inf = int(np.isnan(h).sum()), int(np.isinf(h).sum())
+    first = tuple(int(i) for i in np.argwhere(~np.isfinite(h))[0]) if nan + inf else None
+    return f"{nan} NaN and {inf} inf of {h.size} values, the first at index {first}"
+
+
+def check_finite(w, what: str = "weight") -> None:
+    """ValueError naming `what` if the concrete array `w` holds NaN or inf; a no-op for a tracer
+    (under jit the values are unknown)."""
+    if isinstance(w, jax.core.Tracer):
+        return
+    if not bool(all_finite(w)):
+        raise ValueError(f"{what} has non-finite values ({describe_nonfinite(w)}): refusing to quantize "
+                         "(a NaN would silently become its group's minimum, an inf a NaN scale)")
 
 
 def _exact_div(a, b):
@@ -154,8 +182,14 @@ def unpack(words: jax.Array, bits: int) -> jax.Array:
 
 
 def quantize(w, *, bits: int = 4, group_size: int = 64) -> QuantizedWeight:
-    """Quantize a float `[N, K]` matrix (bit-exact with `mlx.core.quantize`, see `to_mlx`)."""
+    """Quantize a float `[N, K]` matrix (bit-exact with `mlx.core.quantize`, see `to_mlx`).
+
+    Raises ValueError for an unsupported or non-integer bits / group_size, a non-float dtype, a shape
+    that is not `[N, K]` with K a multiple of group_size, and a weight holding NaN or inf (counted,
+    with the first index; checked on the concrete array before the jitted kernel, skipped when `w` is
+    a tracer)."""
     check_format(bits, group_size)
+    bits, group_size = int(bits), int(group_size)  # a numpy integer becomes the static field as an int
     w = jnp.asarray(w)
     if w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"quantize expects a float32/float16/bfloat16 weight, got {w.dtype}")
@@ -164,6 +198,7 @@ def quantize(w, *, bits: int = 4, group_size: int = 64) -> QuantizedWeight:
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"K={k} (last axis) is not a multiple of group_size={group_size}")
+    check_finite(w)
     return _quantize(w, bits, group_size)
 
 

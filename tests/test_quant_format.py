@@ -122,3 +122,38 @@ def test_validate_and_from_mlx_name_bad_fields():
         QuantizedWeight.from_mlx(words[:, :8], scales, biases, 4, 64)
     with pytest.raises(ValueError, match="unsupported bits"):
         QuantizedWeight.from_mlx(words, scales, biases, 3, 64)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_quantize_refuses_non_finite_weights(dtype, bad):
+    """A NaN would silently become its group's minimum, an inf a NaN scale: both are a ValueError that
+    counts them and gives the first index. Under jit (a tracer) the check is skipped, not failed."""
+    import jax
+    rng = np.random.default_rng()
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    i, j = int(rng.integers(0, 16)), int(rng.integers(0, 128))
+    w[i, j] = float(bad)
+    n_nan, n_inf = (1, 0) if bad == "nan" else (0, 1)
+    with pytest.raises(ValueError, match=rf"weight has non-finite values \({n_nan} NaN and {n_inf} inf of 2048 "
+                                         rf"values, the first at index \({i}, {j}\)\)"):
+        quantize(jnp.asarray(w, dtype))
+    jax.jit(lambda x: quantize(x).scales)(jnp.asarray(w, dtype))  # traced: no check, no error
+    w[i, j] = 0.0
+    assert quantize(jnp.asarray(w, dtype)).shape == (16, 128)
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(bits="4"), r"bits must be an integer, got '4' \(str\)"),
+    (dict(group_size="64"), r"group_size must be an integer, got '64' \(str\)"),
+    (dict(bits=4.0), r"bits must be an integer, got 4\.0 \(float\)"),
+    (dict(bits=True), r"bits must be an integer, got True \(bool\)"),
+])
+def test_quantize_says_bits_and_group_size_must_be_integers(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        quantize(jnp.ones((4, 128)), **kwargs)
+    from models.params import quant_spec  # the quantize= argument of the loaders and random_model
+    with pytest.raises(ValueError, match=msg):
+        quant_spec(kwargs)
+    qw = quantize(jnp.ones((4, 128)), bits=np.int64(8), group_size=np.int32(32))  # numpy integers are integers
+    assert (qw.bits, qw.group_size) == (8, 32) and type(qw.bits) is int
