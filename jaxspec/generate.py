@@ -133,11 +133,13 @@ class Generator:
         return self.compiled_decode(target, assistant, state)(state, n)
 
     def run(self, target, assistant, prompt, lengths, key, limit, stop_ids):
-        """-> (state, prefill seconds, decode seconds), compilation excluded."""
+        """-> (state, prefill seconds, decode seconds), compilation excluded. ValueError after the
+        prefill when its logits were not finite (`loop.check_prefill`)."""
         pre = self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids)
         t0 = time.perf_counter()
         state = jax.block_until_ready(pre())
         t1 = time.perf_counter()
+        loop.check_prefill(state)
         dec = self.compiled_decode(target, assistant, state)
         t2 = time.perf_counter()
         state = jax.block_until_ready(dec(state, self.spec.max_new_tokens))
@@ -152,7 +154,9 @@ class Generator:
 
     def inputs(self, prompt_ids, *, max_new_tokens=None, eos_token_ids=(), stop_token_ids=(), seed=0,
                prompt_width=None):
-        """(prompt, lengths, key, limit, stop_ids) arrays for `gen(target, assistant, *inputs)`."""
+        """(prompt, lengths, key, limit, stop_ids) arrays for `gen(target, assistant, *inputs)`.
+        seed: an integer in [0, 2**64) (`sampling.seed_key`; ValueError otherwise)."""
+        sampling.validate_seed(seed)
         rows = _as_batch(prompt_ids)
         n = self.spec.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if not 1 <= n <= self.spec.max_new_tokens:
@@ -163,11 +167,14 @@ class Generator:
         for i, r in enumerate(rows):
             prompt[i, :len(r)] = r
         return (jnp.asarray(prompt), jnp.asarray([len(r) for r in rows], jnp.int32),
-                jax.random.key(int(seed)), jnp.full((len(rows),), n, jnp.int32),
+                sampling.seed_key(seed), jnp.full((len(rows),), n, jnp.int32),
                 stop_array((*eos_token_ids, *stop_token_ids)))
 
     @staticmethod
     def tokens(state) -> list[list[int]]:
+        """The output rows, cut to their lengths; ValueError when the prefill's logits were not
+        finite (`loop.check_prefill`)."""
+        loop.check_prefill(state)
         out, n = jax.device_get((state.out, state.n_out))
         return [out[b, :n[b]].tolist() for b in range(out.shape[0])]
 
@@ -199,7 +206,9 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    params = sampling.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, draft=draft)
+    sampling.validate_sampling(temperature, top_k, top_p, draft)
+    params = sampling.SamplingParams(temperature=float(temperature), top_k=None if top_k is None else int(top_k),
+                                     top_p=None if top_p is None else float(top_p), draft=draft)
     spec = loop.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=params,
                       verify_pad=None if verify_pad is None else verify.resolve_verify_pad(verify_pad, None),
                       cache_size=cache_size)
@@ -278,8 +287,7 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    sampling.validate_seed(seed)
     sampling.validate_sampling(temperature, top_k, top_p, draft)
     for i, row in enumerate(rows):
         lo, hi = min(row), max(row)

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 import models
@@ -109,6 +110,7 @@ class DecodeState:
     accepted: jax.Array     # int32 [B]: accepted draft tokens (before budget/stop truncation)
     hist: jax.Array         # int32 [K]: active row-rounds by accepted count a (empty from prefill,
                             # sized by `start`)
+    finite: jax.Array       # bool [B]: the row's prefill logits were all finite (`check_prefill`)
 
 
 def _cache_dtype(target):
@@ -136,6 +138,7 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     rows = jnp.arange(b)
     last = lengths - 1
     logits, hidden, cache = models.forward(target, prompt, cache, logits_at=last)  # [B, 1, V]
+    finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)  # one reduction; the host reads it once
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     key, k_first = jax.random.split(key)
     first = sampling.sample(k_first, logits[:, 0], spec.sampling)
@@ -147,7 +150,7 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     return DecodeState(cache=cache, bonus=first, h_prev=hidden[rows, last], out=out,
                        n_out=jnp.ones((b,), jnp.int32), limit=limit, stop_ids=stop_ids, done=done, key=key,
                        rounds=jnp.zeros((), jnp.int32), row_rounds=zeros, drafted=zeros,
-                       accepted=zeros, hist=jnp.zeros((0,), jnp.int32))
+                       accepted=zeros, hist=jnp.zeros((0,), jnp.int32), finite=finite)
 
 
 def _draft(spec, assistant, target, state, key):
@@ -219,7 +222,20 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
         stop_ids=state.stop_ids, done=done, key=key,
         rounds=state.rounds + 1, row_rounds=state.row_rounds + act,
         drafted=state.drafted + act * (k - 1), accepted=state.accepted + act * n_acc,
-        hist=state.hist + jnp.sum(jax.nn.one_hot(n_acc, k, dtype=jnp.int32) * act[:, None], axis=0))
+        hist=state.hist + jnp.sum(jax.nn.one_hot(n_acc, k, dtype=jnp.int32) * act[:, None], axis=0),
+        finite=state.finite)
+
+
+def check_prefill(state: DecodeState) -> None:
+    """ValueError when a row's prefill logits were not all finite: a NaN/inf logit has no argmax
+    or distribution (the tokens would be id 0 or garbage), and it comes from the weights. One
+    small device-to-host read; `generate`, streaming and `Generator.tokens` call it."""
+    finite = np.asarray(jax.device_get(state.finite))
+    if not finite.all():
+        rows = np.flatnonzero(~finite).tolist()
+        which = f"prompt row {rows[0]}" if len(rows) == 1 else f"prompt rows {rows}"
+        raise ValueError(f"the target produced NaN/inf logits for the prompt ({which}): its weights are likely "
+                         "non-finite (a corrupt or badly converted checkpoint)")
 
 
 def start(spec: LoopSpec, state: DecodeState) -> DecodeState:

@@ -18,8 +18,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DRAFT_MODES = ("sample", "argmax")
+SEED_LIMIT = 1 << 64  # seeds are integers in [0, 2**64): the two 32-bit words of a threefry key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,8 @@ class SamplingParams:
 
     def __post_init__(self):
         validate_sampling(self.temperature, self.top_k, self.top_p, self.draft)
+        if self.top_k is not None:  # a numpy integer is accepted and kept as a Python int
+            object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:
@@ -44,19 +48,54 @@ class SamplingParams:
 
 
 def validate_sampling(temperature, top_k, top_p, draft="sample") -> None:
-    """Raise ValueError for parameters no sampler accepts."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    """Raise ValueError for parameters no sampler accepts. Numbers may be Python or numpy
+    numbers (not bools); top_k an integer."""
+    if not _is_number(temperature):
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        if not _is_int(top_k) or top_k < 1:
             raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        if not _is_number(top_p) or not (0.0 < top_p <= 1.0):
             raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
     if draft not in DRAFT_MODES:
         raise ValueError(f"draft={draft!r}: expected one of {DRAFT_MODES}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+    return _is_int(x) or isinstance(x, (float, np.floating))
+
+
+def validate_seed(seed) -> int:
+    """The seed as a Python int. ValueError unless it is an integer (Python or numpy, not a bool)
+    with 0 <= seed < 2**64."""
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    s = int(seed)
+    if not 0 <= s < SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in [0, 2**64) (0 .. {SEED_LIMIT - 1}), got {s}")
+    return s
+
+
+def seed_key(seed) -> jax.Array:
+    """The PRNG key of a seed in [0, 2**64) (`validate_seed`): distinct seeds give distinct keys.
+    With JAX's default threefry2x32 the key data is the seed's two 32-bit words [seed >> 32,
+    seed & 0xFFFFFFFF], so a seed < 2**32 gives `jax.random.key(seed)` (the same samples as
+    before seeds above 2**32 were accepted; `jax.random.key` alone reduces them mod 2**32). With
+    another default PRNG implementation: `jax.random.key(seed & 0xFFFFFFFF)`, folded with the high
+    word when it is not 0."""
+    s = validate_seed(seed)
+    hi, lo = s >> 32, s & 0xFFFFFFFF
+    if jax.config.jax_default_prng_impl == "threefry2x32":
+        return jax.random.wrap_key_data(np.asarray([hi, lo], np.uint32), impl="threefry2x32")
+    key = jax.random.key(lo)
+    return jax.random.fold_in(key, hi) if hi else key
 
 
 # --------------------------------------------------------------------------------------------

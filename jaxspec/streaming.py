@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 
 from .generate import GenerationResult, plan
+from .loop import check_prefill
 
 
 @dataclasses.dataclass
@@ -68,6 +69,7 @@ def _stream(p, target, rounds_per_chunk: int) -> Iterator[StreamChunk]:
     t0 = time.perf_counter()
     state = jax.block_until_ready(prefill())
     prefill_s = time.perf_counter() - t0
+    check_prefill(state)
     decode = gen.compiled_decode(target, p.drafter, state)
 
     pending, seen, all_done, rounds = _read(state, [0] * p.batch)

@@ -13,6 +13,7 @@ bigram of the current one; the assistant computes that bigram (same table and fi
 pre-projection, damped blocks) plus a little of h_prev and attention.
 """
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ import jaxspec
 import models
 import importlib
 G = importlib.import_module("jaxspec.generate")
+from jaxspec import loop
 from jaxspec import streaming
 from jaxspec import verify
 from models import presets
@@ -338,6 +340,68 @@ def test_streaming_equals_generate(k, temperature):
     assert [sum((c[b] for c in got), []) for b in range(len(rows))] == ref.tokens and all(any(c) for c in got)
 
 
+def test_non_finite_prefill_logits_are_an_error():
+    """A target whose final norm is NaN (built in memory; loading refuses such a checkpoint) gives
+    NaN logits: generate, streaming and Generator.tokens raise a ValueError after the prefill
+    instead of returning id-0 tokens; the programs are the finite pair's (no extra compile)."""
+    t, a = pair()
+    rows = [list(r) for r in prompts()]
+    kw = dict(max_new_tokens=20, exactness_probe=False)
+    jaxspec.generate(t, rows, assistant=a, **kw)  # the finite pair compiles the shapes
+    programs = dict(G._AOT)
+    bad = t.replace(params={**t.params, "norm": jnp.full_like(t.params["norm"], jnp.nan)})
+    msg = r"the target produced NaN/inf logits for the prompt \(prompt rows \[0, 1, 2\]\): its weights are likely non-finite"
+    for k in (4, 1):
+        with pytest.raises(ValueError, match=msg):
+            jaxspec.generate(bad, rows, assistant=a, block_size=k, **kw)
+        with pytest.raises(ValueError, match=msg):
+            next(iter(streaming.stream_generate(bad, rows, assistant=a, block_size=k, **kw)))
+    assert G._AOT == programs
+    gen = jaxspec.make_generate(block_size=1, max_new_tokens=BUDGET)
+    with pytest.raises(ValueError, match=r"NaN/inf logits for the prompt \(prompt row 0\)"):
+        gen.tokens(gen(bad, None, *gen.inputs([1, 2, 3])[:3]))
+    # the rows are named one by one
+    with pytest.raises(ValueError, match=r"\(prompt row 1\)"):
+        loop.check_prefill(types.SimpleNamespace(finite=jnp.asarray([True, False, True])))
+    loop.check_prefill(types.SimpleNamespace(finite=jnp.asarray([True, True])))
+
+
+def test_seeds_map_to_distinct_keys():
+    """Every integer seed in [0, 2**64) has its own key: seeds that agree mod 2**32 sample
+    differently (jax.random.key alone reduces them); seeds < 2**32 keep jax.random.key's key;
+    numpy integers equal Python ones. Anything else is a ValueError before any work."""
+    t, a = pair()
+    rows = [list(r) for r in prompts()]
+    kw = dict(assistant=a, max_new_tokens=24, block_size=4, temperature=1.5)
+    out = {s: jaxspec.generate(t, rows, seed=s, **kw).tokens for s in (0, 2**32, 2**32 - 1, 2**33 - 1)}
+    assert out[0] != out[2**32] and out[2**32 - 1] != out[2**33 - 1]
+    assert jaxspec.generate(t, rows, seed=np.uint64(2**32), **kw).tokens == out[2**32]
+    gen = jaxspec.make_generate(block_size=4, max_new_tokens=BUDGET, temperature=1.5)
+    data = lambda s: jax.random.key_data(gen.inputs([1], seed=s)[2]).tolist()
+    for s in (0, 5, 2**32 - 1):
+        assert data(s) == jax.random.key_data(jax.random.key(s)).tolist()
+    assert data(2**32) == [1, 0] and data(np.int64(2**33 - 1)) == [1, 2**32 - 1]
+    assert data(2**64 - 1) == [2**32 - 1, 2**32 - 1]
+    for s in (-1, 2**64, 2.0**63, True, np.int8(-3), "7"):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            gen.inputs([1], seed=s)
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            streaming.stream_generate(t, rows, seed=s, **kw)
+
+
+def test_numpy_sampling_arguments():
+    """top_k (and temperature / top_p) accept numpy numbers like every other argument: the same
+    Generator and the same samples as the Python numbers."""
+    t, a = pair()
+    kw = dict(assistant=a, max_new_tokens=12, block_size=4, seed=3)
+    ref = jaxspec.generate(t, [1, 2, 3], temperature=0.9, top_k=5, top_p=0.9, **kw).tokens
+    got = jaxspec.generate(t, [1, 2, 3], temperature=np.float32(0.9).item(), top_k=np.int64(5),
+                           top_p=np.float64(0.9), **kw).tokens
+    assert got == ref
+    assert (jaxspec.make_generate(temperature=0.9, top_k=np.int32(5)) is jaxspec.make_generate(temperature=0.9, top_k=5))
+    assert type(jaxspec.make_generate(temperature=0.9, top_k=np.uint8(5)).spec.sampling.top_k) is int
+
+
 def test_decode_round_budget():
     """Generator.decode(state, max_rounds) stops after max_rounds rounds of this call (the state's
     shapes unchanged), and calls chained from the prefill end where one full decode ends."""
@@ -545,6 +609,11 @@ def _mismatched_assistant(**target_overrides):
     (dict(verify_pad="yes"), [1, 2], "verify_pad"),
     (dict(eos_token_ids=[-1]), [1, 2], r"eos_token_ids has token id -1 outside"),
     (dict(stop_token_ids=[300]), [1, 2], r"stop_token_ids has token id 300 outside"),
+    (dict(seed=-1), [1, 2], r"seed must be an integer in \[0, 2\*\*64\) \(0 \.\. 18446744073709551615\), got -1"),
+    (dict(seed=2**64), [1, 2], r"seed must be an integer in \[0, 2\*\*64\) .*got 18446744073709551616"),
+    (dict(seed=2.0**63), [1, 2], r"seed must be an integer in \[0, 2\*\*64\), got 9.22"),
+    (dict(seed=True), [1, 2], r"seed must be an integer in \[0, 2\*\*64\), got True"),
+    (dict(temperature=1.0, top_k=np.float64(2.0)), [1, 2], "top_k"),
 ])
 def test_bad_input(no_compute, kwargs, prompt, match):
     t, a = pair()

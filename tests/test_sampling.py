@@ -71,6 +71,24 @@ def test_sampling_params_validation():
         with pytest.raises(ValueError):
             sampling.SamplingParams(**bad)
     assert sampling.SamplingParams().greedy and not sampling.SamplingParams(temperature=0.5).greedy
+    for bad in (dict(temperature=1.0, top_k=True), dict(temperature=1.0, top_k=2.0), dict(temperature=True)):
+        with pytest.raises(ValueError):
+            sampling.SamplingParams(**bad)
+    # numpy numbers are numbers; top_k is kept as a Python int (equal, hashable, static)
+    p = sampling.SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9))
+    assert p == sampling.SamplingParams(temperature=0.5, top_k=3, top_p=0.9) and type(p.top_k) is int
+
+
+def test_seed_key():
+    """Seeds in [0, 2**64) map to the key data [seed >> 32, seed & 0xFFFFFFFF] (jax.random.key's own
+    for seeds < 2**32); anything else is a ValueError naming the range."""
+    data = lambda s: jax.random.key_data(sampling.seed_key(s)).tolist()
+    assert data(0) == [0, 0] and data(7) == jax.random.key_data(jax.random.key(7)).tolist()
+    assert data(2**32) == [1, 0] and data(np.uint64(2**64 - 1)) == [2**32 - 1, 2**32 - 1]
+    assert sampling.validate_seed(np.int16(9)) == 9 and type(sampling.validate_seed(np.int16(9))) is int
+    for bad in (-1, 2**64, 2.0**63, True, np.bool_(False), "1", None):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            sampling.seed_key(bad)
 
 
 def np_inverse_cdf(p, u):
