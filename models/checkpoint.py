@@ -1,9 +1,13 @@
 """Loading HF / MLX safetensors checkpoints and saving the MLX quantized layout.
 
-A checkpoint is a directory with config.json and one or more *.safetensors shards. Every tensor
-name, shape and dtype is checked from the shard headers before any tensor data is read; then the
-tensors are read one at a time from the memory-mapped shards (no second full copy in host memory),
-cast, optionally quantized, and placed on the default device.
+A checkpoint is a directory with config.json and its weights: the files
+`model.safetensors.index.json` names when it exists, else every `model*.safetensors` (HF's and
+mlx-lm's names; other *.safetensors files beside them, e.g. an adapter, are not read). Every file is
+opened and every tensor name, shape and dtype checked from the shard headers before any tensor data
+is read (an empty, truncated or corrupt file, a missing shard or a bad index is a ValueError naming
+the file); then the tensors are read one at a time from the memory-mapped shards (no second full
+copy in host memory), cast, optionally quantized, and placed on the default device, where every
+float tensor is checked for NaN / inf (a ValueError naming the checkpoint keys).
 
 Files hold MLX's quantized layout (`weight [N, K*bits/32]` uint32, `scales` / `biases [N, K/g]`);
 models hold the kernels' (`QuantizedWeight`): loading converts with `QuantizedWeight.from_mlx`,
@@ -12,10 +16,12 @@ config expects come from models.params.
 """
 from __future__ import annotations
 
-import glob
+import fnmatch
 import json
 import math
 import os
+import secrets
+import shutil
 import sys
 import time
 from typing import Any
@@ -25,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import DispatchConfig, QuantizedWeight, quantize
-from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from safetensors import safe_open
+from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_finite, describe_nonfinite
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from .assistant import Assistant
@@ -51,32 +57,86 @@ def _ignorable(name: str, cfg: TargetConfig) -> bool:
 
 
 # ---- reading -------------------------------------------------------------------------------------
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHT_FILES = "model*.safetensors"  # the weight files of a checkpoint without an index (as mlx-lm reads)
+
+
+def _owned(fn: str) -> bool:
+    """The files that are the checkpoint: `save` replaces them, the loader reads them (no other file)."""
+    return fn in ("config.json", INDEX_FILE) or fnmatch.fnmatchcase(fn, WEIGHT_FILES)
+
+
+def _not_loadable(path: str, why: str) -> ValueError:
+    return ValueError(f"checkpoint {path!r} is not loadable: {why}")
+
+
 def _read_config(path: str) -> dict:
     cpath = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path!r} is not a directory")
     if not os.path.isfile(cpath):
         raise ValueError(f"no config.json in {path!r}")
-    with open(cpath) as f:
-        return json.load(f)
+    try:
+        with open(cpath, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _not_loadable(path, f"config.json is not readable JSON ({e})") from None
 
 
 def _shards(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    """The weight files: those `model.safetensors.index.json` names when it exists, else every
+    `model*.safetensors` (other *.safetensors files, e.g. an adapter beside the model, are not read).
+    ValueError naming the file for an index that is not a JSON weight map or names missing files."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.lexists(index):
+        try:
+            with open(index, "rb") as f:
+                wmap = json.loads(f.read().decode("utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            what = "has no 'weight_map'" if isinstance(e, (KeyError, TypeError)) else f"is not readable JSON ({e})"
+            raise _not_loadable(path, f"{INDEX_FILE} {what}") from None
+        if (not isinstance(wmap, dict) or not wmap
+                or not all(isinstance(v, str) and v and os.path.basename(v) == v for v in wmap.values())):
+            raise _not_loadable(path, f"{INDEX_FILE}'s weight_map must map tensor names to file names in the "
+                                      "directory")
+        files = sorted(set(wmap.values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
+        if missing:
+            raise _not_loadable(path, f"{INDEX_FILE} names weight file(s) {missing} that do not exist")
         return [os.path.join(path, fn) for fn in files]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    names = sorted(os.listdir(path))
+    files = [fn for fn in names if fnmatch.fnmatchcase(fn, WEIGHT_FILES)]
     if not files:
+        others = [fn for fn in names if fn.endswith(".safetensors")]
+        if others:
+            raise ValueError(f"no {WEIGHT_FILES} files in {path!r} (the weights are model.safetensors or the "
+                             f"shards {INDEX_FILE} names; {others} are not read)")
         raise ValueError(f"no *.safetensors files in {path!r}")
-    return files
+    return [os.path.join(path, fn) for fn in files]
+
+
+def _open_shard(path: str, fn: str):
+    """safe_open, which checks the header and that the data cover the file exactly (nothing is read)."""
+    try:
+        return safe_open(fn, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        name = os.path.basename(fn)
+        try:
+            empty = os.path.getsize(fn) == 0
+        except OSError:
+            empty = False
+        why = "is empty" if empty else f"is not a valid safetensors file (truncated or corrupt? {e})"
+        raise _not_loadable(path, f"{name!r} {why}") from None
 
 
 def _quant_config(d: dict) -> dict | None:
     q = d.get("quantization")
+    if q is not None and not isinstance(q, dict):
+        raise ValueError(f"quantization must be a dict, got {q!r}")
     if q is None:
         q = d.get("quantization_config")
+        if q is not None and not isinstance(q, dict):
+            raise ValueError(f"quantization_config must be a dict, got {q!r}")
         if q is not None and "bits" not in q:
             raise NotImplementedError(f"quantization_config {q.get('quant_method', q)!r} is not the MLX affine "
                                       "format (expected 'bits' and 'group_size')")
@@ -95,6 +155,9 @@ def _module_format(qcfg: dict | None, ckpt_module: str, name: str, n_words: int,
         bits, gs = qcfg["bits"], qcfg.get("group_size", 64)
     else:
         bits, gs = 32 * n_words // k, (k // n_groups if n_groups else 0)
+    for key, v in (("bits", bits), ("group_size", gs)):
+        if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()):
+            raise ValueError(f"quantization config of {ckpt_module!r}: {key} must be an integer, got {v!r}")
     return int(bits), int(gs)
 
 
@@ -103,7 +166,7 @@ def _plan(path: str, shapes: dict, qcfg: dict | None, skip) -> tuple[dict, list,
     (plan: name -> dict(kind, keys, bits, group_size), handles, total bytes)."""
     handles, where = [], {}
     for fn in _shards(path):
-        h = safe_open(fn, framework="numpy")
+        h = _open_shard(path, fn)
         handles.append(h)
         for key in h.keys():
             if key in where:
@@ -220,11 +283,18 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
     """Read the planned tensors one at a time. Quantized tensors become QuantizedWeights in the
     kernels' layout (built from the file's MLX arrays), their scales and biases cast to `dtype`;
     float ones are cast to `dtype` and, under `quantize_spec`, quantized if they are linear weights
-    whose K is a whole number of groups; integer buffers become int32."""
+    whose K is a whole number of groups; integer buffers become int32.
+
+    Every float tensor is checked for NaN / inf as uploaded (after the cast to `dtype`): one fused
+    reduction per tensor on device, gathered once at the end; ValueError names the checkpoint keys."""
     plan, handles, total = _plan(path, shapes, qcfg, skip)
     bits, gs = quant_spec(quantize_spec)
     prog = _Progress(total, label, progress)
-    params = {}
+    params, finite = {}, []  # (checkpoint key, the array as held in params, its layout transposed?, flag)
+
+    def check(key, arr, transposed=False):
+        finite.append((key, arr, transposed, all_finite(arr)))
+
     for name in sorted(plan):
         entry = plan[name]
         if entry["kind"] == "quantized":
@@ -232,7 +302,9 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
             w = jnp.asarray(wh.get_tensor(wk))
             s = jnp.asarray(sh.get_tensor(sk)).astype(dtype)
             b = jnp.asarray(bh.get_tensor(bk)).astype(dtype)
-            params[name] = QuantizedWeight.from_mlx(w, s, b, entry["bits"], entry["group_size"])
+            params[name] = qw = QuantizedWeight.from_mlx(w, s, b, entry["bits"], entry["group_size"])
+            check(sk, qw.scales, True)  # [K/g, N] in memory, [N, K/g] in the file
+            check(bk, qw.biases, True)
             prog.add(w.size * 4 + s.size * 2 + b.size * 2)
             continue
         (key, h), = entry["keys"]
@@ -242,10 +314,22 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
         else:
             arr = jnp.asarray(host).astype(dtype)
             if bits and quantizable(arr.shape, entry["kind"], gs):
-                arr = quantize(arr, bits=bits, group_size=gs)
+                try:  # quantize checks the weight for NaN / inf itself, before quantizing
+                    arr = quantize(arr, bits=bits, group_size=gs)
+                except ValueError as e:
+                    raise _not_loadable(path, f"tensor {key!r}: {e}") from None
+            else:
+                check(key, arr)
             params[name] = arr
         prog.add(host.size * 4)
         del host
+    if finite:
+        ok = np.asarray(jax.device_get(jnp.stack([flag for *_, flag in finite])))
+        bad = [(key, arr.T if t else arr) for (key, arr, t, _), good in zip(finite, ok) if not good]
+        if bad:
+            raise _not_loadable(path, f"{len(bad)} tensor(s) hold NaN or inf values as {jnp.dtype(dtype).name}: "
+                                      + "; ".join(f"{key!r} ({describe_nonfinite(arr)})" for key, arr in bad[:8])
+                                      + ("; ..." if len(bad) > 8 else ""))
     return params
 
 
@@ -295,7 +379,19 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
     modules as `.weight` (uint32) / `.scales` / `.biases`, float ones as `.weight`, buffers bare; the
     `quantization` config (and its `quantization_config` copy) gives the common bits/group_size with
     per-module overrides. HF names ("model." prefix), so `load_target` / `load_assistant` and mlx-lm
-    style readers read it back."""
+    style readers read it back.
+
+    One shard is `model.safetensors`; more (over `shard_bytes` each) are
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`. The files are written and
+    fsynced in a temporary directory beside `path`, then renamed in: a new `path` is that one
+    directory renamed; into an existing one each file is renamed over its namesake, and the
+    checkpoint files of an earlier save that this one does not rewrite (`model*.safetensors`, the
+    index) are removed only after the new ones are in place. Other files in `path` (a tokenizer,
+    `adapter_lora.safetensors`, ...) are left alone. If anything fails (a write, disk full, a rename)
+    the directory is restored to what it was, so the previous checkpoint still loads, no temporary
+    directory is left, and the error is re-raised. (A crash of the process in the middle of the few
+    renames can leave a mix; the previous files are then in `.NAME.saving-*/old` beside `path`.)
+    ValueError if `path` exists and is not a directory."""
     cfg = model.config
     d = cfg.to_dict()
     formats: dict[str, tuple[int, int]] = {}
@@ -324,9 +420,6 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
                               else "Gemma4AssistantForCausalLM"]
     else:
         d["architectures"] = ["Gemma4ForCausalLM"]
-    os.makedirs(path, exist_ok=True)
-    for old in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.index.json")):
-        os.remove(old)
     shards, cur, size = [], [], 0
     for key, arr in tensors:
         nbytes = int(np.prod(arr.shape)) * jnp.dtype(arr.dtype).itemsize
@@ -336,17 +429,121 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
         cur.append((key, arr))
         size += nbytes
     shards.append(cur)
-    weight_map = {}
+
+    path = os.path.realpath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"cannot save a checkpoint to {path!r}: it exists and is not a directory")
+    parent, base = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    work = _work_dir(parent, base)
+    keep_work = False  # set only when a failed swap could not be undone: `work` then holds the old files
+    try:
+        new = os.path.join(work, "new")
+        os.mkdir(new)
+        names = _write_checkpoint(new, shards, d)
+        if not os.path.isdir(path):  # a new directory: one rename
+            os.replace(new, path)
+            try:
+                _fsync_dir(parent)
+            except BaseException:
+                os.replace(path, new)  # a failed save leaves no checkpoint behind
+                raise
+        else:
+            _swap_in(path, new, os.path.join(work, "old"), names)
+    except _UndoFailed:
+        keep_work = True
+        raise
+    finally:
+        if not keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+class _UndoFailed(OSError):
+    pass
+
+
+def _work_dir(parent: str, base: str) -> str:
+    """A fresh hidden directory beside the target (same filesystem, so its renames are atomic)."""
+    for _ in range(100):
+        work = os.path.join(parent, f".{base}.saving-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(work)  # the umask's mode, unlike mkdtemp's 0700: `new` may become the checkpoint
+            return work
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary directory beside {os.path.join(parent, base)!r}")
+
+
+def _fsync_file(fn: str) -> None:
+    fd = os.open(fn, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    if os.name == "posix":  # directories cannot be opened for fsync elsewhere
+        _fsync_file(path)
+
+
+def _write_checkpoint(out: str, shards: list, d: dict) -> list[str]:
+    """Write the shards (+ index when there are several) and config.json into `out`, each file and
+    then the directory fsynced. Returns the file names, config.json last (the order they are swapped in)."""
+    names, weight_map = [], {}
     for n, shard in enumerate(shards):
         fn = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: np.asarray(jax.device_get(a)) for k, a in shard}, os.path.join(path, fn),
+        save_file({k: np.asarray(jax.device_get(a)) for k, a in shard}, os.path.join(out, fn),
                   metadata={"format": "mlx"})
+        _fsync_file(os.path.join(out, fn))
         weight_map.update({k: fn for k, _ in shard})
-    if len(shards) > 1:
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(d, f, indent=1)
+        names.append(fn)
+    docs = [(INDEX_FILE, {"metadata": {}, "weight_map": weight_map})] if len(shards) > 1 else []
+    for fn, doc in docs + [("config.json", d)]:
+        with open(os.path.join(out, fn), "w") as f:
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        names.append(fn)
+    _fsync_dir(out)
+    return names
+
+
+def _swap_in(path: str, new: str, old: str, names: list[str]) -> None:
+    """Rename the files `names` from `new` into `path`, each file of that name already there moved
+    into `old` first; then move the checkpoint files (`_owned`) of `path` that were not rewritten
+    (stale shards, an index) into `old` too. Other files of `path` are never touched. If anything
+    fails, every move is undone (old files back, new ones removed) and the error re-raised; if the
+    undoing fails too, the old files stay in `old` and the error names it."""
+    os.mkdir(old)
+    stale = sorted(fn for fn in os.listdir(path) if _owned(fn) and fn not in names)
+    moved, placed = [], []
+    try:
+        for fn in names:
+            if os.path.lexists(os.path.join(path, fn)):
+                os.replace(os.path.join(path, fn), os.path.join(old, fn))
+                moved.append(fn)
+            os.replace(os.path.join(new, fn), os.path.join(path, fn))
+            placed.append(fn)
+        for fn in stale:  # only now that the new files are in place
+            os.replace(os.path.join(path, fn), os.path.join(old, fn))
+            moved.append(fn)
+        _fsync_dir(path)
+    except BaseException as e:
+        try:
+            for fn in reversed(moved):
+                os.replace(os.path.join(old, fn), os.path.join(path, fn))
+            for fn in placed:
+                if fn not in moved:
+                    os.remove(os.path.join(path, fn))
+        except BaseException as undo:
+            raise _UndoFailed(f"saving to {path!r} failed ({e!r}) and restoring its previous files failed too "
+                              f"({undo!r}): the previous files are in {old!r}") from e
+        try:  # best effort: every previous file is back in place
+            _fsync_dir(path)
+        except OSError:
+            pass
+        raise
 
 
 def quantize_model(model, *, bits: int = 4, group_size: int = 64):

@@ -119,33 +119,38 @@ class TargetConfig:
             return defaults.get(key) if v is None and key in ("hidden_size_per_layer_input",
                                                               "vocab_size_per_layer_input") else v
 
-        if get("enable_moe_block"):
+        if _bool("enable_moe_block", get("enable_moe_block")):
             raise NotImplementedError("Gemma 4 MoE configs (enable_moe_block=true, e.g. 26B-A4B) are not "
                                       "supported: only dense variants are implemented")
         if get("use_bidirectional_attention") == "all":
             raise NotImplementedError("use_bidirectional_attention='all' is not supported (causal LM only)")
-        if get("attention_bias"):
+        if _bool("attention_bias", get("attention_bias")):
             raise NotImplementedError("attention_bias=true is not supported (Gemma 4 has no attention bias)")
 
         n_layers = _int(d, "num_hidden_layers", get("num_hidden_layers"))
         layer_types = d.get("layer_types")
         if layer_types is None:  # HF default: 5 sliding then 1 full
             layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
+        if not isinstance(layer_types, (list, tuple)):
+            raise ValueError(f"config field 'layer_types' must be a list of {LAYER_TYPES}, got {layer_types!r}")
         layer_types = list(layer_types)
         if len(layer_types) != n_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers={n_layers}")
-        bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+        bad = sorted({repr(t) for t in layer_types if not isinstance(t, str) or t not in LAYER_TYPES})
         if bad:
-            raise ValueError(f"unsupported layer_types {bad}: expected {LAYER_TYPES}")
+            raise ValueError(f"unsupported layer_types [{', '.join(bad)}]: expected {LAYER_TYPES}")
         if layer_types and layer_types[-1] != FULL:  # HF forces it; so do we (and say so)
             layer_types[-1] = FULL
 
         head_dim = _int(d, "head_dim", get("head_dim"))
         kv_heads = _int(d, "num_key_value_heads", get("num_key_value_heads"))
-        k_eq_v = bool(get("attention_k_eq_v"))
+        k_eq_v = _bool("attention_k_eq_v", get("attention_k_eq_v"))
         layer_head_dims = [head_dim] * n_layers
         layer_kv = [kv_heads] * n_layers
         per_layer = d.get("per_layer_config")
+        if per_layer is not None and not (isinstance(per_layer, dict)
+                                          and all(isinstance(v, dict) for v in per_layer.values())):
+            raise ValueError(f"config field 'per_layer_config' must map layer indices to dicts, got {per_layer!r}")
         if per_layer:  # HF >= 5.24 serialises the full-layer overrides here
             for key, over in per_layer.items():
                 try:
@@ -158,18 +163,20 @@ class TargetConfig:
                 if unknown:
                     raise NotImplementedError(f"per_layer_config[{key}] overrides {unknown}; only "
                                               f"{_PER_LAYER_KEYS} are supported")
-                layer_head_dims[i] = int(over.get("head_dim", layer_head_dims[i]))
-                layer_kv[i] = int(over.get("num_key_value_heads", layer_kv[i]))
+                layer_head_dims[i] = _int(over, "head_dim", layer_head_dims[i])
+                layer_kv[i] = _int(over, "num_key_value_heads", layer_kv[i])
         else:  # Google / mlx-lm style: global_head_dim and num_global_key_value_heads
             g_dim = get("global_head_dim")
             g_kv = get("num_global_key_value_heads") if k_eq_v else None
             for i, t in enumerate(layer_types):
                 if t == FULL:
-                    layer_head_dims[i] = int(g_dim)
+                    layer_head_dims[i] = _int({}, "global_head_dim", g_dim)
                     if g_kv is not None:
-                        layer_kv[i] = int(g_kv)
+                        layer_kv[i] = _int({}, "num_global_key_value_heads", g_kv)
 
         rope = d.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config field 'rope_parameters' must be a dict, got {rope!r}")
         if rope and not any(t in rope for t in LAYER_TYPES):
             raise ValueError(f"rope_parameters must map layer types {LAYER_TYPES} to their RoPE; got keys "
                              f"{sorted(rope)}")
@@ -190,15 +197,15 @@ class TargetConfig:
             sliding_window=_int(d, "sliding_window", get("sliding_window")),
             rope_sliding=ropes[SLIDING],
             rope_full=ropes[FULL],
-            rms_norm_eps=float(get("rms_norm_eps")),
+            rms_norm_eps=_float("rms_norm_eps", get("rms_norm_eps")),
             hidden_activation=str(get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"),
-            final_logit_softcapping=None if softcap is None else float(softcap),
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            final_logit_softcapping=None if softcap is None else _float("final_logit_softcapping", softcap),
+            tie_word_embeddings=_bool("tie_word_embeddings", get("tie_word_embeddings")),
             attention_k_eq_v=k_eq_v,
             num_kv_shared_layers=_int(d, "num_kv_shared_layers", get("num_kv_shared_layers")),
-            hidden_size_per_layer_input=int(get("hidden_size_per_layer_input") or 0),
-            vocab_size_per_layer_input=int(get("vocab_size_per_layer_input") or 0),
-            use_double_wide_mlp=bool(get("use_double_wide_mlp")),
+            hidden_size_per_layer_input=_int({}, "hidden_size_per_layer_input", get("hidden_size_per_layer_input") or 0),
+            vocab_size_per_layer_input=_int({}, "vocab_size_per_layer_input", get("vocab_size_per_layer_input") or 0),
+            use_double_wide_mlp=_bool("use_double_wide_mlp", get("use_double_wide_mlp")),
             model_type=mt,
             eos_token_ids=_eos_ids(d.get("eos_token_id")),
             max_position_embeddings=(None if d.get("max_position_embeddings") is None
@@ -253,6 +260,8 @@ class TargetConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings={self.max_position_embeddings} must be >= 1 (or absent)")
         n = self.num_hidden_layers
         for name in ("layer_types", "layer_head_dims", "layer_kv_heads"):
             if len(getattr(self, name)) != n:
@@ -370,11 +379,11 @@ class AssistantConfig:
         default_backbone = 3840 if mt == "gemma4_unified_assistant" else 1536
         return cls(
             text=tcfg,
-            backbone_hidden_size=int(d.get("backbone_hidden_size", default_backbone)),
-            use_ordered_embeddings=bool(d.get("use_ordered_embeddings", False)),
-            num_centroids=int(d.get("num_centroids", 2048)),
-            centroid_intermediate_top_k=int(d.get("centroid_intermediate_top_k", 32)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            backbone_hidden_size=_int(d, "backbone_hidden_size", default_backbone),
+            use_ordered_embeddings=_bool("use_ordered_embeddings", d.get("use_ordered_embeddings", False)),
+            num_centroids=_int(d, "num_centroids", 2048),
+            centroid_intermediate_top_k=_int(d, "centroid_intermediate_top_k", 32),
+            tie_word_embeddings=_bool("tie_word_embeddings", d.get("tie_word_embeddings", True)),
             model_type=mt,
         )
 
@@ -436,9 +445,22 @@ def _int(d, key, default):
     v = d.get(key, default)
     if v is None:
         raise ValueError(f"config field {key!r} is missing")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+    if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()):
         raise ValueError(f"config field {key!r}={v!r} must be an integer")
     return int(v)
+
+
+def _bool(key, v) -> bool:
+    """A JSON flag: true / false (null and 0 / 1 accepted); a string such as "false" is an error."""
+    if v is None or isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+        return bool(v)
+    raise ValueError(f"config field {key!r}={v!r} must be true or false")
+
+
+def _float(key, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"config field {key!r}={v!r} must be a finite number")
+    return float(v)
 
 
 def _rope(layer_type: str, p: dict) -> RopeConfig:
@@ -449,9 +471,11 @@ def _rope(layer_type: str, p: dict) -> RopeConfig:
         raise NotImplementedError(f"rope_parameters[{layer_type!r}].rope_type={rt!r}: supported {ROPE_TYPES}")
     if "rope_theta" not in p:
         raise ValueError(f"rope_parameters[{layer_type!r}] has no rope_theta")
-    return RopeConfig(rope_type=rt, theta=float(p["rope_theta"]),
-                      partial_rotary_factor=float(p.get("partial_rotary_factor", 1.0)) if rt == "proportional" else 1.0,
-                      factor=float(p.get("factor", 1.0)) if rt == "proportional" else 1.0)
+    where = f"rope_parameters[{layer_type!r}]"
+    return RopeConfig(rope_type=rt, theta=_float(f"{where}.rope_theta", p["rope_theta"]),
+                      partial_rotary_factor=(_float(f"{where}.partial_rotary_factor", p.get("partial_rotary_factor", 1.0))
+                                             if rt == "proportional" else 1.0),
+                      factor=_float(f"{where}.factor", p.get("factor", 1.0)) if rt == "proportional" else 1.0)
 
 
 def _rope_dict(r: RopeConfig) -> dict:

@@ -1,7 +1,9 @@
 """Checkpoint loading and saving: the MLX quantized layout as written by mlx itself, quantize-on-load,
 save/load round trips, and clear errors for bad checkpoints before any compute."""
+import errno
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -243,6 +245,46 @@ def test_moe_config_not_implemented():
         models.TargetConfig.from_dict(presets.tiny_target_dict(enable_moe_block=True, num_experts=4))
 
 
+@pytest.mark.parametrize("edit, msg", [
+    (dict(layer_types="sliding_attention"), r"'layer_types' must be a list of \('sliding_attention', 'full_attention'\), "
+                                            r"got 'sliding_attention'"),
+    (dict(layer_types=[S, ["x"], "local"]), r"unsupported layer_types \['local', \['x'\]\]"),
+    (dict(tie_word_embeddings="false"), r"'tie_word_embeddings'='false' must be true or false"),
+    (dict(enable_moe_block="no"), r"'enable_moe_block'='no' must be true or false"),
+    (dict(rms_norm_eps="1e-6"), r"'rms_norm_eps'='1e-6' must be a finite number"),
+    (dict(final_logit_softcapping=float("nan")), r"'final_logit_softcapping'=nan must be a finite number"),
+    (dict(hidden_size=float("inf")), r"'hidden_size'=inf must be an integer"),
+    (dict(hidden_size_per_layer_input="8"), r"'hidden_size_per_layer_input'='8' must be an integer"),
+    (dict(max_position_embeddings="4096"), r"'max_position_embeddings'='4096' must be an integer"),
+    (dict(max_position_embeddings=0), r"max_position_embeddings=0 must be >= 1"),
+    (dict(rope_parameters=[1, 2]), r"'rope_parameters' must be a dict, got \[1, 2\]"),
+    (dict(per_layer_config={"2": 64}), r"'per_layer_config' must map layer indices to dicts"),
+])
+def test_config_fields_of_the_wrong_type_are_named(edit, msg):
+    with pytest.raises(ValueError, match=msg):
+        models.TargetConfig.from_dict({**TDICT, **edit})
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (dict(backbone_hidden_size="64"), r"'backbone_hidden_size'='64' must be an integer"),
+    (dict(num_centroids=2.5), r"'num_centroids'=2\.5 must be an integer"),
+    (dict(use_ordered_embeddings="true"), r"'use_ordered_embeddings'='true' must be true or false"),
+])
+def test_assistant_config_fields_of_the_wrong_type_are_named(edit, msg):
+    with pytest.raises(ValueError, match=msg):
+        models.AssistantConfig.from_dict({**presets.tiny_assistant_dict(TDICT), **edit})
+
+
+def test_quantization_config_of_the_wrong_type_is_named(float_ckpt, tmp_path):
+    t = models.quantize_model(float_target(int(np.random.default_rng().integers(1 << 30))), bits=4, group_size=32)
+    models.save(t, str(tmp_path / "q"))
+    for q, msg in ((dict(bits="4", group_size=32), r"'model\.\S+': bits must be an integer, got '4'"),
+                   ("4-bit", r"quantization must be a dict, got '4-bit'")):
+        path = rewrite(tmp_path / "q", tmp_path / "q2", edit_config=lambda c: c.update(quantization=q))
+        with pytest.raises(ValueError, match=msg):
+            models.load_target(path)
+
+
 @pytest.mark.parametrize("edit,msg", [
     (dict(backbone_hidden_size=48), "backbone_hidden_size=48 != target hidden_size=64"),
     (dict(text=dict(vocab_size=320)), "vocab_size=320 != target vocab_size=256"),
@@ -287,3 +329,279 @@ def test_eos_and_context_length_survive_save_and_load(tmp_path):
     assert _default_stop_ids(t2) == (1, 106)
     with pytest.raises(ValueError, match="eos_token_id"):
         models.TargetConfig.from_dict({**TDICT, "eos_token_id": "</s>"})
+
+
+# ---- atomic saves ----------------------------------------------------------------------------------
+def snapshot(path):
+    """{file name: bytes} of a directory (the whole state a failed save must leave as it was)."""
+    return {f: (path / f).read_bytes() for f in sorted(os.listdir(path))}
+
+
+def assert_same_params(m, ref):
+    assert set(m.params) == set(ref.params)
+    for name, w in ref.params.items():
+        np.testing.assert_array_equal(host(m.params[name]), host(w), err_msg=name)
+
+
+@pytest.fixture
+def old_ckpt(tmp_path):
+    """A sharded float checkpoint (several model-*-of-* files + index) with two foreign files beside it."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    t = float_target(seed)
+    path = tmp_path / "ckpt"
+    models.save(t, str(path), shard_bytes=64 << 10)
+    save_file({"lora_a": np.random.default_rng(seed).standard_normal((4, 8)).astype(np.float32)},
+              str(path / "adapter_lora.safetensors"))
+    (path / "tokenizer.json").write_text('{"not": "touched"}')
+    assert len([f for f in os.listdir(path) if f.startswith("model-")]) >= 3
+    return t, path
+
+
+def test_save_keeps_foreign_files_and_drops_stale_shards(old_ckpt, tmp_path):
+    t, path = old_ckpt
+    foreign = {f: (path / f).read_bytes() for f in ("adapter_lora.safetensors", "tokenizer.json")}
+    # the loader reads the index's files only: the adapter beside the model is not a shard
+    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t)
+    # fewer shards: the index names exactly the new ones, the old ones are gone
+    n_before = len([f for f in os.listdir(path) if f.startswith("model-")])
+    t2 = float_target(int(np.random.default_rng().integers(1 << 30)))
+    models.save(t2, str(path), shard_bytes=256 << 10)
+    shards = sorted(f for f in os.listdir(path) if f.startswith("model-"))
+    assert 1 < len(shards) < n_before
+    index = json.load(open(path / "model.safetensors.index.json"))
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t2)
+    # one shard: no index is left pointing at old shards, and without an index the adapter is not read
+    t3 = float_target(int(np.random.default_rng().integers(1 << 30)))
+    models.save(t3, str(path))
+    assert sorted(os.listdir(path)) == ["adapter_lora.safetensors", "config.json", "model.safetensors",
+                                        "tokenizer.json"]
+    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t3)
+    assert {f: (path / f).read_bytes() for f in foreign} == foreign
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left
+
+
+def test_save_into_a_new_directory_and_over_a_file(tmp_path):
+    t = float_target(int(np.random.default_rng().integers(1 << 30)))
+    path = tmp_path / "a" / "b" / "ckpt"
+    models.save(t, str(path))
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(path.parent)) == ["ckpt"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o777 & ~umask  # a normal directory, not mkdtemp's 0700
+    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t)
+    f = tmp_path / "file"
+    f.write_text("precious")
+    with pytest.raises(ValueError, match=r"cannot save a checkpoint to .*file'.*not a directory"):
+        models.save(t, str(f))
+    assert f.read_text() == "precious" and sorted(os.listdir(tmp_path)) == ["a", "file"]
+
+
+def _nth_call_fails(n, real, fail):
+    """A stand-in for `real` whose n-th call (1-based) runs `fail` (which raises) instead; returns it
+    and its call counter."""
+    calls = [0]
+
+    def fake(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            fail(*args, **kwargs)
+        return real(*args, **kwargs)
+    return fake, calls
+
+
+def _disk_full(*_, **__):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _half_written_then_disk_full(tensors, fn, metadata=None):
+    save_file(tensors, fn, metadata=metadata)
+    with open(fn, "r+b") as f:
+        f.truncate(os.path.getsize(fn) // 2)
+    _disk_full()
+
+
+REPLACE = os.replace
+
+
+@pytest.mark.parametrize("where", ["save_file 1", "save_file 3", "json.dump", "fsync 2", "os.replace 1",
+                                   "os.replace 2", "os.replace 3", "os.replace 5", "os.replace last",
+                                   "dir fsync after the renames"])
+def test_failed_save_leaves_the_old_checkpoint(old_ckpt, tmp_path, monkeypatch, where):
+    """Whatever fails (a write that fills the disk half way, config.json, an fsync, any rename of the
+    swap, the directory fsync after it), the directory is byte for byte what it was, the old checkpoint
+    loads exactly as before, the error is raised, and no temporary directory is left. The new save has
+    fewer shards with other names, so moving stale files aside is part of the swap."""
+    from models import checkpoint
+    t, path = old_ckpt
+    before = snapshot(path)
+    new = float_target(int(np.random.default_rng().integers(1 << 30)))
+    kind, _, arg = where.partition(" ")
+    if kind == "save_file":
+        fake, _ = _nth_call_fails(int(arg), checkpoint.save_file, _half_written_then_disk_full)
+        monkeypatch.setattr(checkpoint, "save_file", fake)
+    elif kind == "json.dump":
+        monkeypatch.setattr(json, "dump", _nth_call_fails(1, json.dump, _disk_full)[0])
+    elif kind == "fsync":
+        monkeypatch.setattr(os, "fsync", _nth_call_fails(int(arg), os.fsync, _disk_full)[0])
+    elif kind == "os.replace":
+        if arg == "last":  # the number of renames a successful save of the same kind makes
+            shutil.copytree(path, tmp_path / "probe")
+            counter, calls = _nth_call_fails(0, REPLACE, None)
+            monkeypatch.setattr(os, "replace", counter)
+            models.save(new, str(tmp_path / "probe"), shard_bytes=256 << 10)
+            shutil.rmtree(tmp_path / "probe")
+            arg = calls[0]
+            assert arg > 5
+
+        def rename_fails(*_):
+            raise OSError(errno.EIO, "injected rename failure")
+        monkeypatch.setattr(os, "replace", _nth_call_fails(int(arg), REPLACE, rename_fails)[0])
+    else:
+        real = checkpoint._fsync_dir
+        monkeypatch.setattr(checkpoint, "_fsync_dir", lambda p: _disk_full() if p == str(path) else real(p))
+    with pytest.raises(OSError, match="No space left|injected"):
+        models.save(new, str(path), shard_bytes=256 << 10)
+    monkeypatch.undo()
+    assert snapshot(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t)
+
+
+def test_a_swap_that_cannot_be_undone_keeps_the_old_files(old_ckpt, tmp_path, monkeypatch):
+    """If the renames keep failing while the swap is undone, nothing is deleted: the error names the
+    directory beside the checkpoint that holds the previous files not back in place."""
+    t, path = old_ckpt
+    before = snapshot(path)
+    moved_aside = []
+
+    def replace(src, dst):  # every rename after the first previous file was moved aside fails
+        if moved_aside:
+            raise OSError(errno.EIO, "injected rename failure")
+        REPLACE(src, dst)
+        if os.path.dirname(src) == str(path):
+            moved_aside.append(src)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="restoring its previous files failed too") as e:
+        models.save(float_target(1), str(path), shard_bytes=256 << 10)
+    monkeypatch.undo()
+    work = [f for f in os.listdir(tmp_path) if f.startswith(".ckpt.saving-")]
+    assert len(work) == 1 and os.path.join(tmp_path, work[0], "old") in str(e.value)
+    old = tmp_path / work[0] / "old"
+    for f, data in before.items():  # every previous file is where it was or in `old`, intact
+        assert (path / f).exists() and (path / f).read_bytes() == data or (old / f).read_bytes() == data, f
+
+
+# ---- unloadable files: ValueError naming the file, before any tensor is read --------------------------
+def _truncate(fn, keep):
+    data = open(fn, "rb").read()
+    open(fn, "wb").write(data[:keep(len(data))])
+
+
+def _corrupt_header(fn):
+    data = bytearray(open(fn, "rb").read())
+    data[8:24] = b"#" * 16  # the JSON header's first bytes
+    open(fn, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("case, msg", [
+    ("empty", r"'model-00002-of-\d+\.safetensors' is empty"),
+    ("truncated", r"'model-00002-of-\d+\.safetensors' is not a valid safetensors file \(truncated or corrupt"),
+    ("header only", r"'model-00002-of-\d+\.safetensors' is not a valid safetensors file"),
+    ("corrupt header", r"'model-00002-of-\d+\.safetensors' is not a valid safetensors file"),
+    ("missing shard", r"model\.safetensors\.index\.json names weight file\(s\) \['model-00002-of-\d+\.safetensors'\] "
+                      "that do not exist"),
+    ("index not JSON", r"model\.safetensors\.index\.json is not readable JSON"),
+    ("index without weight_map", r"model\.safetensors\.index\.json has no 'weight_map'"),
+    ("index naming a path", r"model\.safetensors\.index\.json's weight_map must map tensor names to file names in the directory"),
+    ("config not JSON", r"config\.json is not readable JSON"),
+])
+def test_unloadable_files_are_named_before_reading_tensors(tmp_path, monkeypatch, case, msg):
+    from models import checkpoint
+    path = tmp_path / "c"
+    models.save(float_target(int(np.random.default_rng().integers(1 << 30))), str(path), shard_bytes=64 << 10)
+    shard = str(next(path.glob("model-00002-of-*.safetensors")))
+    index = path / "model.safetensors.index.json"
+    if case == "empty":
+        open(shard, "wb").close()
+    elif case == "truncated":
+        _truncate(shard, lambda n: n - int(np.random.default_rng().integers(1, n // 2)))
+    elif case == "header only":
+        _truncate(shard, lambda n: 8 + int.from_bytes(open(shard, "rb").read(8), "little"))
+    elif case == "corrupt header":
+        _corrupt_header(shard)
+    elif case == "missing shard":
+        os.remove(shard)
+    elif case == "index not JSON":
+        index.write_text('{"weight_map": {')
+    elif case == "index without weight_map":
+        index.write_text('{"metadata": {}}')
+    elif case == "index naming a path":
+        wm = json.loads(index.read_text())
+        wm["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+        index.write_text(json.dumps(wm))
+    else:
+        (path / "config.json").write_text('{"model_type": "gemma4_text", ')
+
+    def no_tensor_is_read(*a, **k):
+        raise AssertionError("tensor data read before the files were checked")
+    monkeypatch.setattr(checkpoint, "_Progress", no_tensor_is_read)
+    with pytest.raises(ValueError, match=rf"checkpoint '.*c' is not loadable: {msg}"):
+        models.load_target(str(path), matmul=XLA)
+
+
+def test_only_model_safetensors_are_weights(tmp_path):
+    """Without an index the weights are model*.safetensors: an adapter beside them is not read, and a
+    directory with only other *.safetensors files says so."""
+    t = float_target(int(np.random.default_rng().integers(1 << 30)))
+    models.save(t, str(tmp_path / "t"))
+    save_file({"model.norm.weight": np.zeros(64, np.float32)}, str(tmp_path / "t" / "adapter_lora.safetensors"))
+    assert_same_params(models.load_target(str(tmp_path / "t"), dtype=jnp.float32, matmul=XLA), t)
+    os.remove(tmp_path / "t" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"no model\*\.safetensors files in .*\['adapter_lora\.safetensors'\] are not read"):
+        models.load_target(str(tmp_path / "t"))
+
+
+# ---- non-finite values ------------------------------------------------------------------------------
+def test_nan_norm_is_refused_naming_the_tensor(float_ckpt, tmp_path):
+    def nan_norm(ts):
+        ts["model.norm.weight"] = np.full_like(ts["model.norm.weight"], np.nan)
+    path = rewrite(float_ckpt, tmp_path / "n", nan_norm)
+    with pytest.raises(ValueError, match=r"not loadable: 1 tensor\(s\) hold NaN or inf values as bfloat16: "
+                                         r"'model\.norm\.weight' \(64 NaN and 0 inf of 64 values"):
+        models.load_target(path, matmul=XLA)
+
+
+def test_inf_scale_and_layer_scalar_are_refused(tmp_path):
+    rng = np.random.default_rng()
+    t = models.quantize_model(float_target(int(rng.integers(1 << 30))), bits=4, group_size=32)
+    models.save(t, str(tmp_path / "q"))
+    row, col = int(rng.integers(0, 128)), int(rng.integers(0, 2))
+
+    def bad(ts):
+        ts["model.layers.1.mlp.up_proj.scales"][row, col] = np.inf
+        ts["model.layers.2.layer_scalar"][...] = np.nan
+    path = rewrite(tmp_path / "q", tmp_path / "q2", bad)
+    with pytest.raises(ValueError, match=rf"2 tensor\(s\).*'model\.layers\.1\.mlp\.up_proj\.scales' \(0 NaN and 1 inf "
+                                         rf"of 256 values, the first at index \({row}, {col}\)\).*"
+                                         r"'model\.layers\.2\.layer_scalar'"):
+        models.load_target(path, matmul=XLA)
+
+
+def test_non_finite_float_weight_refused_when_quantized_on_load_and_when_cast(float_ckpt, tmp_path):
+    def nan_weight(ts):
+        ts["model.layers.0.self_attn.q_proj.weight"][3, 5] = np.nan
+    path = rewrite(float_ckpt, tmp_path / "w", nan_weight)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.self_attn\.q_proj\.weight': weight has "
+                                         r"non-finite values \(1 NaN and 0 inf .* index \(3, 5\)"):
+        models.load_target(path, quantize={"bits": 4, "group_size": 32}, matmul=XLA)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight'"):
+        models.load_target(path, matmul=XLA)
+
+    def huge(ts):  # finite in float32, inf once cast to float16
+        ts["model.layers.1.mlp.down_proj.weight"][0, 0] = 1e6
+    path = rewrite(float_ckpt, tmp_path / "h", huge)
+    models.load_target(path, dtype=jnp.float32, matmul=XLA)
+    with pytest.raises(ValueError, match=r"as float16: 'model\.layers\.1\.mlp\.down_proj\.weight' \(0 NaN and 1 inf"):
+        models.load_target(path, dtype=jnp.float16, matmul=XLA)
