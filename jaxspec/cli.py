@@ -151,13 +151,36 @@ def _load(kind: str, path: str, **kw):
     try:
         loader = models.load_target if kind == "target" else models.load_assistant
         model = loader(path, progress=big, **kw)
-    except (ValueError, NotImplementedError) as e:
+    except BaseException as e:
         if not big:
-            _note("")
-        raise UsageError(f"cannot load the {kind} from {path!r}: {_one_line(e)}") from None
+            _note("")  # end the unfinished "loading ..." line: the error goes on a line of its own
+        if isinstance(e, (ValueError, NotImplementedError, OSError)) or _is_safetensors_error(e):
+            why = _one_line(e)
+            if _is_safetensors_error(e):
+                why = f"{_bad_weight_file(path)} is not a valid safetensors file (truncated or corrupt? {why})"
+            raise UsageError(f"cannot load the {kind} from {path!r}: {why}") from None
+        raise
     dt = time.perf_counter() - t0
     _note(f"loaded {kind} in {dt:.1f} s" if big else f" {dt:.1f} s")
     return model
+
+
+def _is_safetensors_error(e: BaseException) -> bool:
+    return type(e).__name__ == "SafetensorError"
+
+
+def _bad_weight_file(path: str) -> str:
+    """The first *.safetensors file of `path` whose header safetensors refuses (a name for the error
+    message when the loader's error does not say which file)."""
+    from safetensors import safe_open
+
+    for fn in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(fn, framework="numpy"):
+                pass
+        except Exception:
+            return repr(os.path.basename(fn))
+    return "a weight file"
 
 
 def _matmul_config(choice: str):
@@ -177,13 +200,90 @@ def _matmul_config(choice: str):
 
 
 # ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def kv_cache_bytes(config, capacity: int, dtype_bytes: int, batch: int = 1) -> int:
+    """Bytes of the KV cache `models.init_cache` allocates: capacity x (sum over the cache layers of
+    kv heads x head_dim) x 2 (K and V) x dtype bytes, per row."""
+    per_pos = sum(config.layer_kv_heads[i] * config.layer_head_dims[i] for i in config.cache_layers)
+    return batch * capacity * per_pos * 2 * dtype_bytes
+
+
+def cache_capacity(prompt_len: int, max_tokens: int, block_size: int) -> int:
+    """The cache positions `jaxspec.generate` allocates for one prompt (its buckets and rounding;
+    the verify width taken as the block size)."""
+    from .generate import BUDGET_BUCKET, PROMPT_BUCKET, _round_up
+    from .loop import CAPACITY_ROUND, required_capacity
+
+    return required_capacity(_round_up(prompt_len, PROMPT_BUCKET), _round_up(max_tokens, BUDGET_BUCKET),
+                             block_size, CAPACITY_ROUND)
+
+
+def device_memory() -> tuple[int, str] | None:
+    """(bytes, what) of the memory the model and its cache live in: the first device's memory
+    limit (jax's memory_stats, e.g. a GPU), else the host's physical memory (CPU); None when
+    neither can be read."""
+    import jax
+
+    try:
+        dev = jax.devices()[0]
+        stats = dev.memory_stats() or {}
+        limit = int(stats.get("bytes_limit") or 0)
+        if limit > 0:
+            return limit, f"{dev.platform.upper()} memory"
+    except Exception:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, dtype_bytes: int,
+                  weight_bytes: int) -> None:
+    """UsageError when the KV cache of this run and the weights cannot fit the device's memory."""
+    capacity = cache_capacity(prompt_len, max_tokens, block_size)
+    cache = kv_cache_bytes(tcfg, capacity, dtype_bytes)
+    mem = device_memory()
+    if mem is None:
+        return
+    limit, what = mem
+    if cache + weight_bytes > limit:
+        raise UsageError(f"--max-tokens {max_tokens} needs a KV cache of {_fmt_bytes(cache)} ({capacity} positions) "
+                         f"plus {_fmt_bytes(weight_bytes)} of weights, more than the {_fmt_bytes(limit)} of "
+                         f"{what}: lower --max-tokens")
+
+
+# ---------------------------------------------------------------------------------------------
 # generate
 
 
 def _prompt_text(args) -> str:
+    """The prompt: the argument, or stdin for '-'. Text that is not valid UTF-8 (an argument's
+    undecodable bytes arrive as lone surrogates, stdin is read as bytes) is bad input: UsageError
+    naming the first bad byte; nothing is replaced."""
     if args.prompt == "-":
-        return sys.stdin.read()
-    return args.prompt
+        raw = getattr(sys.stdin, "buffer", None)
+        if raw is None:  # a text stream without bytes (e.g. replaced in a test)
+            return _utf8_checked(sys.stdin.read(), "stdin")
+        data = raw.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"the prompt (stdin) is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start}"
+                             ) from None
+    return _utf8_checked(args.prompt, "argument")
+
+
+def _utf8_checked(text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates: os.fsdecode's surrogateescape of bad bytes
+        ch = ord(text[e.start])
+        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
+        raise UsageError(f"the prompt ({where}) is not valid UTF-8: {what} at character {e.start}") from None
+    return text
 
 
 def _resolve_dirs(args) -> tuple[str, str | None]:
@@ -264,11 +364,12 @@ def _generate_streamed(target, ids, assistant, tok, kw, rounds_per_chunk, show, 
 
 def cmd_generate(args) -> int:
     import jaxspec
-    from .sampling import validate_sampling
+    from .sampling import validate_sampling, validate_seed
     from .tokenizer import TokenizerError, load_tokenizer
 
     try:
         validate_sampling(args.temperature, args.top_k, args.top_p)
+        validate_seed(args.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
     prompt = _prompt_text(args)
@@ -305,18 +406,21 @@ def cmd_generate(args) -> int:
 
     import jax.numpy as jnp
 
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
+    _check_memory(tcfg, len(ids), max_tokens, args.block_size if assistant_dir else 1, jnp.dtype(dtype).itemsize,
+                  _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
     cache_dir = None if args.no_compile_cache else enable_compile_cache(args.compile_cache)
     matmul = _matmul_config(args.backend)
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
     target = _load("target", model_dir, dtype=dtype, matmul=matmul)
     assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
 
     verify_pad = None if args.verify_pad is None else args.verify_pad == "on"
     kw = dict(max_new_tokens=max_tokens, block_size=args.block_size, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=stop, verify_pad=verify_pad)
-    mode = "speculative decode loop" if assistant is not None else "decode loop"
+    speculative = assistant is not None and args.block_size > 1  # block size 1 decodes classically
+    mode = "speculative decode loop" if speculative else "classic decode loop"
     _note(f"compiling the {mode} (the first run for these shapes can take a while"
           + ("; later runs reuse the on-disk compile cache) ..." if cache_dir else ") ..."))
 
@@ -400,7 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate text with a target model and (optionally) its MTP assistant. "
                                    "Without --model the embedded default pair is used.")
-    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin); it must be valid UTF-8 (else exit "
+                                  "status 2; nothing is replaced)")
     g.add_argument("--model", metavar="DIR", help="target model directory (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
     g.add_argument("--pair", metavar="DIR", help="without --model: a pair directory laid out like the default "
@@ -409,13 +514,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (one user turn)")
-    g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N", help="new tokens at most (default 128)")
+    g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
+                   help="new tokens at most (default 128); lowered to fit the model's context "
+                        "(max_position_embeddings); more than the KV cache can hold in the device's memory "
+                        "is exit status 2")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
     g.add_argument("--top-p", type=float, default=None, metavar="P")
-    g.add_argument("--seed", type=int, default=0, metavar="S")
+    g.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="sampling seed, an integer in [0, 2**64) (default 0)")
     g.add_argument("--block-size", type=_positive_int, default=4, metavar="K",
-                   help="verify width K: K-1 drafts + 1 per round (default 4)")
+                   help="verify width K: K-1 drafts + 1 per round (default 4; 1 decodes classically)")
     g.add_argument("--verify-pad", choices=("on", "off"), default=None,
                    help="pad the verify to the tiled matmul path (default: the dispatch config's verify_pad, "
                         "i.e. $JAXSPEC_MTP_VERIFY_PAD, else off)")

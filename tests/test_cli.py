@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -206,6 +207,105 @@ def test_real_exit_code_and_debug_traceback(tmp_path):
     assert r.stderr.strip().splitlines() == [f"jaxspec: error: model directory {str(tmp_path / 'nope')!r} does not exist"]
     r = run_cli("generate", "hi", "--model", str(tmp_path / "nope"), "--debug")
     assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_bad_seed_before_loading(capsys, pair):
+    """Seeds outside [0, 2**64) are exit 2 before anything is loaded (jax.random.key alone would
+    reduce them mod 2**32 or overflow)."""
+    for seed in ("-1", str(2**64)):
+        err = _bad(capsys, *gen_args(pair, "--seed", seed))
+        assert f"seed must be an integer in [0, 2**64) (0 .. {2**64 - 1}), got {seed}" in err
+
+
+def test_max_tokens_beyond_memory(capsys, tmp_path, pair, monkeypatch):
+    """A --max-tokens whose KV cache cannot fit the device's memory is exit 2 naming both numbers,
+    before loading or compiling (the model here has no max_position_embeddings to lower it to)."""
+    t = tmp_path / "t"
+    shutil.copytree(pair[0], t)
+    cfg = json.loads((t / "config.json").read_text())
+    cfg.pop("max_position_embeddings")
+    (t / "config.json").write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    err = _bad(capsys, "generate", "hi", "--model", str(t), "--max-tokens", "1000000000")
+    assert time.perf_counter() - t0 < 2.0
+    mem, what = cli.device_memory()
+    assert re.search(r"--max-tokens 1000000000 needs a KV cache of [\d.]+ GiB \(1000000\d+ positions\) plus "
+                     r"[\d.]+ KiB of weights, more than the " + re.escape(cli._fmt_bytes(mem)) + " of " + what, err), err
+    # the estimate is init_cache's allocation
+    import jax.numpy as jnp
+    import models
+    tcfg = models.TargetConfig.from_dict(cfg)
+    cache = models.init_cache(tcfg, 1, 640, jnp.bfloat16)
+    assert cli.kv_cache_bytes(tcfg, 640, 2) == sum(x.nbytes for x in cache.k + cache.v)
+    assert cli.cache_capacity(3, 500, 4) == 576  # 16 + 512 - 1 + 4, rounded to 64
+    # on a smaller device a moderate budget is refused as well, also where the context allows it
+    monkeypatch.setattr(cli, "device_memory", lambda: (100 << 10, "GPU memory"))
+    err = _bad(capsys, *gen_args(pair, "--max-tokens", "200"))
+    assert "more than the 100.0 KiB of GPU memory: lower --max-tokens" in err
+
+
+def test_prompt_not_utf8(tmp_path, pair):
+    """A prompt that is not valid UTF-8, as an argument (its bytes arrive surrogate-escaped) or on
+    stdin, is one line and exit 2, before loading."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    args = [sys.executable, "-m", "jaxspec", "generate"]
+    r = subprocess.run(args + [b"ab\xffc", "--model", pair[0]], cwd=REPO, env=env, capture_output=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.decode().strip().splitlines() == [
+        "jaxspec: error: the prompt (argument) is not valid UTF-8: byte 0xff at character 2"]
+    r = subprocess.run(args + ["-", "--model", pair[0]], input=b"hello \xfe", cwd=REPO, env=env,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.decode().strip().splitlines() == [
+        "jaxspec: error: the prompt (stdin) is not valid UTF-8: byte 0xfe at offset 6"]
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_unreadable_weights(capsys, tmp_path, pair, damage):
+    """An empty or truncated model.safetensors is exit 2 naming the file, on a line of its own (the
+    "loading target ..." line is ended first), before anything is compiled."""
+    t = tmp_path / "t"
+    shutil.copytree(pair[0], t)
+    f = t / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(b"" if damage == "empty" else data[:len(data) // 2])
+    assert cli.main(["generate", "hi", "--model", str(t), "--no-compile-cache"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-2].startswith("loading target from ") and lines[-2].endswith(" ...")
+    assert lines[-1].startswith(f"jaxspec: error: cannot load the target from {str(t)!r}: ")
+    assert "'model.safetensors'" in lines[-1] and "compiling" not in "".join(lines)
+
+
+def test_loader_errors_on_a_line_of_their_own(capsys, tmp_path, pair, monkeypatch):
+    """Whatever the loader raises ends the progress line first: safetensors' own error is bad input
+    naming the file; anything else an internal error (exit 1)."""
+    import models
+    from safetensors import safe_open
+    t = tmp_path / "t"
+    shutil.copytree(pair[0], t)
+    f = t / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+
+    def raw(path, **kw):  # a loader that lets safetensors' error through
+        safe_open(str(f), framework="numpy")
+    monkeypatch.setattr(models, "load_target", raw)
+    assert cli.main(["generate", "hi", "--model", str(t), "--no-compile-cache"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-2].endswith(" ...")
+    assert lines[-1].startswith(f"jaxspec: error: cannot load the target from {str(t)!r}: 'model.safetensors' is "
+                                "not a valid safetensors file (truncated or corrupt? ")
+
+    def boom(path, **kw):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(models, "load_target", boom)
+    assert cli.main(["generate", "hi", "--model", str(t), "--no-compile-cache"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-2].endswith(" ...") and lines[-1].startswith("jaxspec: internal error: RuntimeError: boom")
+
+
+def test_block_size_1_is_announced_as_classic(pair):
+    r = run_cli(*gen_args(pair, "--block-size", "1", "--max-tokens", "4"))
+    assert r.returncode == 0, r.stderr
+    assert "compiling the classic decode loop" in r.stderr and "speculative" not in r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("stats: classic | ")
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
