@@ -8,9 +8,10 @@
 `generate` prints the generated text on stdout, then one stats line (decode tokens/s, acceptance,
 mean accepted length, speedup over classic decoding with --compare). Progress, the compile notice
 and warnings go to stderr. Bad input (a missing model directory, a directory that is not a model,
-an assistant for another target, a prompt longer than the context, ...) is one line on stderr and
-exit status 2, found before anything is loaded or compiled where the config files can tell; --debug
-shows the traceback instead.
+unreadable weight files, an assistant for another target, a prompt longer than the context or not
+valid UTF-8, a --max-tokens whose KV cache cannot fit the device's memory, a seed outside
+[0, 2**64), ...) is one line on stderr and exit status 2, found before anything is loaded or
+compiled where the config files can tell; --debug shows the traceback instead.
 
 Compiled programs are kept in JAX's persistent compilation cache: --compile-cache DIR (default
 ~/.cache/jaxspec/jax), --no-compile-cache to run without it; a cache directory already set in
