@@ -78,8 +78,12 @@ def _read_config(path: str) -> dict:
         raise ValueError(f"no config.json in {path!r}")
     try:
         with open(cpath, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+            data = f.read()
+    except OSError as e:
+        raise _not_loadable(path, f"config.json cannot be read ({e})") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
         raise _not_loadable(path, f"config.json is not readable JSON ({e})") from None
 
 
@@ -119,14 +123,12 @@ def _open_shard(path: str, fn: str):
     """safe_open, which checks the header and that the data cover the file exactly (nothing is read)."""
     try:
         return safe_open(fn, framework="numpy")
-    except (SafetensorError, OSError) as e:
-        name = os.path.basename(fn)
-        try:
-            empty = os.path.getsize(fn) == 0
-        except OSError:
-            empty = False
+    except OSError as e:
+        raise _not_loadable(path, f"{os.path.basename(fn)!r} cannot be read ({e})") from None
+    except SafetensorError as e:
+        empty = os.path.getsize(fn) == 0
         why = "is empty" if empty else f"is not a valid safetensors file (truncated or corrupt? {e})"
-        raise _not_loadable(path, f"{name!r} {why}") from None
+        raise _not_loadable(path, f"{os.path.basename(fn)!r} {why}") from None
 
 
 def _quant_config(d: dict) -> dict | None:

@@ -139,6 +139,9 @@ def quantize_params(params: dict, shapes: Shapes, *, bits: int = 4, group_size: 
     for name, w in params.items():
         kind = shapes.get(name, (None, None))[1]
         if not isinstance(w, QuantizedWeight) and quantizable(w.shape, kind, group_size):
-            w = quantize(w, bits=bits, group_size=group_size)
+            try:
+                w = quantize(w, bits=bits, group_size=group_size)
+            except ValueError as e:  # e.g. NaN / inf: say which param
+                raise ValueError(f"param {name!r}: {e}") from None
         out[name] = w
     return out

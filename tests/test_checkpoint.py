@@ -605,3 +605,15 @@ def test_non_finite_float_weight_refused_when_quantized_on_load_and_when_cast(fl
     models.load_target(path, dtype=jnp.float32, matmul=XLA)
     with pytest.raises(ValueError, match=r"as float16: 'model\.layers\.1\.mlp\.down_proj\.weight' \(0 NaN and 1 inf"):
         models.load_target(path, dtype=jnp.float16, matmul=XLA)
+
+
+def test_quantize_model_names_a_non_finite_param():
+    rng = np.random.default_rng()
+    t = float_target(int(rng.integers(1 << 30)))
+    w = np.array(t.params["layers.1.mlp.up_proj"])
+    i, j = int(rng.integers(0, w.shape[0])), int(rng.integers(0, w.shape[1]))
+    w[i, j] = -np.inf
+    bad = t.replace(params={**t.params, "layers.1.mlp.up_proj": jnp.asarray(w)})
+    with pytest.raises(ValueError, match=rf"param 'layers\.1\.mlp\.up_proj': weight has non-finite values "
+                                         rf"\(0 NaN and 1 inf of {w.size} values, the first at index \({i}, {j}\)\)"):
+        models.quantize_model(bad, bits=4, group_size=32)
