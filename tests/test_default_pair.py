@@ -153,6 +153,23 @@ def test_recipe_makes_the_shipped_configs():
     assert {s: tok.token_to_id(s) for s in train.SPECIALS} == train.SPECIALS
 
 
+@needs_pair
+def test_shipped_configs_carry_the_trained_context():
+    """Both shipped configs say the context the pair was trained for (the recipe's seq: the target
+    reads the first 256 tokens of 257-token windows, the assistant 256-token windows), and the loaders
+    keep it, so the CLI refuses longer prompts with a clear error."""
+    path = dp.default_pair_path()
+    with open(os.path.join(path, "target", "config.json")) as f:
+        target_json = json.load(f)
+    with open(os.path.join(path, "assistant", "config.json")) as f:
+        assistant_json = json.load(f)
+    seq = dp.default_pair_metrics()["sizes"]["seq"]
+    assert seq == 256
+    assert target_json["max_position_embeddings"] == assistant_json["text_config"]["max_position_embeddings"] == seq
+    target, assistant, _ = pair()
+    assert target.config.max_position_embeddings == assistant.config.text.max_position_embeddings == seq
+
+
 def _scaled_embedding(params, key):
     """Unit-variance embedding rows, so logits are O(sqrt(H)) and a disagreement shows."""
     return dict(params, embed_tokens=jax.random.normal(key, params["embed_tokens"].shape, jnp.float32))

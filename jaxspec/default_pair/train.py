@@ -279,11 +279,18 @@ def _text_dict(s: Sizes, **fields) -> dict:
     """A gemma4_text config dict: the target's sizes and choices, `fields` replacing some. Softcapped
     logits, tied embeddings, no per-layer inputs; every field not set here (RoPE: theta 1e4 on sliding
     layers, proportional with theta 1e6 and a quarter of the dims rotated on full layers; RMSNorm eps
-    1e-6; tanh GELU; K != V; no KV sharing) takes models.TargetConfig's Gemma 4 defaults."""
+    1e-6; tanh GELU; K != V; no KV sharing) takes models.TargetConfig's Gemma 4 defaults.
+
+    max_position_embeddings = seq, the context both models are trained for: the target's windows are
+    seq + 1 tokens, of which it reads the first seq (positions 0..seq-1; the last token is only a
+    label), the assistant's are seq tokens (drafts at positions <= seq-1), and the greedy training data
+    come from a cache of seq positions. No position >= seq is ever trained, so longer contexts are
+    refused (the CLI's context check) rather than run out of distribution."""
     d = dict(model_type="gemma4_text", vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn,
              num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
              head_dim=s.head_dim, global_head_dim=s.global_head_dim, sliding_window=s.window,
-             final_logit_softcapping=30.0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+             final_logit_softcapping=30.0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+             max_position_embeddings=s.seq)
     d.update(fields)
     return d
 
