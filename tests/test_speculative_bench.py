@@ -79,7 +79,7 @@ def test_exactness_probe_off_reaches_generate(tmp_path, monkeypatch):
     def no_probe(*a, **k):
         raise AssertionError("the exactness probe ran")
 
-    monkeypatch.setattr(gen.V, "exactness_probe", no_probe)
+    monkeypatch.setattr(gen.verify, "exactness_probe", no_probe)
     out = str(tmp_path / "o")
     sb.main(["--target", "tiny", "--runs", "loop", "--k-values", "3", "--multirow", "off", "--exactness-probe", "off",
              "--max-tokens", "6", "--dtype", "float32", "--out", out, *FAST])
