@@ -91,7 +91,7 @@ def test_statistic_rejects_a_biased_loop(tiny_pair, exact, monkeypatch):
     over-produces draft tokens; the same TV test must catch it."""
     t, a = tiny_pair
 
-    monkeypatch.setattr(S, "speculative_accept", _biased_accept)
+    monkeypatch.setattr(sampling, "speculative_accept", _biased_accept)
     monkeypatch.setattr(G, "_GENERATORS", {})
     monkeypatch.setattr(G, "_AOT", {k: v for k, v in G._AOT.items() if k[0] == "prefill"})  # keep prefill
     r = _generate(t, a, 3)
