@@ -321,7 +321,9 @@ def _stats_line(stats, startup_s: float, classic=None, identical: bool | None = 
         parts = ["classic", f"{stats.new_tokens} new tokens", f"decode {stats.decode_tokens_per_s:.1f} tok/s"]
     parts += [f"prefill {stats.prefill_s:.3f} s", f"startup {startup_s:.1f} s"]
     if stats.fallback:
-        parts.append(f"fell back to classic: {stats.fallback}" if stats.mode == "classic" else stats.fallback)
+        asked = stats.fallback.startswith("block_size=1")  # classic was asked for, not fallen back to
+        parts.append(f"fell back to classic: {stats.fallback}" if stats.mode == "classic" and not asked
+                     else stats.fallback)
     if classic is not None:
         c = classic.decode_tokens_per_s
         parts.append(f"classic {c:.1f} tok/s")

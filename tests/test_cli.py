@@ -305,7 +305,8 @@ def test_block_size_1_is_announced_as_classic(pair):
     r = run_cli(*gen_args(pair, "--block-size", "1", "--max-tokens", "4"))
     assert r.returncode == 0, r.stderr
     assert "compiling the classic decode loop" in r.stderr and "speculative" not in r.stderr
-    assert r.stdout.strip().splitlines()[-1].startswith("stats: classic | ")
+    stats = r.stdout.strip().splitlines()[-1]
+    assert stats.startswith("stats: classic | ") and stats.endswith(" | block_size=1: nothing to draft"), stats
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
