@@ -389,7 +389,7 @@ def test_exactness_probe_and_fallback(monkeypatch):
     verify._PROBE_CACHE.clear()
     # generate falls back to classic, with a warning, when the probe fails
     rows = [list(r) for r in prompts()]
-    monkeypatch.setattr(V, "exactness_probe", lambda *args, **kw: (False, 0.5))
+    monkeypatch.setattr(verify, "exactness_probe", lambda *args, **kw: (False, 0.5))
     with pytest.warns(RuntimeWarning, match="falling back to classic"):
         s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=12, block_size=4)
     assert s.stats.mode == "classic" and "probe" in s.stats.fallback
@@ -409,7 +409,7 @@ def test_failed_probe_shrinks_k_to_the_row_bucket(monkeypatch):
         asked.append(k)
         return (k == bucket, 0.0 if k == bucket else 0.25)
 
-    monkeypatch.setattr(V, "exactness_probe", probe)
+    monkeypatch.setattr(verify, "exactness_probe", probe)
     with pytest.warns(RuntimeWarning, match=f"running block size {bucket} instead"):
         s = jaxspec.generate(t, rows, assistant=a, max_new_tokens=12, block_size=4)
     assert asked == [4, bucket]
@@ -417,7 +417,7 @@ def test_failed_probe_shrinks_k_to_the_row_bucket(monkeypatch):
     assert f"ran K={bucket}" in s.stats.fallback and s.stats.probe_logit_diff == 0.0
     assert s.tokens == [r[:12] for r in classic_full()]
     # a bucket that fails too: classic, reporting K's own probe difference
-    monkeypatch.setattr(V, "exactness_probe", lambda target, batch, k, width: (False, 0.5 if k == 4 else 0.125))
+    monkeypatch.setattr(verify, "exactness_probe", lambda target, batch, k, width: (False, 0.5 if k == 4 else 0.125))
     with pytest.warns(RuntimeWarning, match="falling back to classic"):
         c = jaxspec.generate(t, rows, assistant=a, max_new_tokens=12, block_size=4)
     assert c.stats.mode == "classic" and c.tokens == s.tokens
@@ -517,7 +517,7 @@ def no_compute(monkeypatch):
         raise AssertionError("compute started before the input was rejected")
     monkeypatch.setattr(models, "forward", boom)
     monkeypatch.setattr(G, "_aot", boom)
-    monkeypatch.setattr(V, "exactness_probe", boom)
+    monkeypatch.setattr(verify, "exactness_probe", boom)
 
 
 def _mismatched_assistant(**target_overrides):
@@ -545,6 +545,7 @@ def _mismatched_assistant(**target_overrides):
     (dict(verify_pad="yes"), [1, 2], "verify_pad"),
     (dict(eos_token_ids=[-1]), [1, 2], r"eos_token_ids has token id -1 outside"),
     (dict(stop_token_ids=[300]), [1, 2], r"stop_token_ids has token id 300 outside"),
+    (dict(max_new_tokens=200), list(range(1, 61)), r"60 tokens \+ max_new_tokens 200 = 260 .*context of 256"),
 ])
 def test_bad_input(no_compute, kwargs, prompt, match):
     t, a = pair()
