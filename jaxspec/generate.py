@@ -307,6 +307,11 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
         if not hasattr(assistant, "config") or not hasattr(assistant.config, "backbone_hidden_size"):
             raise ValueError(f"assistant must be a models.Assistant, got {type(assistant).__name__}")
         models.check_fit(assistant.config, target.config)
+    longest = max(len(r) for r in rows)
+    ctx = getattr(target.config, "max_position_embeddings", None)
+    if ctx is not None and longest + max_new_tokens > ctx:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+                         f"positions, past the model's context of {ctx} (max_position_embeddings)")
     pad = verify.resolve_verify_pad(verify_pad, target.matmul)
     batch = len(rows)
     k = block_size if assistant is not None else 1

@@ -54,6 +54,7 @@ class PrefillSpec:
     max_new_tokens: int
     capacity: int
     out_width: int
+    max_block: int = models.ROW_TILE  # the widest rolled-back forward (sizes the sliding rings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,8 @@ class LoopSpec:
     def prefill_spec(self, prompt_width: int, batch: int, matmul) -> PrefillSpec:
         return PrefillSpec(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                            capacity=self.capacity(prompt_width, batch, matmul),
-                           out_width=self.max_new_tokens + -(-self.block_size // OUT_ROUND) * OUT_ROUND)
+                           out_width=self.max_new_tokens + -(-self.block_size // OUT_ROUND) * OUT_ROUND,
+                           max_block=max(models.ROW_TILE, self.width(batch, matmul)))
 
 
 def required_capacity(prompt_len: int, max_new_tokens: int, width: int, round_to: int = 1) -> int:
@@ -128,16 +130,18 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
             limit: jax.Array, stop_ids: jax.Array) -> DecodeState:
     """Right-padded prompts [B, P] (any pad id) with true lengths [B] (>= 1), per-row budgets
     limit [B] (1..N) and stop ids [S] (pad with -1) -> the state after the first token.
-    The K/V of the pad positions are written but lie past each row's length: never visible,
-    overwritten later."""
+    The pad positions are passed as not `valid`: hidden, and not written to a sliding ring (which
+    keeps each row's own newest positions); on full buffers they lie past the row's length."""
     b, p = prompt.shape
     n = spec.max_new_tokens
     if p > spec.capacity:
         raise ValueError(f"prompt width {p} > cache capacity {spec.capacity}")
-    cache = models.init_cache(target.config, b, spec.capacity, _cache_dtype(target))
+    cache = models.init_cache(target.config, b, spec.capacity, _cache_dtype(target), max_block=spec.max_block)
     rows = jnp.arange(b)
     last = lengths - 1
-    logits, hidden, cache = models.forward(target, prompt, cache, logits_at=last)  # [B, 1, V]
+    # valid: each row's true length, so a sliding ring keeps the row's own last positions
+    valid = jnp.arange(p, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
+    logits, hidden, cache = models.forward(target, prompt, cache, valid=valid, logits_at=last)  # [B, 1, V]
     finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)  # one reduction; the host reads it once
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     key, k_first = jax.random.split(key)

@@ -13,13 +13,16 @@ See docs/models.md for the design and the draft position convention.
 """
 from . import presets
 from .assistant import Assistant, assistant_stack, centroid_logits, draft_step, make_assistant, visible_keys
-from .cache import KVCache, init_cache
+from pallas_kernels import ROW_TILE
+
+from .cache import EMPTY, KVCache, cache_bytes, init_cache, ring_size
 from .checkpoint import load_assistant, load_target, quantize_model, save
 from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
 from .params import assistant_shapes, target_shapes
 from .target import Target, embed, forward, logits, make_target, row_bucket, shared_kv
 
 __all__ = [
+    "EMPTY", "ROW_TILE", "cache_bytes", "ring_size",
     "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
     "centroid_logits", "check_fit", "draft_step", "embed", "forward", "init_cache", "load_assistant",
     "load_target", "logits", "make_assistant", "make_target", "presets", "quantize_model", "row_bucket", "save",

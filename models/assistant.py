@@ -32,12 +32,15 @@ class Assistant:
         return self.params["pre_projection"].dtype
 
 
-def visible_keys(lengths: jax.Array, capacity: int, sliding_window: int | None) -> jax.Array:
+def visible_keys(lengths: jax.Array, capacity: int, sliding_window: int | None,
+                 key_pos: jax.Array | None = None) -> jax.Array:
     """`[B, C]` bool: the target-cache keys one draft step reads. Full layers: every committed key
     (k < lengths). Sliding layers: the last `sliding_window + 1` committed keys, i.e.
     lengths - W - 1 <= k < lengths. That is HF's bidirectional window |i - j| <= W laid over the
-    flipped shared K/V (Gemma4AssistantForCausalLM.create_attention_masks)."""
-    c = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    flipped shared K/V (Gemma4AssistantForCausalLM.create_attention_masks). `key_pos [B, C]`: the
+    absolute position each slot holds (a ring buffer, `shared_kv`); default slot c holds position c.
+    The same mask as `layers.visible(lengths - 1, key_pos, W + 1)`, which `assistant_stack` uses."""
+    c = (jnp.arange(capacity, dtype=jnp.int32)[None, :] if key_pos is None else key_pos.astype(jnp.int32))
     n = lengths.astype(jnp.int32)[:, None]
     m = c < n
     if sliding_window is not None:
@@ -95,7 +98,8 @@ def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_p
     """The assistant's layers for `Q` queries per row at once -> the final-normed hidden `[B, Q, Ha]`.
 
     tokens `[B, Q]` (embedded with the target's table), h_prev `[B, Q, H_target]`, kv `{layer type:
-    (k, v) [B, C, kv_heads, head_dim]}` (`target.shared_kv`), lengths `[B, Q]` the committed cache
+    (k, v, pos)}` (`target.shared_kv`: k/v `[B, C, kv_heads, head_dim]`, pos `[B, C]` each slot's
+    position; a plain (k, v) pair means slot c holds position c), lengths `[B, Q]` the committed cache
     length each query sees (`visible_keys`), position `[B, Q]` the RoPE position. `draft_step` is
     this with Q = 1; training runs every position of a sequence at once through the same code."""
     a, p, mm = assistant.config.text, assistant.params, assistant.matmul
@@ -107,15 +111,17 @@ def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_p
     for i in range(a.num_hidden_layers):
         pre = f"layers.{i}."
         hd, nq = a.layer_head_dims[i], a.num_attention_heads
-        k_src, v_src = kv[a.layer_types[i]]
+        k_src, v_src, *k_pos = kv[a.layer_types[i]]
         cap = k_src.shape[1]
-        window = a.sliding_window if a.layer_types[i] == SLIDING else None
-        mask = visible_keys(lengths.reshape(-1), cap, window).reshape(b, q, cap)
+        k_pos = (jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (b, cap)) if not k_pos
+                 else k_pos[0])
+        # visible_keys as positions: k_pos <= lengths - 1 and (sliding) k_pos > lengths - 1 - (W + 1)
+        window = a.sliding_window + 1 if a.layer_types[i] == SLIDING else None
         cos, sin = rope_tables(position, a.rope(i), hd, dt)
         xn = rms_norm(h, p[pre + "input_layernorm"], eps)
         qh = linear(xn, p[pre + "self_attn.q_proj"], mm).reshape(b, q, nq, hd)
         qh = apply_rope(rms_norm(qh, p[pre + "self_attn.q_norm"], eps), cos, sin)
-        o = linear(attention(qh, k_src, v_src, mask), p[pre + "self_attn.o_proj"], mm)
+        o = linear(attention(qh, k_src, v_src, lengths.astype(jnp.int32) - 1, k_pos, window), p[pre + "self_attn.o_proj"], mm)
         h = h + rms_norm(o, p[pre + "post_attention_layernorm"], eps)
         xn = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
         xn = mlp(xn, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],

@@ -1,53 +1,114 @@
 """A static-shape KV cache: one K and one V buffer per layer that owns K/V, plus per-row lengths.
 
+Global (full-attention) layers keep `capacity` positions, slot = absolute position. Sliding layers
+keep a ring of `ring_size(config, capacity, max_block)` slots (`window + max_block + 1`, or the plain
+capacity buffer when that is not smaller): position p lives in slot `p mod S`, and `pos [B, S]`
+records which absolute position each ring slot holds (shared by every sliding layer: they write the
+same positions; `EMPTY` where nothing was written). Slots are fixed per absolute position, so a
+[B, 1] decode step and a [B, K] verify read the same key layout (row invariance).
+
 Rows of a batch may hold different lengths. Rolling back is `cache.replace(lengths=new_lengths)`:
 stale entries past a row's length are never visible (a query at position p only sees keys <= p,
-and every key in [length, p] was written by the call that owns p) and are overwritten later.
-Sliding layers keep the full capacity (no ring buffer): simpler, rollback needs no slack, and the
-attention reduction length is the same for decode and verify (part of row invariance).
+every key in [length, p] was written by the call that owns p, and ring reads of older contents
+take only slots whose position is below the call's start) and are overwritten later.
+
+The ring rule (sliding layers, ring caches only): after a forward of T <= max_block tokens that
+started at length n, the lengths may be set to anything in [n, n + T] (rollback never goes below the
+start of the last call): a write of position p clobbers p - S, and S = W + max_block + 1 keeps the
+last W + 1 positions below any such length (the target's window needs W - 1 of them, the
+assistant's W + 1). A forward of T > max_block tokens (a prefill) writes, per row, only its newest
+S valid positions (`valid` True; pass the true lengths as `valid` for a ragged prefill), so its
+lengths may only be set to that row's valid end (or up to max_block + 1 below it).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from pallas_kernels import ROW_TILE
+
 from .config import TargetConfig
+
+EMPTY = int(np.iinfo(np.int32).max)  # position of a ring slot nothing was written to: never <= a query
 
 
 @struct.dataclass
 class KVCache:
-    """k[j], v[j]: `[B, capacity, num_kv_heads, head_dim]` of layer `config.cache_layers[j]` (RoPE'd,
-    normed keys; normed values). lengths: int32 `[B]`, the number of valid positions per row."""
+    """k[j], v[j]: `[B, L_j, num_kv_heads, head_dim]` of layer `config.cache_layers[j]` (RoPE'd,
+    normed keys; normed values), L_j = capacity (full layers, or every layer without a ring) or the
+    ring size. lengths: int32 `[B]`, the number of valid positions per row. pos: int32 `[B, S]` the
+    absolute position in each ring slot (None when no layer has a ring). capacity (static): the
+    largest number of positions a row may hold."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array
+    pos: jax.Array | None = None
+    capacity: int = struct.field(pytree_node=False, default=0)
+
+    def __post_init__(self):
+        if not self.capacity:  # built without one (a plain cache): every buffer is the capacity
+            object.__setattr__(self, "capacity", max(int(x.shape[1]) for x in self.k))
 
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
 
     @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
-
-    @property
     def dtype(self):
         return self.k[0].dtype
 
+    @property
+    def ring_size(self) -> int | None:
+        return None if self.pos is None else int(self.pos.shape[1])
 
-def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache (lengths 0) for `batch` rows of up to `capacity` positions each."""
+    def is_ring(self, j: int) -> bool:
+        """Whether buffer j (of `config.cache_layers[j]`) is a ring (fewer slots than the capacity)."""
+        return self.pos is not None and self.k[j].shape[1] == self.pos.shape[1] < self.capacity
+
+
+def ring_size(config: TargetConfig, capacity: int, max_block: int = ROW_TILE) -> int:
+    """Slots of a sliding layer's buffer: min(capacity, sliding_window + max(max_block, ROW_TILE) + 1)."""
+    if config.sliding_window is None:
+        return capacity
+    return min(capacity, int(config.sliding_window) + max(int(max_block), ROW_TILE) + 1)
+
+
+def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *,
+               max_block: int = ROW_TILE, ring: bool = True) -> KVCache:
+    """An empty cache (lengths 0) for `batch` rows of up to `capacity` positions each.
+
+    `max_block`: the widest forward that may be rolled back (decode, verify: both padded to at most
+    ROW_TILE by `models.row_bucket` / `jaxspec.verify` unless a verify width says more); it sizes the
+    sliding layers' rings. `ring=False` keeps full-capacity sliding buffers (a consumer that reads
+    keys older than the window, e.g. the assistant's teacher-forced training over a whole sequence)."""
     if batch < 1 or capacity < 1:
         raise ValueError(f"init_cache needs batch >= 1 and capacity >= 1, got batch={batch}, capacity={capacity}")
     if not config.cache_layers:
         raise ValueError("config has no layer that owns K/V (num_kv_shared_layers == num_hidden_layers): "
                          "that is an assistant config, not a target")
-    shapes = [(batch, capacity, config.layer_kv_heads[i], config.layer_head_dims[i]) for i in config.cache_layers]
-    return KVCache(k=tuple(jnp.zeros(s, dtype) for s in shapes),
-                   v=tuple(jnp.zeros(s, dtype) for s in shapes),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+    s = ring_size(config, capacity, max_block) if ring else capacity
+    has_ring = s < capacity and any(config.is_sliding(i) for i in config.cache_layers)
+    lens = [s if has_ring and config.is_sliding(i) else capacity for i in config.cache_layers]
+    shapes = [(batch, n, config.layer_kv_heads[i], config.layer_head_dims[i]) for n, i in zip(lens, config.cache_layers)]
+    return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes),
+                   v=tuple(jnp.zeros(x, dtype) for x in shapes),
+                   lengths=jnp.zeros((batch,), jnp.int32),
+                   pos=jnp.full((batch, s), EMPTY, jnp.int32) if has_ring else None,
+                   capacity=int(capacity))
+
+
+def cache_bytes(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *,
+                max_block: int = ROW_TILE, ring: bool = True) -> int:
+    """The formula of docs/models.md: bytes of `init_cache(config, batch, capacity, dtype, ...)`."""
+    s = ring_size(config, capacity, max_block) if ring else capacity
+    has_ring = s < capacity and any(config.is_sliding(i) for i in config.cache_layers)
+    item = jnp.dtype(dtype).itemsize
+    kv = sum(2 * batch * (s if has_ring and config.is_sliding(i) else capacity)
+             * config.layer_kv_heads[i] * config.layer_head_dims[i] * item for i in config.cache_layers)
+    return kv + 4 * batch + (4 * batch * s if has_ring else 0)
 
 
 def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -57,6 +118,24 @@ def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     so shift the whole write onto valid entries): the padding rows of a bucketed decode step may run
     past the end of a full cache, the real rows never do."""
     b, t = new.shape[:2]
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     cols = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return write_cols(buf, new, cols)
+
+
+def write_cols(buf: jax.Array, new: jax.Array, cols: jax.Array) -> jax.Array:
+    """`buf[b, cols[b, t]] = new[b, t]` for every (b, t); columns outside the buffer are dropped."""
+    b, t = new.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     return buf.at[rows, cols].set(new.astype(buf.dtype), mode="drop")
+
+
+def ring_cols(start: jax.Array, t: int, ring: int, capacity: int, valid: jax.Array | None) -> jax.Array:
+    """`[B, T]` ring slots for the new positions `start + arange(T)`: `p mod ring` for the newest
+    `ring` valid positions of each row below the capacity, `ring` (dropped) for the others."""
+    pos = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    ok = pos < capacity
+    if valid is not None:
+        ok = ok & valid.astype(bool)
+    after = jnp.sum(ok, axis=1, keepdims=True) - jnp.cumsum(ok, axis=1)  # valid positions after this one
+    keep = ok & (after < ring)
+    return jnp.where(keep, pos % ring, ring)

@@ -75,8 +75,35 @@ def mlp(x: jax.Array, gate, up, down, act: str, matmul: DispatchConfig) -> jax.A
     return linear(activation(g, act) * u, down, matmul)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Scaled-by-1.0 GQA attention.
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+              window: int | None = None, *, q_block: int = 256, k_block: int = 512) -> jax.Array:
+    """Scaled-by-1.0 GQA attention with the mask given by positions: the one attention entry point.
+
+    q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, q_pos int32 `[B, T]` the queries' absolute positions,
+    k_pos int32 `[B, C]` each key slot's absolute position (`cache.EMPTY` for a slot that must stay
+    hidden). Key c is visible to query t iff `k_pos[c] <= q_pos[t]` and, with a window,
+    `k_pos[c] > q_pos[t] - window`. Returns `[B, T, Hq * D]` in q's dtype.
+
+    Chooses by the static T: T <= ROW_TILE (decode, verify) runs `dense_attention`, the exact einsum
+    path row invariance rests on; longer blocks (prefill) run `blocked_attention` (online softmax
+    over key blocks, O(T * block) memory, never the [T, C] score matrix). A fused GPU kernel (flash
+    prefill, one-kernel decode) slots in here behind the same signature."""
+    if q.shape[1] <= ROW_TILE:
+        return dense_attention(q, k, v, visible(q_pos, k_pos, window))
+    return blocked_attention(q, k, v, q_pos, k_pos, window, q_block=q_block, k_block=k_block)
+
+
+def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """`[B, T, C]` bool: k_pos `[B, C]` visible to q_pos `[B, T]` (causal, and within the window)."""
+    kp, qp = k_pos[:, None, :], q_pos[:, :, None]
+    m = kp <= qp
+    if window is not None:
+        m = m & (kp > qp - window)
+    return m
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled-by-1.0 GQA attention over all C keys at once (the reference, and the short path).
 
     q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, mask bool `[B, T, C]` (True = visible).
     Returns `[B, T, Hq * D]` in q's dtype. Scores and softmax in float32; the probabilities are cast
@@ -103,6 +130,61 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     o = jnp.einsum("bkgtc,bckd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST)
     return o[:, :t].reshape(b, t, hq * d).astype(q.dtype)
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                      window: int | None = None, *, q_block: int = 256, k_block: int = 512) -> jax.Array:
+    """`attention` without the `[T, C]` score matrix: query blocks (lax.map) x key blocks (lax.scan)
+    with an online softmax in float32; masks per block from the positions; a key block no query of
+    the block can see is skipped (lax.cond). Same math as `dense_attention` (the unnormalised
+    probabilities are cast to v's dtype, so bf16 results agree to bf16 rounding, float32 to float32
+    rounding). Temporary memory O(B * Hq * q_block * (k_block + D))."""
+    b, t, hq, d = q.shape
+    c, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    bq, bk = min(q_block, t), min(k_block, c)
+    nq, nk = -(-t // bq), -(-c // bk)
+    qp = jnp.pad(q, ((0, 0), (0, nq * bq - t), (0, 0), (0, 0)))
+    qpos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, nq * bq - t)), mode="edge")
+    kp = jnp.pad(k.astype(q.dtype), ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
+    vp = jnp.pad(v, ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
+    kpos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, nk * bk - c)), constant_values=np.iinfo(np.int32).max)
+    qs = jnp.moveaxis(qp.reshape(b, nq, bq, hkv, g, d), 1, 0)
+    qps = jnp.moveaxis(qpos.reshape(b, nq, bq), 1, 0)
+    ks = jnp.moveaxis(kp.reshape(b, nk, bk, hkv, d), 1, 0)
+    vs = jnp.moveaxis(vp.reshape(b, nk, bk, hkv, d), 1, 0)
+    kps = jnp.moveaxis(kpos.reshape(b, nk, bk), 1, 0)
+    hi = jax.lax.Precision.HIGHEST
+
+    def one_query_block(args):
+        qi, qpi = args  # [B, bq, Hkv, G, D], [B, bq]
+
+        def key_block(carry, xs):
+            kk, vv, kpi = xs
+            mask = visible(qpi, kpi, window)  # [B, bq, bk]
+
+            def update(carry):
+                m, l, acc = carry
+                s = jnp.einsum("btkgd,bckd->bkgtc", qi, kk, preferred_element_type=jnp.float32, precision=hi)
+                s = jnp.where(mask[:, None, None], s, _NEG)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                corr = jnp.exp(m - m_new)
+                p = jnp.exp(s - m_new[..., None])
+                l = l * corr + jnp.sum(p, axis=-1)
+                pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32,
+                                precision=hi)
+                return m_new, l, acc * corr[..., None] + pv
+
+            return jax.lax.cond(jnp.any(mask), update, lambda c_: c_, carry), None
+
+        init = (jnp.full((b, hkv, g, bq), _NEG, jnp.float32), jnp.zeros((b, hkv, g, bq), jnp.float32),
+                jnp.zeros((b, hkv, g, bq, d), jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(key_block, init, (ks, vs, kps))
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that sees nothing (padding) gives 0
+        return jnp.moveaxis(o, 3, 1).astype(q.dtype)  # [B, bq, Hkv, G, D]
+
+    out = jax.lax.map(one_query_block, (qs, qps))  # [nq, B, bq, Hkv, G, D]
+    return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, hq * d)[:, :t]
 
 
 def causal_mask(q_pos: jax.Array, capacity: int, window: int | None,

@@ -12,9 +12,9 @@ from flax import struct
 
 from pallas_kernels import DispatchConfig, take_rows
 
-from .cache import KVCache, init_cache, write_rows
+from .cache import EMPTY, KVCache, init_cache, ring_cols, write_cols, write_rows
 from .config import TargetConfig
-from .layers import (activation, apply_rope, attention, causal_mask, linear, linear_many, mlp, rms_norm,
+from .layers import (activation, apply_rope, attention, linear, linear_many, mlp, rms_norm,
                      rope_tables, scale_of)
 from .params import check_params, target_shapes
 
@@ -123,20 +123,35 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     start = cache.lengths.astype(jnp.int32)
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cap = cache.capacity
+    real = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
+    if valid is not None and valid.shape != (b, t):
+        raise ValueError(f"valid has shape {valid.shape}, expected {(b, t)}")
+    new_pos = jnp.where(real, pos, EMPTY)  # the new keys' positions; hidden where not valid
 
-    key_ok = None
+    # Full-capacity buffers: slot = position; the new block's invalid slots hidden.
+    slot_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (b, cap))
     if valid is not None:
-        if valid.shape != (b, t):
-            raise ValueError(f"valid has shape {valid.shape}, expected {(b, t)}")
-        rel = jnp.arange(cap, dtype=jnp.int32)[None, :] - start[:, None]
+        rel = slot_pos - start[:, None]
         inside = (rel >= 0) & (rel < t)
-        key_ok = ~inside | jnp.take_along_axis(valid.astype(bool), jnp.clip(rel, 0, t - 1), axis=1)
-    masks = {False: causal_mask(pos, cap, None, key_ok), True: causal_mask(pos, cap, cfg.sliding_window, key_ok)}
+        hidden_new = inside & ~jnp.take_along_axis(real, jnp.clip(rel, 0, t - 1), axis=1)
+        slot_pos = jnp.where(hidden_new, EMPTY, slot_pos)
+    # Ring buffers (sliding layers of a long cache, models/cache.py): slot = position mod S.
+    ring_pos = None
+    if cache.pos is not None:
+        s_ring = cache.pos.shape[1]
+        cols = ring_cols(start, t, s_ring, cap, valid)
+        ring_pos = write_cols(cache.pos, pos, cols)
+        # Short blocks write first and read the ring (slots fixed per position: row invariance);
+        # longer ones read the old contents below the start plus their own keys, then write.
+        ring_short = t <= s_ring - (cfg.sliding_window or 0) - 1
+        old_pos = jnp.where(cache.pos < start[:, None], cache.pos, EMPTY)
+        ring_keys_pos = ring_pos if ring_short else jnp.concatenate([old_pos, new_pos], axis=1)
 
     h = embed(target, tokens, dt)
     pli = _per_layer_inputs(target, tokens, h) if cfg.has_per_layer_inputs else None
     tables = {}
     ks, vs = list(cache.k), list(cache.v)
+    new_kv = {}  # ring slot -> (old ring ++ new block) K/V, for the long path's KV-shared layers
     eps = cfg.rms_norm_eps
     for i in range(cfg.num_hidden_layers):
         pre = f"layers.{i}."
@@ -156,9 +171,21 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
             vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, nkv, hd)
             k = apply_rope(rms_norm(kr, p[pre + "self_attn.k_norm"], eps), cos, sin)
             v = rms_norm(vr, None, eps)
-            ks[slot] = write_rows(ks[slot], k, start)
-            vs[slot] = write_rows(vs[slot], v, start)
-        a = attention(q, ks[slot], vs[slot], masks[cfg.is_sliding(i)])
+            if cache.is_ring(slot):
+                old_k, old_v = ks[slot], vs[slot]
+                ks[slot], vs[slot] = write_cols(old_k, k, cols), write_cols(old_v, v, cols)
+                if not ring_short:
+                    new_kv[slot] = (jnp.concatenate([old_k, k.astype(old_k.dtype)], axis=1),
+                                    jnp.concatenate([old_v, v.astype(old_v.dtype)], axis=1))
+            else:
+                ks[slot] = write_rows(ks[slot], k, start)
+                vs[slot] = write_rows(vs[slot], v, start)
+        window = cfg.sliding_window if cfg.is_sliding(i) else None
+        if cache.is_ring(slot):
+            k_att, v_att = new_kv[slot] if not ring_short else (ks[slot], vs[slot])
+            a = attention(q, k_att, v_att, pos, ring_keys_pos, window)
+        else:
+            a = attention(q, ks[slot], vs[slot], pos, slot_pos, window)
         a = linear(a, p[pre + "self_attn.o_proj"], mm)
         h = h + rms_norm(a, p[pre + "post_attention_layernorm"], eps)
 
@@ -179,19 +206,25 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     if cfg.final_logit_softcapping is not None:
         c = cfg.final_logit_softcapping
         out = jnp.tanh(out / c) * c
-    return out, hidden, KVCache(k=tuple(ks), v=tuple(vs), lengths=start + t)
+    return out, hidden, KVCache(k=tuple(ks), v=tuple(vs), lengths=start + t, pos=ring_pos, capacity=cap)
 
 
-def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """The K/V the assistant reads: {"sliding_attention": (k, v), "full_attention": (k, v)} from the
-    last non-shared layer of each type, each `[B, capacity, kv_heads, head_dim]` (valid below
-    cache.lengths)."""
+def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:
+    """The K/V the assistant reads: {"sliding_attention": (k, v, pos), "full_attention": (k, v, pos)}
+    from the last non-shared layer of each type: k, v `[B, L, kv_heads, head_dim]` and pos int32
+    `[B, L]` the absolute position each slot holds (`arange(L)` for a full-capacity buffer, the
+    cache's ring positions for a ring; only slots below cache.lengths are committed)."""
     out = {}
     for t in sorted(set(config.layer_types)):
         i = config.store_layer(t)
         if i is not None:
             j = config.cache_layers.index(i)
-            out[t] = (cache.k[j], cache.v[j])
+            if cache.is_ring(j):
+                pos = cache.pos
+            else:
+                n = cache.k[j].shape[1]
+                pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (cache.batch, n))
+            out[t] = (cache.k[j], cache.v[j], pos)
     return out
 
 

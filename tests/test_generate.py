@@ -614,6 +614,7 @@ def _mismatched_assistant(**target_overrides):
     (dict(seed=2.0**63), [1, 2], r"seed must be an integer in \[0, 2\*\*64\), got 9.22"),
     (dict(seed=True), [1, 2], r"seed must be an integer in \[0, 2\*\*64\), got True"),
     (dict(temperature=1.0, top_k=np.float64(2.0)), [1, 2], "top_k"),
+    (dict(max_new_tokens=200), list(range(1, 61)), r"60 tokens \+ max_new_tokens 200 = 260 .*context of 256"),
 ])
 def test_bad_input(no_compute, kwargs, prompt, match):
     t, a = pair()

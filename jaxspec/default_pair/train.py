@@ -424,7 +424,8 @@ def token_nll(logits, labels):
 def target_logits(tcfg, params, tokens, dtype):
     """Cache-free causal scoring through models.forward -> (logits, post-norm hidden, cache)."""
     t = models.Target(config=tcfg, params=to_dtype(params, dtype))
-    cache = models.init_cache(tcfg, tokens.shape[0], tokens.shape[1], dtype)
+    # ring=False: the teacher-forced assistant reads every position's window, not only the last ones
+    cache = models.init_cache(tcfg, tokens.shape[0], tokens.shape[1], dtype, ring=False)
     return models.forward(t, tokens, cache)
 
 
