@@ -132,7 +132,10 @@ def enable_compile_cache(path: str | None = None) -> str | None:
 
 
 def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+    """Bytes of the weight files the loader reads (models.checkpoint.WEIGHT_FILES)."""
+    from models.checkpoint import WEIGHT_FILES
+
+    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, WEIGHT_FILES)))
 
 
 def _fmt_bytes(n: int) -> str:
@@ -155,33 +158,12 @@ def _load(kind: str, path: str, **kw):
     except BaseException as e:
         if not big:
             _note("")  # end the unfinished "loading ..." line: the error goes on a line of its own
-        if isinstance(e, (ValueError, NotImplementedError, OSError)) or _is_safetensors_error(e):
-            why = _one_line(e)
-            if _is_safetensors_error(e):
-                why = f"{_bad_weight_file(path)} is not a valid safetensors file (truncated or corrupt? {why})"
-            raise UsageError(f"cannot load the {kind} from {path!r}: {why}") from None
+        if isinstance(e, (ValueError, NotImplementedError, OSError)):  # the loader names the file
+            raise UsageError(f"cannot load the {kind} from {path!r}: {_one_line(e)}") from None
         raise
     dt = time.perf_counter() - t0
     _note(f"loaded {kind} in {dt:.1f} s" if big else f" {dt:.1f} s")
     return model
-
-
-def _is_safetensors_error(e: BaseException) -> bool:
-    return type(e).__name__ == "SafetensorError"
-
-
-def _bad_weight_file(path: str) -> str:
-    """The first *.safetensors file of `path` whose header safetensors refuses (a name for the error
-    message when the loader's error does not say which file)."""
-    from safetensors import safe_open
-
-    for fn in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        try:
-            with safe_open(fn, framework="numpy"):
-                pass
-        except Exception:
-            return repr(os.path.basename(fn))
-    return "a weight file"
 
 
 def _matmul_config(choice: str):
@@ -202,13 +184,6 @@ def _matmul_config(choice: str):
 
 # ---------------------------------------------------------------------------------------------
 # Memory
-
-
-def kv_cache_bytes(config, capacity: int, dtype_bytes: int, batch: int = 1) -> int:
-    """Bytes of the KV cache `models.init_cache` allocates: capacity x (sum over the cache layers of
-    kv heads x head_dim) x 2 (K and V) x dtype bytes, per row."""
-    per_pos = sum(config.layer_kv_heads[i] * config.layer_head_dims[i] for i in config.cache_layers)
-    return batch * capacity * per_pos * 2 * dtype_bytes
 
 
 def cache_capacity(prompt_len: int, max_tokens: int, block_size: int) -> int:
@@ -241,11 +216,13 @@ def device_memory() -> tuple[int, str] | None:
         return None
 
 
-def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, dtype_bytes: int,
-                  weight_bytes: int) -> None:
-    """UsageError when the KV cache of this run and the weights cannot fit the device's memory."""
+def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, dtype, weight_bytes: int) -> None:
+    """UsageError when the KV cache of this run (models.cache_bytes: what init_cache allocates) and
+    the weights cannot fit the device's memory."""
+    import models
+
     capacity = cache_capacity(prompt_len, max_tokens, block_size)
-    cache = kv_cache_bytes(tcfg, capacity, dtype_bytes)
+    cache = models.cache_bytes(tcfg, 1, capacity, dtype)
     mem = device_memory()
     if mem is None:
         return
@@ -410,7 +387,7 @@ def cmd_generate(args) -> int:
     import jax.numpy as jnp
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
-    _check_memory(tcfg, len(ids), max_tokens, args.block_size if assistant_dir else 1, jnp.dtype(dtype).itemsize,
+    _check_memory(tcfg, len(ids), max_tokens, args.block_size if assistant_dir else 1, dtype,
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
