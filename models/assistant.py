@@ -15,7 +15,7 @@ from pallas_kernels import DispatchConfig, take_rows
 
 from .cache import KVCache
 from .config import SLIDING, AssistantConfig, check_fit
-from .layers import apply_rope, attention, linear, mlp, rms_norm, rope_tables
+from .layers import apply_rope, attention, linear, mlp, rms_norm, rope_tables, visible
 from .params import assistant_shapes, check_params
 from .target import Target, embed, shared_kv
 
@@ -39,13 +39,13 @@ def visible_keys(lengths: jax.Array, capacity: int, sliding_window: int | None,
     lengths - W - 1 <= k < lengths. That is HF's bidirectional window |i - j| <= W laid over the
     flipped shared K/V (Gemma4AssistantForCausalLM.create_attention_masks). `key_pos [B, C]`: the
     absolute position each slot holds (a ring buffer, `shared_kv`); default slot c holds position c.
-    The same mask as `layers.visible(lengths - 1, key_pos, W + 1)`, which `assistant_stack` uses."""
-    c = (jnp.arange(capacity, dtype=jnp.int32)[None, :] if key_pos is None else key_pos.astype(jnp.int32))
-    n = lengths.astype(jnp.int32)[:, None]
-    m = c < n
-    if sliding_window is not None:
-        m = m & (c >= n - sliding_window - 1)
-    return m
+    It is `layers.visible` for a query at position lengths - 1 with window W + 1, the mask
+    `assistant_stack` passes to attention."""
+    b = lengths.shape[0]
+    if key_pos is None:
+        key_pos = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32)[None, :], (b, capacity))
+    window = None if sliding_window is None else sliding_window + 1
+    return visible(lengths.astype(jnp.int32)[:, None] - 1, key_pos.astype(jnp.int32), window)[:, 0]
 
 
 def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.Array, h_prev: jax.Array,
@@ -99,7 +99,7 @@ def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_p
 
     tokens `[B, Q]` (embedded with the target's table), h_prev `[B, Q, H_target]`, kv `{layer type:
     (k, v, pos)}` (`target.shared_kv`: k/v `[B, C, kv_heads, head_dim]`, pos `[B, C]` each slot's
-    position; a plain (k, v) pair means slot c holds position c), lengths `[B, Q]` the committed cache
+    position), lengths `[B, Q]` the committed cache
     length each query sees (`visible_keys`), position `[B, Q]` the RoPE position. `draft_step` is
     this with Q = 1; training runs every position of a sequence at once through the same code."""
     a, p, mm = assistant.config.text, assistant.params, assistant.matmul
@@ -111,10 +111,7 @@ def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_p
     for i in range(a.num_hidden_layers):
         pre = f"layers.{i}."
         hd, nq = a.layer_head_dims[i], a.num_attention_heads
-        k_src, v_src, *k_pos = kv[a.layer_types[i]]
-        cap = k_src.shape[1]
-        k_pos = (jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (b, cap)) if not k_pos
-                 else k_pos[0])
+        k_src, v_src, k_pos = kv[a.layer_types[i]]
         # visible_keys as positions: k_pos <= lengths - 1 and (sliding) k_pos > lengths - 1 - (W + 1)
         window = a.sliding_window + 1 if a.layer_types[i] == SLIDING else None
         cos, sin = rope_tables(position, a.rope(i), hd, dt)

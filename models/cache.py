@@ -22,6 +22,8 @@ lengths may only be set to that row's valid end (or up to max_block + 1 below it
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,26 +91,29 @@ def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat
     if not config.cache_layers:
         raise ValueError("config has no layer that owns K/V (num_kv_shared_layers == num_hidden_layers): "
                          "that is an assistant config, not a target")
-    s = ring_size(config, capacity, max_block) if ring else capacity
-    has_ring = s < capacity and any(config.is_sliding(i) for i in config.cache_layers)
-    lens = [s if has_ring and config.is_sliding(i) else capacity for i in config.cache_layers]
-    shapes = [(batch, n, config.layer_kv_heads[i], config.layer_head_dims[i]) for n, i in zip(lens, config.cache_layers)]
+    shapes, ring_slots = _layout(config, batch, capacity, max_block, ring)
     return KVCache(k=tuple(jnp.zeros(x, dtype) for x in shapes),
                    v=tuple(jnp.zeros(x, dtype) for x in shapes),
                    lengths=jnp.zeros((batch,), jnp.int32),
-                   pos=jnp.full((batch, s), EMPTY, jnp.int32) if has_ring else None,
+                   pos=jnp.full((batch, ring_slots), EMPTY, jnp.int32) if ring_slots else None,
                    capacity=int(capacity))
+
+
+def _layout(config: TargetConfig, batch: int, capacity: int, max_block: int, ring: bool):
+    """(the K (= V) buffer shape of each cache layer, the ring's slot count or 0 without a ring)."""
+    s = ring_size(config, capacity, max_block) if ring else capacity
+    has_ring = s < capacity and any(config.is_sliding(i) for i in config.cache_layers)
+    shapes = [(batch, s if has_ring and config.is_sliding(i) else capacity, config.layer_kv_heads[i],
+               config.layer_head_dims[i]) for i in config.cache_layers]
+    return shapes, (s if has_ring else 0)
 
 
 def cache_bytes(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *,
                 max_block: int = ROW_TILE, ring: bool = True) -> int:
     """The formula of docs/models.md: bytes of `init_cache(config, batch, capacity, dtype, ...)`."""
-    s = ring_size(config, capacity, max_block) if ring else capacity
-    has_ring = s < capacity and any(config.is_sliding(i) for i in config.cache_layers)
-    item = jnp.dtype(dtype).itemsize
-    kv = sum(2 * batch * (s if has_ring and config.is_sliding(i) else capacity)
-             * config.layer_kv_heads[i] * config.layer_head_dims[i] * item for i in config.cache_layers)
-    return kv + 4 * batch + (4 * batch * s if has_ring else 0)
+    shapes, ring_slots = _layout(config, batch, capacity, max_block, ring)
+    kv = sum(2 * math.prod(x) for x in shapes) * jnp.dtype(dtype).itemsize
+    return kv + 4 * batch + 4 * batch * ring_slots  # + lengths and the ring's positions (int32)
 
 
 def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

@@ -187,19 +187,6 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, hq * d)[:, :t]
 
 
-def causal_mask(q_pos: jax.Array, capacity: int, window: int | None,
-                key_ok: jax.Array | None = None) -> jax.Array:
-    """`[B, T, C]`: key c visible to a query at absolute position p iff c <= p (and c > p - window)."""
-    c = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
-    p = q_pos[:, :, None]
-    m = c <= p
-    if window is not None:
-        m = m & (c > p - window)
-    if key_ok is not None:
-        m = m & key_ok[:, None, :]
-    return m
-
-
 def scale_of(value: float, dtype) -> jax.Array:
     """A Python scale rounded to the activation dtype first (HF casts its embed scale that way)."""
     return jnp.asarray(value, dtype=jnp.float32).astype(dtype)
