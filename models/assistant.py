@@ -118,7 +118,8 @@ def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_p
         xn = rms_norm(h, p[pre + "input_layernorm"], eps)
         qh = linear(xn, p[pre + "self_attn.q_proj"], mm).reshape(b, q, nq, hd)
         qh = apply_rope(rms_norm(qh, p[pre + "self_attn.q_norm"], eps), cos, sin)
-        o = linear(attention(qh, k_src, v_src, lengths.astype(jnp.int32) - 1, k_pos, window), p[pre + "self_attn.o_proj"], mm)
+        o = attention(qh, k_src, v_src, lengths.astype(jnp.int32) - 1, k_pos, window, matmul=mm)
+        o = linear(o, p[pre + "self_attn.o_proj"], mm)
         h = h + rms_norm(o, p[pre + "post_attention_layernorm"], eps)
         xn = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
         xn = mlp(xn, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ROW_TILE, DispatchConfig, quantized_matmul, quantized_matmul_many
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.flash_attention import flash_attention
 
 from .config import RopeConfig
 
@@ -76,7 +78,8 @@ def mlp(x: jax.Array, gate, up, down, act: str, matmul: DispatchConfig) -> jax.A
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-              window: int | None = None, *, q_block: int = 256, k_block: int = 512) -> jax.Array:
+              window: int | None = None, *, matmul: DispatchConfig | None = None, q_block: int = 256,
+              k_block: int = 512) -> jax.Array:
     """Scaled-by-1.0 GQA attention with the mask given by positions: the one attention entry point.
 
     q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, q_pos int32 `[B, T]` the queries' absolute positions,
@@ -84,11 +87,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     hidden). Key c is visible to query t iff `k_pos[c] <= q_pos[t]` and, with a window,
     `k_pos[c] > q_pos[t] - window`. Returns `[B, T, Hq * D]` in q's dtype.
 
-    Chooses by the static T: T <= ROW_TILE (decode, verify) runs `dense_attention`, the exact einsum
-    path row invariance rests on; longer blocks (prefill) run `blocked_attention` (online softmax
-    over key blocks, O(T * block) memory, never the [T, C] score matrix). A fused GPU kernel (flash
-    prefill, one-kernel decode) slots in here behind the same signature."""
-    if q.shape[1] <= ROW_TILE:
+    Chooses by the static T and `matmul.attention_kernels` (the model's DispatchConfig): T <= ROW_TILE
+    (decode, verify) runs `decode_attention` (the Pallas flash-decoding kernel) or `dense_attention`
+    (the einsum reference); both give a query the same bits whatever T, the property greedy parity
+    rests on. Longer blocks (prefill) run `flash_attention` (Pallas) or `blocked_attention` (online
+    softmax in XLA); neither builds the [T, C] score matrix."""
+    b, t = q.shape[:2]
+    if matmul is not None and matmul.attention_kernels:
+        fn = decode_attention if t <= ROW_TILE else flash_attention
+        return fn(q, k, v, q_pos, k_pos, window, interpret=matmul.interpret_mode).reshape(b, t, -1)
+    if t <= ROW_TILE:
         return dense_attention(q, k, v, visible(q_pos, k_pos, window))
     return blocked_attention(q, k, v, q_pos, k_pos, window, q_block=q_block, k_block=k_block)
 

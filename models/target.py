@@ -183,9 +183,9 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         if cache.is_ring(slot):
             k_att, v_att = new_kv[slot] if not ring_short else (ks[slot], vs[slot])
-            a = attention(q, k_att, v_att, pos, ring_keys_pos, window)
+            a = attention(q, k_att, v_att, pos, ring_keys_pos, window, matmul=mm)
         else:
-            a = attention(q, ks[slot], vs[slot], pos, slot_pos, window)
+            a = attention(q, ks[slot], vs[slot], pos, slot_pos, window, matmul=mm)
         a = linear(a, p[pre + "self_attn.o_proj"], mm)
         h = h + rms_norm(a, p[pre + "post_attention_layernorm"], eps)
 

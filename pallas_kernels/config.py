@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+
 BACKENDS = ("pallas", "xla")
+ATTENTION = ("auto", "pallas", "xla")
 PATHS = ("qmv", "multirow", "qmm")
 
 # Rows per tile of the GEMV: Triton's smallest `dot` tile. The GEMV computes this many rows whatever
@@ -44,6 +47,9 @@ class DispatchConfig:
       (faster for prefill-sized inputs); 0 keeps the tiled kernel. $JAXSPEC_QMM_DENSE_ROWS.
     verify_pad: a hint for callers that run a speculative verify: pad its rows up to the qmm path
       (jaxspec reads it; the dispatch itself does not). $JAXSPEC_MTP_VERIFY_PAD.
+    attention: the attention kernels callers should run (models reads it; the matmul does not):
+      "pallas" (decode_attention / flash_attention), "xla" (the einsum reference), "auto": the
+      kernels where they compile for a GPU (backend "pallas", not interpret mode), else XLA.
     """
 
     backend: str = "pallas"
@@ -53,6 +59,7 @@ class DispatchConfig:
     qmm_tile_m: int | None = None
     qmm_dense_rows: int = 256
     verify_pad: bool = False
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -60,6 +67,8 @@ class DispatchConfig:
         for name in ("multirow", "verify_pad"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION}")
         if self.interpret is not None and not isinstance(self.interpret, bool):
             raise ValueError(f"interpret={self.interpret!r} must be None or a bool")
         if not _is_int(self.multirow_max_rows) or not 1 <= self.multirow_max_rows <= ROW_TILE:
@@ -95,6 +104,18 @@ class DispatchConfig:
 
     def replace(self, **changes) -> "DispatchConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def interpret_mode(self) -> bool:
+        """Whether the Pallas kernels run in interpret mode: `interpret`, or None -> no GPU."""
+        return jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+
+    @property
+    def attention_kernels(self) -> bool:
+        """Whether attention runs the Pallas kernels (see `attention`)."""
+        if self.attention == "auto":
+            return self.backend == "pallas" and not self.interpret_mode
+        return self.attention == "pallas"
 
 
 def _is_int(v) -> bool:

@@ -79,7 +79,7 @@ def _one(x2, w, path, config):
 def _pallas(x2, qws, path: str, config: DispatchConfig) -> tuple[jax.Array, ...]:
     """The Pallas launch for QuantizedWeights of one format on x2 `[rows, K]`."""
     rows, k = x2.shape
-    interpret = jax.default_backend() != "gpu" if config.interpret is None else config.interpret
+    interpret = config.interpret_mode
     shape, group_size = (sum(qw.shape[0] for qw in qws), k), qws[0].group_size
     if path == "qmm":
         if all(qmm_dense(rows, qw.shape, config) for qw in qws):
