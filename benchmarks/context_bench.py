@@ -33,7 +33,7 @@ from harness import environment  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 from speculative_bench import truncate_layers  # noqa: E402
 
-import jaxspec  # noqa: E402
+from jaxspec.generate import plan  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -43,14 +43,16 @@ def _ints(s: str) -> list[int]:
 def build(args):
     matmul = DispatchConfig.from_env(attention=args.attention)
     key = jax.random.key(args.seed)
-    tdict = models.presets.TARGETS[args.target]
+    tdict = models.presets.TARGETS[args.target] if args.target != "tiny" else models.presets.tiny_target_dict(
+        max_position_embeddings=None)
     if args.layers:
         tdict = truncate_layers(tdict, args.layers)
     q = {"bits": 4, "group_size": 64}
     target = models.presets.random_model(models.TargetConfig.from_dict(tdict), key, quantize=q, matmul=matmul)
     assistant = None
     if args.assistant:
-        acfg = models.presets.assistant_config(args.assistant)
+        acfg = (models.presets.assistant_config(args.assistant) if args.assistant != "tiny" else
+                models.AssistantConfig.from_dict(models.presets.tiny_assistant_dict(tdict)))
         assistant = models.presets.random_model(acfg, jax.random.fold_in(key, 1), quantize=q, matmul=matmul)
     return target, assistant
 
@@ -62,7 +64,7 @@ def peak_bytes() -> int | None:
 
 def timed(target, assistant, prompt, args, block_size):
     """(tokens, best prefill s, best decode s, state, plan) over --repeats runs after a warm-up."""
-    p = jaxspec.plan(target, [prompt], assistant=assistant, max_new_tokens=args.max_tokens,
+    p = plan(target, [prompt], assistant=assistant, max_new_tokens=args.max_tokens,
                      block_size=block_size, eos_token_ids=())
     best_pre = best_dec = float("inf")
     state = None
@@ -126,7 +128,7 @@ def plot(out, meta, rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="12b", choices=sorted(models.presets.TARGETS))
+    ap.add_argument("--target", default="12b", choices=sorted(models.presets.TARGETS) + ["tiny"])
     ap.add_argument("--assistant", default=None, help="an assistant preset for the --spec-context runs")
     ap.add_argument("--layers", type=int, default=0, help="only the first N layers (a quick slice)")
     ap.add_argument("--context", type=_ints, default=_ints("128,2048,8192,32768,131072"))
