@@ -4,17 +4,19 @@
 #   [COMMIT=<sha>] bash benchmarks/run_h200_bench.sh DEST [STEP ...]   (writes DEST/results.tgz, DEST/STEP.log)
 # COMMIT names the code in the reports where the tree has no .git (else `git rev-parse`).
 # Steps (default: all, in this order; about 1,800 s of step timeouts, so name a subset per call):
-#   pytest_gpu    the GPU-only kernel tests (tests/test_kernels_gpu.py)
+#   pytest_gpu    the GPU-only tests (matmul and attention kernels)
 #   kernels       kernel_bench: GPU correctness checks and the table of the default paths
 #   decode12b     Gemma 4 12B shapes, random 4-bit weights: classic decode and a K = 4 round
 #   default_pair  the shipped pair on its 20 held-out prompts x 64 tokens: acceptance and speedup
 #   profile       where a 12B decode forward's time goes, by kernel
+#   attention     attention_bench: the attention kernels against XLA's at the 12B's layer shapes
+#   context       the 12B against context (128 .. 32K; a 131,072-token prompt needs a call of its own)
 # Each step has a hard timeout and, where the tool has one, a softer deadline. Results are re-packed
 # after every step, so a call cut short still returns what finished.
 set -u
 dest=${1:-out}
 shift || true
-steps=${*:-pytest_gpu kernels decode12b default_pair profile}
+steps=${*:-pytest_gpu kernels decode12b default_pair profile attention context}
 out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
@@ -30,7 +32,8 @@ step() {  # name timeout command...: run, log, re-pack
 }
 for s in $steps; do
     case $s in
-    pytest_gpu) step pytest_gpu 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py ;;
+    pytest_gpu) step pytest_gpu 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gpu.py \
+        tests/test_decode_attention.py tests/test_flash_attention.py ;;
     # the rows of docs/kernels.md's table: the two MLP shapes and the tied head
     kernels) step kernels 380 python3 benchmarks/kernel_bench.py --commit "$commit" --phase check,table \
         --shapes 15360x3840,3840x15360,262144x3840 --table-rows 1,2,4,8,16,64,128,256 --deadline 330 \
@@ -42,6 +45,10 @@ for s in $steps; do
         --each-prompt --time-budget 250 --out "$out/default_pair" ;;
     profile) step profile 150 python3 benchmarks/profile_forward.py --commit "$commit" --target 12b --steps 4 \
         --out "$out/profile" ;;
-    *) echo "unknown step $s (steps: pytest_gpu kernels decode12b default_pair profile)" ;;
+    attention) step attention 300 python3 benchmarks/attention_bench.py --commit "$commit" --out "$out/attention" ;;
+    context) step context 580 python3 benchmarks/context_bench.py --commit "$commit" --target 12b --assistant 12b \
+        --context 128,2048,8192,32768 --spec-context 128,32768 --max-tokens 32 --repeats 1 --time-budget 480 \
+        --out "$out/context" ;;
+    *) echo "unknown step $s (steps: pytest_gpu kernels decode12b default_pair profile attention context)" ;;
     esac
 done

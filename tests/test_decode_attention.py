@@ -149,14 +149,6 @@ def test_rows_equal_single_query_calls_bitwise(dtype, t):
     _assert_close(out, _reference(q, k, v, q_pos, k_pos, window), dtype)
 
 
-def test_skipping_blocks_by_branch_is_exact():
-    """skip_blocks=True (a branch around blocks no row sees) gives the bits of masking them."""
-    (q, k, v, q_pos, k_pos), window, singles = _invariance_case(jnp.float32)
-    out = np.asarray(_call(q[:, :5], k, v, q_pos[:, :5], k_pos, window, skip_blocks=True, **_TILING))
-    for i in range(5):
-        np.testing.assert_array_equal(out[:, i], singles[i])
-
-
 def test_query_that_sees_nothing_is_zero():
     q, k, v, q_pos, k_pos = _inputs(3, 2, 4, 4, 2, 16, 70, jnp.float32, "global", 8)
     q_pos = jnp.asarray([[-1, 30, -5, 69], [10, 11, 12, 13]], jnp.int32)

@@ -304,3 +304,50 @@ def test_hf_greedy_equals_speculative_and_classic(hf_case):
     spec = jaxspec.generate(t, [prompt], assistant=a, max_new_tokens=24, block_size=4, eos_token_ids=())
     assert classic.tokens[0] == hf
     assert spec.stats.fallback is None and spec.tokens == classic.tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention kernels inside the model (Pallas interpret mode on the CPU)
+
+KERNELS = XLA.replace(attention="pallas")
+
+
+def test_model_on_attention_kernels_matches_the_xla_path():
+    """The same weights with attention="pallas" (decode_attention for blocks <= ROW_TILE,
+    flash_attention above): a ragged 2-row prefill longer than the ring, then decode steps and a
+    [2, 4] verify across the wrap, against the XLA path (float32 rounding), and the kernel path's
+    verify bitwise equal to its own single steps."""
+    t = target()
+    tk = t.replace(matmul=KERNELS)
+    ids = rand_ids(21, (2, 48))
+    valid = jnp.arange(48)[None, :] < jnp.asarray([30, 48])[:, None]
+    caches = []
+    for m in (t, tk):
+        lg, _, c = fwd(m, ids, models.init_cache(CFG, 2, CAP, jnp.float32), valid=valid)
+        caches.append((lg, c.replace(lengths=jnp.asarray([30, 48], jnp.int32))))
+    (lg_x, cache_x), (lg_k, cache_k) = caches
+    for r, n in enumerate((30, 48)):
+        assert rel_err(lg_k[r, :n], lg_x[r, :n]) < 1e-4
+    block = rand_ids(22, (2, 4))
+    v_x, _, _ = fwd(t, block, cache_x)
+    v_k, _, _ = fwd(tk, block, cache_k)
+    assert rel_err(v_k, v_x) < 1e-4
+    c, steps = cache_k, []
+    for j in range(4):
+        lg, _, c = fwd(tk, block[:, j:j + 1], c)
+        steps.append(lg)
+    np.testing.assert_array_equal(np.asarray(v_k), np.asarray(jnp.concatenate(steps, 1)))
+
+
+def test_speculative_equals_classic_on_attention_kernels():
+    """The tiny pair on the kernels (target and assistant): greedy speculative == classic across
+    the ring's wrap with the exactness probe passing, and both == the XLA path's classic output."""
+    t, a = pair()
+    tk, ak = t.replace(matmul=KERNELS), a.replace(matmul=KERNELS)
+    rows = np.random.default_rng(23).integers(0, t.config.vocab_size, (1, 40)).tolist()
+    run = lambda tt, aa, k: jaxspec.generate(tt, rows, assistant=aa, eos_token_ids=(), max_new_tokens=24,  # noqa: E731
+                                             block_size=k)
+    classic, spec = run(tk, ak, 1), run(tk, ak, 4)
+    assert spec.stats.fallback is None
+    assert spec.stats.accepted < spec.stats.drafted
+    assert spec.tokens == classic.tokens == run(t, a, 1).tokens
