@@ -29,7 +29,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import environment, median_time  # noqa: E402
+from harness import environment_line, median_time  # noqa: E402
 from models import layers  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
@@ -169,8 +169,7 @@ def main(argv=None):
     ap.add_argument("--out", default="attention_out")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    env = environment(args.commit)
-    meta = dict(env=", ".join(f"{k} {v}" for k, v in env.items()),
+    meta = dict(env=environment_line(args.commit),
                 command="python benchmarks/attention_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     rows = []
     try:

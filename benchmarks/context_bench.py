@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from harness import environment  # noqa: E402
+from harness import environment_line  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 from speculative_bench import truncate_layers  # noqa: E402
 
@@ -146,8 +146,7 @@ def main(argv=None):
     target, assistant = build(args)
     what = (f"preset {args.target}" + (f" (first {args.layers} layers)" if args.layers else "")
             + f", random 4-bit weights, B = 1, greedy, {args.max_tokens} new tokens, attention {args.attention}")
-    env = environment(args.commit)
-    meta = dict(what=what, env=", ".join(f"{k} {v}" for k, v in env.items()), command="python benchmarks/context_bench.py "
+    meta = dict(what=what, env=environment_line(args.commit), command="python benchmarks/context_bench.py "
                 + " ".join(sys.argv[1:] if argv is None else argv), build_s=time.perf_counter() - t0)
     rng = np.random.default_rng(args.seed)
     rows = []

@@ -94,3 +94,8 @@ def environment(commit: str | None = None) -> dict:
     return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
             "jax": jax.__version__, "commit": commit,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def environment_line(commit: str | None = None) -> str:
+    """`environment(commit)` as one line for a report's header."""
+    return ", ".join(f"{k} {v}" for k, v in environment(commit).items())

@@ -29,8 +29,9 @@ import time
 import traceback
 import warnings
 
+from . import compile_cache
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-DEFAULT_COMPILE_CACHE = os.path.join("~", ".cache", "jaxspec", "jax")
 
 
 class UsageError(Exception):
@@ -108,27 +109,6 @@ def default_pair_dirs(path: str | None = None) -> tuple[str, str] | None:
         return None
     root = default_pair.default_pair_path() if path is None else path
     return os.path.join(root, "target"), os.path.join(root, "assistant")
-
-
-def enable_compile_cache(path: str | None = None) -> str | None:
-    """Keep compiled programs in JAX's persistent compilation cache (a later run with the same
-    shapes skips compilation), in `path` (default ~/.cache/jaxspec/jax). A directory already set in
-    JAX's configuration (`jax_compilation_cache_dir`, e.g. from $JAX_COMPILATION_CACHE_DIR) wins and
-    is left with its settings. Returns the directory in use, or None when the cache cannot be
-    turned on (e.g. a read-only home: then the run goes on without it)."""
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    path = os.path.expanduser(DEFAULT_COMPILE_CACHE if path is None else path)
-    try:
-        os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    except Exception:
-        return None
-    return path
 
 
 def _dir_bytes(path: str) -> int:
@@ -391,7 +371,9 @@ def cmd_generate(args) -> int:
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
-    cache_dir = None if args.no_compile_cache else enable_compile_cache(args.compile_cache)
+    if args.no_compile_cache:
+        compile_cache.disable_default()
+    cache_dir = None if args.no_compile_cache else compile_cache.enable(args.compile_cache)
     matmul = _matmul_config(args.backend)
     target = _load("target", model_dir, dtype=dtype, matmul=matmul)
     assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
@@ -520,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
     g.add_argument("--no-stats", action="store_true", help="print only the text")
     g.add_argument("--compile-cache", metavar="DIR", default=None,
-                   help=f"directory of the on-disk compilation cache (default {DEFAULT_COMPILE_CACHE}; a "
+                   help=f"directory of the on-disk compilation cache (default {compile_cache.DEFAULT_DIR}; a "
                         "directory set in JAX's own configuration wins)")
     g.add_argument("--no-compile-cache", action="store_true", help="do not use the on-disk compilation cache")
     g.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -14,6 +14,7 @@ import numpy as np
 import models
 from pallas_kernels import ROW_TILE
 
+from . import compile_cache
 from . import loop
 from . import sampling
 from . import verify
@@ -95,8 +96,16 @@ class Generator:
 
     def __init__(self, spec: loop.LoopSpec):
         self.spec = spec
-        self._run = jax.jit(lambda t, a, *xs: loop.run(spec, t, a, *xs))
-        self._decode = jax.jit(lambda t, a, s, n: loop.decode(spec, t, a, s, n), donate_argnums=(2,))
+        compile_cache.ensure_default()
+
+        def generate(t, a, *xs):  # the program names JAX logs (compile_cache.CompileLog)
+            return loop.run(spec, t, a, *xs)
+
+        def decode(t, a, s, n):
+            return loop.decode(spec, t, a, s, n)
+
+        self._run = jax.jit(generate)
+        self._decode = jax.jit(decode, donate_argnums=(2,))
 
     def __call__(self, target, assistant, prompt, lengths, key, limit=None, stop_ids=None):
         b = prompt.shape[0]

@@ -18,6 +18,8 @@ import numpy as np
 import models
 from pallas_kernels import DispatchConfig, select_path
 
+from . import compile_cache
+
 PAD_TOKEN = 0
 
 
@@ -118,10 +120,14 @@ def exactness_probe(target, batch: int, block_size: int, width: int, *, seed: in
     prefix = jnp.asarray(rng.integers(0, vocab, (batch, prefix_len)), jnp.int32)
     block = jnp.asarray(rng.integers(0, vocab, (batch, block_size)), jnp.int32)
     capacity = prefix_len + max(width, block_size)
+    compile_cache.ensure_default()
+
     # A fresh function each time (jit caches by function): the probe runs once per key and must
     # trace whatever models.forward is now.
-    probe = jax.jit(lambda t, p, b: _probe_impl(t, p, b, width, capacity))
-    wl, sl, wh, sh = jax.device_get(probe(target, prefix, block))
+    def exactness_probe(t, p, b):
+        return _probe_impl(t, p, b, width, capacity)
+
+    wl, sl, wh, sh = jax.device_get(jax.jit(exactness_probe)(target, prefix, block))
     exact = bool(np.array_equal(wl, sl) and np.array_equal(wh, sh))
     diff = float(np.max(np.abs(wl.astype(np.float64) - sl.astype(np.float64))))
     _PROBE_CACHE[key] = (exact, diff)

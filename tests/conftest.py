@@ -21,3 +21,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# In-process tests keep no on-disk compilation cache (jaxspec turns one on by default): a run
+# never depends on what an earlier run left in ~/.cache. tests/test_compile_cache.py checks the default.
+from jaxspec import compile_cache  # noqa: E402
+
+compile_cache.disable_default()

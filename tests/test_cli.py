@@ -126,8 +126,8 @@ def test_compile_cache_flags(pair, tmp_path):
     assert any(cache.iterdir()) and "on-disk compile cache" in r.stderr
     own = tmp_path / "jax_own"
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(own))
-    code = ("import jax; from jaxspec import cli; "
-            f"print(cli.enable_compile_cache({str(cache)!r}), jax.config.jax_compilation_cache_dir)")
+    code = ("import jax; from jaxspec import compile_cache; "
+            f"print(compile_cache.enable({str(cache)!r}), jax.config.jax_compilation_cache_dir)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(own), str(own)]

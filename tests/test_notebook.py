@@ -1,7 +1,7 @@
 """Execute docs/notebooks/quickstart.ipynb on CPU (nbclient, the python3 kernel of this
 interpreter) so it never rots: with the packaged default pair when it is installed, and with the
 tiny random pair its first cell writes otherwise. It shares the persistent compilation cache of
-tests/test_cli.py (JAX's own cache setting, which the notebook's enable_compile_cache() keeps), so
+tests/test_cli.py (JAX's own cache setting, which jaxspec's default cache keeps), so
 after that file ran the tiny pair mostly reuses compiled programs."""
 import os
 import tempfile

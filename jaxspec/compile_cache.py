@@ -1,0 +1,134 @@
+"""JAX's on-disk compilation cache for jaxspec, and a record of what a call compiles.
+
+A new process pays for compiling every program again (the 12B's first `generate`: about a minute
+on an H200), unless JAX's persistent compilation cache holds it. jaxspec turns that cache on by
+itself, in ~/.cache/jaxspec/jax, the first time it builds a program (a Generator, the exactness
+probe), for the Python API as for the CLI. Opt out before that with `disable_default()` (the CLI:
+`--no-compile-cache`); a directory already set in JAX's configuration (`jax_compilation_cache_dir`,
+e.g. $JAX_COMPILATION_CACHE_DIR) wins and keeps its settings.
+
+    with CompileLog() as log:
+        jaxspec.generate(...)
+    log.programs   # [(name, trace s, lower s, compile s), ...] for each program compiled
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+DEFAULT_DIR = os.path.join("~", ".cache", "jaxspec", "jax")
+_auto = {"on": True, "done": False}
+
+
+def enable(path: str | None = None) -> str | None:
+    """Keep compiled programs in JAX's persistent compilation cache in `path` (default DEFAULT_DIR).
+    A directory already set in JAX's configuration wins and is left with its settings. Returns the
+    directory in use, or None when the cache cannot be turned on (e.g. a read-only home: then
+    everything runs without it)."""
+    import jax  # here, not at the top: the CLI imports this module before it needs JAX
+
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = os.path.expanduser(DEFAULT_DIR if path is None else path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    except Exception:
+        return None
+    return path
+
+
+def disable_default() -> None:
+    """Do not turn the cache on by default (a cache already on stays on: JAX has no off switch
+    once a directory is in use)."""
+    _auto["on"] = False
+
+
+def ensure_default() -> str | None:
+    """`enable()` once per process, unless `disable_default()` was called first. Returns the
+    directory in use, or None."""
+    import jax
+
+    if _auto["on"] and not _auto["done"]:
+        _auto["done"] = True
+        return enable()
+    return jax.config.jax_compilation_cache_dir or None
+
+
+# ---- what a call compiled -----------------------------------------------------------------------
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_COMPILE = "/jax/core/compile/backend_compile_duration"
+_HIT = "/jax/compilation_cache/cache_hits"
+_active: list["CompileLog"] = []
+_listening = {"on": False}
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    compile_s: float = 0.0  # XLA's compile, or the persistent cache's fetch when it held the program
+
+
+class CompileLog:
+    """Context manager: `programs` lists each program JAX lowered and compiled inside it, in order,
+    with its trace, lowering and compile seconds (from jax.monitoring's compile events)."""
+
+    def __init__(self):
+        self.programs: list[Program] = []
+        self.cache_hits = 0  # programs the persistent cache served instead of XLA's compiler
+        self._open: dict[str, Program] = {}
+
+    def __enter__(self):
+        import jax
+
+        if not _listening["on"]:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            jax.monitoring.register_event_listener(_on_count)
+            _listening["on"] = True
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+
+    def _record(self, event: str, seconds: float, name: str):
+        if event == _TRACE:  # tracing has no program yet: keep it for the next lowering of that name
+            self._open.setdefault(name, Program(name)).trace_s += seconds
+        elif event == _LOWER:
+            prog = self._open.pop(name, None) or Program(name)
+            prog.lower_s += seconds
+            self.programs.append(prog)
+        elif event == _COMPILE:
+            prog = next((p for p in reversed(self.programs) if p.name == name and not p.compile_s), None)
+            if prog is None:
+                prog = Program(name)
+                self.programs.append(prog)
+            prog.compile_s += seconds
+
+    def names(self) -> list[str]:
+        """The compiled programs' names, in order: jaxspec's "exactness_probe", "prefill",
+        "decode" / "generate", among JAX's small eager ops (e.g. "convert_element_type")."""
+        return [p.name for p in self.compiled]
+
+    @property
+    def compiled(self) -> list[Program]:
+        """The programs that reached XLA's compiler (or the persistent cache), not only traced."""
+        return [p for p in self.programs if p.compile_s > 0]
+
+
+def _on_event(event: str, seconds: float, **kw):
+    name = str(kw.get("fun_name", "?"))
+    name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name  # one name per event kind
+    for log in _active:
+        log._record(event, seconds, name)
+
+
+def _on_count(event: str, **kw):
+    if event == _HIT:
+        for log in _active:
+            log.cache_hits += 1

@@ -1,0 +1,64 @@
+"""jaxspec.compile_cache: the programs a generate call compiles (named, each once, none on a second
+call of the same shapes), the on-disk cache the Python API turns on by default (a new process is
+served from it) and its opt-out. The default is checked in subprocesses with HOME in a temp dir."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import jaxspec
+from jaxspec.compile_cache import CompileLog
+from models import presets
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_generate_compiles_each_named_program_once():
+    t, a = presets.tiny_pair(5)
+    rows = [np.random.default_rng(11).integers(3, t.config.vocab_size, 9).tolist()]
+    with CompileLog() as first:
+        jaxspec.generate(t, rows, assistant=a, max_new_tokens=10, block_size=4)
+    names = first.names()
+    for program in ("exactness_probe", "prefill", "decode"):
+        assert names.count(program) == 1, names
+    assert all(p.compile_s > 0 and p.lower_s > 0 for p in first.compiled if p.name in ("prefill", "decode"))
+    rows2 = [np.random.default_rng(12).integers(3, t.config.vocab_size, 9).tolist()]
+    with CompileLog() as second:
+        jaxspec.generate(t, rows2, assistant=a, max_new_tokens=10, block_size=4)
+    assert not {"exactness_probe", "prefill", "decode"} & set(second.names()), second.names()
+
+
+_CHILD = """
+import json, sys
+import numpy as np
+import jaxspec
+from jaxspec import compile_cache
+from models import presets
+if sys.argv[1] == "off":
+    compile_cache.disable_default()
+t, _ = presets.tiny_pair(6)
+with compile_cache.CompileLog() as log:
+    out = jaxspec.generate(t, [[5, 6, 7, 8, 9]], max_new_tokens=6, block_size=1)
+print(json.dumps(dict(hits=log.cache_hits, names=log.names(), tokens=out.tokens)))
+"""
+
+
+def _child(home, mode):
+    env = dict(os.environ, HOME=str(home), PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", _CHILD, mode], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_default_on_disk_cache_serves_a_new_process_and_opt_out(tmp_path):
+    cache = tmp_path / "home" / ".cache" / "jaxspec" / "jax"
+    off = _child(tmp_path / "home", "off")
+    assert not cache.exists() and off["hits"] == 0
+    cold = _child(tmp_path / "home", "on")
+    assert cache.is_dir() and any(cache.iterdir())
+    warm = _child(tmp_path / "home", "on")
+    assert warm["hits"] >= 2 and warm["hits"] > cold["hits"]  # prefill and decode at least
+    assert warm["tokens"] == cold["tokens"] == off["tokens"]
