@@ -6,6 +6,10 @@
 Rows (prod of x's leading dims) pick the kernel at trace time: 1 -> qmv, 2..8 -> multirow (each
 weight tile read once for all rows), more -> qmm (the tiled kernel; from `DispatchConfig.qmm_dense_rows`
 rows dequantize + XLA's dense dot). See `select_path`, `DispatchConfig`.
+
+Attention with the mask given by positions (causal, optional sliding window, hidden slots):
+`decode_attention.decode_attention` (flash-decoding for blocks of <= ROW_TILE queries; a query's
+result bitwise independent of the block width) and `flash_attention.flash_attention` (prefill).
 This package knows nothing about models.
 """
 from .config import ROW_TILE, DispatchConfig, select_path
