@@ -91,9 +91,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     (decode, verify) runs `decode_attention` (the Pallas flash-decoding kernel) or `dense_attention`
     (the einsum reference); both give a query the same bits whatever T, the property greedy parity
     rests on. Longer blocks (prefill) run `flash_attention` (Pallas) or `blocked_attention` (online
-    softmax in XLA); neither builds the [T, C] score matrix."""
-    b, t = q.shape[:2]
-    if matmul is not None and matmul.attention_kernels:
+    softmax in XLA); neither builds the [T, C] score matrix. A head dim the kernels cannot tile (not
+    a power of two >= 16) takes the XLA path."""
+    b, t, _, d = q.shape
+    if matmul is not None and matmul.attention_kernels and d >= 16 and not d & (d - 1):  # Triton tiles
         fn = decode_attention if t <= ROW_TILE else flash_attention
         return fn(q, k, v, q_pos, k_pos, window, interpret=matmul.interpret_mode).reshape(b, t, -1)
     if t <= ROW_TILE:

@@ -351,3 +351,14 @@ def test_speculative_equals_classic_on_attention_kernels():
     assert spec.stats.fallback is None
     assert spec.stats.accepted < spec.stats.drafted
     assert spec.tokens == classic.tokens == run(t, a, 1).tokens
+
+
+def test_attention_takes_the_xla_path_for_a_head_dim_the_kernels_cannot_tile():
+    """head_dim 24 (not a power of two): attention on the kernel config gives the XLA path's bits."""
+    ks = jax.random.split(jax.random.PRNGKey(31), 3)
+    shapes = [(1, 3, 4, 24), (1, 40, 2, 24), (1, 40, 2, 24)]
+    q, k, v = (jax.random.normal(kk, s, jnp.float32) for kk, s in zip(ks, shapes))
+    q_pos = jnp.asarray([[37, 38, 39]], jnp.int32)
+    k_pos = jnp.arange(40, dtype=jnp.int32)[None]
+    got = layers.attention(q, k, v, q_pos, k_pos, 8, matmul=KERNELS)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(layers.attention(q, k, v, q_pos, k_pos, 8)))
