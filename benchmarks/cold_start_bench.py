@@ -54,9 +54,8 @@ def child(args) -> dict:
                      if args.assistant_dir else None)
     else:
         if args.target == "tiny":
-            types = ["full_attention" if (i + 1) % 6 == 0 or i == args.layers - 1 else "sliding_attention"
-                     for i in range(args.layers)]
-            tdict = models.presets.tiny_target_dict(num_hidden_layers=args.layers, layer_types=types,
+            tdict = models.presets.tiny_target_dict(num_hidden_layers=args.layers,
+                                                    layer_types=models.presets.layer_pattern(args.layers, 6),
                                                     max_position_embeddings=None)
         else:
             from speculative_bench import truncate_layers

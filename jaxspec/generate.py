@@ -325,7 +325,6 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
     batch = len(rows)
     k = block_size if assistant is not None else 1
     width = verify.verify_width(k, batch, pad, target.matmul)
-    longest = max(len(r) for r in rows)
     if cache_size is not None:
         if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 1:
             raise ValueError(f"cache_size must be None or an integer >= 1, got {cache_size!r}")

@@ -26,14 +26,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from pallas_kernels import ROW_TILE
+from pallas_kernels import EMPTY, ROW_TILE  # EMPTY: the position of a slot nothing was written to
 
 from .config import TargetConfig
 
-EMPTY = int(np.iinfo(np.int32).max)  # position of a ring slot nothing was written to: never <= a query
 
 
 @struct.dataclass

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import ROW_TILE, DispatchConfig, quantized_matmul, quantized_matmul_many
+from pallas_kernels import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, quantized_matmul, quantized_matmul_many
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention
 
@@ -94,7 +94,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     softmax in XLA); neither builds the [T, C] score matrix. A head dim the kernels cannot tile (not
     a power of two >= 16) takes the XLA path."""
     b, t, _, d = q.shape
-    if matmul is not None and matmul.attention_kernels and d >= 16 and not d & (d - 1):  # Triton tiles
+    if matmul is not None and matmul.attention_kernels and attention_head_dim_ok(d):
         fn = decode_attention if t <= ROW_TILE else flash_attention
         return fn(q, k, v, q_pos, k_pos, window, interpret=matmul.interpret_mode).reshape(b, t, -1)
     if t <= ROW_TILE:
@@ -157,7 +157,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     qpos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, nq * bq - t)), mode="edge")
     kp = jnp.pad(k.astype(q.dtype), ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
     vp = jnp.pad(v, ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
-    kpos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, nk * bk - c)), constant_values=np.iinfo(np.int32).max)
+    kpos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, nk * bk - c)), constant_values=EMPTY)
     qs = jnp.moveaxis(qp.reshape(b, nq, bq, hkv, g, d), 1, 0)
     qps = jnp.moveaxis(qpos.reshape(b, nq, bq), 1, 0)
     ks = jnp.moveaxis(kp.reshape(b, nk, bk, hkv, d), 1, 0)

@@ -31,7 +31,8 @@ _ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
          FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 
 
-def _pattern(n: int, every: int) -> list[str]:
+def layer_pattern(n: int, every: int) -> list[str]:
+    """Gemma 4's layer types: a full layer every `every`-th and last, sliding otherwise."""
     return [FULL if (i + 1) % every == 0 or i == n - 1 else SLIDING for i in range(n)]
 
 
@@ -42,7 +43,7 @@ def _text(**kw) -> dict:
              num_kv_shared_layers=0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
              use_double_wide_mlp=False, enable_moe_block=False)
     d.update(kw)
-    d["layer_types"] = _pattern(d["num_hidden_layers"], d.pop("full_every"))
+    d["layer_types"] = layer_pattern(d["num_hidden_layers"], d.pop("full_every"))
     return d
 
 

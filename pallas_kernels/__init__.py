@@ -12,9 +12,9 @@ Attention with the mask given by positions (causal, optional sliding window, hid
 result bitwise independent of the block width) and `flash_attention.flash_attention` (prefill).
 This package knows nothing about models.
 """
-from .config import ROW_TILE, DispatchConfig, select_path
+from .config import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, select_path
 from .dispatch import quantized_matmul, quantized_matmul_many
 from .quant import QuantizedWeight, dequantize, quantize, take_rows
 
-__all__ = ["ROW_TILE", "DispatchConfig", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
+__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
            "quantized_matmul_many", "select_path", "take_rows"]

@@ -21,6 +21,15 @@ PATHS = ("qmv", "multirow", "qmm")
 # short blocks to it (or to a share of it) for the same reason. The multirow window fits in it.
 ROW_TILE = 16
 
+# The attention kernels' shared contract with their callers (models.cache): a key slot at position
+# EMPTY is never visible (no query position is above it), and the head dims the kernels tile.
+EMPTY = 2**31 - 1  # int32 max
+
+
+def attention_head_dim_ok(d: int) -> bool:
+    """Whether the attention kernels tile head dim d: a power of two >= 16 (Triton's dot)."""
+    return d >= 16 and not d & (d - 1)
+
 ENV = {  # variable -> DispatchConfig field
     "JAXSPEC_QMV_MULTIROW": "multirow",
     "JAXSPEC_QMV_MULTIROW_MAX_ROWS": "multirow_max_rows",

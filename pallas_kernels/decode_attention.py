@@ -25,9 +25,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .config import ROW_TILE
+from .config import EMPTY, ROW_TILE, attention_head_dim_ok
 
-EMPTY = int(np.iinfo(np.int32).max)     # models.cache.EMPTY: a slot never visible
 _NEG = float(np.finfo(np.float32).min)  # finite running-max sentinel: exp(_NEG - _NEG) = 1, no NaN
 _TARGET_PROGRAMS = 128                  # Hkv * splits: about one wave of the H200's 132 SMs
 _COMBINE_BLOCK_D = 32                   # combine programs own a slice of D: more of them in flight
@@ -148,7 +147,7 @@ def _check(q, k, v, q_pos, k_pos, window):
         raise ValueError(f"k/v {k.shape} do not match q {q.shape} (batch, head_dim) or have no slots")
     if k.shape[2] < 1 or hq % k.shape[2]:
         raise ValueError(f"query heads Hq={hq} must be a multiple of kv heads Hkv={k.shape[2]}")
-    if d < 16 or d & (d - 1):
+    if not attention_head_dim_ok(d):
         raise ValueError(f"head_dim D={d} must be a power of two >= 16 (Triton tiles)")
     if q_pos.shape != (b, t) or k_pos.shape != (b, k.shape[1]):
         raise ValueError(f"q_pos {q_pos.shape} / k_pos {k_pos.shape}: expected {(b, t)} / {(b, k.shape[1])}")

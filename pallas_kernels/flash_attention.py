@@ -27,7 +27,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-EMPTY = int(np.iinfo(np.int32).max)  # models.cache.EMPTY: a slot no query sees
+from .config import EMPTY, attention_head_dim_ok
+
 _NEG = float(np.finfo(np.float32).min)  # finite: a fully masked row never makes inf - inf
 
 # H200 defaults per head dim: (block_q, block_k, num_warps, num_stages). The float32 acc tile
@@ -118,7 +119,7 @@ def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, block_q
         raise ValueError(f"k {k.shape} does not match q {q.shape} in batch or head_dim")
     if hkv < 1 or hq % hkv:
         raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
-    if not _pow2(d) or d < 16:
+    if not attention_head_dim_ok(d):
         raise ValueError(f"head_dim {d} must be a power of two >= 16")
     if t < 1 or c < 1:
         raise ValueError(f"need at least one query and one key, got T={t}, C={c}")
