@@ -31,14 +31,15 @@ from flax import struct
 from pallas_kernels import EMPTY, ROW_TILE  # EMPTY: the position of a slot nothing was written to
 
 from .config import TargetConfig
-
+from .layer_scan import cache_entries, stacked_entries
 
 
 @struct.dataclass
 class KVCache:
-    """k[j], v[j]: `[B, L_j, num_kv_heads, head_dim]` of layer `config.cache_layers[j]` (RoPE'd,
-    normed keys; normed values), L_j = capacity (full layers, or every layer without a ring) or the
-    ring size. lengths: int32 `[B]`, the number of valid positions per row. pos: int32 `[B, S]` the
+    """k[j], v[j]: `[B, L_j, num_kv_heads, head_dim]` (RoPE'd, normed keys; normed values) of the
+    layers `layer_scan.cache_entries(config)[j]`, with a leading `[G]` axis for the G layers of a scan
+    position (`layer_scan.cache_entry` maps a layer to its buffer and index); L_j = capacity (full
+    layers, or every layer without a ring) or the ring size. lengths: int32 `[B]`, the number of valid positions per row. pos: int32 `[B, S]` the
     absolute position in each ring slot (None when no layer has a ring). capacity (static): the
     largest number of positions a row may hold."""
 
@@ -50,7 +51,7 @@ class KVCache:
 
     def __post_init__(self):
         if not self.capacity:  # built without one (a plain cache): every buffer is the capacity
-            object.__setattr__(self, "capacity", max(int(x.shape[1]) for x in self.k))
+            object.__setattr__(self, "capacity", max(int(x.shape[-3]) for x in self.k))
 
     @property
     def batch(self) -> int:
@@ -65,8 +66,8 @@ class KVCache:
         return None if self.pos is None else int(self.pos.shape[1])
 
     def is_ring(self, j: int) -> bool:
-        """Whether buffer j (of `config.cache_layers[j]`) is a ring (fewer slots than the capacity)."""
-        return self.pos is not None and self.k[j].shape[1] == self.pos.shape[1] < self.capacity
+        """Whether buffer j is a ring (fewer slots than the capacity)."""
+        return self.pos is not None and self.k[j].shape[-3] == self.pos.shape[1] < self.capacity
 
 
 def ring_size(config: TargetConfig, capacity: int, max_block: int = ROW_TILE) -> int:
@@ -98,11 +99,15 @@ def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat
 
 
 def _layout(config: TargetConfig, batch: int, capacity: int, max_block: int, ring: bool):
-    """(the K (= V) buffer shape of each cache layer, the ring's slot count or 0 without a ring)."""
+    """(the K (= V) buffer shape of each cache entry, the ring's slot count or 0 without a ring)."""
     s = ring_size(config, capacity, max_block) if ring else capacity
     has_ring = s < capacity and any(config.is_sliding(i) for i in config.cache_layers)
-    shapes = [(batch, s if has_ring and config.is_sliding(i) else capacity, config.layer_kv_heads[i],
-               config.layer_head_dims[i]) for i in config.cache_layers]
+    shapes = []
+    for j, layers in enumerate(cache_entries(config)):
+        i = layers[0]
+        one = (batch, s if has_ring and config.is_sliding(i) else capacity, config.layer_kv_heads[i],
+               config.layer_head_dims[i])
+        shapes.append(((len(layers),) if j < stacked_entries(config) else ()) + one)
     return shapes, (s if has_ring else 0)
 
 
@@ -114,7 +119,7 @@ def cache_bytes(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloa
     return kv + 4 * batch + 4 * batch * ring_slots  # + lengths and the ring's positions (int32)
 
 
-def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array, layer=None) -> jax.Array:
     """Write `new [B, T, ...]` into `buf [B, C, ...]` at per-row offsets `start [B]`.
 
     Positions at or past C are dropped (a scatter, not dynamic_update_slice, which would clamp and
@@ -122,14 +127,17 @@ def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     past the end of a full cache, the real rows never do."""
     b, t = new.shape[:2]
     cols = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return write_cols(buf, new, cols)
+    return write_cols(buf, new, cols, layer)
 
 
-def write_cols(buf: jax.Array, new: jax.Array, cols: jax.Array) -> jax.Array:
-    """`buf[b, cols[b, t]] = new[b, t]` for every (b, t); columns outside the buffer are dropped."""
+def write_cols(buf: jax.Array, new: jax.Array, cols: jax.Array, layer=None) -> jax.Array:
+    """`buf[b, cols[b, t]] = new[b, t]` for every (b, t); columns outside the buffer are dropped.
+    `layer`: buf is a stack `[G, B, C, ...]`, written at that layer in place."""
     b, t = new.shape[:2]
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-    return buf.at[rows, cols].set(new.astype(buf.dtype), mode="drop")
+    if layer is None:
+        return buf.at[rows, cols].set(new.astype(buf.dtype), mode="drop")
+    return buf.at[jnp.full((b, t), layer, jnp.int32), rows, cols].set(new.astype(buf.dtype), mode="drop")
 
 
 def ring_cols(start: jax.Array, t: int, ring: int, capacity: int, valid: jax.Array | None) -> jax.Array:

@@ -37,6 +37,7 @@ from safetensors.numpy import save_file
 
 from .assistant import Assistant
 from .config import AssistantConfig, TargetConfig, check_fit
+from .layer_scan import is_stacked, stack_params, unstack_params
 from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, quant_spec, quantizable, quantize_params,
                      target_shapes)
 from .target import Target
@@ -350,7 +351,7 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     shapes = target_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, shapes, _quant_config(d), skip, dtype, quantize, progress, "load_target")
-    return Target(config=cfg, params=params, matmul=matmul)
+    return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
 
 
 def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None,
@@ -398,8 +399,9 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
     d = cfg.to_dict()
     formats: dict[str, tuple[int, int]] = {}
     tensors: list[tuple[str, Any]] = []
-    for name in sorted(model.params):
-        w = model.params[name]
+    params = model.params if isinstance(model, Assistant) else unstack_params(cfg, model.params)
+    for name in sorted(params):
+        w = params[name]
         mod = _ckpt_module(model, name)
         if isinstance(w, QuantizedWeight):
             formats[mod] = (w.bits, w.group_size)
@@ -550,5 +552,9 @@ def _swap_in(path: str, new: str, old: str, names: list[str]) -> None:
 
 def quantize_model(model, *, bits: int = 4, group_size: int = 64):
     """A Target or Assistant with its float linear/embedding weights quantized (a leaf swap)."""
-    shapes = assistant_shapes(model.config) if isinstance(model, Assistant) else target_shapes(model.config)
-    return model.replace(params=quantize_params(model.params, shapes, bits=bits, group_size=group_size))
+    if isinstance(model, Assistant):
+        return model.replace(params=quantize_params(model.params, assistant_shapes(model.config), bits=bits,
+                                                    group_size=group_size))
+    cfg, stacked = model.config, is_stacked(model.params)
+    params = quantize_params(unstack_params(cfg, model.params), target_shapes(cfg), bits=bits, group_size=group_size)
+    return model.replace(params=stack_params(cfg, params) if stacked else params)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, quantized_matmul, quantized_matmul_many
+from pallas_kernels import (EMPTY, ROW_TILE, DispatchConfig, Layer, attention_head_dim_ok, quantized_matmul,
+                            quantized_matmul_many)
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention
 
@@ -92,11 +93,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     (the einsum reference); both give a query the same bits whatever T, the property greedy parity
     rests on. Longer blocks (prefill) run `flash_attention` (Pallas) or `blocked_attention` (online
     softmax in XLA); neither builds the [T, C] score matrix. A head dim the kernels cannot tile (not
-    a power of two >= 16) takes the XLA path."""
+    a power of two >= 16) takes the XLA path.
+
+    k and v may be `Layer`s of stacked caches (one index for both): the kernels read the layer in
+    place, the XLA path takes the slice."""
     b, t, _, d = q.shape
+    layer = None
+    if isinstance(k, Layer) or isinstance(v, Layer):
+        if not (isinstance(k, Layer) and isinstance(v, Layer) and k.index is v.index):
+            raise ValueError("attention: k and v must both be plain arrays or both Layers of one index")
+        layer = k.index
     if matmul is not None and matmul.attention_kernels and attention_head_dim_ok(d):
         fn = decode_attention if t <= ROW_TILE else flash_attention
-        return fn(q, k, v, q_pos, k_pos, window, interpret=matmul.interpret_mode).reshape(b, t, -1)
+        if layer is not None:
+            k, v = k.stack, v.stack
+        return fn(q, k, v, q_pos, k_pos, window, layer=layer, interpret=matmul.interpret_mode).reshape(b, t, -1)
+    if layer is not None:
+        k, v = k.take(), v.take()
     if t <= ROW_TILE:
         return dense_attention(q, k, v, visible(q_pos, k_pos, window))
     return blocked_attention(q, k, v, q_pos, k_pos, window, q_block=q_block, k_block=k_block)

@@ -23,6 +23,7 @@ from pallas_kernels import DispatchConfig, QuantizedWeight
 
 from .assistant import Assistant, make_assistant
 from .config import FULL, SLIDING, AssistantConfig, TargetConfig
+from .layer_scan import stack_params
 from .params import INDEX, LINEAR, assistant_shapes, quant_spec, quantizable, target_shapes
 from .target import Target, make_target
 
@@ -223,8 +224,8 @@ def random_model(cfg, key, dtype=jnp.bfloat16, quantize=Q4, matmul: DispatchConf
     if isinstance(cfg, TargetConfig):
         if not cfg.cache_layers:
             raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
-        return Target(config=cfg, params=random_params(target_shapes(cfg), key, dtype=dtype, quantize=quantize),
-                      matmul=matmul)
+        params = random_params(target_shapes(cfg), key, dtype=dtype, quantize=quantize)
+        return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
     raise ValueError(f"random_model needs a TargetConfig or AssistantConfig, got {type(cfg).__name__}")
 
 

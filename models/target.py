@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels import DispatchConfig, take_rows
+from pallas_kernels import DispatchConfig, Layer, take_rows
+from pallas_kernels.stack import take
 
 from .cache import EMPTY, KVCache, init_cache, ring_cols, write_cols, write_rows
 from .config import TargetConfig
+from .layer_scan import PREFIX, cache_entry, cache_entries, is_stacked, scan_plan, stack_params
 from .layers import (activation, apply_rope, attention, linear, linear_many, mlp, rms_norm,
                      rope_tables, scale_of)
 from .params import check_params, target_shapes
@@ -117,8 +119,8 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         raise ValueError(f"tokens have batch {b} but the cache has batch {cache.batch}")
     if t_real > cache.capacity:
         raise ValueError(f"{t_real} tokens do not fit a cache of capacity {cache.capacity}")
-    if len(cache.k) != len(cfg.cache_layers):
-        raise ValueError(f"cache has {len(cache.k)} K/V buffers, the config needs {len(cfg.cache_layers)}")
+    if len(cache.k) != len(cache_entries(cfg)):
+        raise ValueError(f"cache has {len(cache.k)} K/V buffers, the config needs {len(cache_entries(cfg))}")
     dt = target.dtype
     start = cache.lengths.astype(jnp.int32)
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -150,56 +152,40 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     h = embed(target, tokens, dt)
     pli = _per_layer_inputs(target, tokens, h) if cfg.has_per_layer_inputs else None
     tables = {}
-    ks, vs = list(cache.k), list(cache.v)
-    new_kv = {}  # ring slot -> (old ring ++ new block) K/V, for the long path's KV-shared layers
-    eps = cfg.rms_norm_eps
     for i in range(cfg.num_hidden_layers):
-        pre = f"layers.{i}."
-        hd, nq, nkv = cfg.layer_head_dims[i], cfg.num_attention_heads, cfg.layer_kv_heads[i]
-        key = (cfg.is_sliding(i), hd)
+        key = (cfg.is_sliding(i), cfg.layer_head_dims[i])
         if key not in tables:
-            tables[key] = rope_tables(pos, cfg.rope(i), hd, dt)
-        cos, sin = tables[key]
+            tables[key] = rope_tables(pos, cfg.rope(i), key[1], dt)
+    step = _Step(b=b, t=t, start=start, pos=pos, slot_pos=slot_pos, tables=tables, cache=cache)
+    if cache.pos is not None:
+        step.cols, step.ring_short, step.ring_keys_pos = cols, ring_short, ring_keys_pos
+    ks, vs = list(cache.k), list(cache.v)
+    plan = scan_plan(cfg)
+    period, groups = plan.period, plan.groups
+    if groups and is_stacked(p):
+        def group(carry, xs):  # one repeat of the layer pattern: the scan's body, traced once
+            h, kst, vst = carry
+            g, pli_g = xs
+            kst, vst = list(kst), list(vst)
+            for j in range(period):
+                h = _layer(target, j, h, kst, vst, _Weights(p, f"{PREFIX}{j}.", g), (j, g),
+                           None if pli_g is None else pli_g[:, :, j], step, {})
+            return (h, tuple(kst), tuple(vst)), None
 
-        x = rms_norm(h, p[pre + "input_layernorm"], eps)
-        names = ["q_proj"] + ([] if cfg.kv_shared(i) else ["k_proj"] if cfg.k_eq_v(i) else ["k_proj", "v_proj"])
-        q, *kv = linear_many(x, [p[pre + "self_attn." + name] for name in names], mm)
-        q = apply_rope(rms_norm(q.reshape(b, t, nq, hd), p[pre + "self_attn.q_norm"], eps), cos, sin)
-        slot = cfg.cache_slot(i)
-        if kv:
-            kr = kv[0].reshape(b, t, nkv, hd)
-            vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, nkv, hd)
-            k = apply_rope(rms_norm(kr, p[pre + "self_attn.k_norm"], eps), cos, sin)
-            v = rms_norm(vr, None, eps)
-            if cache.is_ring(slot):
-                old_k, old_v = ks[slot], vs[slot]
-                ks[slot], vs[slot] = write_cols(old_k, k, cols), write_cols(old_v, v, cols)
-                if not ring_short:
-                    new_kv[slot] = (jnp.concatenate([old_k, k.astype(old_k.dtype)], axis=1),
-                                    jnp.concatenate([old_v, v.astype(old_v.dtype)], axis=1))
-            else:
-                ks[slot] = write_rows(ks[slot], k, start)
-                vs[slot] = write_rows(vs[slot], v, start)
-        window = cfg.sliding_window if cfg.is_sliding(i) else None
-        if cache.is_ring(slot):
-            k_att, v_att = new_kv[slot] if not ring_short else (ks[slot], vs[slot])
-            a = attention(q, k_att, v_att, pos, ring_keys_pos, window, matmul=mm)
-        else:
-            a = attention(q, ks[slot], vs[slot], pos, slot_pos, window, matmul=mm)
-        a = linear(a, p[pre + "self_attn.o_proj"], mm)
-        h = h + rms_norm(a, p[pre + "post_attention_layernorm"], eps)
+        pli_s = None if pli is None else jnp.moveaxis(
+            pli[:, :, :plan.scanned].reshape(b, t, groups, period, -1), 2, 0)
+        (h, kst, vst), _ = jax.lax.scan(group, (h, tuple(ks[:period]), tuple(vs[:period])),
+                                        (jnp.arange(groups, dtype=jnp.int32), pli_s))
+        ks[:period], vs[:period] = kst, vst
+        first = plan.scanned
+    else:  # per-layer params (a Target built by hand): the same layers, traced one by one
+        first = 0
+    new_kv = {}  # ring buffer -> (old ring ++ new block) K/V, for the long path's KV-shared layers
+    for i in range(first, cfg.num_hidden_layers):
+        h = _layer(target, i, h, ks, vs, _Weights(p, f"layers.{i}."), cache_entry(cfg, i),
+                   None if pli is None else pli[:, :, i], step, new_kv)
 
-        x = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
-        x = mlp(x, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],
-                cfg.hidden_activation, mm)
-        h = h + rms_norm(x, p[pre + "post_feedforward_layernorm"], eps)
-
-        if pli is not None:
-            g = activation(linear(h, p[pre + "per_layer_input_gate"], mm), cfg.hidden_activation) * pli[:, :, i]
-            g = linear(g, p[pre + "per_layer_projection"], mm)
-            h = h + rms_norm(g, p[pre + "post_per_layer_input_norm"], eps)
-        h = h * p[pre + "layer_scalar"].astype(dt)
-
+    eps = cfg.rms_norm_eps
     hidden = rms_norm(h, p["norm"], eps)
     at = hidden if logits_at is None else hidden[jnp.arange(b), logits_at.astype(jnp.int32)][:, None]
     out = linear(at, head_weight(target), mm).astype(jnp.float32)
@@ -209,22 +195,101 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     return out, hidden, KVCache(k=tuple(ks), v=tuple(vs), lengths=start + t, pos=ring_pos, capacity=cap)
 
 
+class _Step:
+    """What every layer of one forward shares: shapes, positions, RoPE tables, the ring's plan."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Weights:
+    """A layer's params: plain per-layer ones (`index` None) or layer `index` of the scan's stacks
+    (linears as `Layer`s, read in place by the kernels; norms and scalars sliced)."""
+
+    def __init__(self, params: dict, prefix: str, index=None):
+        self.params, self.prefix, self.index = params, prefix, index
+
+    def linear(self, name: str):
+        w = self.params[self.prefix + name]
+        return w if self.index is None else Layer(w, self.index)
+
+    def vector(self, name: str):
+        w = self.params[self.prefix + name]
+        return w if self.index is None else w[self.index]
+
+
+def _at(buf, index):
+    return buf if index is None else Layer(buf, index)
+
+
+def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pli_i, step: _Step, new_kv: dict):
+    """Decoder layer i (for a scanned layer: its position in the pattern) on h `[B, T, H]`: writes
+    its K/V into `ks[slot], vs[slot]` (`entry` = (slot, index in the stack or None)) and returns h."""
+    cfg, mm = target.config, target.matmul
+    b, t, pos, cache = step.b, step.t, step.pos, step.cache
+    slot, index = entry
+    eps = cfg.rms_norm_eps
+    hd, nq, nkv = cfg.layer_head_dims[i], cfg.num_attention_heads, cfg.layer_kv_heads[i]
+    cos, sin = step.tables[(cfg.is_sliding(i), hd)]
+
+    x = rms_norm(h, w.vector("input_layernorm"), eps)
+    names = ["q_proj"] + ([] if cfg.kv_shared(i) else ["k_proj"] if cfg.k_eq_v(i) else ["k_proj", "v_proj"])
+    q, *kv = linear_many(x, [w.linear("self_attn." + name) for name in names], mm)
+    q = apply_rope(rms_norm(q.reshape(b, t, nq, hd), w.vector("self_attn.q_norm"), eps), cos, sin)
+    ring = cache.is_ring(slot)
+    if kv:
+        kr = kv[0].reshape(b, t, nkv, hd)
+        vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, nkv, hd)
+        k = apply_rope(rms_norm(kr, w.vector("self_attn.k_norm"), eps), cos, sin)
+        v = rms_norm(vr, None, eps)
+        if ring:
+            old_k, old_v = ks[slot], vs[slot]
+            ks[slot], vs[slot] = write_cols(old_k, k, step.cols, index), write_cols(old_v, v, step.cols, index)
+            if not step.ring_short:
+                old_k, old_v = take(_at(old_k, index)), take(_at(old_v, index))
+                new_kv[slot] = (jnp.concatenate([old_k, k.astype(old_k.dtype)], axis=1),
+                                jnp.concatenate([old_v, v.astype(old_v.dtype)], axis=1))
+        else:
+            ks[slot] = write_rows(ks[slot], k, step.start, index)
+            vs[slot] = write_rows(vs[slot], v, step.start, index)
+    window = cfg.sliding_window if cfg.is_sliding(i) else None
+    if ring and not step.ring_short:
+        a = attention(q, *new_kv[slot], pos, step.ring_keys_pos, window, matmul=mm)
+    else:
+        a = attention(q, _at(ks[slot], index), _at(vs[slot], index), pos,
+                      step.ring_keys_pos if ring else step.slot_pos, window, matmul=mm)
+    a = linear(a, w.linear("self_attn.o_proj"), mm)
+    h = h + rms_norm(a, w.vector("post_attention_layernorm"), eps)
+
+    x = rms_norm(h, w.vector("pre_feedforward_layernorm"), eps)
+    x = mlp(x, w.linear("mlp.gate_proj"), w.linear("mlp.up_proj"), w.linear("mlp.down_proj"),
+            cfg.hidden_activation, mm)
+    h = h + rms_norm(x, w.vector("post_feedforward_layernorm"), eps)
+
+    if pli_i is not None:
+        g = activation(linear(h, w.linear("per_layer_input_gate"), mm), cfg.hidden_activation) * pli_i
+        g = linear(g, w.linear("per_layer_projection"), mm)
+        h = h + rms_norm(g, w.vector("post_per_layer_input_norm"), eps)
+    return h * w.vector("layer_scalar").astype(h.dtype)
+
+
 def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:
     """The K/V the assistant reads: {"sliding_attention": (k, v, pos), "full_attention": (k, v, pos)}
-    from the last non-shared layer of each type: k, v `[B, L, kv_heads, head_dim]` and pos int32
+    from the last non-shared layer of each type: k, v `[B, L, kv_heads, head_dim]` (`Layer`s of the
+    cache's stacks for a scanned layer: `pallas_kernels.stack.take` gives the array) and pos int32
     `[B, L]` the absolute position each slot holds (`arange(L)` for a full-capacity buffer, the
     cache's ring positions for a ring; only slots below cache.lengths are committed)."""
     out = {}
     for t in sorted(set(config.layer_types)):
         i = config.store_layer(t)
         if i is not None:
-            j = config.cache_layers.index(i)
+            j, index = cache_entry(config, i)
             if cache.is_ring(j):
                 pos = cache.pos
             else:
-                n = cache.k[j].shape[1]
+                n = cache.k[j].shape[-3]
                 pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (cache.batch, n))
-            out[t] = (cache.k[j], cache.v[j], pos)
+            out[t] = (_at(cache.k[j], index), _at(cache.v[j], index), pos)
     return out
 
 
@@ -246,10 +311,12 @@ def check_tokens(tokens, vocab: int) -> None:
 
 
 def make_target(config: TargetConfig, params: dict, matmul: DispatchConfig | None = None) -> Target:
-    """Build a Target after checking every expected param is present with the right shape.
-    `matmul=None` gives `DispatchConfig()` (no environment read)."""
+    """Build a Target after checking every expected param is present with the right shape; the
+    scanned layers' params are stacked (`layer_scan.stack_params`). `matmul=None` gives
+    `DispatchConfig()` (no environment read)."""
     if not config.cache_layers:
         raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
     check_params(params, target_shapes(config), "target")
-    return Target(config=config, params=params, matmul=DispatchConfig() if matmul is None else matmul)
+    return Target(config=config, params=stack_params(config, params),
+                  matmul=DispatchConfig() if matmul is None else matmul)
 

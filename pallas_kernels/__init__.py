@@ -10,11 +10,13 @@ rows dequantize + XLA's dense dot). See `select_path`, `DispatchConfig`.
 Attention with the mask given by positions (causal, optional sliding window, hidden slots):
 `decode_attention.decode_attention` (flash-decoding for blocks of <= ROW_TILE queries; a query's
 result bitwise independent of the block width) and `flash_attention.flash_attention` (prefill).
-This package knows nothing about models.
+`Layer(stack, i)` passes layer i of a stacked weight (or KV cache) to any of these: the kernels read
+it in place (a model scanning its layers copies no weights). This package knows nothing about models.
 """
 from .config import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, select_path
 from .dispatch import quantized_matmul, quantized_matmul_many
 from .quant import QuantizedWeight, dequantize, quantize, take_rows
+from .stack import Layer
 
-__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
+__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "Layer", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
            "quantized_matmul_many", "select_path", "take_rows"]

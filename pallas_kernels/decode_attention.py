@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .config import EMPTY, ROW_TILE, attention_head_dim_ok
+from .stack import Layer, with_layer
 
 _NEG = float(np.finfo(np.float32).min)  # finite running-max sentinel: exp(_NEG - _NEG) = 1, no NaN
 _TARGET_PROGRAMS = 128                  # Hkv * splits: about one wave of the H200's 132 SMs
@@ -168,18 +169,22 @@ def _check_tiling(rows, block_k, split):
 @functools.partial(jax.jit, static_argnames=("window", "split", "block_k", "rows", "num_warps",
                                              "num_stages", "interpret"))
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-                     window: int | None = None, *, split: int | None = None, block_k: int | None = None,
-                     rows: int = ROW_TILE, num_warps: int = 4, num_stages: int = 2,
+                     window: int | None = None, *, layer: jax.Array | None = None, split: int | None = None,
+                     block_k: int | None = None, rows: int = ROW_TILE, num_warps: int = 4, num_stages: int = 2,
                      interpret: bool = False) -> jax.Array:
     """GQA attention of q `[B, T, Hq, D]` (T <= 16) over k, v `[B, C, Hkv, D]`; key c visible to query
     t iff `k_pos[c] <= q_pos[t]` (and `> q_pos[t] - window`). Returns `[B, T, Hq, D]` in q's dtype;
-    0 for a query that sees no key.
+    0 for a query that sees no key. `layer` (an int scalar): k and v are stacks `[L, B, C, Hkv, D]`
+    and layer `layer` of each is read in place.
 
     Tuning (none changes a result's dependence on T): block_k, key slots per loop step (default 64;
     32 from D = 512, where a K and a V tile per pipeline stage fill 128 KiB of shared memory);
     split, slots per program (`default_split`); rows, query rows per program. Blocks inside the
     loop's range that no row sees are masked, not branched around: a branch keeps Triton from
     pipelining the K/V loads (measured 20-40% slower on an H200)."""
+    k_st, v_st = k, v
+    if layer is not None:
+        k, v = Layer(k, layer), Layer(v, layer)
     _check(q, k, v, q_pos, k_pos, window)
     block_k = block_k or (64 if q.shape[-1] < 512 else 32)
     split = split or default_split(k.shape[1], k.shape[2], block_k)
@@ -199,14 +204,15 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     # grid (row block, B, Hkv, split): the row block varies fastest, so programs that read the same
     # keys run side by side and share them through L2
     f32 = jnp.float32
+    stacked = layer is not None
     m, l, acc = pl.pallas_call(
-        functools.partial(_split_kernel, c=c, n_rows=n_rows, rows=rows, block_k=block_k, split=split,
-                          window=window, precision=precision),
+        functools.partial(with_layer(_split_kernel, stacked, (2, 3)), c=c, n_rows=n_rows, rows=rows,
+                          block_k=block_k, split=split, window=window, precision=precision),
         out_shape=(jax.ShapeDtypeStruct((b, hkv, splits, rp), f32), jax.ShapeDtypeStruct((b, hkv, splits, rp), f32),
                    jax.ShapeDtypeStruct((b, hkv, splits, rp, d), f32)),
         grid=(n_rb, b, hkv, splits), interpret=interpret, compiler_params=params,
         name=f"decode_attention_d{d}_k{block_k}_s{split}",
-    )(qr, qpos, k, v, k_pos)
+    )(*([Layer(k_st, layer).operand()] if stacked else []), qr, qpos, k_st, v_st, k_pos)
     block_d = min(d, _COMBINE_BLOCK_D)
     out = pl.pallas_call(
         functools.partial(_combine_kernel, rows=rows, splits=splits, block_d=block_d),

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from .config import PATHS, ROW_TILE, DispatchConfig, select_path
 from .launch import gemv, gemv_tiling, qmm, qmm_dense, qmm_tiling, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
+from .stack import Layer, unwrap
 from .xla import dense_after_x, dense_matmul, xla_quantized_matmul
 
 
@@ -20,14 +21,16 @@ def _check(x, w) -> int:
                          f"{getattr(x, 'dtype', type(x).__name__)}")
     if x.ndim < 1:
         raise ValueError("quantized_matmul expects x of shape [..., K], got a scalar")
-    if isinstance(w, QuantizedWeight):
-        w.validate()
+    stored, layer = unwrap(w)
+    if isinstance(stored, QuantizedWeight):
+        stored.validate(stacked=layer is not None)
     else:
-        if not hasattr(w, "ndim") or w.ndim != 2:
-            raise ValueError(f"weight must be a QuantizedWeight or a rank-2 [N, K] float array, got shape "
-                             f"{getattr(w, 'shape', None)}")
-        if w.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"float weight must be float32/float16/bfloat16, got {w.dtype}")
+        rank = 2 if layer is None else 3
+        if not hasattr(stored, "ndim") or stored.ndim != rank:
+            raise ValueError(f"weight must be a QuantizedWeight or a rank-2 [N, K] float array (a Layer: of "
+                             f"[L, N, K]), got shape {getattr(stored, 'shape', None)}")
+        if stored.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"float weight must be float32/float16/bfloat16, got {stored.dtype}")
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"K mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}) but the weight is "
@@ -36,8 +39,8 @@ def _check(x, w) -> int:
 
 
 def quantized_matmul(x, w, *, path: str | None = None, config: DispatchConfig | None = None) -> jax.Array:
-    """`x @ dequantize(w).T` for x `[..., K]` and w a QuantizedWeight (or a float `[N, K]` array),
-    float32 accumulation, output `[..., N]` in x's dtype. `path` forces "qmv" | "multirow" | "qmm";
+    """`x @ dequantize(w).T` for x `[..., K]` and w a QuantizedWeight (or a float `[N, K]` array, or a
+    `Layer` of a stack of either), float32 accumulation, output `[..., N]` in x's dtype. `path` forces "qmv" | "multirow" | "qmm";
     None picks `select_path(prod(x.shape[:-1]))` at trace time."""
     return quantized_matmul_many(x, (w,), path=path, config=config)[0]
 
@@ -60,37 +63,46 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     if rows == 0:
         return tuple(jnp.zeros((*lead, n), x.dtype) for n in ns)
     x2 = x.reshape(rows, k)
-    quantized = all(isinstance(w, QuantizedWeight) for w in weights)
-    if config.backend == "pallas" and quantized and same_format(weights):
-        outs = _pallas(x2, weights, path or select_path(rows, config), config)
+    stored = [unwrap(w) for w in weights]
+    quantized = all(isinstance(q, QuantizedWeight) for q, _ in stored)
+    layer = stored[0][1]
+    # one launch: one format, and all plain or all the same layer of their stacks
+    shared = all((lw is None and layer is None) or (lw is not None and layer is not None and lw.index is layer.index)
+                 for _, lw in stored)
+    if config.backend == "pallas" and quantized and shared and same_format([q for q, _ in stored]):
+        outs = _pallas(x2, [q for q, _ in stored], path or select_path(rows, config), config, layer)
     else:
         outs = [_one(x2, w, path, config) for w in weights]
     return tuple(o.astype(x.dtype).reshape(*lead, n) for o, n in zip(outs, ns))
 
 
 def _one(x2, w, path, config):
-    if not isinstance(w, QuantizedWeight):
-        return dense_matmul(x2, w)
+    stored, layer = unwrap(w)
+    if not isinstance(stored, QuantizedWeight):
+        return dense_matmul(x2, w if layer is None else layer.take())
     if config.backend == "xla":
-        return xla_quantized_matmul(x2, w)
-    return _pallas(x2, (w,), path or select_path(x2.shape[0], config), config)[0]
+        return xla_quantized_matmul(x2, stored if layer is None else layer.take())
+    return _pallas(x2, (stored,), path or select_path(x2.shape[0], config), config, layer)[0]
 
 
-def _pallas(x2, qws, path: str, config: DispatchConfig) -> tuple[jax.Array, ...]:
-    """The Pallas launch for QuantizedWeights of one format on x2 `[rows, K]`."""
+def _pallas(x2, qws, path: str, config: DispatchConfig, layer: Layer | None = None) -> tuple[jax.Array, ...]:
+    """The Pallas launch for QuantizedWeights of one format on x2 `[rows, K]`; with `layer`, the qws
+    are stacks and that layer of each is read in place."""
     rows, k = x2.shape
     interpret = config.interpret_mode
     shape, group_size = (sum(qw.shape[0] for qw in qws), k), qws[0].group_size
+    index = None if layer is None else layer.operand()
     if path == "qmm":
         if all(qmm_dense(rows, qw.shape, config) for qw in qws):
             # tall inputs: the dense GEMM's tensor-core rate beats dequantizing inside the tiled kernel
-            return tuple(dense_after_x(x2, qw) for qw in qws)
-        return qmm(x2, qws, qmm_tiling(rows, shape, group_size, config, x2.dtype.itemsize), interpret=interpret)
+            return tuple(dense_after_x(x2, qw if layer is None else Layer(qw, layer.index).take()) for qw in qws)
+        return qmm(x2, qws, qmm_tiling(rows, shape, group_size, config, x2.dtype.itemsize), interpret=interpret,
+                   layer=index)
     tiling = gemv_tiling(shape, group_size)
     if path == "multirow" or rows == 1:
         if rows > ROW_TILE:
             raise ValueError(f"path='multirow' handles at most {ROW_TILE} rows, got {rows}")
-        return gemv(x2, qws, tiling, interpret=interpret)
+        return gemv(x2, qws, tiling, interpret=interpret, layer=index)
     # qmv with several rows: one launch per row, re-reading the weight each time (multirow off)
-    per_row = [gemv(x2[i:i + 1], qws, tiling, interpret=interpret) for i in range(rows)]
+    per_row = [gemv(x2[i:i + 1], qws, tiling, interpret=interpret, layer=index) for i in range(rows)]
     return tuple(jnp.concatenate(outs, axis=0) for outs in zip(*per_row))

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .config import EMPTY, attention_head_dim_ok
+from .stack import Layer, with_layer
 
 _NEG = float(np.finfo(np.float32).min)  # finite: a fully masked row never makes inf - inf
 
@@ -103,12 +104,16 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lo_ref, hi_ref, o_ref, *, t
     pltriton.store(o_ref.at[b, pl.ds(q0, block_q), h, :], out.astype(o_ref.dtype), mask=q_ok[:, None])
 
 
-def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, block_q: int | None = None,
+def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, layer=None, block_q: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     interpret: bool = False) -> jax.Array:
     """Attention of q `[B, T, Hq, D]` over k, v `[B, C, Hkv, D]` with the position mask (module
     docstring); q_pos int `[B, T]`, k_pos int `[B, C]`. Returns `[B, T, Hq, D]` in q's dtype. Tuning
-    arguments left None take the H200 defaults for D (`_DEFAULTS`)."""
+    arguments left None take the H200 defaults for D (`_DEFAULTS`). `layer` (an int scalar): k and v
+    are stacks `[L, B, C, Hkv, D]` and layer `layer` of each is read in place."""
+    k_st, v_st = k, v
+    if layer is not None:
+        k, v = Layer(k, layer), Layer(v, layer)
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q and k must be [B, T, H, D] / [B, C, H, D], got shapes {q.shape}, {k.shape}")
     b, t, hq, d = q.shape
@@ -149,9 +154,11 @@ def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, block_q
     t_out = t
     if interpret:  # interpret mode clamps out-of-range slices instead of masking: whole tiles there
         q = jnp.pad(q, ((0, 0), (0, nq * block_q - t), (0, 0), (0, 0)))
-        k, v = (jnp.pad(x, ((0, 0), (0, nk * block_k - c), (0, 0), (0, 0))) for x in (k, v))
+        lead = [(0, 0)] * (layer is not None)
+        k_st, v_st = (jnp.pad(x, (*lead, (0, 0), (0, nk * block_k - c), (0, 0), (0, 0))) for x in (k_st, v_st))
         t_out = nq * block_q
-    kernel = functools.partial(_kernel, t=t, c=c, groups=hq // hkv, window=window, block_q=block_q,
+    stacked = layer is not None
+    kernel = functools.partial(with_layer(_kernel, stacked, (1, 2)), t=t, c=c, groups=hq // hkv, window=window, block_q=block_q,
                                block_k=block_k, nq=nq)
     out = pl.pallas_call(
         kernel,
@@ -160,5 +167,5 @@ def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, block_q
         interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"flash_attention_d{d}_q{block_q}_k{block_k}",
-    )(q, k, v, qpos, kpos, lo, hi)
+    )(*([Layer(k_st, layer).operand()] if stacked else []), q, k_st, v_st, qpos, kpos, lo, hi)
     return out[:, :t]

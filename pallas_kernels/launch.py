@@ -19,6 +19,7 @@ from .config import ROW_TILE, DispatchConfig
 from .gemv import gemv_body, group_sums, kpairs_order, uses_kpairs
 from .qmm import qmm_body
 from .quant import TILE_ROWS, QuantizedWeight
+from .stack import with_layer
 
 XSUMS = ("reduce", "input")
 
@@ -106,18 +107,20 @@ def qmm_dense(rows: int, shape: tuple[int, int], config: DispatchConfig) -> bool
 
 
 # ---- the launch -------------------------------------------------------------------------------
-def gemv(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple[jax.Array, ...]:
-    """`x2 [rows <= ROW_TILE, K] @ dequantize(qw).T` for each qw (one format), one launch of the GEMV body."""
+def gemv(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool, layer=None) -> tuple[jax.Array, ...]:
+    """`x2 [rows <= ROW_TILE, K] @ dequantize(qw).T` for each qw (one format), one launch of the GEMV body.
+    `layer` (an int32 `[1]` array, `stack.Layer.operand()`): the qws are stacks, use that layer's."""
     if x2.shape[0] > tiling.block_m:
         raise ValueError(f"the GEMV computes at most block_m={tiling.block_m} rows, got {x2.shape[0]}")
-    return _launch(gemv_body, x2, tuple(qws), tiling, interpret=interpret)
+    return _launch(gemv_body, x2, tuple(qws), tiling, interpret=interpret, layer=layer)
 
 
-def qmm(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool) -> tuple[jax.Array, ...]:
-    """`x2 [rows, K] @ dequantize(qw).T` for each qw (one format), one launch of the tiled GEMM body."""
+def qmm(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool, layer=None) -> tuple[jax.Array, ...]:
+    """`x2 [rows, K] @ dequantize(qw).T` for each qw (one format), one launch of the tiled GEMM body
+    (`layer` as in `gemv`)."""
     if tiling.xsum != "reduce":
         raise ValueError("the qmm body computes no group sums: Tiling.xsum must be 'reduce'")
-    return _launch(qmm_body, x2, tuple(qws), tiling, interpret=interpret)
+    return _launch(qmm_body, x2, tuple(qws), tiling, interpret=interpret, layer=layer)
 
 
 def same_format(qws) -> bool:
@@ -182,7 +185,7 @@ def _through_weights(x_ref, *refs, body, ns, blocks, with_sums, **common):
 
 
 def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tiling, *,
-            interpret: bool) -> tuple[jax.Array, ...]:
+            interpret: bool, layer=None) -> tuple[jax.Array, ...]:
     """Every weight in one pallas_call, bitwise what one launch per weight gives (every program runs
     the same body on its own tile): a layer's q/k/v or gate/up cost one launch and one wave tail."""
     if not qws or not same_format(qws):
@@ -195,18 +198,19 @@ def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tilin
     dt = dot_dtype(x2.dtype)
     ns = tuple(qw.shape[0] for qw in qws)
     arrays = [(qw.weight, qw.scales, qw.biases) for qw in qws]
+    lead = 0 if layer is None else 1  # a stack's leading layer axis
     if interpret:
         # Interpret mode clamps out-of-range slices instead of masking them: pad to whole tiles.
         x2 = pad_to(x2, 0, tiling.block_m)
-        arrays = [(pad_to(w, 0, tiling.block_n // TILE_ROWS), pad_to(s, 1, tiling.block_n), pad_to(b, 1, tiling.block_n))
-                  for w, s, b in arrays]
+        arrays = [(pad_to(w, lead, tiling.block_n // TILE_ROWS), pad_to(s, lead + 1, tiling.block_n),
+                   pad_to(b, lead + 1, tiling.block_n)) for w, s, b in arrays]
         if body is qmm_body:  # a last step may run past the last group: poison there, hidden by the masks
             extra = tiling.groups_per_step
-            arrays = [(pad_by(w, 1, extra, 0xFFFFFFFF), pad_by(s, 0, extra, 1.0), pad_by(b, 0, extra, 1.0))
+            arrays = [(pad_by(w, lead + 1, extra, 0xFFFFFFFF), pad_by(s, lead, extra, 1.0), pad_by(b, lead, extra, 1.0))
                       for w, s, b in arrays]
             x2 = pad_by(x2, 1, extra * first.group_size, 1.0)
     out_rows = x2.shape[0] if interpret else rows
-    out_ns = [s.shape[1] for _, s, _ in arrays] if interpret else ns
+    out_ns = [s.shape[-1] for _, s, _ in arrays] if interpret else ns
     with_sums = False
     if body is gemv_body:
         if uses_kpairs(dt, first.bits):
@@ -218,7 +222,9 @@ def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tilin
     common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dt, interpret=interpret,
                   precision=None if dt != jnp.float32 else jax.lax.Precision.HIGHEST)
-    kernel = functools.partial(_through_weights, body=body, ns=ns, blocks=blocks, with_sums=with_sums, **common)
+    first_w = 1 + with_sums  # operands: x, the group sums if any, then each weight's three arrays
+    kernel = functools.partial(with_layer(_through_weights, layer is not None, range(first_w, first_w + 3 * len(qws))),
+                               body=body, ns=ns, blocks=blocks, with_sums=with_sums, **common)
     name = "gemv" if body is gemv_body else "qmm"
     outs = pl.pallas_call(
         kernel,
@@ -229,5 +235,5 @@ def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tilin
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name=f"q{first.bits}{name}_m{tiling.block_m}_n{tiling.block_n}" + (f"_x{len(qws)}" if len(qws) > 1 else ""),
-    )(x2, *(a for group in arrays for a in group))
+    )(*([] if layer is None else [layer]), x2, *(a for group in arrays for a in group))
     return tuple(fold_splits(o[:, :rows, :n]).astype(x2.dtype) for o, n in zip(outs, ns))

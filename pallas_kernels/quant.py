@@ -33,7 +33,8 @@ class QuantizedWeight:
     holds the packed words of rows 64t..64t+63 for that group (MLX's packing within a word), one
     contiguous run a kernel program reads per step; rows past N (the last tile's padding) are zero.
     scales, biases: `[K / group_size, N]` (float): a group's values for a block of rows are one
-    contiguous run. N and K come from the scales.
+    contiguous run. N and K come from the scales. A stack of layers' weights (`stack.Layer`) carries
+    one more leading axis on all three arrays; `shape` stays the one layer's.
     """
 
     weight: jax.Array
@@ -44,7 +45,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        g, n = self.scales.shape
+        g, n = self.scales.shape[-2:]
         return n, g * self.group_size
 
     @property
@@ -56,15 +57,18 @@ class QuantizedWeight:
         return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
                    for a in (self.weight, self.scales, self.biases))
 
-    def validate(self) -> None:
+    def validate(self, stacked: bool = False) -> None:
+        """ValueError naming the problem; `stacked`: a stack of layers (one leading axis more)."""
         check_format(self.bits, self.group_size)
-        if self.scales.ndim != 2:
-            raise ValueError(f"QuantizedWeight.scales must be [K/group_size, N], got shape {tuple(self.scales.shape)}")
+        lead = tuple(self.scales.shape[:1]) if stacked else ()
+        if self.scales.ndim != 2 + len(lead):
+            raise ValueError(f"QuantizedWeight.scales must be {'[L, ' if stacked else '['}K/group_size, N], got shape "
+                             f"{tuple(self.scales.shape)}")
         if tuple(self.biases.shape) != tuple(self.scales.shape):
             raise ValueError(f"QuantizedWeight.biases has shape {tuple(self.biases.shape)}, expected the scales' "
                              f"{tuple(self.scales.shape)}")
         n, k = self.shape
-        want = (-(-n // TILE_ROWS), k // self.group_size, TILE_ROWS, self.group_size * self.bits // 32)
+        want = lead + (-(-n // TILE_ROWS), k // self.group_size, TILE_ROWS, self.group_size * self.bits // 32)
         if tuple(self.weight.shape) != want:
             raise ValueError(f"QuantizedWeight.weight must be [ceil(N/{TILE_ROWS}), K/group_size, {TILE_ROWS}, "
                              f"words per group] = {want} for N={n}, K={k}, bits={self.bits}, "

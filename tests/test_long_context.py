@@ -11,6 +11,7 @@ import pytest
 
 import jaxspec
 import models
+from models import layer_scan
 from models import layers, presets
 from models.config import FULL, SLIDING
 from pallas_kernels import ROW_TILE, DispatchConfig
@@ -55,16 +56,19 @@ def test_ring_size_and_memory_formula(capacity, dtype):
     cache = jax.eval_shape(lambda: models.init_cache(CFG, 3, capacity, dtype))
     assert nbytes(cache) == models.cache_bytes(CFG, 3, capacity, dtype)
     ring = capacity > RING
-    for j, i in enumerate(CFG.cache_layers):
-        want = RING if ring and CFG.is_sliding(i) else capacity
-        assert cache.k[j].shape[1] == cache.v[j].shape[1] == want
+    entries = layer_scan.cache_entries(CFG)  # the layers of each buffer (a stack for scanned ones)
+    assert sorted(i for layers in entries for i in layers) == list(CFG.cache_layers)
+    for j, layers in enumerate(entries):
+        want = RING if ring and CFG.is_sliding(layers[0]) else capacity
+        assert cache.k[j].shape[-3] == cache.v[j].shape[-3] == want
+        assert cache.k[j].shape[:-4] == ((len(layers),) if j < layer_scan.stacked_entries(CFG) else ())
     assert (cache.pos is not None) == ring
     if capacity == 4096:  # a sliding layer holds O(window) positions, a full one the capacity
-        sliding = [j for j, i in enumerate(CFG.cache_layers) if CFG.is_sliding(i)]
-        assert all(cache.k[j].shape[1] == W + ROW_TILE + 1 for j in sliding)
+        sliding = [j for j, layers in enumerate(entries) if CFG.is_sliding(layers[0])]
+        assert all(cache.k[j].shape[-3] == W + ROW_TILE + 1 for j in sliding)
         assert cache.pos.shape == (3, RING)
     full = jax.eval_shape(lambda: models.init_cache(CFG, 3, capacity, dtype, ring=False))
-    assert all(x.shape[1] == capacity for x in full.k) and full.pos is None
+    assert all(x.shape[-3] == capacity for x in full.k) and full.pos is None
     assert nbytes(full) == models.cache_bytes(CFG, 3, capacity, dtype, ring=False)
 
 
@@ -266,7 +270,7 @@ def test_hf_parity_long_prompt_on_the_ring(hf_case, n):
         full = hf_case["hf_t"](torch.as_tensor(ids)).logits.numpy()
     cache = models.init_cache(t.config, 2, 128, jnp.float32)
     lg, hidden, cache = fwd(t, jnp.asarray(ids[:, :n], jnp.int32), cache)
-    assert cache.pos is not None and cache.k[0].shape[1] == RING
+    assert cache.pos is not None and cache.k[0].shape[-3] == RING
     assert rel_err(lg, out.logits.numpy()) < 1e-4
     c, dec = cache, []
     for j in range(n, n + 6):

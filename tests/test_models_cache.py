@@ -137,8 +137,8 @@ def assert_verify_equals_decode_steps(t, cache, block):
     # forward leaves junk that no query can see.
     for a, b in zip(v_cache.k + v_cache.v, c.k + c.v):
         for r, n in enumerate(np.asarray(c.lengths)):
-            np.testing.assert_array_equal(np.asarray(a[r, :n].astype(jnp.float32)),
-                                          np.asarray(b[r, :n].astype(jnp.float32)))
+            np.testing.assert_array_equal(np.asarray(a[..., r, :n, :, :].astype(jnp.float32)),
+                                          np.asarray(b[..., r, :n, :, :].astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("dtype,quantize", [(jnp.float32, None),
