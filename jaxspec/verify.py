@@ -79,18 +79,18 @@ def verify_forward(target, tokens: jax.Array, cache, width: int | None = None):
 # Exactness probe
 
 
-def _probe_impl(target, prefix, block, width, capacity):
-    b = prefix.shape[0]
-    cache = models.init_cache(target.config, b, capacity, _cache_dtype(target))
-    _, _, cache = models.forward(target, prefix, cache)
-    wide_logits, wide_hidden, _ = verify_forward(target, block, cache, width)
+def _probe_forward(target, tokens, n, cache):
+    """`models.forward` of the first `n` (traced) of `tokens [B, W]`, the rest padding: at W = the
+    row bucket this is the forward a [B, n] decode or verify block runs (forward pads to the bucket
+    the same way), so one compiled program serves the prefix, the verify and every single step."""
+    b, w = tokens.shape
+    valid = jnp.broadcast_to(jnp.arange(w) < n, (b, w))
+    logits, hidden, new = models.forward(target, tokens, cache, valid=valid)
+    return logits, hidden, new.replace(lengths=cache.lengths + n)
 
-    def step(c, tok):  # one [B, 1] forward per token (a scan: one forward body to compile)
-        lg, hd, c = models.forward(target, tok[:, None], c)
-        return c, (lg[:, 0], hd[:, 0])
 
-    _, (step_logits, step_hidden) = jax.lax.scan(step, cache, block.T)
-    return wide_logits, jnp.swapaxes(step_logits, 0, 1), wide_hidden, jnp.swapaxes(step_hidden, 0, 1)
+def _padded(tokens, width):
+    return jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=PAD_TOKEN)
 
 
 _PROBE_CACHE: dict = {}
@@ -117,17 +117,28 @@ def exactness_probe(target, batch: int, block_size: int, width: int, *, seed: in
         return _PROBE_CACHE[key]
     vocab = int(target.config.vocab_size)
     rng = np.random.default_rng(seed)
+    bucket = models.row_bucket(target, batch)
+    prefix_len = min(prefix_len, bucket)  # the prefix runs at the steps' width: no program of its own
     prefix = jnp.asarray(rng.integers(0, vocab, (batch, prefix_len)), jnp.int32)
     block = jnp.asarray(rng.integers(0, vocab, (batch, block_size)), jnp.int32)
-    capacity = prefix_len + max(width, block_size)
+    wide = max(width, bucket)  # the verify's width: the steps' when the verify fits the bucket
     compile_cache.ensure_default()
 
     # A fresh function each time (jit caches by function): the probe runs once per key and must
-    # trace whatever models.forward is now.
-    def exactness_probe(t, p, b):
-        return _probe_impl(t, p, b, width, capacity)
-
-    wl, sl, wh, sh = jax.device_get(jax.jit(exactness_probe)(target, prefix, block))
+    # trace whatever models.forward is now. One program per width: one in all when K fits the bucket.
+    def exactness_probe(t, tokens, n, c):
+        return _probe_forward(t, tokens, n, c)
+    fwd = jax.jit(exactness_probe)
+    cache = models.init_cache(target.config, batch, prefix_len + wide + block_size, _cache_dtype(target))
+    _, _, cache = fwd(target, _padded(prefix, bucket), jnp.int32(prefix_len), cache)
+    wide_logits, wide_hidden, _ = fwd(target, _padded(block, wide), jnp.int32(block_size), cache)
+    steps = []
+    for j in range(block_size):  # the steps go on from the cache the verify read
+        lg, hd, cache = fwd(target, _padded(block[:, j:j + 1], bucket), jnp.int32(1), cache)
+        steps.append((lg[:, :1], hd[:, :1]))
+    wl, wh = jax.device_get((wide_logits[:, :block_size], wide_hidden[:, :block_size]))
+    sl = np.concatenate([jax.device_get(s[0]) for s in steps], axis=1)
+    sh = np.concatenate([jax.device_get(s[1]) for s in steps], axis=1)
     exact = bool(np.array_equal(wl, sl) and np.array_equal(wh, sh))
     diff = float(np.max(np.abs(wl.astype(np.float64) - sl.astype(np.float64))))
     _PROBE_CACHE[key] = (exact, diff)

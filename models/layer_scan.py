@@ -90,7 +90,9 @@ def is_stacked(params: dict) -> bool:
 
 def stack_params(cfg: TargetConfig, params: dict) -> dict:
     """Per-layer params -> the scanned layers' stacked under `scan.{j}.{name}` (others unchanged).
-    Each stack is built on the device of its parts; the parts are dropped from the result."""
+    Each stack is built on the device of its parts; the parts are dropped from the result. Params
+    that cannot stack (layers of one position in different formats) are returned as they are: the
+    forward then runs every layer on its own."""
     plan = scan_plan(cfg)
     if not plan.groups or is_stacked(params):
         return dict(params)
@@ -103,11 +105,22 @@ def stack_params(cfg: TargetConfig, params: dict) -> dict:
         else:
             out[name] = value
     for (j, rest), by_group in parts.items():
-        if len(by_group) != plan.groups:
-            raise ValueError(f"layer param {rest!r} is missing for some of layers {j}, {j + plan.period}, ...")
-        values = [by_group[g] for g in range(plan.groups)]
+        values = [by_group.get(g) for g in range(plan.groups)]
+        if not _same_kind(values):  # e.g. a checkpoint's per-layer format override: run per layer
+            return dict(params)
         out[f"{PREFIX}{j}.{rest}"] = jax.tree_util.tree_map(lambda *a: _stack(a), *values)
     return out
+
+
+def _same_kind(values) -> bool:
+    """Whether the values can be one stack: all present, one structure (quantization format
+    included), the same shapes and dtypes."""
+    if any(v is None for v in values):
+        return False
+    def kind(v):
+        leaves, tree = jax.tree_util.tree_flatten(v)
+        return tree, tuple((tuple(np.shape(a)), str(a.dtype)) for a in leaves)
+    return all(kind(v) == kind(values[0]) for v in values)
 
 
 def _stack(arrays):

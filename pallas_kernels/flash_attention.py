@@ -104,6 +104,7 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lo_ref, hi_ref, o_ref, *, t
     pltriton.store(o_ref.at[b, pl.ds(q0, block_q), h, :], out.astype(o_ref.dtype), mask=q_ok[:, None])
 
 
+@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "num_warps", "num_stages", "interpret"))
 def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, layer=None, block_q: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                     interpret: bool = False) -> jax.Array:

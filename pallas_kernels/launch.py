@@ -184,10 +184,13 @@ def _through_weights(x_ref, *refs, body, ns, blocks, with_sums, **common):
         start += nb
 
 
+@functools.partial(jax.jit, static_argnames=("body", "tiling", "interpret"))
 def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tiling, *,
             interpret: bool, layer=None) -> tuple[jax.Array, ...]:
     """Every weight in one pallas_call, bitwise what one launch per weight gives (every program runs
-    the same body on its own tile): a layer's q/k/v or gate/up cost one launch and one wave tail."""
+    the same body on its own tile): a layer's q/k/v or gate/up cost one launch and one wave tail.
+    Jitted so that a launch repeated at the same shapes (every layer of a kind) is traced and
+    lowered to Triton once per program: lowering is most of a model's trace time."""
     if not qws or not same_format(qws):
         raise ValueError("a launch needs weights of one format (bits, group size, K, scale dtype), got "
                          f"{[(q.bits, q.group_size, q.shape, q.scales.dtype) for q in qws]}")

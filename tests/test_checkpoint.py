@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import models
-from models import presets
+from models import layer_scan, presets
 from models.config import FULL, SLIDING
 from models.params import LINEAR
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize
@@ -35,6 +35,11 @@ def float_target(seed=0):
 def host(a):
     """A float array as float32 (bf16 values are exact in it), any other (packed words, ids) as it is."""
     return np.asarray(a, np.float32) if jnp.issubdtype(a.dtype, jnp.floating) else np.asarray(a)
+
+
+def per_layer(m):
+    """A model's params under their per-layer names (a Target keeps its scanned layers stacked)."""
+    return layer_scan.unstack_params(m.config, m.params) if isinstance(m, models.Target) else m.params
 
 
 def rel_err(a, b):
@@ -79,9 +84,9 @@ def write_mlx_checkpoint(path, params):
 
 
 def test_mlx_written_checkpoint_loads_and_matches(tmp_path):
-    deq = write_mlx_checkpoint(tmp_path / "mlx", float_target().params)
+    deq = write_mlx_checkpoint(tmp_path / "mlx", per_layer(float_target()))
     t = models.load_target(str(tmp_path / "mlx"), dtype=jnp.float32, matmul=XLA)
-    p = t.params
+    p = per_layer(t)
     assert isinstance(p["layers.0.mlp.down_proj"], QuantizedWeight) and p["layers.0.mlp.down_proj"].bits == 8
     assert isinstance(p["layers.2.self_attn.q_proj"], QuantizedWeight) and p["layers.2.self_attn.q_proj"].bits == 4
     assert not isinstance(p["layers.1.self_attn.o_proj"], QuantizedWeight)
@@ -98,9 +103,9 @@ def test_quantize_on_load_matches_mlx_quantize(tmp_path):
     models.save(t, str(tmp_path / "f"))
     q = models.load_target(str(tmp_path / "f"), dtype=jnp.bfloat16, quantize={"bits": 4, "group_size": 32})
     for name in ("embed_tokens", "lm_head", "layers.1.mlp.down_proj", "layers.2.self_attn.k_proj"):
-        w = q.params[name]
+        w = per_layer(q)[name]
         assert isinstance(w, QuantizedWeight)
-        wq, s, b = mx.quantize(to_mx(t.params[name]), group_size=32, bits=4)
+        wq, s, b = mx.quantize(to_mx(per_layer(t)[name]), group_size=32, bits=4)
         ww, ws, wb = w.to_mlx()
         np.testing.assert_array_equal(np.asarray(ww), np.array(wq), err_msg=name)
         # stored as the kernels read them (64-row tiles per group, [K/g, N] scales); the values are MLX's
@@ -108,26 +113,26 @@ def test_quantize_on_load_matches_mlx_quantize(tmp_path):
         assert w.weight.shape == (-(-n // 64), k // 32, 64, 4) and w.scales.shape == (k // 32, n), name
         np.testing.assert_array_equal(np.asarray(ws, np.float32), np.array(s.astype(mx.float32)))
         np.testing.assert_array_equal(np.asarray(wb, np.float32), np.array(b.astype(mx.float32)))
-    assert not isinstance(q.params["norm"], QuantizedWeight) and q.params["norm"].dtype == jnp.bfloat16
+    assert not isinstance(per_layer(q)["norm"], QuantizedWeight) and per_layer(q)["norm"].dtype == jnp.bfloat16
 
 
 def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
     t = presets.random_model(CFG, jax.random.PRNGKey(2), dtype=jnp.bfloat16,
                              quantize={"bits": 4, "group_size": 32}, matmul=XLA)
-    down8 = quantize(float_target(3).params["layers.0.mlp.down_proj"].astype(jnp.bfloat16), bits=8, group_size=64)
-    t = t.replace(params={**t.params, "layers.0.mlp.down_proj": down8})  # a per-module override
+    down8 = quantize(per_layer(float_target(3))["layers.0.mlp.down_proj"].astype(jnp.bfloat16), bits=8, group_size=64)
+    t = t.replace(params={**per_layer(t), "layers.0.mlp.down_proj": down8})  # a per-module override
     models.save(t, str(tmp_path / "t"), shard_bytes=64 << 10)  # several shards + index
     assert os.path.isfile(tmp_path / "t" / "model.safetensors.index.json")
     cfg = json.load(open(tmp_path / "t" / "config.json"))
     assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.layers.0.mlp.down_proj"]["bits"] == 8
     t2 = models.load_target(str(tmp_path / "t"), dtype=jnp.bfloat16, matmul=XLA)
-    assert t2.config == t.config and set(t2.params) == set(t.params)
-    down = t2.params["layers.0.mlp.down_proj"]  # loaded in the kernels' layout, its own format
+    assert t2.config == t.config and set(per_layer(t2)) == set(per_layer(t))
+    down = per_layer(t2)["layers.0.mlp.down_proj"]  # loaded in the kernels' layout, its own format
     assert (down.bits, down.group_size) == (8, 64) and down.weight.shape == (1, 2, 64, 16)
     mlx = lambda w: w.to_mlx() if isinstance(w, QuantizedWeight) else (w,)
-    for name, w in t.params.items():
-        assert type(w) is type(t2.params[name]), name
-        for a, b in zip(mlx(w), mlx(t2.params[name]), strict=True):
+    for name, w in per_layer(t).items():
+        assert type(w) is type(per_layer(t2)[name]), name
+        for a, b in zip(mlx(w), mlx(per_layer(t2)[name]), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             np.testing.assert_array_equal(host(a), host(b), err_msg=name)
     # MLX reads the written format: its dequantize equals ours
@@ -135,7 +140,7 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
     for f in os.listdir(tmp_path / "t"):
         if f.endswith(".safetensors"):
             arrays.update(mx.load(str(tmp_path / "t" / f)))
-    e = t.params["embed_tokens"]
+    e = per_layer(t)["embed_tokens"]
     mdeq = mx.dequantize(arrays["model.embed_tokens.weight"], arrays["model.embed_tokens.scales"].astype(mx.float32),
                          arrays["model.embed_tokens.biases"].astype(mx.float32), group_size=32, bits=4)
     np.testing.assert_array_equal(np.array(mdeq), np.asarray(dequantize(e, jnp.float32)))
@@ -144,9 +149,9 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
     a = presets.random_model(acfg, jax.random.PRNGKey(4), dtype=jnp.bfloat16, quantize={"bits": 4, "group_size": 32})
     models.save(a, str(tmp_path / "a"))
     a2 = models.load_assistant(str(tmp_path / "a"), dtype=jnp.bfloat16, target=t2)
-    assert a2.config == a.config and a2.params["masked_embedding.token_ordering"].dtype == jnp.int32
-    for name, w in a.params.items():
-        for x, y in zip(mlx(w), mlx(a2.params[name]), strict=True):
+    assert a2.config == a.config and per_layer(a2)["masked_embedding.token_ordering"].dtype == jnp.int32
+    for name, w in per_layer(a).items():
+        for x, y in zip(mlx(w), mlx(per_layer(a2)[name]), strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape, name
             np.testing.assert_array_equal(host(x), host(y), err_msg=name)
 
@@ -167,7 +172,7 @@ def test_loading_resolves_the_dispatch_env_once(tmp_path, monkeypatch):
     for m in (t2, a2, r):
         assert m.matmul == DispatchConfig.from_env() and m.matmul.multirow_max_rows == 4
     assert models.row_bucket(t2, 1) == 4 and models.row_bucket(t2, 2) == 2
-    direct = [models.Target(config=CFG, params=t2.params), models.make_target(CFG, t2.params),
+    direct = [models.Target(config=CFG, params=per_layer(t2)), models.make_target(CFG, per_layer(t2)),
               models.Assistant(config=acfg, params=a2.params), models.make_assistant(acfg, a2.params)]
     for m in direct:
         assert m.matmul == DispatchConfig() and m.matmul.multirow_max_rows == 8
@@ -306,7 +311,7 @@ def test_assistant_that_does_not_fit_is_rejected(tmp_path, edit, msg):
 
 
 def test_params_checked_when_building_a_model():
-    p = dict(float_target().params)
+    p = dict(per_layer(float_target()))
     p.pop("norm")
     p["layers.0.self_attn.q_proj"] = jnp.ones((8, 64))
     with pytest.raises(ValueError, match=r"missing params \['norm'\].*'layers\.0\.self_attn\.q_proj' has shape \(8, 64\)"):
@@ -338,9 +343,9 @@ def snapshot(path):
 
 
 def assert_same_params(m, ref):
-    assert set(m.params) == set(ref.params)
-    for name, w in ref.params.items():
-        np.testing.assert_array_equal(host(m.params[name]), host(w), err_msg=name)
+    assert set(per_layer(m)) == set(per_layer(ref))
+    for name, w in per_layer(ref).items():
+        np.testing.assert_array_equal(host(per_layer(m)[name]), host(w), err_msg=name)
 
 
 @pytest.fixture
@@ -610,10 +615,10 @@ def test_non_finite_float_weight_refused_when_quantized_on_load_and_when_cast(fl
 def test_quantize_model_names_a_non_finite_param():
     rng = np.random.default_rng()
     t = float_target(int(rng.integers(1 << 30)))
-    w = np.array(t.params["layers.1.mlp.up_proj"])
+    w = np.array(per_layer(t)["layers.1.mlp.up_proj"])
     i, j = int(rng.integers(0, w.shape[0])), int(rng.integers(0, w.shape[1]))
     w[i, j] = -np.inf
-    bad = t.replace(params={**t.params, "layers.1.mlp.up_proj": jnp.asarray(w)})
+    bad = t.replace(params={**per_layer(t), "layers.1.mlp.up_proj": jnp.asarray(w)})
     with pytest.raises(ValueError, match=rf"param 'layers\.1\.mlp\.up_proj': weight has non-finite values "
                                          rf"\(0 NaN and 1 inf of {w.size} values, the first at index \({i}, {j}\)\)"):
         models.quantize_model(bad, bits=4, group_size=32)

@@ -1,5 +1,6 @@
 """Presets and random models: real shapes trace end to end (abstractly, no memory), quantized random
 init never makes float linear weights, and the assistant reads only committed keys."""
+import functools
 import math
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import models
-from models import presets
+from models import layer_scan, presets
 from models.params import LINEAR
 from pallas_kernels import DispatchConfig, QuantizedWeight
 
@@ -34,8 +35,9 @@ def test_12b_pair_traces_quantized_without_float_weights():
     t = jax.eval_shape(lambda k: presets.random_model(tcfg, k, quantize=Q4, matmul=mm), jax.random.PRNGKey(0))
     a = jax.eval_shape(lambda k: presets.random_model(acfg, k, quantize=Q4, matmul=mm), jax.random.PRNGKey(1))
     shapes = models.target_shapes(tcfg)
+    per_layer = jax.eval_shape(functools.partial(layer_scan.unstack_params, tcfg), t.params)  # stored stacked
     for name, (shape, kind) in shapes.items():
-        w = t.params[name]
+        w = per_layer[name]
         if kind == LINEAR:
             assert isinstance(w, QuantizedWeight) and w.weight.dtype == jnp.uint32, name
             assert w.shape == shape and w.scales.dtype == jnp.bfloat16, name
@@ -137,9 +139,10 @@ def test_tiny_pair_configs_and_determinism():
     assert tc.max_position_embeddings == ac.text.max_position_embeddings == 128 and tc.eos_token_ids == (1,)
     assert ac.text.num_hidden_layers == 1 and ac.text.hidden_size == tc.hidden_size
     models.check_fit(ac, tc)
+    t_params = layer_scan.unstack_params(tc, t.params)
     for m in (t, a):
         for name, (shape, kind) in (models.target_shapes(tc) if m is t else models.assistant_shapes(ac)).items():
-            w = m.params[name]
+            w = (t_params if m is t else m.params)[name]
             if name != "pre_projection" and kind == LINEAR:
                 assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size) == (4, 32), name
             assert w.shape == shape and w.dtype == jnp.bfloat16, name
@@ -150,7 +153,7 @@ def test_tiny_pair_configs_and_determinism():
     np.testing.assert_array_equal(pre[:, :h], np.eye(h))
     assert 0 < np.abs(pre[:, h:]).max() < 0.1
     assert (np.asarray(t.params["norm"], np.float32) < 0).any()
-    assert np.abs(np.asarray(t.params["layers.0.post_attention_layernorm"], np.float32)).max() < 0.3
+    assert np.abs(np.asarray(t_params["layers.0.post_attention_layernorm"], np.float32)).max() < 0.3
     leaves = lambda m: [np.asarray(x) for x in jax.tree.leaves(m.params)]
     t2, a2 = presets.tiny_pair(seed=3, vocab_size=384, context=128, target_layers=3)
     for m, m2 in ((t, t2), (a, a2)):
