@@ -26,6 +26,7 @@ import pytest
 
 import jaxspec
 import models
+from models import layer_scan
 from jaxspec import default_pair as dp
 from pallas_kernels import DispatchConfig, QuantizedWeight
 
@@ -100,11 +101,12 @@ def test_pair_loads_and_fits_the_budget():
     types = target.config.layer_types
     assert "sliding_attention" in types and types[-1] == "full_attention"
     assert target.config.final_logit_softcapping is not None and target.config.tie_word_embeddings
+    per_layer = layer_scan.unstack_params(target.config, target.params)  # the scanned layers are stacked
     n_target = sum(w.shape[0] * w.shape[1] if isinstance(w, QuantizedWeight) else w.size
-                   for w in target.params.values())
+                   for w in per_layer.values())
     assert n_target >= MIN_TARGET_PARAMS, f"target has {n_target / 1e6:.1f}M params"
-    for model in (target, assistant):
-        for name, w in model.params.items():
+    for params in (per_layer, assistant.params):
+        for name, w in params.items():
             if getattr(w, "ndim", 1) == 2 or isinstance(w, QuantizedWeight):
                 assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size) == (4, 64), name
     assert tok.token_to_id("<eos>") == dp.EOS_ID
