@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
 from jaxspec import compile_cache  # noqa: E402
 
 compile_cache.disable_default()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Free each module's compiled programs when it ends. Every XLA CPU executable keeps memory
+    mappings, and one process running the whole suite reached the kernel's limit of 65,530
+    (vm.max_map_count) and crashed inside a compile."""
+    yield
+    jax.clear_caches()
