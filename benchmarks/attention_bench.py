@@ -29,7 +29,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import environment_line, median_time  # noqa: E402
+from harness import environment_line, median_time, write_report  # noqa: E402
 from models import layers  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
@@ -143,8 +143,6 @@ def bench_prefill(args, rows):
 
 
 def write(out, meta, rows):
-    with open(os.path.join(out, "attention.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"# Attention kernels: {meta['env']}", "", f"Command: `{meta['command']}`", "",
              "| op | kind | context | T | variant | check | time | rate |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -152,8 +150,7 @@ def write(out, meta, rows):
         rate = f"{r['gbs']:.0f} GB/s" if r["op"] == "decode" else f"{r['tflops']:.0f} TFLOP/s"
         lines.append(f"| {r['op']} | {r['kind']} | {r['context']:,} | {r.get('t', '')} | {r['variant']} | "
                      f"{r['ok']} | {time_s} | {rate} |")
-    with open(os.path.join(out, "attention.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(out, "attention", meta, rows, lines)
 
 
 def main(argv=None):

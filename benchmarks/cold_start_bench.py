@@ -103,8 +103,7 @@ def measure(args, layers, k, cache_dir) -> dict:
 
 
 def write(out, meta, rows):
-    with open(os.path.join(out, "cold_start.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    from harness import write_report
     lines = [f"# Cold start: {meta['what']}", "", meta["env"], "", f"Command: `{meta['command']}`", "",
              "| layers | K | disk cache | load s | first call s | second call s | compiled (trace+lower / compile s) | cache hits |",
              "|---|---|---|---|---|---|---|---|"]
@@ -113,8 +112,7 @@ def write(out, meta, rows):
                           if p["compile_s"] >= 0.2)
         lines.append(f"| {r['layers'] or 'all'} | {r['k']} | {r['disk_cache']} | {r['load_s']:.1f} | "
                      f"{r['first']['seconds']:.1f} | {r['second']['seconds']:.2f} | {progs} | {r['first']['cache_hits']} |")
-    with open(os.path.join(out, "cold_start.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(out, "cold_start", meta, rows, lines)
 
 
 def main(argv=None):

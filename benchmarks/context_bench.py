@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from harness import environment_line  # noqa: E402
+from harness import environment_line, write_report  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 from speculative_bench import truncate_layers  # noqa: E402
 
@@ -91,8 +91,6 @@ def one_length(target, assistant, n, args, rng) -> dict:
 
 
 def write(out, meta, rows):
-    with open(os.path.join(out, "context.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
     base = rows[0]["decode_tok_s"] if rows else None
     lines = [f"# Context sweep: {meta['what']}", "", f"{meta['env']}", "", f"Command: `{meta['command']}`", "",
              "| context | prefill s | prefill tok/s | decode tok/s | vs first | step ms | peak GiB | K=4 round (fwd) | K=4 greedy == classic |",
@@ -103,8 +101,7 @@ def write(out, meta, rows):
         lines.append(f"| {r['context']:,} | {r['prefill_s']:.3f} | {r['prefill_tok_s']:,.0f} | {r['decode_tok_s']:.1f} | "
                      f"{r['decode_tok_s'] / base:.0%} | {r['decode_step_ms']:.2f} | {r['peak_gib']:.1f} | {spec} | "
                      f"{r.get('spec_greedy_equal', '')} |")
-    with open(os.path.join(out, "context.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(out, "context", meta, rows, lines)
     plot(out, meta, rows)
 
 

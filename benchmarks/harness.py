@@ -7,6 +7,7 @@ own (x, w) pair; weight sets together exceed the 60 MB L2 several times, so no o
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -99,3 +100,11 @@ def environment(commit: str | None = None) -> dict:
 def environment_line(commit: str | None = None) -> str:
     """`environment(commit)` as one line for a report's header."""
     return ", ".join(f"{k} {v}" for k, v in environment(commit).items())
+
+
+def write_report(out: str, name: str, meta: dict, rows: list, lines: list[str]) -> None:
+    """A tool's results: `out/name.json` ({"meta", "rows"}) and `out/name.md` (the report's lines)."""
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
