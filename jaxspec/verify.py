@@ -136,9 +136,8 @@ def exactness_probe(target, batch: int, block_size: int, width: int, *, seed: in
     for j in range(block_size):  # the steps go on from the cache the verify read
         lg, hd, cache = fwd(target, _padded(block[:, j:j + 1], bucket), jnp.int32(1), cache)
         steps.append((lg[:, :1], hd[:, :1]))
-    wl, wh = jax.device_get((wide_logits[:, :block_size], wide_hidden[:, :block_size]))
-    sl = np.concatenate([jax.device_get(s[0]) for s in steps], axis=1)
-    sh = np.concatenate([jax.device_get(s[1]) for s in steps], axis=1)
+    (wl, wh), steps = jax.device_get(((wide_logits[:, :block_size], wide_hidden[:, :block_size]), steps))
+    sl, sh = (np.concatenate(parts, axis=1) for parts in zip(*steps))
     exact = bool(np.array_equal(wl, sl) and np.array_equal(wh, sh))
     diff = float(np.max(np.abs(wl.astype(np.float64) - sl.astype(np.float64))))
     _PROBE_CACHE[key] = (exact, diff)

@@ -102,12 +102,12 @@ def _layout(config: TargetConfig, batch: int, capacity: int, max_block: int, rin
     """(the K (= V) buffer shape of each cache entry, the ring's slot count or 0 without a ring)."""
     s = ring_size(config, capacity, max_block) if ring else capacity
     has_ring = s < capacity and any(config.is_sliding(i) for i in config.cache_layers)
-    shapes = []
+    stacks, shapes = stacked_entries(config), []
     for j, layers in enumerate(cache_entries(config)):
         i = layers[0]
         one = (batch, s if has_ring and config.is_sliding(i) else capacity, config.layer_kv_heads[i],
                config.layer_head_dims[i])
-        shapes.append(((len(layers),) if j < stacked_entries(config) else ()) + one)
+        shapes.append(((len(layers),) if j < stacks else ()) + one)
     return shapes, (s if has_ring else 0)
 
 

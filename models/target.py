@@ -6,6 +6,8 @@ Linear/embedding values are float `[N, K]` arrays or `QuantizedWeight`s; norms a
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -156,7 +158,8 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         key = (cfg.is_sliding(i), cfg.layer_head_dims[i])
         if key not in tables:
             tables[key] = rope_tables(pos, cfg.rope(i), key[1], dt)
-    step = _Step(b=b, t=t, start=start, pos=pos, slot_pos=slot_pos, tables=tables, cache=cache)
+    # what every layer of this forward shares: shapes, positions, RoPE tables, the ring's plan
+    step = SimpleNamespace(b=b, t=t, start=start, pos=pos, slot_pos=slot_pos, tables=tables, cache=cache)
     if cache.pos is not None:
         step.cols, step.ring_short, step.ring_keys_pos = cols, ring_short, ring_keys_pos
     ks, vs = list(cache.k), list(cache.v)
@@ -195,13 +198,6 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     return out, hidden, KVCache(k=tuple(ks), v=tuple(vs), lengths=start + t, pos=ring_pos, capacity=cap)
 
 
-class _Step:
-    """What every layer of one forward shares: shapes, positions, RoPE tables, the ring's plan."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
 class _Weights:
     """A layer's params: plain per-layer ones (`index` None) or layer `index` of the scan's stacks
     (linears as `Layer`s, read in place by the kernels; norms and scalars sliced)."""
@@ -210,8 +206,7 @@ class _Weights:
         self.params, self.prefix, self.index = params, prefix, index
 
     def linear(self, name: str):
-        w = self.params[self.prefix + name]
-        return w if self.index is None else Layer(w, self.index)
+        return _at(self.params[self.prefix + name], self.index)
 
     def vector(self, name: str):
         w = self.params[self.prefix + name]
@@ -222,7 +217,8 @@ def _at(buf, index):
     return buf if index is None else Layer(buf, index)
 
 
-def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pli_i, step: _Step, new_kv: dict):
+def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pli_i, step: SimpleNamespace,
+           new_kv: dict):
     """Decoder layer i (for a scanned layer: its position in the pattern) on h `[B, T, H]`: writes
     its K/V into `ks[slot], vs[slot]` (`entry` = (slot, index in the stack or None)) and returns h."""
     cfg, mm = target.config, target.matmul

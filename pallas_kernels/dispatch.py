@@ -66,9 +66,8 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     stored = [unwrap(w) for w in weights]
     quantized = all(isinstance(q, QuantizedWeight) for q, _ in stored)
     layer = stored[0][1]
-    # one launch: one format, and all plain or all the same layer of their stacks
-    shared = all((lw is None and layer is None) or (lw is not None and layer is not None and lw.index is layer.index)
-                 for _, lw in stored)
+    # one launch: one format, and all plain or all the same layer (one index object) of their stacks
+    shared = len({None if lw is None else id(lw.index) for _, lw in stored}) == 1
     if config.backend == "pallas" and quantized and shared and same_format([q for q, _ in stored]):
         outs = _pallas(x2, [q for q, _ in stored], path or select_path(rows, config), config, layer)
     else:

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .quant import QuantizedWeight
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Layer:
     @property
     def shape(self) -> tuple[int, ...]:
         shape = self.stack.shape
-        return tuple(shape) if is_quantized(self.stack) else tuple(shape[1:])
+        return tuple(shape) if isinstance(self.stack, QuantizedWeight) else tuple(shape[1:])
 
     @property
     def ndim(self) -> int:
@@ -37,11 +39,6 @@ class Layer:
     def dtype(self):
         return self.stack.dtype
 
-    @property
-    def count(self) -> int:
-        """L, the number of layers in the stack."""
-        return int(self.stack.scales.shape[0] if is_quantized(self.stack) else self.stack.shape[0])
-
     def take(self):
         """The layer itself (a dynamic slice): for the XLA paths."""
         i = jnp.asarray(self.index, jnp.int32)
@@ -50,10 +47,6 @@ class Layer:
     def operand(self) -> jax.Array:
         """The index as the int32 `[1]` operand a kernel reads with `read_layer`."""
         return jnp.reshape(jnp.asarray(self.index, jnp.int32), (1,))
-
-
-def is_quantized(w) -> bool:
-    return hasattr(w, "scales") and hasattr(w, "bits")
 
 
 def unwrap(w):
