@@ -80,10 +80,10 @@ def child(args) -> dict:
             out = generate(target, [prompt], assistant=assistant if args.block_size > 1 else None,
                            max_new_tokens=args.max_tokens, block_size=args.block_size, eos_token_ids=())
             call_s = time.perf_counter() - t1
-        calls.append(dict(seconds=call_s, tokens=len(out.tokens[0]), fallback=out.stats.fallback,
+        calls.append(dict(seconds=call_s, tokens=len(out.tokens[0]), ids=out.tokens[0], fallback=out.stats.fallback,
                           cache_hits=log.cache_hits,
-                          programs=[dict(name=p.name, trace_lower_s=p.trace_s + p.lower_s, compile_s=p.compile_s)
-                                    for p in log.compiled]))
+                          programs=[dict(name=p.name, trace_lower_s=p.trace_s + p.lower_s, compile_s=p.compile_s,
+                                         load_s=p.load_s) for p in log.programs if p.compile_s or p.load_s]))
     return dict(load_s=load_s, first=calls[0], second=calls[1])
 
 
@@ -105,11 +105,12 @@ def measure(args, layers, k, cache_dir) -> dict:
 def write(out, meta, rows):
     from harness import write_report
     lines = [f"# Cold start: {meta['what']}", "", meta["env"], "", f"Command: `{meta['command']}`", "",
-             "| layers | K | disk cache | load s | first call s | second call s | compiled (trace+lower / compile s) | cache hits |",
+             "| layers | K | disk cache | load s | first call s | second call s | programs (trace+lower / compile s, or loaded s) | cache hits |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        progs = ", ".join(f"{p['name']} {p['trace_lower_s']:.1f}/{p['compile_s']:.1f}" for p in r["first"]["programs"]
-                          if p["compile_s"] >= 0.2)
+        progs = ", ".join(f"{p['name']} loaded {p['load_s']:.1f}" if p.get("load_s") else
+                          f"{p['name']} {p['trace_lower_s']:.1f}/{p['compile_s']:.1f}" for p in r["first"]["programs"]
+                          if p["compile_s"] >= 0.2 or p.get("load_s"))
         lines.append(f"| {r['layers'] or 'all'} | {r['k']} | {r['disk_cache']} | {r['load_s']:.1f} | "
                      f"{r['first']['seconds']:.1f} | {r['second']['seconds']:.2f} | {progs} | {r['first']['cache_hits']} |")
     write_report(out, "cold_start", meta, rows, lines)

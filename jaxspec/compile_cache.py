@@ -5,11 +5,12 @@ on an H200), unless JAX's persistent compilation cache holds it. jaxspec turns t
 itself, in ~/.cache/jaxspec/jax, the first time it builds a program (a Generator, the exactness
 probe), for the Python API as for the CLI. Opt out before that with `disable_default()` (the CLI:
 `--no-compile-cache`); a directory already set in JAX's configuration (`jax_compilation_cache_dir`,
-e.g. $JAX_COMPILATION_CACHE_DIR) wins and keeps its settings.
+e.g. $JAX_COMPILATION_CACHE_DIR) wins and keeps its settings. generate's own programs are also kept
+whole in its `jaxspec-programs` folder (`jaxspec.programs`), so that a new process skips their tracing too.
 
     with CompileLog() as log:
         jaxspec.generate(...)
-    log.programs   # [(name, trace s, lower s, compile s), ...] for each program compiled
+    log.programs   # [(name, trace s, lower s, compile s, load s), ...] for each program built
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 _HIT = "/jax/compilation_cache/cache_hits"
+LOAD = "/jaxspec/programs/load_duration"  # a program loaded whole from disk (jaxspec.programs)
 _active: list["CompileLog"] = []
 _listening = {"on": False}
 
@@ -72,6 +74,7 @@ class Program:
     trace_s: float = 0.0
     lower_s: float = 0.0
     compile_s: float = 0.0  # XLA's compile, or the persistent cache's fetch when it held the program
+    load_s: float = 0.0     # loaded whole from disk instead (jaxspec.programs): no trace, lower or compile
 
 
 class CompileLog:
@@ -103,6 +106,8 @@ class CompileLog:
             prog = self._open.pop(name, None) or Program(name)
             prog.lower_s += seconds
             self.programs.append(prog)
+        elif event == LOAD:
+            self.programs.append(Program(name, load_s=seconds))
         elif event == _COMPILE:
             prog = next((p for p in reversed(self.programs) if p.name == name and not p.compile_s), None)
             if prog is None:
@@ -119,6 +124,11 @@ class CompileLog:
     def compiled(self) -> list[Program]:
         """The programs that reached XLA's compiler (or the persistent cache), not only traced."""
         return [p for p in self.programs if p.compile_s > 0]
+
+    @property
+    def loaded(self) -> list[str]:
+        """The names of the programs loaded whole from disk (`jaxspec.programs`)."""
+        return [p.name for p in self.programs if p.load_s > 0]
 
 
 def _on_event(event: str, seconds: float, **kw):

@@ -16,6 +16,7 @@ from pallas_kernels import ROW_TILE
 
 from . import compile_cache
 from . import loop
+from . import programs
 from . import sampling
 from . import verify
 
@@ -63,17 +64,6 @@ class GenerationResult:
 
 
 _PREFILL = jax.jit(loop.prefill, static_argnums=0)  # shared by every Generator (keyed by PrefillSpec)
-_AOT: dict = {}
-
-
-def _aot(fn, tag, static, *args):
-    """An AOT-compiled `fn` for these argument shapes (cached), so that timings exclude compilation."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    sig = (tag, static, tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves))
-    compiled = _AOT.get(sig)
-    if compiled is None:
-        compiled = _AOT[sig] = (fn.lower(static, *args) if static is not None else fn.lower(*args)).compile()
-    return compiled
 
 
 class Generator:
@@ -118,19 +108,34 @@ class Generator:
     def prefill_spec(self, target, prompt) -> loop.PrefillSpec:
         return self.spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
 
+    def prefill_program(self, target, prompt, lengths, key, limit, stop_ids) -> programs.Program:
+        spec = self.prefill_spec(target, prompt)
+        args = (target, prompt, lengths, key, limit, stop_ids)
+        return programs.Program("prefill", spec, args, lambda: _PREFILL.lower(spec, *args))
+
+    def decode_program(self, target, assistant, state) -> programs.Program:
+        """`state` may be shapes only (`loop.state_shapes`): the program can be built before the prefill runs."""
+        args = (target, assistant if self.spec.speculative else None, state, jnp.zeros((), jnp.int32))
+        return programs.Program("decode", self.spec, args, lambda: self._decode.lower(*args))
+
+    def all_programs(self, target, assistant, prompt, lengths, key, limit, stop_ids) -> list[programs.Program]:
+        """The decode loop's program and the prefill's, for `programs.compile_all` (longest first)."""
+        state = loop.state_shapes(self.spec, target, prompt, limit, stop_ids, key)
+        return [self.decode_program(target, assistant, state),
+                self.prefill_program(target, prompt, lengths, key, limit, stop_ids)]
+
     def compiled_prefill(self, target, prompt, lengths, key, limit, stop_ids) -> Callable[[], loop.DecodeState]:
         """`() -> state`: the prefill of these inputs, compiled now (cached per shapes), run when
         called; the state comes in decode's shapes (`loop.start`)."""
         args = (target, prompt, lengths, key, limit, stop_ids)
-        pre = _aot(_PREFILL, "prefill", self.prefill_spec(target, prompt), *args)
+        pre = programs.compiled(self.prefill_program(*args))
         return lambda: loop.start(self.spec, pre(*args))
 
     def compiled_decode(self, target, assistant, state) -> Callable[[loop.DecodeState, int], loop.DecodeState]:
         """`(state, max_rounds) -> state`: up to max_rounds more rounds, compiled now (cached per
         shapes: one program for every state and budget). The state passed in is donated."""
         drafter = assistant if self.spec.speculative else None
-        n = jnp.zeros((), jnp.int32)
-        dec = _aot(self._decode, ("decode", self.spec), None, target, drafter, state, n)
+        dec = programs.compiled(self.decode_program(target, assistant, state))
         return lambda s, max_rounds: dec(target, drafter, s, jnp.asarray(max_rounds, jnp.int32))
 
     def prefill(self, target, prompt, lengths, key, limit, stop_ids) -> loop.DecodeState:
@@ -157,9 +162,7 @@ class Generator:
 
     def compiled_decode_text(self, target, assistant, state) -> str:
         """The optimized HLO of the decode loop (to inspect launches per round)."""
-        drafter = assistant if self.spec.speculative else None
-        n = jnp.zeros((), jnp.int32)
-        return _aot(self._decode, ("decode", self.spec), None, target, drafter, state, n).as_text()
+        return programs.compiled(self.decode_program(target, assistant, state)).as_text()
 
     def inputs(self, prompt_ids, *, max_new_tokens=None, eos_token_ids=(), stop_token_ids=(), seed=0,
                prompt_width=None):
@@ -389,7 +392,8 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
          verify_pad=None, draft: str = "sample", cache_size: int | None = None,
          exactness_probe: bool = True) -> Plan:
     """`generate`'s arguments -> a Plan: every input check (on the host, before anything is
-    compiled), then the exactness probe (T = 0), the Generator and its input arrays."""
+    compiled), then every program the call needs compiled at once (`programs.compile_all`), the
+    exactness probe (T = 0), the Generator and its input arrays."""
     rows = _as_batch(prompt_ids)
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
@@ -399,13 +403,25 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
         stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft,
         cache_size=cache_size, seed=seed)
     batch = len(rows)
+    budget = _round_up(int(max_new_tokens), BUDGET_BUCKET)
+
+    def generator(k):
+        gen = make_generate(block_size=k, max_new_tokens=budget, temperature=float(temperature), top_k=top_k,
+                            top_p=top_p, verify_pad=pad, draft=draft, cache_size=capacity)
+        return gen, gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop, seed=seed,
+                               prompt_width=prompt_width)
+
+    # Compile what the K asked for needs (probe, prefill, decode) at once, before the probe runs;
+    # when the probe then lowers K, the smaller K's programs compile on their own.
+    asked = int(block_size) if assistant is not None else 1
+    gen, inputs = generator(asked)
+    probes = (verify.probe_programs(target, batch, asked, verify.verify_width(asked, batch, pad, target.matmul))
+              if _probes(asked, temperature, exactness_probe) else [])
+    programs.compile_all(gen.all_programs(target, assistant, *inputs) + probes)
     k, fallback, diff = effective_block_size(target, assistant, batch, block_size, temperature, pad,
                                              exactness_probe)
-    gen = make_generate(block_size=k, max_new_tokens=_round_up(int(max_new_tokens), BUDGET_BUCKET),
-                        temperature=float(temperature), top_k=top_k, top_p=top_p, verify_pad=pad, draft=draft,
-                        cache_size=capacity)
-    inputs = gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop, seed=seed,
-                        prompt_width=prompt_width)
+    if k != asked:
+        gen, inputs = generator(k)
     return Plan(gen=gen, drafter=assistant if k > 1 else None, inputs=inputs, batch=batch,
                 verify_width=gen.spec.width(batch, target.matmul), fallback=fallback, probe_logit_diff=diff)
 
@@ -437,6 +453,10 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
     return p.result(state, prefill_s, decode_s)
 
 
+def _probes(k, temperature, exactness_probe) -> bool:
+    return k > 1 and temperature == 0 and exactness_probe
+
+
 def effective_block_size(target, assistant, batch, block_size, temperature, pad, exactness_probe):
     """(K to run, why speculation was dropped or shrunk, or None; probe logit diff or None). At T = 0
     the exactness probe checks once per shape that a K-wide verify is bit-identical to K single
@@ -448,7 +468,7 @@ def effective_block_size(target, assistant, batch, block_size, temperature, pad,
     fallback = diff = None
     if assistant is not None and k == 1:
         fallback = "block_size=1: nothing to draft"
-    if k > 1 and temperature == 0 and exactness_probe:
+    if _probes(k, temperature, exactness_probe):
         width = verify.verify_width(k, batch, pad, target.matmul)
         exact, diff = verify.exactness_probe(target, batch, k, width)
         if not exact:

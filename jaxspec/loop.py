@@ -133,11 +133,9 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     The pad positions are passed as not `valid`: hidden, and not written to a sliding ring (which
     keeps each row's own newest positions); on full buffers they lie past the row's length."""
     b, p = prompt.shape
-    n = spec.max_new_tokens
     if p > spec.capacity:
         raise ValueError(f"prompt width {p} > cache capacity {spec.capacity}")
     cache = models.init_cache(target.config, b, spec.capacity, _cache_dtype(target), max_block=spec.max_block)
-    rows = jnp.arange(b)
     last = lengths - 1
     # valid: each row's true length, so a sliding ring keeps the row's own last positions
     valid = jnp.arange(p, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
@@ -146,15 +144,37 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     key, k_first = jax.random.split(key)
     first = sampling.sample(k_first, logits[:, 0], spec.sampling)
+    return _first_state(spec, cache, first, hidden[jnp.arange(b), last], limit, stop_ids, key, finite)
+
+
+def _first_state(spec: PrefillSpec, cache, first, h_last, limit, stop_ids, key, finite) -> DecodeState:
+    """The state after the prompt: its first token emitted, no round run yet."""
+    b = first.shape[0]
     out = jnp.zeros((b, spec.out_width), jnp.int32).at[:, 0].set(first)
-    limit = jnp.clip(limit.astype(jnp.int32), 1, n)
+    limit = jnp.clip(limit.astype(jnp.int32), 1, spec.max_new_tokens)
     stop_ids = stop_ids.astype(jnp.int32)
     done = _stop_mask(first[:, None], stop_ids)[:, 0] | (limit <= 1)
     zeros = jnp.zeros((b,), jnp.int32)
-    return DecodeState(cache=cache, bonus=first, h_prev=hidden[rows, last], out=out,
+    return DecodeState(cache=cache, bonus=first, h_prev=h_last, out=out,
                        n_out=jnp.ones((b,), jnp.int32), limit=limit, stop_ids=stop_ids, done=done, key=key,
                        rounds=jnp.zeros((), jnp.int32), row_rounds=zeros, drafted=zeros,
                        accepted=zeros, hist=jnp.zeros((0,), jnp.int32), finite=finite)
+
+
+def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key) -> DecodeState:
+    """The shapes (ShapeDtypeStructs) of `start(spec, prefill(...))` for these inputs, found
+    without tracing the model: decode's program can be looked up, or compiled, before the prefill
+    has run."""
+    b, p = prompt.shape
+    pspec = spec.prefill_spec(p, b, target.matmul)
+
+    def first_state(limit, stop_ids, key):
+        cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
+        h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
+        first = jnp.zeros((b,), jnp.int32)
+        state = _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool))
+        return start(spec, state)
+    return jax.eval_shape(first_state, limit, stop_ids, key)
 
 
 def _draft(spec, assistant, target, state, key):

@@ -18,7 +18,7 @@ import numpy as np
 import models
 from pallas_kernels import DispatchConfig, select_path
 
-from . import compile_cache
+from . import programs
 
 PAD_TOKEN = 0
 
@@ -107,34 +107,55 @@ def probe_key(target, batch, block_size, width):
             batch, block_size, width)
 
 
-def exactness_probe(target, batch: int, block_size: int, width: int, *, seed: int = 1234,
-                    prefix_len: int = 5) -> tuple[bool, float]:
+def _probe_setup(target, batch: int, block_size: int, width: int, prefix_len: int = 5):
+    """(row bucket, prefix length, verify width, `() -> empty cache`) of one probe: the prefix runs
+    at the steps' width (no program of its own), the verify at the steps' width too when it fits."""
+    bucket = models.row_bucket(target, batch)
+    prefix_len = min(prefix_len, bucket)
+    wide = max(width, bucket)
+    return bucket, prefix_len, wide, lambda: models.init_cache(
+        target.config, batch, prefix_len + wide + block_size, _cache_dtype(target))
+
+
+def probe_programs(target, batch: int, block_size: int, width: int) -> list:
+    """The probe's forward programs (`programs.Program`), one per width: one in all when K fits
+    the row bucket. Each traces `models.forward` afresh when it is compiled (not served by jit's
+    cache of an earlier function), so the probe checks the forward as it is now."""
+    bucket, _, wide, new_cache = _probe_setup(target, batch, block_size, width)
+    cache = jax.eval_shape(new_cache)
+    out = []
+    for w in dict.fromkeys((bucket, wide)):
+        args = (target, jax.ShapeDtypeStruct((batch, w), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), cache)
+
+        def lower(args=args):
+            def exactness_probe(t, tokens, n, c):  # the name JAX logs (compile_cache.CompileLog)
+                return _probe_forward(t, tokens, n, c)
+            return jax.jit(exactness_probe).lower(*args)
+        out.append(programs.Program("exactness_probe", None, args, lower))
+    return out
+
+
+def exactness_probe(target, batch: int, block_size: int, width: int, *, seed: int = 1234) -> tuple[bool, float]:
     """Compare the logits and hidden of one K-wide verify (padded to `width`) with K single-token
     steps on a random prefix, bit for bit. Returns (exact, max |logit difference|). Cached per
     (target structure and shapes, batch, K, width): kernels, not values, decide bitwise equality."""
     key = probe_key(target, batch, block_size, width)
     if key in _PROBE_CACHE:
         return _PROBE_CACHE[key]
+    bucket, prefix_len, wide, new_cache = _probe_setup(target, batch, block_size, width)
+    cache = new_cache()
+    compiled = dict(zip(dict.fromkeys((bucket, wide)),
+                        programs.compile_all(probe_programs(target, batch, block_size, width))))
     vocab = int(target.config.vocab_size)
     rng = np.random.default_rng(seed)
-    bucket = models.row_bucket(target, batch)
-    prefix_len = min(prefix_len, bucket)  # the prefix runs at the steps' width: no program of its own
     prefix = jnp.asarray(rng.integers(0, vocab, (batch, prefix_len)), jnp.int32)
     block = jnp.asarray(rng.integers(0, vocab, (batch, block_size)), jnp.int32)
-    wide = max(width, bucket)  # the verify's width: the steps' when the verify fits the bucket
-    compile_cache.ensure_default()
-
-    # A fresh function each time (jit caches by function): the probe runs once per key and must
-    # trace whatever models.forward is now. One program per width: one in all when K fits the bucket.
-    def exactness_probe(t, tokens, n, c):
-        return _probe_forward(t, tokens, n, c)
-    fwd = jax.jit(exactness_probe)
-    cache = models.init_cache(target.config, batch, prefix_len + wide + block_size, _cache_dtype(target))
-    _, _, cache = fwd(target, _padded(prefix, bucket), jnp.int32(prefix_len), cache)
-    wide_logits, wide_hidden, _ = fwd(target, _padded(block, wide), jnp.int32(block_size), cache)
+    step = compiled[bucket]
+    _, _, cache = step(target, _padded(prefix, bucket), jnp.int32(prefix_len), cache)
+    wide_logits, wide_hidden, _ = compiled[wide](target, _padded(block, wide), jnp.int32(block_size), cache)
     steps = []
     for j in range(block_size):  # the steps go on from the cache the verify read
-        lg, hd, cache = fwd(target, _padded(block[:, j:j + 1], bucket), jnp.int32(1), cache)
+        lg, hd, cache = step(target, _padded(block[:, j:j + 1], bucket), jnp.int32(1), cache)
         steps.append((lg[:, :1], hd[:, :1]))
     (wl, wh), steps = jax.device_get(((wide_logits[:, :block_size], wide_hidden[:, :block_size]), steps))
     sl, sh = (np.concatenate(parts, axis=1) for parts in zip(*steps))

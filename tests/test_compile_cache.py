@@ -41,7 +41,7 @@ if sys.argv[1] == "off":
 t, _ = presets.tiny_pair(6)
 with compile_cache.CompileLog() as log:
     out = jaxspec.generate(t, [[5, 6, 7, 8, 9]], max_new_tokens=6, block_size=1)
-print(json.dumps(dict(hits=log.cache_hits, names=log.names(), tokens=out.tokens)))
+print(json.dumps(dict(hits=log.cache_hits, names=log.names(), loaded=log.loaded, tokens=out.tokens)))
 """
 
 
@@ -59,6 +59,14 @@ def test_default_on_disk_cache_serves_a_new_process_and_opt_out(tmp_path):
     assert not cache.exists() and off["hits"] == 0
     cold = _child(tmp_path / "home", "on")
     assert cache.is_dir() and any(cache.iterdir())
-    warm = _child(tmp_path / "home", "on")
-    assert warm["hits"] >= 2 and warm["hits"] > cold["hits"]  # prefill and decode at least
-    assert warm["tokens"] == cold["tokens"] == off["tokens"]
+    programs = cache / "jaxspec-programs"
+    assert sorted(p.name.split("-")[0] for p in programs.iterdir()) == ["decode", "prefill"]
+    assert not cold["loaded"] and {"prefill", "decode"} <= set(cold["names"])
+    warm = _child(tmp_path / "home", "on")  # loads generate's programs whole: nothing traced or compiled
+    assert sorted(warm["loaded"]) == ["decode", "prefill"]
+    assert not {"prefill", "decode"} & set(warm["names"]), warm["names"]
+    for p in programs.iterdir():  # without them (or with damaged ones), JAX's persistent cache serves
+        p.write_bytes(p.read_bytes()[:100])
+    rebuilt = _child(tmp_path / "home", "on")
+    assert rebuilt["hits"] >= 2 and rebuilt["hits"] > cold["hits"] and not rebuilt["loaded"]
+    assert warm["tokens"] == rebuilt["tokens"] == cold["tokens"] == off["tokens"]

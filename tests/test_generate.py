@@ -25,6 +25,7 @@ import models
 import importlib
 G = importlib.import_module("jaxspec.generate")
 from jaxspec import loop
+from jaxspec import programs
 from jaxspec import streaming
 from jaxspec import verify
 from models import presets
@@ -321,10 +322,10 @@ def test_streaming_equals_generate(k, temperature):
     ref = jaxspec.generate(t, rows, **kw)
     if temperature > 0:  # the seed matters: another one samples other tokens
         assert jaxspec.generate(t, rows, **{**kw, "seed": 6}).tokens != ref.tokens
-    programs = dict(G._AOT)
+    compiled = dict(programs._MEMO)
     for per_chunk in (1, 3):
         chunks = list(streaming.stream_generate(t, rows, rounds_per_chunk=per_chunk, **kw))
-        assert G._AOT == programs
+        assert programs._MEMO == compiled
         assert chunks[0].tokens == [r[:1] for r in ref.tokens] and chunks[0].rounds == 0
         assert [c.rounds for c in chunks[1:-1]] == [per_chunk * i for i in range(1, len(chunks) - 1)]
         assert [c.done for c in chunks] == [False] * (len(chunks) - 1) + [True]
@@ -347,8 +348,9 @@ def test_non_finite_prefill_logits_are_an_error():
     t, a = pair()
     rows = [list(r) for r in prompts()]
     kw = dict(max_new_tokens=20, exactness_probe=False)
-    jaxspec.generate(t, rows, assistant=a, **kw)  # the finite pair compiles the shapes
-    programs = dict(G._AOT)
+    for k in (4, 1):  # the finite pair compiles the shapes
+        jaxspec.generate(t, rows, assistant=a, block_size=k, **kw)
+    compiled = dict(programs._MEMO)
     bad = t.replace(params={**t.params, "norm": jnp.full_like(t.params["norm"], jnp.nan)})
     msg = r"the target produced NaN/inf logits for the prompt \(prompt rows \[0, 1, 2\]\): its weights are likely non-finite"
     for k in (4, 1):
@@ -356,7 +358,7 @@ def test_non_finite_prefill_logits_are_an_error():
             jaxspec.generate(bad, rows, assistant=a, block_size=k, **kw)
         with pytest.raises(ValueError, match=msg):
             next(iter(streaming.stream_generate(bad, rows, assistant=a, block_size=k, **kw)))
-    assert G._AOT == programs
+    assert programs._MEMO == compiled
     gen = jaxspec.make_generate(block_size=1, max_new_tokens=BUDGET)
     with pytest.raises(ValueError, match=r"NaN/inf logits for the prompt \(prompt row 0\)"):
         gen.tokens(gen(bad, None, *gen.inputs([1, 2, 3])[:3]))
@@ -426,6 +428,11 @@ def test_decode_round_budget():
     # a zero budget runs no round
     state = gen.prefill(t, *args)
     assert int(gen.decode(t, a, state, 0).rounds) == 0
+    # decode's program is built from shapes found without the prefill: they are the prefill's
+    prompt, _, key, limit, stop_ids = args
+    want = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype, x.weak_type), state)
+    got = loop.state_shapes(gen.spec, t, prompt, limit, stop_ids, key)
+    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype, x.weak_type), got) == want
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,11 +453,13 @@ def test_exactness_probe_and_fallback(monkeypatch):
         return logits, hidden, cache
 
     verify._PROBE_CACHE.clear()
+    programs.clear()  # compiled programs are kept per shapes; these must trace the new forward
     monkeypatch.setattr(models, "forward", nudged)
     exact, diff = verify.exactness_probe(t, 3, 4, 4)
     assert not exact and 0 < diff < 1e-3
     monkeypatch.setattr(models, "forward", real_forward)
     verify._PROBE_CACHE.clear()
+    programs.clear()
     # generate falls back to classic, with a warning, when the probe fails
     rows = [list(r) for r in prompts()]
     monkeypatch.setattr(verify, "exactness_probe", lambda *args, **kw: (False, 0.5))
@@ -580,7 +589,7 @@ def no_compute(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("compute started before the input was rejected")
     monkeypatch.setattr(models, "forward", boom)
-    monkeypatch.setattr(G, "_aot", boom)
+    monkeypatch.setattr(programs, "compile_all", boom)
     monkeypatch.setattr(verify, "exactness_probe", boom)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import jaxspec
 import models
+from jaxspec import programs
 from jaxspec import sampling
 from test_generate import make_pair
 from test_sampling import np_filter_probs
@@ -93,7 +94,7 @@ def test_statistic_rejects_a_biased_loop(tiny_pair, exact, monkeypatch):
 
     monkeypatch.setattr(sampling, "speculative_accept", _biased_accept)
     monkeypatch.setattr(G, "_GENERATORS", {})
-    monkeypatch.setattr(G, "_AOT", {k: v for k, v in G._AOT.items() if k[0] == "prefill"})  # keep prefill
+    monkeypatch.setattr(programs, "_MEMO", {k: v for k, v in programs._MEMO.items() if k[0] == "prefill"})
     r = _generate(t, a, 3)
     emp = empirical(r.tokens)
     tv = 0.5 * np.abs(emp - exact).sum()

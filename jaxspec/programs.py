@@ -1,0 +1,152 @@
+"""generate's compiled programs: each compiled once per shapes, several at once, and kept whole on disk.
+
+A generate call needs up to three programs: the exactness probe's forward, the prefill and the decode
+loop. `compile_all` builds them together:
+- in memory, each once per shapes (a second call of the same shapes compiles nothing);
+- several at once: each is traced and lowered in turn on the calling thread (Python work, one at a
+  time) and then compiled by XLA in a thread of its own, so the compiles overlap one another and the
+  next program's tracing (the 12B's decode loop alone compiles for ~10 s on an H200 host);
+- whole on disk, when jaxspec's on-disk cache is on (`compile_cache`): keyed by what decides the
+  program without tracing it (its name and static settings, its arguments' tree with the model
+  configs, their shapes, dtypes and devices, the device kind, JAX's version and flags, and a hash of
+  the jaxspec, models and pallas_kernels sources), so a new process loads it without tracing or
+  lowering, which JAX's persistent cache still needs to find its entry (~5 s for the 12B's three).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import jax
+
+from . import compile_cache
+
+_MEMO: dict = {}
+_PACKAGES = ("jaxspec", "models", "pallas_kernels")
+_code_hash: list[str] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program to compile: `lower()` traces and lowers it (called only when neither memory nor
+    disk holds it). `setting` (hashable) and `args` (arrays or ShapeDtypeStructs) decide it: two
+    Programs with equal name, setting and argument tree/shapes/dtypes are the same program."""
+
+    name: str
+    setting: Any
+    args: tuple
+    lower: Callable[[], jax.stages.Lowered]
+
+    def signature(self) -> tuple:
+        leaves, tree = jax.tree_util.tree_flatten(self.args)
+        return (self.name, self.setting, tree,
+                tuple((x.shape, str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves))
+
+
+def compile_all(programs: Sequence[Program]) -> list[jax.stages.Compiled]:
+    """The compiled programs, in order: from memory, else from disk, else compiled (all that
+    are missing at once; the first in the list starts compiling first, so put the longest there)."""
+    sigs = [p.signature() for p in programs]
+    todo = {}
+    for p, sig in zip(programs, sigs):
+        if sig not in _MEMO and sig not in todo and not _load(p, sig):
+            todo[sig] = p
+    if todo:
+        with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="jaxspec-compile") as pool:
+            # Lowering stays on this thread (JAX's tracing is Python); each compile runs beside it.
+            pending = [(p, sig, pool.submit(p.lower().compile)) for sig, p in todo.items()]
+            for p, sig, future in pending:
+                _MEMO[sig] = future.result()
+                _save(p, sig, _MEMO[sig])
+    return [_MEMO[s] for s in sigs]
+
+
+def compiled(program: Program) -> jax.stages.Compiled:
+    return compile_all([program])[0]
+
+
+def clear() -> None:
+    """Forget the programs compiled in this process (the disk keeps its copies)."""
+    _MEMO.clear()
+
+
+# ---- on disk -----------------------------------------------------------------------------------
+def directory() -> str | None:
+    """Where whole programs are kept: `jaxspec-programs` in JAX's compilation cache directory, when
+    jaxspec's on-disk cache is on (`compile_cache.ensure_default`); else None."""
+    root = compile_cache.ensure_default()
+    return os.path.join(root, "jaxspec-programs") if root else None
+
+
+def _sources_hash() -> str:
+    if not _code_hash:
+        h = hashlib.sha256()
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for pkg in _PACKAGES:
+            for dirpath, dirnames, files in sorted(os.walk(os.path.join(here, pkg))):
+                dirnames.sort()
+                for f in sorted(f for f in files if f.endswith(".py")):
+                    path = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(path, here).encode())
+                    with open(path, "rb") as fh:
+                        h.update(fh.read())
+        _code_hash.append(h.hexdigest())
+    return _code_hash[0]
+
+
+def _environment() -> tuple:
+    from importlib import metadata
+
+    dev = jax.devices()[0]
+    cfg = jax.config
+    return (jax.__version__, metadata.version("jaxlib"), dev.platform, dev.device_kind,
+            dev.client.platform_version, jax.device_count(), os.environ.get("XLA_FLAGS", ""),
+            cfg.jax_enable_x64, str(cfg.jax_default_matmul_precision), str(cfg.jax_default_prng_impl))
+
+
+def _path(program: Program, sig: tuple) -> str | None:
+    root = directory()
+    if root is None:
+        return None
+    devices = sorted({str(getattr(x, "sharding", None)) for x in jax.tree_util.tree_leaves(program.args)})
+    key = repr((sig, devices, _environment(), _sources_hash()))
+    return os.path.join(root, f"{program.name}-{hashlib.sha256(key.encode()).hexdigest()[:40]}.bin")
+
+
+def _load(program: Program, sig: tuple) -> bool:
+    path = _path(program, sig)
+    if path is None or not os.path.exists(path):
+        return False
+    from jax.experimental import serialize_executable
+
+    t0 = time.perf_counter()
+    try:
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree = pickle.load(f)
+        _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    except Exception:  # a partial or foreign file: compile instead (and overwrite it)
+        return False
+    jax.monitoring.record_event_duration_secs(compile_cache.LOAD, time.perf_counter() - t0, fun_name=program.name)
+    return True
+
+
+def _save(program: Program, sig: tuple, compiled: jax.stages.Compiled) -> None:
+    path = _path(program, sig)
+    if path is None:
+        return
+    from jax.experimental import serialize_executable
+
+    try:
+        blob = pickle.dumps(serialize_executable.serialize(compiled))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)  # whole or not at all: another process may be reading
+    except Exception:  # e.g. an executable this backend cannot serialize, a read-only disk
+        pass
