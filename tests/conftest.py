@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 # In-process tests keep no on-disk compilation cache (jaxspec turns one on by default): a run
 # never depends on what an earlier run left in ~/.cache. tests/test_compile_cache.py checks the default.
-from jaxspec import compile_cache  # noqa: E402
+from jaxspec import compile_cache, programs  # noqa: E402
 
 compile_cache.disable_default()
 
@@ -37,3 +37,4 @@ def _drop_compiled_programs():
     (vm.max_map_count) and crashed inside a compile."""
     yield
     jax.clear_caches()
+    programs.clear()
