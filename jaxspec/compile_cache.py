@@ -62,7 +62,7 @@ def ensure_default() -> str | None:
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
-_HIT = "/jax/compilation_cache/cache_hits"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
 LOAD = "/jaxspec/programs/load_duration"  # a program loaded whole from disk (jaxspec.programs)
 _active: list["CompileLog"] = []
 _listening = {"on": False}
@@ -139,6 +139,6 @@ def _on_event(event: str, seconds: float, **kw):
 
 
 def _on_count(event: str, **kw):
-    if event == _HIT:
+    if event == CACHE_HIT:
         for log in _active:
             log.cache_hits += 1

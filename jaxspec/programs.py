@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -27,6 +28,8 @@ import jax
 from . import compile_cache
 
 _MEMO: dict = {}
+_thread = threading.local()  # per compile thread: whether JAX's persistent cache served its compile
+_listening: list[bool] = []
 _PACKAGES = ("jaxspec", "models", "pallas_kernels")
 _code_hash: list[str] = []
 
@@ -57,13 +60,29 @@ def compile_all(programs: Sequence[Program]) -> list[jax.stages.Compiled]:
         if sig not in _MEMO and sig not in todo and not _load(p, sig):
             todo[sig] = p
     if todo:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_count)
+            _listening.append(True)
         with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="jaxspec-compile") as pool:
             # Lowering stays on this thread (JAX's tracing is Python); each compile runs beside it.
-            pending = [(p, sig, pool.submit(p.lower().compile)) for sig, p in todo.items()]
+            pending = [(p, sig, pool.submit(_compile, p.lower())) for sig, p in todo.items()]
             for p, sig, future in pending:
-                _MEMO[sig] = future.result()
-                _save(p, sig, _MEMO[sig])
+                _MEMO[sig], from_jax_cache = future.result()
+                if not from_jax_cache:  # an executable JAX's cache loaded may not serialize whole
+                    _save(p, sig, _MEMO[sig])  # (on CPU it lost its code): keep only fresh compiles
     return [_MEMO[s] for s in sigs]
+
+
+def _compile(lowered) -> tuple[jax.stages.Compiled, bool]:
+    """(the executable, whether JAX's persistent cache served it), compiled on this thread."""
+    _thread.hit = False
+    compiled = lowered.compile()
+    return compiled, _thread.hit
+
+
+def _on_count(event: str, **kw):
+    if event == compile_cache.CACHE_HIT:  # recorded on the thread that compiles
+        _thread.hit = True
 
 
 def compiled(program: Program) -> jax.stages.Compiled:
@@ -129,7 +148,11 @@ def _load(program: Program, sig: tuple) -> bool:
         with open(path, "rb") as f:
             payload, in_tree, out_tree = pickle.load(f)
         _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception:  # a partial or foreign file: compile instead (and overwrite it)
+    except Exception:  # a damaged or foreign file: drop it and compile instead
+        try:
+            os.remove(path)
+        except OSError:
+            pass
         return False
     jax.monitoring.record_event_duration_secs(compile_cache.LOAD, time.perf_counter() - t0, fun_name=program.name)
     return True
