@@ -48,8 +48,8 @@ class DispatchConfig:
     interpret: force Pallas interpret mode on or off (None: on unless JAX's default backend is a GPU).
     multirow: 2..multirow_max_rows rows run as one multirow GEMV, which reads each weight tile once
       for all rows (off: one GEMV per row, re-reading the weight each time). $JAXSPEC_QMV_MULTIROW.
-    multirow_max_rows: the largest row count sent to the GEMV (1..ROW_TILE); more rows go to qmm.
-      $JAXSPEC_QMV_MULTIROW_MAX_ROWS.
+    multirow_max_rows: the largest row count sent to the GEMV (1..ROW_TILE; default ROW_TILE, as many
+      rows as its MMA tile computes anyway); more rows go to qmm. $JAXSPEC_QMV_MULTIROW_MAX_ROWS.
     qmm_tile_m: the tiled GEMM's rows per tile (a power of two >= 16; None: 64, or 256 from 256
       rows). $JAXSPEC_QMM_TILE_M.
     qmm_dense_rows: from this many rows on, qmm dequantizes each weight and runs XLA's dense dot
@@ -64,7 +64,7 @@ class DispatchConfig:
     backend: str = "pallas"
     interpret: bool | None = None
     multirow: bool = True
-    multirow_max_rows: int = 8
+    multirow_max_rows: int = ROW_TILE
     qmm_tile_m: int | None = None
     qmm_dense_rows: int = 256
     verify_pad: bool = False

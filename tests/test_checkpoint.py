@@ -175,8 +175,9 @@ def test_loading_resolves_the_dispatch_env_once(tmp_path, monkeypatch):
     direct = [models.Target(config=CFG, params=per_layer(t2)), models.make_target(CFG, per_layer(t2)),
               models.Assistant(config=acfg, params=a2.params), models.make_assistant(acfg, a2.params)]
     for m in direct:
-        assert m.matmul == DispatchConfig() and m.matmul.multirow_max_rows == 8
-    assert models.row_bucket(direct[0], 1) == 8
+        assert m.matmul == DispatchConfig() and m.matmul.multirow_max_rows == 16
+    # the 16-row window: 8 tokens at B = 1 and 2 (MAX_BUCKET), then window // B
+    assert [models.row_bucket(direct[0], b) for b in (1, 2, 3, 4, 5, 16, 17)] == [8, 8, 5, 4, 3, 1, 1]
     assert models.load_target(str(tmp_path / "t"), dtype=jnp.float32, matmul=XLA).matmul is XLA
     monkeypatch.setenv("JAXSPEC_QMV_MULTIROW_MAX_ROWS", "2")  # read at load only
     assert t2.matmul.multirow_max_rows == 4 and models.row_bucket(t2, 1) == 4

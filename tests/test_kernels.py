@@ -144,8 +144,8 @@ def test_float_weight_path():
 
 def test_select_path_rule():
     assert select_path(1) == "qmv"
-    assert [select_path(r) for r in (2, 5, 8)] == ["multirow"] * 3
-    assert select_path(9) == "qmm"
+    assert [select_path(r) for r in (2, 5, 8, 16)] == ["multirow"] * 4
+    assert select_path(17) == "qmm"
     assert select_path(4, DispatchConfig(multirow=False)) == "qmv"
     assert select_path(12, DispatchConfig(multirow_max_rows=12)) == "multirow"
 
@@ -156,7 +156,7 @@ def test_environment_is_read_by_from_env_only(monkeypatch):
     for var, value in (("JAXSPEC_QMV_MULTIROW", "0"), ("JAXSPEC_QMV_MULTIROW_MAX_ROWS", "4"),
                        ("JAXSPEC_QMM_TILE_M", "32"), ("JAXSPEC_QMM_DENSE_ROWS", "0"), ("JAXSPEC_MTP_VERIFY_PAD", "1")):
         monkeypatch.setenv(var, value)
-    assert DispatchConfig() == DispatchConfig(multirow=True, multirow_max_rows=8, qmm_tile_m=None, qmm_dense_rows=256,
+    assert DispatchConfig() == DispatchConfig(multirow=True, multirow_max_rows=16, qmm_tile_m=None, qmm_dense_rows=256,
                                               verify_pad=False)
     cfg = DispatchConfig.from_env()
     assert (cfg.multirow, cfg.multirow_max_rows, cfg.qmm_tile_m, cfg.qmm_dense_rows, cfg.verify_pad) == (
