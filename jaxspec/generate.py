@@ -460,8 +460,8 @@ def _probes(k, temperature, exactness_probe) -> bool:
 def effective_block_size(target, assistant, batch, block_size, temperature, pad, exactness_probe):
     """(K to run, why speculation was dropped or shrunk, or None; probe logit diff or None). At T = 0
     the exactness probe checks once per shape that a K-wide verify is bit-identical to K single
-    steps. When it is not (on the H200 at B = 4, K = 4 the verify's 16 rows leave the multirow
-    window that decode's [4, 2] row bucket stays in), K drops to the row bucket, where verify and
+    steps. When it is not (on the H200 at B = 8, K = 4 the verify's 32 rows leave the multirow
+    window that decode's [8, 2] row bucket stays in), K drops to the row bucket, where verify and
     decode are one computation, if that still drafts (K >= 2) and passes; else decoding falls back
     to classic (K = 1). Either way with a warning."""
     k = int(block_size) if assistant is not None else 1
