@@ -53,21 +53,8 @@ def child(args) -> dict:
         assistant = (models.load_assistant(args.assistant_dir, quantize=q, target=target, matmul=matmul)
                      if args.assistant_dir else None)
     else:
-        if args.target == "tiny":
-            tdict = models.presets.tiny_target_dict(num_hidden_layers=args.layers,
-                                                    layer_types=models.presets.layer_pattern(args.layers, 6),
-                                                    max_position_embeddings=None)
-        else:
-            from speculative_bench import truncate_layers
-            tdict = models.presets.TARGETS[args.target]
-            tdict = truncate_layers(tdict, args.layers) if args.layers else tdict
-        key = jax.random.key(0)
-        target = models.presets.random_model(models.TargetConfig.from_dict(tdict), key, quantize=q, matmul=matmul)
-        assistant = None
-        if args.assistant:
-            acfg = (models.AssistantConfig.from_dict(models.presets.tiny_assistant_dict(tdict))
-                    if args.assistant == "tiny" else models.presets.assistant_config(args.assistant))
-            assistant = models.presets.random_model(acfg, jax.random.fold_in(key, 1), quantize=q, matmul=matmul)
+        from harness import random_pair
+        target, assistant = random_pair(args.target, args.assistant, layers=args.layers, matmul=matmul, quantize=q)
     jax.block_until_ready(jax.tree_util.tree_leaves(target))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)

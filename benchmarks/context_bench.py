@@ -29,9 +29,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from harness import environment_line, write_report  # noqa: E402
+from harness import environment_line, random_pair, write_report  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
-from speculative_bench import truncate_layers  # noqa: E402
 
 from jaxspec.generate import plan  # noqa: E402
 
@@ -41,20 +40,8 @@ def _ints(s: str) -> list[int]:
 
 
 def build(args):
-    matmul = DispatchConfig.from_env(attention=args.attention)
-    key = jax.random.key(args.seed)
-    tdict = models.presets.TARGETS[args.target] if args.target != "tiny" else models.presets.tiny_target_dict(
-        max_position_embeddings=None)
-    if args.layers:
-        tdict = truncate_layers(tdict, args.layers)
-    q = {"bits": 4, "group_size": 64}
-    target = models.presets.random_model(models.TargetConfig.from_dict(tdict), key, quantize=q, matmul=matmul)
-    assistant = None
-    if args.assistant:
-        acfg = (models.presets.assistant_config(args.assistant) if args.assistant != "tiny" else
-                models.AssistantConfig.from_dict(models.presets.tiny_assistant_dict(tdict)))
-        assistant = models.presets.random_model(acfg, jax.random.fold_in(key, 1), quantize=q, matmul=matmul)
-    return target, assistant
+    return random_pair(args.target, args.assistant, layers=args.layers, seed=args.seed,
+                       matmul=DispatchConfig.from_env(attention=args.attention))
 
 
 def peak_bytes() -> int | None:

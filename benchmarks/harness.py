@@ -108,3 +108,44 @@ def write_report(out: str, name: str, meta: dict, rows: list, lines: list[str]) 
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+# ---- random-weight models --------------------------------------------------------------------
+Q4 = {"bits": 4, "group_size": 64}
+
+
+def truncate_layers(cfg_dict: dict, n: int) -> dict:
+    """The first n layers of a target config, the last made full (the model needs one of each type
+    the assistant reads). Per-layer shapes are unchanged, so per-layer costs carry over."""
+    d = json.loads(json.dumps(cfg_dict))
+    text = d.get("text_config", d)
+    types = list(text["layer_types"])[:n]
+    types[-1] = "full_attention"
+    if "sliding_attention" not in types and n > 1:
+        types[0] = "sliding_attention"
+    text["layer_types"] = types
+    text["num_hidden_layers"] = n
+    text["num_kv_shared_layers"] = min(text.get("num_kv_shared_layers") or 0, max(0, n - 2))
+    return d
+
+
+def random_pair(target: str, assistant: str | None = None, *, layers: int = 0, matmul=None, seed: int = 0,
+                dtype=jnp.bfloat16, quantize=Q4):
+    """(target, assistant or None) with random weights. target: a preset name, or "tiny" (no context
+    limit; `layers` of Gemma 4's pattern, any number); a preset keeps its first `layers` layers
+    (`truncate_layers`). assistant: a preset name, "tiny" (one that fits the target) or None."""
+    import models
+    from models import presets
+
+    key = jax.random.key(seed)
+    if target == "tiny":
+        shape = dict(num_hidden_layers=layers, layer_types=presets.layer_pattern(layers, 6)) if layers else {}
+        tdict = presets.tiny_target_dict(max_position_embeddings=None, **shape)
+    else:
+        tdict = truncate_layers(presets.TARGETS[target], layers) if layers else presets.TARGETS[target]
+    t = presets.random_model(models.TargetConfig.from_dict(tdict), key, dtype=dtype, quantize=quantize, matmul=matmul)
+    if not assistant:
+        return t, None
+    acfg = (models.AssistantConfig.from_dict(presets.tiny_assistant_dict(tdict)) if assistant == "tiny"
+            else presets.assistant_config(assistant))
+    return t, presets.random_model(acfg, jax.random.fold_in(key, 1), dtype=dtype, quantize=quantize, matmul=matmul)

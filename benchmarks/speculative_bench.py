@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from harness import environment, hbm_bandwidth, median_time  # noqa: E402
+from harness import Q4, environment, hbm_bandwidth, median_time, random_pair  # noqa: E402
 from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
@@ -63,41 +63,16 @@ def _onoff(v):
     raise argparse.ArgumentTypeError(f"expected on/off, got {v!r}")
 
 
-def truncate_layers(cfg_dict: dict, n: int) -> dict:
-    """The first n layers of a target config, the last made full (the model needs one of each type
-    the assistant reads). Per-layer shapes are unchanged, so per-layer costs carry over."""
-    d = json.loads(json.dumps(cfg_dict))
-    text = d.get("text_config", d)
-    types = list(text["layer_types"])[:n]
-    types[-1] = "full_attention"
-    if "sliding_attention" not in types and n > 1:
-        types[0] = "sliding_attention"
-    text["layer_types"] = types
-    text["num_hidden_layers"] = n
-    text["num_kv_shared_layers"] = min(text.get("num_kv_shared_layers") or 0, max(0, n - 2))
-    return d
-
-
 def load_pair(args, dtype, matmul: DispatchConfig):
     """(target, assistant or None, description) for --target / --assistant, both on `matmul`."""
-    q = {"bits": 4, "group_size": 64}
-    key = jax.random.key(args.seed)
+    q = None if args.float else Q4
     if os.path.isdir(args.target):
-        target = models.load_target(args.target, dtype=dtype, quantize=None if args.float else q, matmul=matmul)
-        assistant = (models.load_assistant(args.assistant, dtype=dtype, quantize=None if args.float else q,
-                                           matmul=matmul)
+        target = models.load_target(args.target, dtype=dtype, quantize=q, matmul=matmul)
+        assistant = (models.load_assistant(args.assistant, dtype=dtype, quantize=q, matmul=matmul)
                      if args.assistant and os.path.isdir(args.assistant) else None)
         return target, assistant, f"checkpoint {args.target}"
-    tdict = models.presets.TARGETS[args.target] if args.target != "tiny" else models.presets.tiny_target_dict()
-    if args.layers:
-        tdict = truncate_layers(tdict, args.layers)
-    tcfg = models.TargetConfig.from_dict(tdict)
-    target = models.presets.random_model(tcfg, key, dtype=dtype, quantize=None if args.float else q, matmul=matmul)
-    assistant = None
-    if args.assistant:
-        acfg = models.presets.assistant_config(args.assistant)
-        assistant = models.presets.random_model(acfg, jax.random.fold_in(key, 1), dtype=dtype,
-                                                quantize=None if args.float else q, matmul=matmul)
+    target, assistant = random_pair(args.target, args.assistant, layers=args.layers, matmul=matmul,
+                                    seed=args.seed, dtype=dtype, quantize=q)
     what = f"preset {args.target}" + (f" (first {args.layers} of its layers)" if args.layers else "")
     return target, assistant, what + ", random 4-bit weights"
 
