@@ -429,6 +429,41 @@ def cmd_generate(args) -> int:
 # tiny-pair
 
 
+def cmd_serve(args) -> int:
+    """Load the pair and serve it over HTTP until interrupted (jaxspec.server)."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"jaxspec serve needs {' and '.join(missing)}: pip install 'jaxspec[serve]'")
+    from . import server
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    model_dir, assistant_dir = _resolve_dirs(args)
+    _parse_configs(model_dir, assistant_dir)
+    try:
+        tok = load_tokenizer(model_dir, args.tokenizer)
+    except TokenizerError as e:
+        raise UsageError(str(e)) from None
+    if args.no_compile_cache:
+        compile_cache.disable_default()
+    else:
+        compile_cache.enable(args.compile_cache)
+    import jax.numpy as jnp
+
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
+    matmul = _matmul_config(args.backend)
+    target = _load("target", model_dir, dtype=dtype, matmul=matmul)
+    assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
+    name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
+                               else os.path.basename(os.path.normpath(model_dir)))
+    srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size)
+    server.serve(srv, args.host, args.port,
+                 announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
+                                        "(OpenAI-compatible: /v1/completions, /v1/chat/completions)"))
+    return EXIT_OK
+
+
 def cmd_tiny_pair(args) -> int:
     """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's."""
     import models
@@ -507,6 +542,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-compile-cache", action="store_true", help="do not use the on-disk compilation cache")
     g.add_argument("--debug", action="store_true", help="show tracebacks")
     g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("serve", help="serve the pair over HTTP (OpenAI-compatible completions and chat)",
+                       description="An OpenAI-compatible server (needs the `serve` extra: FastAPI, uvicorn). "
+                                   "Without --model the embedded default pair is served.")
+    v.add_argument("--model", metavar="DIR", help="target model directory")
+    v.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
+    v.add_argument("--pair", metavar="DIR", help="without --model: a pair directory laid out like the default pair")
+    v.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
+    v.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
+    v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the model directory's "
+                                                       "name, or jaxspec-default-pair)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=_positive_int, default=8000)
+    v.add_argument("--block-size", type=_positive_int, default=4, metavar="K",
+                   help="verify width K (default 4; 1 decodes classically)")
+    v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
+    v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
+    v.add_argument("--compile-cache", metavar="DIR", default=None)
+    v.add_argument("--no-compile-cache", action="store_true")
+    v.add_argument("--debug", action="store_true", help="show tracebacks")
+    v.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tiny-pair", help="write a tiny random target + assistant + tokenizer (smoke tests)")
     t.add_argument("dir", help="output directory (gets target/ and assistant/)")

@@ -1,0 +1,213 @@
+"""`jaxspec serve` end to end on CPU: the real server in a subprocess, talked to with the official
+`openai` client. The embedded default pair: completions streamed and not, greedy text equal to the
+CLI's, 8 concurrent streams each equal to its own run alone, every bad request answered with its
+4xx error while the server keeps serving, a client that disconnects mid-stream dropped. A tiny pair
+given a chat template: chat completions, streamed and not, equal to `jaxspec generate --chat`."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from test_cli import CACHE, REPO, run_cli  # noqa: E402
+
+from jaxspec import cli  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(", "def main():",
+           "x = [", "return sorted(", "with open("]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    def __init__(self, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxspec", "serve", "--port", str(self.port),
+                                      "--compile-cache", CACHE, *args], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                self.health()
+                break
+            except OSError:
+                time.sleep(0.3)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, data: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Running()
+    yield s
+    s.stop()
+
+
+def complete(server, prompt, max_tokens=24, **kw):
+    r = server.client.completions.create(model="jaxspec-default-pair", prompt=prompt, max_tokens=max_tokens, **kw)
+    return r
+
+
+def streamed(server, prompt, max_tokens=24, **kw):
+    chunks = list(server.client.completions.create(model="jaxspec-default-pair", prompt=prompt,
+                                                   max_tokens=max_tokens, stream=True, **kw))
+    return "".join(c.choices[0].text for c in chunks), chunks
+
+
+def test_completion_equals_the_cli_streamed_or_not(server):
+    r = complete(server, PROMPTS[0])
+    cli_run = run_cli("generate", PROMPTS[0], "--max-tokens", "24", "--json", "--compile-cache", CACHE)
+    assert cli_run.returncode == 0, cli_run.stderr
+    assert r.choices[0].text == json.loads(cli_run.stdout)["text"] and r.choices[0].text
+    assert r.choices[0].finish_reason in ("length", "stop") and r.model == "jaxspec-default-pair"
+    assert r.usage.prompt_tokens > 0 and 1 <= r.usage.completion_tokens <= 24
+    ext = r.model_extra["jaxspec"]
+    assert ext["mode"] == "speculative" and ext["block_size"] == 4 and 0 <= ext["acceptance_rate"] <= 1
+    text, chunks = streamed(server, PROMPTS[0])
+    assert text == r.choices[0].text and len(chunks) > 2
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["jaxspec-default-pair"]
+
+
+def test_stop_strings_cut_the_text(server):
+    full = complete(server, PROMPTS[0]).choices[0].text
+    stop = full.strip()[2:5]  # a string the greedy text contains, not at its start
+    cut = full[:full.find(stop)]
+    r = complete(server, PROMPTS[0], stop=[stop, "\u2603"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert streamed(server, PROMPTS[0], stop=stop)[0] == cut
+
+
+def test_concurrent_streams_each_equal_their_run_alone(server):
+    lengths = [8 + 2 * i for i in range(len(PROMPTS))]
+    alone = [complete(server, p, n).choices[0].text for p, n in zip(PROMPTS, lengths)]
+    got = [None] * len(PROMPTS)
+
+    def one(i):
+        got[i] = streamed(server, PROMPTS[i], lengths[i])[0]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == alone
+
+
+def test_sampling_follows_the_seed(server):
+    kw = dict(max_tokens=16, temperature=1.0)
+    seeded = [complete(server, PROMPTS[4], seed=7, **kw).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    unseeded = {complete(server, PROMPTS[4], **kw).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1  # no seed: a random one per request
+
+
+@pytest.mark.parametrize("body,status,match", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'["a list"]', 400, "JSON object"),
+    (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "does not exist"),
+    (json.dumps({"prompt": 5}).encode(), 400, "'prompt' must be"),
+    (json.dumps({"prompt": [1, 2, 99999]}).encode(), 400, "token ids must be in"),
+    (json.dumps({"prompt": [5] * 300}).encode(), 400, "longer than the model's context"),
+    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "'max_tokens'"),
+    (json.dumps({"prompt": "x", "temperature": -1}).encode(), 400, "'temperature'"),
+    (json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "'top_p'"),
+    (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "'n'"),
+    (json.dumps({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "'stop'"),
+    (json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400, "'stream'"),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, match):
+    code, reply = server.post("/v1/completions", body)
+    assert code == status and match in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    if status == 404:
+        assert reply["error"]["code"] == "model_not_found"
+    assert complete(server, PROMPTS[1], 8).choices[0].text
+
+
+def test_chat_needs_a_chat_template(server):
+    with pytest.raises(openai.BadRequestError, match="cannot chat"):
+        server.client.chat.completions.create(model="jaxspec-default-pair",
+                                              messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_client_that_disconnects_is_dropped(server):
+    before = server.health()["dropped"]
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 200, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while b"data: " not in got:  # the first chunk: the generation is running
+        got += sock.recv(4096)
+    sock.close()
+    deadline = time.time() + 60
+    while time.time() < deadline and server.health()["dropped"] == before:
+        time.sleep(0.1)
+    h = server.health()
+    assert h["dropped"] == before + 1 and h["active"] == 0 and h["waiting"] == 0
+    assert complete(server, PROMPTS[3], 8).choices[0].text
+
+
+# ---- chat on a pair with a chat template ----------------------------------------------------------
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("chatpair"))
+    assert cli.main(["tiny-pair", root]) == 0
+    with open(os.path.join(root, "target", "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE)
+    return os.path.join(root, "target"), os.path.join(root, "assistant")
+
+
+def test_chat_completions_equal_the_cli(chat_pair):
+    s = Running("--model", chat_pair[0], "--assistant", chat_pair[1])
+    try:
+        messages = [{"role": "user", "content": "def f(x):"}]
+        r = s.client.chat.completions.create(model="target", messages=messages, max_tokens=16)
+        cli_run = run_cli("generate", "def f(x):", "--chat", "--model", chat_pair[0], "--assistant", chat_pair[1],
+                          "--max-tokens", "16", "--json", "--compile-cache", CACHE)
+        assert cli_run.returncode == 0, cli_run.stderr
+        assert r.choices[0].message.content == json.loads(cli_run.stdout)["text"]
+        assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+        chunks = list(s.client.chat.completions.create(model="target", messages=messages, max_tokens=16, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    finally:
+        s.stop()
