@@ -458,6 +458,9 @@ def cmd_serve(args) -> int:
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size)
+    if not args.no_warmup:
+        _note("compiling the first programs (a new shape compiles on its first request) ...", end="")
+        _note(f" {srv.warm_up():.1f} s")
     server.serve(srv, args.host, args.port,
                  announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
                                         "(OpenAI-compatible: /v1/completions, /v1/chat/completions)"))
@@ -559,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify width K (default 4; 1 decodes classically)")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
+    v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")
     v.add_argument("--compile-cache", metavar="DIR", default=None)
     v.add_argument("--no-compile-cache", action="store_true")
     v.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -83,6 +83,16 @@ class Server:
         self.waiting = 0
         self.dropped = 0  # requests stopped because their client went away
 
+    def warm_up(self) -> float:
+        """Compile what the most common request needs (a short prompt, the smallest budget, greedy)
+        before the first client waits for it; other shapes compile on their first request. Seconds."""
+        t0 = time.perf_counter()
+        ids = (self.tok.encode("Hello") or [1])[:8]
+        for _ in streaming.stream_generate(self.target, [ids], assistant=self.assistant, max_new_tokens=16,
+                                           block_size=self.block_size, eos_token_ids=self.tok.eos_token_ids):
+            pass
+        return time.perf_counter() - t0
+
     # ---- requests -> jobs ------------------------------------------------------------------------
     def job(self, body, chat: bool) -> Job:
         if not isinstance(body, dict):

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -38,18 +39,23 @@ class Running:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "jaxspec", "serve", "--port", str(self.port),
                                       "--compile-cache", CACHE, *args], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 120
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 180
         while time.time() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.output()
             try:
                 self.health()
                 break
             except OSError:
                 time.sleep(0.3)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def output(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
 
     def health(self) -> dict:
         with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
@@ -66,6 +72,7 @@ class Running:
     def stop(self):
         self.proc.terminate()
         self.proc.wait(timeout=30)
+        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +94,8 @@ def streamed(server, prompt, max_tokens=24, **kw):
 
 
 def test_completion_equals_the_cli_streamed_or_not(server):
+    log = server.output()  # ready only after compiling what a short greedy request needs
+    assert "compiling the first programs" in log and "serving 'jaxspec-default-pair'" in log, log
     r = complete(server, PROMPTS[0])
     cli_run = run_cli("generate", PROMPTS[0], "--max-tokens", "24", "--json", "--compile-cache", CACHE)
     assert cli_run.returncode == 0, cli_run.stderr
@@ -196,8 +205,9 @@ def chat_pair(tmp_path_factory):
 
 
 def test_chat_completions_equal_the_cli(chat_pair):
-    s = Running("--model", chat_pair[0], "--assistant", chat_pair[1])
+    s = Running("--model", chat_pair[0], "--assistant", chat_pair[1], "--no-warmup")
     try:
+        assert "compiling the first programs" not in s.output()
         messages = [{"role": "user", "content": "def f(x):"}]
         r = s.client.chat.completions.create(model="target", messages=messages, max_tokens=16)
         cli_run = run_cli("generate", "def f(x):", "--chat", "--model", chat_pair[0], "--assistant", chat_pair[1],
