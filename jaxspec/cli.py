@@ -146,6 +146,24 @@ def _load(kind: str, path: str, **kw):
     return model
 
 
+def _dtype(args):
+    import jax.numpy as jnp
+
+    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
+
+
+def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
+    """(target, assistant or None, the compile cache directory or None): the on-disk cache set as
+    --compile-cache / --no-compile-cache say, then both models loaded on --backend's config."""
+    if args.no_compile_cache:
+        compile_cache.disable_default()
+    cache_dir = None if args.no_compile_cache else compile_cache.enable(args.compile_cache)
+    matmul = _matmul_config(args.backend)
+    target = _load("target", model_dir, dtype=dtype, matmul=matmul)
+    assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
+    return target, assistant, cache_dir
+
+
 def _matmul_config(choice: str):
     """The dispatch config for --backend: auto is the Pallas kernels on a GPU and XLA's
     dequantize + dot elsewhere; the environment's dispatch knobs (DispatchConfig.from_env) apply."""
@@ -364,19 +382,12 @@ def cmd_generate(args) -> int:
             _note(f"jaxspec: note: --max-tokens lowered to {max_tokens} to fit the context of {ctx} tokens")
     stop = () if args.ignore_eos else tok.eos_token_ids
 
-    import jax.numpy as jnp
-
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
+    dtype = _dtype(args)
     _check_memory(tcfg, len(ids), max_tokens, args.block_size if assistant_dir else 1, dtype,
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
-    if args.no_compile_cache:
-        compile_cache.disable_default()
-    cache_dir = None if args.no_compile_cache else compile_cache.enable(args.compile_cache)
-    matmul = _matmul_config(args.backend)
-    target = _load("target", model_dir, dtype=dtype, matmul=matmul)
-    assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
+    target, assistant, cache_dir = _load_pair(args, model_dir, assistant_dir, dtype)
 
     verify_pad = None if args.verify_pad is None else args.verify_pad == "on"
     kw = dict(max_new_tokens=max_tokens, block_size=args.block_size, temperature=args.temperature,
@@ -426,7 +437,7 @@ def cmd_generate(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# tiny-pair
+# serve
 
 
 def cmd_serve(args) -> int:
@@ -445,16 +456,7 @@ def cmd_serve(args) -> int:
         tok = load_tokenizer(model_dir, args.tokenizer)
     except TokenizerError as e:
         raise UsageError(str(e)) from None
-    if args.no_compile_cache:
-        compile_cache.disable_default()
-    else:
-        compile_cache.enable(args.compile_cache)
-    import jax.numpy as jnp
-
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
-    matmul = _matmul_config(args.backend)
-    target = _load("target", model_dir, dtype=dtype, matmul=matmul)
-    assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
+    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, _dtype(args))
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size)
@@ -465,6 +467,10 @@ def cmd_serve(args) -> int:
                  announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
                                         "(OpenAI-compatible: /v1/completions, /v1/chat/completions)"))
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny-pair
 
 
 def cmd_tiny_pair(args) -> int:
