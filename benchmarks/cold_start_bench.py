@@ -37,6 +37,7 @@ def child(args) -> dict:
     import numpy as np
 
     import models
+    from harness import Q4, random_pair
     from jaxspec import compile_cache, generate
     from pallas_kernels import DispatchConfig
 
@@ -47,14 +48,12 @@ def child(args) -> dict:
     else:
         compile_cache.disable_default()
     t0 = time.perf_counter()
-    q = {"bits": 4, "group_size": 64}
     if args.model:
-        target = models.load_target(args.model, quantize=q, matmul=matmul)
-        assistant = (models.load_assistant(args.assistant_dir, quantize=q, target=target, matmul=matmul)
+        target = models.load_target(args.model, quantize=Q4, matmul=matmul)
+        assistant = (models.load_assistant(args.assistant_dir, quantize=Q4, target=target, matmul=matmul)
                      if args.assistant_dir else None)
     else:
-        from harness import random_pair
-        target, assistant = random_pair(args.target, args.assistant, layers=args.layers, matmul=matmul, quantize=q)
+        target, assistant = random_pair(args.target, args.assistant, layers=args.layers, matmul=matmul)
     jax.block_until_ready(jax.tree_util.tree_leaves(target))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)

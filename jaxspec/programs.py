@@ -15,6 +15,7 @@ loop. `compile_all` builds them together:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import pickle
@@ -31,7 +32,6 @@ _MEMO: dict = {}
 _thread = threading.local()  # per compile thread: whether JAX's persistent cache served its compile
 _listening: list[bool] = []
 _PACKAGES = ("jaxspec", "models", "pallas_kernels")
-_code_hash: list[str] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,21 +55,24 @@ def compile_all(programs: Sequence[Program]) -> list[jax.stages.Compiled]:
     """The compiled programs, in order: from memory, else from disk, else compiled (all that
     are missing at once; the first in the list starts compiling first, so put the longest there)."""
     sigs = [p.signature() for p in programs]
-    todo = {}
+    todo = {}  # signature -> (program, its path on disk or None)
     for p, sig in zip(programs, sigs):
-        if sig not in _MEMO and sig not in todo and not _load(p, sig):
-            todo[sig] = p
+        if sig in _MEMO or sig in todo:
+            continue
+        path = _path(p, sig)
+        if not _load(p, sig, path):
+            todo[sig] = (p, path)
     if todo:
         if not _listening:
             jax.monitoring.register_event_listener(_on_count)
             _listening.append(True)
         with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="jaxspec-compile") as pool:
             # Lowering stays on this thread (JAX's tracing is Python); each compile runs beside it.
-            pending = [(p, sig, pool.submit(_compile, p.lower())) for sig, p in todo.items()]
-            for p, sig, future in pending:
+            pending = [(sig, path, pool.submit(_compile, p.lower())) for sig, (p, path) in todo.items()]
+            for sig, path, future in pending:
                 _MEMO[sig], from_jax_cache = future.result()
                 if not from_jax_cache:  # an executable JAX's cache loaded may not serialize whole
-                    _save(p, sig, _MEMO[sig])  # (on CPU it lost its code): keep only fresh compiles
+                    _save(path, _MEMO[sig])  # (on CPU it lost its code): keep only fresh compiles
     return [_MEMO[s] for s in sigs]
 
 
@@ -102,20 +105,19 @@ def directory() -> str | None:
     return os.path.join(root, "jaxspec-programs") if root else None
 
 
+@functools.cache
 def _sources_hash() -> str:
-    if not _code_hash:
-        h = hashlib.sha256()
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        for pkg in _PACKAGES:
-            for dirpath, dirnames, files in sorted(os.walk(os.path.join(here, pkg))):
-                dirnames.sort()
-                for f in sorted(f for f in files if f.endswith(".py")):
-                    path = os.path.join(dirpath, f)
-                    h.update(os.path.relpath(path, here).encode())
-                    with open(path, "rb") as fh:
-                        h.update(fh.read())
-        _code_hash.append(h.hexdigest())
-    return _code_hash[0]
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pkg in _PACKAGES:
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(here, pkg))):
+            dirnames.sort()
+            for f in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, f)
+                h.update(os.path.relpath(path, here).encode())
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
 
 
 def _environment() -> tuple:
@@ -137,8 +139,7 @@ def _path(program: Program, sig: tuple) -> str | None:
     return os.path.join(root, f"{program.name}-{hashlib.sha256(key.encode()).hexdigest()[:40]}.bin")
 
 
-def _load(program: Program, sig: tuple) -> bool:
-    path = _path(program, sig)
+def _load(program: Program, sig: tuple, path: str | None) -> bool:
     if path is None or not os.path.exists(path):
         return False
     from jax.experimental import serialize_executable
@@ -158,8 +159,7 @@ def _load(program: Program, sig: tuple) -> bool:
     return True
 
 
-def _save(program: Program, sig: tuple, compiled: jax.stages.Compiled) -> None:
-    path = _path(program, sig)
+def _save(path: str | None, compiled: jax.stages.Compiled) -> None:
     if path is None:
         return
     from jax.experimental import serialize_executable
