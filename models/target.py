@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels import DispatchConfig, Layer, QuantizedWeight, take_rows
+from pallas_kernels import (DispatchConfig, Layer, QuantizedWeight, attention_head_dim_ok, quantized_matmul_parts,
+                            take_rows)
+from pallas_kernels.attention_inputs import attention_inputs
 from pallas_kernels.stack import take
 
 from .cache import EMPTY, KVCache, init_cache, ring_cols, write_cols, write_rows
@@ -269,9 +271,23 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
 
     x = rms_norm(h, w.vector("input_layernorm"), eps)
     names = ["q_proj"] + ([] if cfg.kv_shared(i) else ["k_proj"] if cfg.k_eq_v(i) else ["k_proj", "v_proj"])
-    q, *kv = linear_many(x, [w.linear("self_attn." + name) for name in names], mm)
-    q = apply_rope(rms_norm(q.reshape(b, t, nq, hd), w.vector("self_attn.q_norm"), eps), cos, sin)
+    projections = [w.linear("self_attn." + name) for name in names]
     ring = cache.is_ring(slot)
+    if mm.attention_kernels and attention_head_dim_ok(hd) and not (ring and not step.ring_short):
+        # one kernel from the projection's split-K partials to q and the cache's new K/V
+        q, *kv = quantized_matmul_parts(x, projections, config=mm)
+        k_parts, v_parts = (kv + [None, None])[:2]
+        cols = step.cols if ring else step.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        q, k_new, v_new = attention_inputs(
+            q, k_parts, v_parts, w.vector("self_attn.q_norm"), w.vector("self_attn.k_norm") if kv else None, cos, sin,
+            *((ks[slot], vs[slot], cols) if kv else (None, None, None)), eps=eps, layer=index,
+            interpret=mm.interpret_mode)
+        if kv:
+            ks[slot], vs[slot] = k_new, v_new
+        kv = []
+    else:
+        q, *kv = linear_many(x, projections, mm)
+        q = apply_rope(rms_norm(q.reshape(b, t, nq, hd), w.vector("self_attn.q_norm"), eps), cos, sin)
     if kv:
         kr = kv[0].reshape(b, t, nkv, hd)
         vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, nkv, hd)

@@ -1,5 +1,6 @@
 """quantized_matmul: validate, flatten rows, pick the path statically from the row count, launch.
-quantized_matmul_many: several weights on one x, in one launch where they share a format."""
+quantized_matmul_many: several weights on one x, in one launch where they share a format.
+quantized_matmul_parts: the same before the split-K fold, for a consumer kernel that folds."""
 from __future__ import annotations
 
 import math
@@ -50,6 +51,20 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     """`tuple(quantized_matmul(x, w) for w in weights)`. QuantizedWeights of one format run in one
     launch on the pallas backend (a layer's q/k/v or gate/up: one launch and one wave tail); the
     launch's tiling depends on the weights only, so each result is bitwise what it is alone."""
+    return _many(x, weights, path, config, fold=True)
+
+
+def quantized_matmul_parts(x, weights, *, path: str | None = None,
+                           config: DispatchConfig | None = None) -> tuple[jax.Array, ...]:
+    """`quantized_matmul_many` without its last step: each result `[S, ..., N]`, the K split's
+    partials (float32 when S > 1, else x's dtype; S = 1 where the path does not split), whose sum in
+    split order rounded to x's dtype (`launch.fold_splits(p).astype(x.dtype)`) is bitwise the
+    `quantized_matmul_many` result. For a kernel that consumes the result and can add the partials
+    itself (pallas_kernels.attention_inputs): the fold's own kernel goes."""
+    return _many(x, weights, path, config, fold=False)
+
+
+def _many(x, weights, path, config, fold: bool) -> tuple[jax.Array, ...]:
     config = DispatchConfig() if config is None else config
     weights = tuple(weights)
     if not weights:
@@ -61,7 +76,7 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if rows == 0:
-        return tuple(jnp.zeros((*lead, n), x.dtype) for n in ns)
+        return tuple(jnp.zeros((*lead, n) if fold else (1, *lead, n), x.dtype) for n in ns)
     x2 = x.reshape(rows, k)
     stored = [unwrap(w) for w in weights]
     quantized = all(isinstance(q, QuantizedWeight) for q, _ in stored)
@@ -69,24 +84,29 @@ def quantized_matmul_many(x, weights, *, path: str | None = None,
     # one launch: one format, and all plain or all the same layer (one index object) of their stacks
     shared = len({None if lw is None else id(lw.index) for _, lw in stored}) == 1
     if config.backend == "pallas" and quantized and shared and same_format([q for q, _ in stored]):
-        outs = _pallas(x2, [q for q, _ in stored], path or select_path(rows, config), config, layer)
+        outs = _pallas(x2, [q for q, _ in stored], path or select_path(rows, config), config, layer, fold)
     else:
-        outs = [_one(x2, w, path, config) for w in weights]
-    return tuple(o.astype(x.dtype).reshape(*lead, n) for o, n in zip(outs, ns))
+        outs = [_one(x2, w, path, config, fold) for w in weights]
+    if fold:
+        return tuple(o.astype(x.dtype).reshape(*lead, n) for o, n in zip(outs, ns))
+    return tuple(o.reshape(o.shape[0], *lead, n) for o, n in zip(outs, ns))
 
 
-def _one(x2, w, path, config):
+def _one(x2, w, path, config, fold: bool):
     stored, layer = unwrap(w)
+    if isinstance(stored, QuantizedWeight) and config.backend == "pallas":
+        return _pallas(x2, (stored,), path or select_path(x2.shape[0], config), config, layer, fold)[0]
     if not isinstance(stored, QuantizedWeight):
-        return dense_matmul(x2, w if layer is None else layer.take())
-    if config.backend == "xla":
-        return xla_quantized_matmul(x2, stored if layer is None else layer.take())
-    return _pallas(x2, (stored,), path or select_path(x2.shape[0], config), config, layer)[0]
+        out = dense_matmul(x2, w if layer is None else layer.take())
+    else:
+        out = xla_quantized_matmul(x2, stored if layer is None else layer.take())
+    return out if fold else out.astype(x2.dtype)[None]
 
 
-def _pallas(x2, qws, path: str, config: DispatchConfig, layer: Layer | None = None) -> tuple[jax.Array, ...]:
+def _pallas(x2, qws, path: str, config: DispatchConfig, layer: Layer | None = None,
+            fold: bool = True) -> tuple[jax.Array, ...]:
     """The Pallas launch for QuantizedWeights of one format on x2 `[rows, K]`; with `layer`, the qws
-    are stacks and that layer of each is read in place."""
+    are stacks and that layer of each is read in place. `fold=False`: `[S, rows, N]` partials."""
     rows, k = x2.shape
     interpret = config.interpret_mode
     shape, group_size = (sum(qw.shape[0] for qw in qws), k), qws[0].group_size
@@ -94,14 +114,15 @@ def _pallas(x2, qws, path: str, config: DispatchConfig, layer: Layer | None = No
     if path == "qmm":
         if all(qmm_dense(rows, qw.shape, config) for qw in qws):
             # tall inputs: the dense GEMM's tensor-core rate beats dequantizing inside the tiled kernel
-            return tuple(dense_after_x(x2, qw if layer is None else Layer(qw, layer.index).take()) for qw in qws)
+            outs = tuple(dense_after_x(x2, qw if layer is None else Layer(qw, layer.index).take()) for qw in qws)
+            return outs if fold else tuple(o.astype(x2.dtype)[None] for o in outs)
         return qmm(x2, qws, qmm_tiling(rows, shape, group_size, config, x2.dtype.itemsize), interpret=interpret,
-                   layer=index)
+                   layer=index, fold=fold)
     tiling = gemv_tiling(shape, group_size)
     if path == "multirow" or rows == 1:
         if rows > ROW_TILE:
             raise ValueError(f"path='multirow' handles at most {ROW_TILE} rows, got {rows}")
-        return gemv(x2, qws, tiling, interpret=interpret, layer=index)
+        return gemv(x2, qws, tiling, interpret=interpret, layer=index, fold=fold)
     # qmv with several rows: one launch per row, re-reading the weight each time (multirow off)
-    per_row = [gemv(x2[i:i + 1], qws, tiling, interpret=interpret, layer=index) for i in range(rows)]
-    return tuple(jnp.concatenate(outs, axis=0) for outs in zip(*per_row))
+    per_row = [gemv(x2[i:i + 1], qws, tiling, interpret=interpret, layer=index, fold=fold) for i in range(rows)]
+    return tuple(jnp.concatenate(outs, axis=-2) for outs in zip(*per_row))

@@ -107,20 +107,22 @@ def qmm_dense(rows: int, shape: tuple[int, int], config: DispatchConfig) -> bool
 
 
 # ---- the launch -------------------------------------------------------------------------------
-def gemv(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool, layer=None) -> tuple[jax.Array, ...]:
+def gemv(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool, layer=None, fold: bool = True) -> tuple[jax.Array, ...]:
     """`x2 [rows <= ROW_TILE, K] @ dequantize(qw).T` for each qw (one format), one launch of the GEMV body.
-    `layer` (an int32 `[1]` array, `stack.Layer.operand()`): the qws are stacks, use that layer's."""
+    `layer` (an int32 `[1]` array, `stack.Layer.operand()`): the qws are stacks, use that layer's.
+    `fold=False`: each result is the split-K partials `[split, rows, N]` (float32 when split > 1), for
+    a consumer that adds them in split order itself (one kernel fewer)."""
     if x2.shape[0] > tiling.block_m:
         raise ValueError(f"the GEMV computes at most block_m={tiling.block_m} rows, got {x2.shape[0]}")
-    return _launch(gemv_body, x2, tuple(qws), tiling, interpret=interpret, layer=layer)
+    return _launch(gemv_body, x2, tuple(qws), tiling, interpret=interpret, layer=layer, fold=fold)
 
 
-def qmm(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool, layer=None) -> tuple[jax.Array, ...]:
+def qmm(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool, layer=None, fold: bool = True) -> tuple[jax.Array, ...]:
     """`x2 [rows, K] @ dequantize(qw).T` for each qw (one format), one launch of the tiled GEMM body
-    (`layer` as in `gemv`)."""
+    (`layer`, `fold` as in `gemv`)."""
     if tiling.xsum != "reduce":
         raise ValueError("the qmm body computes no group sums: Tiling.xsum must be 'reduce'")
-    return _launch(qmm_body, x2, tuple(qws), tiling, interpret=interpret, layer=layer)
+    return _launch(qmm_body, x2, tuple(qws), tiling, interpret=interpret, layer=layer, fold=fold)
 
 
 def same_format(qws) -> bool:
@@ -184,9 +186,9 @@ def _through_weights(x_ref, *refs, body, ns, blocks, with_sums, **common):
         start += nb
 
 
-@functools.partial(jax.jit, static_argnames=("body", "tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("body", "tiling", "interpret", "fold"))
 def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tiling, *,
-            interpret: bool, layer=None) -> tuple[jax.Array, ...]:
+            interpret: bool, layer=None, fold: bool = True) -> tuple[jax.Array, ...]:
     """Every weight in one pallas_call, bitwise what one launch per weight gives (every program runs
     the same body on its own tile): a layer's q/k/v or gate/up cost one launch and one wave tail.
     Jitted so that a launch repeated at the same shapes (every layer of a kind) is traced and
@@ -239,4 +241,6 @@ def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tilin
             num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name=f"q{first.bits}{name}_m{tiling.block_m}_n{tiling.block_n}" + (f"_x{len(qws)}" if len(qws) > 1 else ""),
     )(*([] if layer is None else [layer]), x2, *(a for group in arrays for a in group))
+    if not fold:
+        return tuple(o[:, :rows, :n] for o, n in zip(outs, ns))
     return tuple(fold_splits(o[:, :rows, :n]).astype(x2.dtype) for o, n in zip(outs, ns))

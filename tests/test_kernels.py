@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import (ROW_TILE, DispatchConfig, dequantize, quantize, quantized_matmul,
-                            quantized_matmul_many, select_path)
+                            quantized_matmul_many, quantized_matmul_parts, select_path)
 from pallas_kernels import launch
 
 # Scaled-down Gemma shapes with non-power-of-two N and K (3840 -> 192, 2816 -> 176, 1536 -> 96 ...).
@@ -258,3 +258,23 @@ def test_quantized_matmul_many_matches_float64_keeps_rows_invariant_and_falls_ba
         quantized_matmul_many(x, ())
     with pytest.raises(ValueError, match="one format"):
         launch.gemv(x[0], (qa, q8), launch.Tiling(), interpret=True)
+
+
+@pytest.mark.parametrize("rows, config", [
+    (1, DispatchConfig()), (5, DispatchConfig()), (20, DispatchConfig()), (20, DispatchConfig(qmm_dense_rows=16)),
+    (5, DispatchConfig(multirow=False)), (5, DispatchConfig(backend="xla"))],
+    ids=["qmv", "multirow", "qmm", "dense", "per-row", "xla"])
+def test_parts_fold_to_the_many_result_bitwise(rows, config):
+    """quantized_matmul_parts: `[S, ..., N]` split-K partials (float32 when split) whose in-order sum
+    rounded to x's dtype is bitwise quantized_matmul_many's result, on every path."""
+    rng = np.random.default_rng()
+    (qa, _), (qb, _) = _case(rng, 96, 1024, jnp.bfloat16), _case(rng, 40, 1024, jnp.bfloat16)
+    dense = jnp.asarray(rng.standard_normal((24, 1024)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16).reshape(1, rows, 1024)
+    ws = (qa, qb, dense)
+    parts, many = quantized_matmul_parts(x, ws, config=config), quantized_matmul_many(x, ws, config=config)
+    for p, m in zip(parts, many):
+        assert p.shape[1:] == m.shape and p.dtype == (jnp.float32 if p.shape[0] > 1 else m.dtype)
+        np.testing.assert_array_equal(np.asarray(launch.fold_splits(p).astype(m.dtype)), np.asarray(m))
+    if config.backend == "pallas" and rows <= ROW_TILE:
+        assert parts[0].shape[0] > 1  # the GEMV splits K here: the test folds real partials
