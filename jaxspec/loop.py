@@ -166,15 +166,21 @@ def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key) -> Decode
     without tracing the model: decode's program can be looked up, or compiled, before the prefill
     has run."""
     b, p = prompt.shape
-    pspec = spec.prefill_spec(p, b, target.matmul)
+    return jax.eval_shape(lambda *xs: _blank(spec, target, b, p, *xs), limit, stop_ids, key)
 
-    def first_state(limit, stop_ids, key):
-        cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
-        h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
-        first = jnp.zeros((b,), jnp.int32)
-        state = _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool))
-        return start(spec, state)
-    return jax.eval_shape(first_state, limit, stop_ids, key)
+
+def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key) -> DecodeState:
+    """A decode state (decode's shapes, as `start(spec, prefill(...))` of `[batch, prompt_width]`
+    prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.batching`)."""
+    return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key)
+
+
+def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key) -> DecodeState:
+    pspec = spec.prefill_spec(p, b, target.matmul)
+    cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
+    h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
+    first = jnp.zeros((b,), jnp.int32)
+    return start(spec, _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool)))
 
 
 def _draft(spec, assistant, target, state, key):

@@ -1,0 +1,182 @@
+"""Continuous batching: a fixed number of slots decoding together, requests admitted and retired
+between rounds.
+
+    engine = BatchEngine(target, assistant, slots=8, max_new_tokens=256, capacity=2048)
+    slot = engine.admit(prompt_ids, max_new_tokens=64)   # its prefill, into a free slot
+    while engine.live:
+        for event in engine.step():                      # one round for every live slot
+            print(event.slot, event.tokens, event.done)
+
+The slots are the rows of one `loop.DecodeState` of static shapes `[slots, ...]` and a cache of
+`capacity` positions per row, so every step runs one compiled program: the loop's own decode
+(`Generator.compiled_decode`), called for a round or a few. Admitting a request runs the loop's
+prefill on it alone (batch 1, its prompt width bucketed, the engine's cache capacity) and copies
+that row into the free slot (one jitted, in-place insert). A finished or cancelled row stays in the
+state, inactive, until a new request takes its slot; inactive rows cost compute, not correctness.
+
+Rows never see each other: each keeps its own cache, lengths and budget, and the kernels compute a
+row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
+gives it alone (tests/test_batching.py checks it against generate, request by request). The
+sampling setting (temperature, top_k, top_p) is one per engine, static like every LoopSpec's, and
+sampled rows share the engine's key stream: a sampled request is a correct sample, but its seed
+does not reproduce it when other requests share the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import loop, sampling
+from .generate import (BUDGET_BUCKET, PROMPT_BUCKET, _default_stop_ids, _round_up, effective_block_size,
+                       make_generate, stop_array)
+
+
+@dataclasses.dataclass
+class SlotEvent:
+    """What one step did to a live slot: `tokens` committed since the last step (the first step
+    after admission includes the prefill's token), `done` when the request finished (budget or a
+    stop token; the slot is free again). `drafted` / `accepted`: the request's totals so far."""
+
+    slot: int
+    tokens: list[int]
+    done: bool
+    rounds: int
+    drafted: int
+    accepted: int
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.DecodeState:
+    """`state` with row `slot` replaced by `one`'s only row (its cache, tokens, budget, counters);
+    the shared fields (stop ids, key, round count, histogram) stay the state's."""
+    def put(big, row, axis=0):
+        return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
+
+    c, oc = state.cache, one.cache
+    cache = c.replace(k=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.k, oc.k)),  # [(G,) B, L, H, D]
+                      v=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.v, oc.v)),
+                      lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos))
+    rows = {f: put(getattr(state, f), getattr(one, f)) for f in
+            ("bonus", "h_prev", "out", "n_out", "limit", "done", "row_rounds", "drafted", "accepted", "finite")}
+    return state.replace(cache=cache, **rows)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _retire(state: loop.DecodeState, slot) -> loop.DecodeState:
+    return state.replace(done=state.done.at[slot].set(True))
+
+
+class BatchEngine:
+    """`slots` requests decoding together (see the module docstring). `max_new_tokens`: the largest
+    budget a request may ask; `capacity`: cache positions per slot (prompt + budget + K must fit;
+    default: the target's context, capped at 8192 so the default cache stays small). `block_size`
+    is probed once at `slots` rows at T = 0 (`generate.effective_block_size`), as generate does."""
+
+    def __init__(self, target, assistant=None, *, slots: int, max_new_tokens: int, capacity: int | None = None,
+                 block_size: int = 4, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
+                 rounds_per_step: int = 1):
+        for name, v in (("slots", slots), ("max_new_tokens", max_new_tokens), ("rounds_per_step", rounds_per_step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        sampling.validate_sampling(temperature, top_k, top_p)
+        if block_size > 1 and assistant is None:
+            block_size = 1
+        context = target.config.max_position_embeddings
+        if capacity is None:
+            capacity = min(context or 8192, 8192)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max_new_tokens + block_size + 1:
+            raise ValueError(f"capacity must be an integer >= max_new_tokens + block_size + 1 = "
+                             f"{max_new_tokens + block_size + 1}, got {capacity!r}")
+        self.target, self.slots, self.capacity = target, slots, capacity
+        self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
+        self.params = sampling.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
+        k, self.fallback, _ = effective_block_size(target, assistant, slots, block_size, temperature, None,
+                                                   exactness_probe)
+        self.block_size = k
+        self.drafter = assistant if k > 1 else None
+        self.gen = make_generate(block_size=k, max_new_tokens=_round_up(max_new_tokens, BUDGET_BUCKET),
+                                 temperature=float(temperature), top_k=top_k, top_p=top_p, cache_size=capacity)
+        eos = _default_stop_ids(target) if eos_token_ids is None else tuple(eos_token_ids)
+        self.eos = tuple(int(t) for t in eos)
+        self.stop_ids = stop_array(self.eos)
+        self.key = sampling.seed_key(seed)
+        blank = loop.blank_state(self.gen.spec, target, slots, PROMPT_BUCKET, self.stop_ids, self.key)
+        self.state = jax.tree.map(jnp.copy, blank)  # its zero fields share one buffer: steps donate each
+        self.decode = self.gen.compiled_decode(target, self.drafter, self.state)
+        self.seen = [0] * slots
+        self.owner: list[object | None] = [None] * slots
+
+    @property
+    def live(self) -> int:
+        """Slots holding a request."""
+        return sum(o is not None for o in self.owner)
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.live
+
+    def fits(self, n_prompt: int, max_new_tokens: int) -> bool:
+        """Whether a request of this prompt length and budget fits a slot's cache and the budget."""
+        return (1 <= max_new_tokens <= self.max_new_tokens
+                and n_prompt + max_new_tokens - 1 + self.gen.spec.width(self.slots, self.target.matmul) <= self.capacity)
+
+    def admit(self, prompt_ids, max_new_tokens: int, owner: object = True) -> int:
+        """Prefill one request into a free slot and return the slot. ValueError (before any compute)
+        for bad ids, a budget or prompt that does not fit, or no free slot; after the prefill for
+        non-finite logits (`loop.check_prefill`, the slot stays free)."""
+        ids = [int(t) for t in prompt_ids] if _int_list(prompt_ids) else None
+        vocab = self.target.config.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt_ids must be a non-empty list of token ids in [0, {vocab})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+                not self.fits(len(ids), max_new_tokens):
+            raise ValueError(f"a {len(ids)}-token prompt with max_new_tokens={max_new_tokens!r} does not fit this "
+                             f"engine (budget 1..{self.max_new_tokens}, {self.capacity} cache positions per slot)")
+        if not self.free:
+            raise ValueError(f"all {self.slots} slots are taken")
+        slot = self.owner.index(None)
+        self.key, key = jax.random.split(self.key)
+        prompt, lengths, _, limit, stop = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos)
+        one = self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop)()
+        loop.check_prefill(one)
+        self.state = _insert(self.state, one, jnp.int32(slot))
+        self.seen[slot], self.owner[slot] = 0, owner
+        return slot
+
+    def step(self) -> list[SlotEvent]:
+        """Up to `rounds_per_step` rounds for every live slot (none when no slot is live), then each
+        live slot's new tokens; finished slots are freed."""
+        if not self.live:
+            return []
+        self.state = self.decode(self.state, self.rounds_per_step)
+        out, n_out, done, row_rounds, drafted, accepted = jax.device_get(
+            (self.state.out, self.state.n_out, self.state.done, self.state.row_rounds, self.state.drafted,
+             self.state.accepted))
+        events = []
+        for slot, owner in enumerate(self.owner):
+            if owner is None:
+                continue
+            n = int(n_out[slot])
+            events.append(SlotEvent(slot=slot, tokens=out[slot, self.seen[slot]:n].tolist(), done=bool(done[slot]),
+                                    rounds=int(row_rounds[slot]), drafted=int(drafted[slot]),
+                                    accepted=int(accepted[slot])))
+            self.seen[slot] = n
+            if done[slot]:
+                self.owner[slot] = None
+        return events
+
+    def cancel(self, slot: int) -> None:
+        """Stop the request in `slot` now and free the slot (its row goes inactive)."""
+        if self.owner[slot] is not None:
+            self.state = _retire(self.state, jnp.int32(slot))
+            self.owner[slot] = None
+
+
+def _int_list(x) -> bool:
+    return isinstance(x, (list, tuple, np.ndarray)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in x)

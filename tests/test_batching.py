@@ -1,0 +1,89 @@
+"""Continuous batching (jaxspec.batching.BatchEngine) on the tiny pair (CPU, XLA matmuls): requests
+admitted into free slots between rounds, each request's greedy output equal to jaxspec.generate on it
+alone whatever shares the batch (speculative and classic), cancelled slots reused, sampled engines
+within their budgets, bad input refused before any compute."""
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.batching import BatchEngine
+from test_generate import make_pair
+
+TARGET, ASSISTANT = make_pair(seed=7, layers=2)
+
+
+def _requests(seed, n, vocab):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(2, vocab, int(rng.integers(2, 12))).tolist(), int(rng.integers(3, 24))) for _ in range(n)]
+
+
+def _drain(engine, requests, cancel_after=None):
+    """Admit requests as slots free up, step until all finish; {request index: tokens}."""
+    waiting, out, where, steps = list(enumerate(requests)), {}, {}, 0
+    while waiting or engine.live:
+        while waiting and engine.free:
+            i, (ids, n) = waiting.pop(0)
+            where[engine.admit(ids, n, owner=i)] = i
+            out[i] = []
+        for ev in engine.step():
+            out[where[ev.slot]] += ev.tokens
+        steps += 1
+        if cancel_after is not None and steps == cancel_after:
+            slot = next(s for s, o in enumerate(engine.owner) if o is not None)
+            engine.cancel(slot)
+            out.pop(where[slot])
+    return out
+
+
+@pytest.mark.parametrize("block_size", [4, 1], ids=["speculative", "classic"])
+def test_each_request_equals_generate_alone(block_size):
+    requests = _requests(block_size, 7, TARGET.config.vocab_size)
+    assistant = ASSISTANT if block_size > 1 else None
+    engine = BatchEngine(TARGET, assistant, slots=3, max_new_tokens=24, capacity=64, block_size=block_size)
+    assert engine.block_size == block_size and engine.fallback is None
+    got = _drain(engine, requests)
+    for i, (ids, n) in enumerate(requests):
+        alone = jaxspec.generate(TARGET, [ids], assistant=assistant, max_new_tokens=n, block_size=block_size)
+        assert got[i] == alone.tokens[0], f"request {i}"
+    if block_size > 1:
+        assert int(np.asarray(engine.state.accepted).sum()) > 0  # the assistant drafted something useful
+
+
+def test_cancel_frees_the_slot_and_the_rest_are_unchanged():
+    requests = _requests(11, 5, TARGET.config.vocab_size)
+    engine = BatchEngine(TARGET, ASSISTANT, slots=2, max_new_tokens=24, capacity=64)
+    got = _drain(engine, requests, cancel_after=2)
+    assert len(got) == 4 and engine.live == 0
+    for i, toks in got.items():
+        ids, n = requests[i]
+        assert toks == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n).tokens[0]
+
+
+def test_sampled_engine_keeps_budgets():
+    requests = _requests(5, 4, TARGET.config.vocab_size)
+    engine = BatchEngine(TARGET, ASSISTANT, slots=4, max_new_tokens=24, capacity=64, temperature=0.8, top_k=20,
+                         seed=3)
+    got = _drain(engine, requests)
+    for i, (ids, n) in enumerate(requests):
+        assert 1 <= len(got[i]) <= n and all(0 <= t < TARGET.config.vocab_size for t in got[i])
+        if len(got[i]) < n:
+            assert got[i][-1] in engine.eos  # stopped early only at a stop token
+
+
+def test_bad_input_is_refused_before_compute():
+    engine = BatchEngine(TARGET, None, slots=1, max_new_tokens=8, capacity=32, block_size=1)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.admit([], 4)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.admit([3, TARGET.config.vocab_size], 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.admit([3, 4], 9)
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.admit(list(range(2, 30)), 8)
+    engine.admit([3, 4], 4)
+    with pytest.raises(ValueError, match="slots are taken"):
+        engine.admit([3, 4], 4)
+    with pytest.raises(ValueError, match="capacity"):
+        BatchEngine(TARGET, None, slots=1, max_new_tokens=40, capacity=32)
+    with pytest.raises(ValueError, match="slots"):
+        BatchEngine(TARGET, None, slots=0, max_new_tokens=8)
