@@ -16,10 +16,10 @@ state, inactive, until a new request takes its slot; inactive rows cost compute,
 
 Rows never see each other: each keeps its own cache, lengths and budget, and the kernels compute a
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
-gives it alone (tests/test_batching.py checks it against generate, request by request). The
-sampling setting (temperature, top_k, top_p) is one per engine, static like every LoopSpec's, and
-sampled rows share the engine's key stream: a sampled request is a correct sample, but its seed
-does not reproduce it when other requests share the batch.
+gives it alone (tests/test_batching.py checks it against generate, request by request). Each slot
+draws its random numbers from its own key (`sampling.uniform`), so a sampled request with a seed is
+also what generate gives it alone with that seed. The sampling setting (temperature, top_k, top_p)
+is one per engine, static like every LoopSpec's.
 """
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ class SlotEvent:
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.DecodeState:
-    """`state` with row `slot` replaced by `one`'s only row (its cache, tokens, budget, counters);
-    the shared fields (stop ids, key, round count, histogram) stay the state's."""
+    """`state` with row `slot` replaced by `one`'s only row (its cache, tokens, budget, counters,
+    key); the shared fields (stop ids, round count, histogram) stay the state's."""
     def put(big, row, axis=0):
         return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
 
@@ -62,7 +62,7 @@ def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.Decode
                       lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos))
     rows = {f: put(getattr(state, f), getattr(one, f)) for f in
             ("bonus", "h_prev", "out", "n_out", "limit", "done", "row_rounds", "drafted", "accepted", "finite")}
-    return state.replace(cache=cache, **rows)
+    return state.replace(cache=cache, key=state.key.at[slot].set(one.key), **rows)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -104,8 +104,9 @@ class BatchEngine:
         eos = _default_stop_ids(target) if eos_token_ids is None else tuple(eos_token_ids)
         self.eos = tuple(int(t) for t in eos)
         self.stop_ids = stop_array(self.eos)
-        self.key = sampling.seed_key(seed)
-        blank = loop.blank_state(self.gen.spec, target, slots, PROMPT_BUCKET, self.stop_ids, self.key)
+        self.seeds = np.random.default_rng(sampling.validate_seed(seed))  # for requests without a seed
+        keys = jax.random.split(sampling.seed_key(seed), slots)  # per-row keys; each admission sets its own
+        blank = loop.blank_state(self.gen.spec, target, slots, PROMPT_BUCKET, self.stop_ids, keys)
         self.state = jax.tree.map(jnp.copy, blank)  # its zero fields share one buffer: steps donate each
         self.decode = self.gen.compiled_decode(target, self.drafter, self.state)
         self.seen = [0] * slots
@@ -125,9 +126,10 @@ class BatchEngine:
         return (1 <= max_new_tokens <= self.max_new_tokens
                 and n_prompt + max_new_tokens - 1 + self.gen.spec.width(self.slots, self.target.matmul) <= self.capacity)
 
-    def admit(self, prompt_ids, max_new_tokens: int, owner: object = True) -> int:
-        """Prefill one request into a free slot and return the slot. ValueError (before any compute)
-        for bad ids, a budget or prompt that does not fit, or no free slot; after the prefill for
+    def admit(self, prompt_ids, max_new_tokens: int, seed: int | None = None, owner: object = True) -> int:
+        """Prefill one request into a free slot and return the slot. `seed`: its sampling seed
+        (None: one drawn from the engine's seed). ValueError (before any compute) for bad ids, a
+        budget or prompt that does not fit, a bad seed or no free slot; after the prefill for
         non-finite logits (`loop.check_prefill`, the slot stays free)."""
         ids = [int(t) for t in prompt_ids] if _int_list(prompt_ids) else None
         vocab = self.target.config.vocab_size
@@ -139,9 +141,11 @@ class BatchEngine:
                              f"engine (budget 1..{self.max_new_tokens}, {self.capacity} cache positions per slot)")
         if not self.free:
             raise ValueError(f"all {self.slots} slots are taken")
+        if seed is None:
+            seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
-        self.key, key = jax.random.split(self.key)
-        prompt, lengths, _, limit, stop = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos)
+        prompt, lengths, key, limit, stop = self.gen.inputs([ids], max_new_tokens=max_new_tokens,
+                                                            eos_token_ids=self.eos, seed=seed)
         one = self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop)()
         loop.check_prefill(one)
         self.state = _insert(self.state, one, jnp.int32(slot))

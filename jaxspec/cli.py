@@ -459,7 +459,8 @@ def cmd_serve(args) -> int:
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, _dtype(args))
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
-    srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size)
+    srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
+                        max_batch=args.max_batch)
     if not args.no_warmup:
         _note("compiling the first programs (a new shape compiles on its first request) ...", end="")
         _note(f" {srv.warm_up():.1f} s")
@@ -566,6 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=_positive_int, default=8000)
     v.add_argument("--block-size", type=_positive_int, default=4, metavar="K",
                    help="verify width K (default 4; 1 decodes classically)")
+    v.add_argument("--max-batch", type=_positive_int, default=4, metavar="N",
+                   help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
+                        "the multirow kernel's window)")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")

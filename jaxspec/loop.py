@@ -105,7 +105,7 @@ class DecodeState:
     limit: jax.Array        # int32 [B]: the row's token budget (1..N)
     stop_ids: jax.Array     # int32 [S]: EOS/stop ids, padded with -1
     done: jax.Array         # bool [B]
-    key: jax.Array
+    key: jax.Array          # one key for the batch, or one per row ([B]: jaxspec.batching's slots)
     rounds: jax.Array       # int32 []: loop iterations (verify forwards)
     row_rounds: jax.Array   # int32 [B]: rounds in which the row was active
     drafted: jax.Array      # int32 [B]
@@ -142,7 +142,7 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     logits, hidden, cache = models.forward(target, prompt, cache, valid=valid, logits_at=last)  # [B, 1, V]
     finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)  # one reduction; the host reads it once
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
-    key, k_first = jax.random.split(key)
+    key, k_first = sampling.split(key, 2)
     first = sampling.sample(k_first, logits[:, 0], spec.sampling)
     return _first_state(spec, cache, first, hidden[jnp.arange(b), last], limit, stop_ids, key, finite)
 
@@ -196,7 +196,7 @@ def _draft(spec, assistant, target, state, key):
         d, q = sampling.draft_choice(step_key, logits, params)
         return (d, h_next.astype(h.dtype)), (d if q is None else (d, q))
 
-    keys = None if params.greedy else jax.random.split(key, k - 1)  # greedy: no RNG work at all
+    keys = None if params.greedy else sampling.split(key, k - 1)  # greedy: no RNG work at all
     _, ys = jax.lax.scan(step, (state.bonus, state.h_prev), keys, length=k - 1, unroll=DRAFT_UNROLL)
     if params.greedy:
         return jnp.swapaxes(ys, 0, 1), None
@@ -211,7 +211,7 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
     if params.greedy:
         key = k_draft = k_accept = state.key
     else:
-        key, k_draft, k_accept = jax.random.split(state.key, 3)
+        key, k_draft, k_accept = sampling.split(state.key, 3)
     old_len = state.cache.lengths
     if spec.speculative:
         drafts, q = _draft(spec, assistant, target, state, k_draft)

@@ -99,6 +99,26 @@ def seed_key(seed) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------
+# Keys: one for the batch, or one per row
+
+
+def split(key: jax.Array, n: int) -> jax.Array:
+    """`[n]` keys from one key, or `[n, B]` from per-row keys `[B]` (each row split on its own)."""
+    if jnp.ndim(key) == 0:
+        return jax.random.split(key, n)
+    return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, n))(key), 0, 1)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """float32 uniforms in [0, 1) of `shape` (leading axis: rows). From per-row keys `[B]`, row b's
+    come from key b alone, the same values a one-row batch with that key draws: a row's samples do
+    not depend on the other rows (continuous batching's slots)."""
+    if jnp.ndim(key) == 0:
+        return jax.random.uniform(key, shape, jnp.float32)
+    return jax.vmap(lambda k: jax.random.uniform(k, (1, *shape[1:]), jnp.float32)[0])(key)
+
+
+# --------------------------------------------------------------------------------------------
 # Filtering: logits -> probabilities
 
 
@@ -169,8 +189,7 @@ def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Arr
     if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     probs = probs_from_logits(logits, params)
-    u = jax.random.uniform(key, probs.shape[:-1], jnp.float32)
-    return sample_from_probs(probs, u)
+    return sample_from_probs(probs, uniform(key, probs.shape[:-1]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,9 +263,9 @@ def speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample):
 def speculative_accept(key, draft_tokens, q, p):
     """`speculative_accept_from_uniforms` with uniforms drawn from `key`."""
     b, k = p.shape[:2]
-    k_acc, k_res = jax.random.split(key)
-    u_accept = jax.random.uniform(k_acc, (b, max(k - 1, 0)), jnp.float32)
-    u_resample = jax.random.uniform(k_res, (b,), jnp.float32)
+    k_acc, k_res = split(key, 2)
+    u_accept = uniform(k_acc, (b, max(k - 1, 0)))
+    u_resample = uniform(k_res, (b,))
     return speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample)
 
 
@@ -262,5 +281,4 @@ def draft_choice(key, draft_logits: jax.Array, params: SamplingParams):
         tok = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
         return tok, jax.nn.one_hot(tok, draft_logits.shape[-1], dtype=jnp.float32)
     q = probs_from_logits(draft_logits, params)
-    u = jax.random.uniform(key, q.shape[:-1], jnp.float32)
-    return sample_from_probs(q, u), q
+    return sample_from_probs(q, uniform(key, q.shape[:-1])), q

@@ -3,28 +3,37 @@
     POST /v1/completions, POST /v1/chat/completions   (`stream: true` for server-sent events)
     GET /v1/models, GET /health
 
-Requests run one at a time, in arrival order, each as `streaming.stream_generate` on a worker
-thread, so a request's output is exactly what `jaxspec generate` gives it (greedy: the CLI's text).
-Between its rounds the worker reads the tokens, stops at a stop string, and drops a request whose
-client went away. Bad requests get OpenAI's error JSON with a 4xx status before anything runs.
-Responses carry `usage` and a `jaxspec` object (mode, K, acceptance, tokens per round).
+Requests decode together, continuously batched (`jaxspec.batching.BatchEngine`): one worker thread
+admits waiting requests into free slots between rounds (in arrival order), runs a round for every
+live slot, and retires finished ones. Requests batch when their sampling settings (temperature,
+top_k, top_p) are equal; others wait until the running batch drains. A request whose prompt and
+budget do not fit a slot runs alone (`streaming.stream_generate`) when no batch is running. Either
+way its output is exactly what `jaxspec generate` gives it (greedy: the CLI's text; sampled: the
+same for the same seed). Between rounds the worker reads the tokens, stops at a stop string, and
+drops a request whose client went away. Bad requests get OpenAI's error JSON with a 4xx status
+before anything runs. Responses carry `usage` and a `jaxspec` object (mode, K, acceptance, tokens
+per round, batch slots).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import sampling, streaming
+from .batching import BatchEngine
+from .generate import BUDGET_BUCKET
 from .tokenizer import IncrementalDecoder, TokenizerError
+
+BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests run alone)
 
 
 class ApiError(Exception):
@@ -39,12 +48,47 @@ class ApiError(Exception):
 
 @dataclass
 class Job:
-    """One request, validated: the prompt ids and the generation arguments."""
+    """One request, validated: the prompt ids and the generation arguments; `emit` (set when it is
+    submitted) sends its events to the request's handler."""
     ids: list[int]
     max_tokens: int
     stop: list[str]
     kw: dict
     cancelled: threading.Event = field(default_factory=threading.Event)
+    emit: object = None
+
+    @property
+    def params(self) -> tuple:
+        return self.kw["temperature"], self.kw["top_k"], self.kw["top_p"]
+
+
+class _Text:
+    """A job's tokens -> text events: incremental decoding, stop strings (text that may still become
+    one is held back), the finish reason; `push` returns True once the job has ended."""
+
+    def __init__(self, tok, job: Job):
+        self.tok, self.job = tok, job
+        self.dec, self.text, self.held, self.n, self.reason = IncrementalDecoder(tok), "", 0, 0, "length"
+        self.keep = max((len(s) for s in job.stop), default=1) - 1
+
+    def push(self, new: list[int], done: bool, stats=None) -> bool:
+        emit = self.job.emit
+        self.n += len(new)
+        if new and new[-1] in self.tok.eos_token_ids:
+            self.reason = "stop"
+        self.text += self.dec.push(new) + (self.dec.flush() if done else "")
+        cut = min((i for i in (self.text.find(s) for s in self.job.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            emit(("text", self.text[self.held:cut]))
+            emit(("end", "stop", self.n, stats))
+            return True
+        safe = len(self.text) if done else max(self.held, len(self.text) - self.keep)
+        if safe > self.held:
+            emit(("text", self.text[self.held:safe]))
+            self.held = safe
+        if done:
+            emit(("end", self.reason, self.n, stats))
+        return done
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -71,26 +115,57 @@ def _stops(body) -> list[str]:
 
 
 class Server:
-    """The models, the tokenizer and the one worker; `app()` is the FastAPI application."""
+    """The models, the tokenizer and the one worker thread; `app()` is the FastAPI application.
+    `max_batch`: slots decoding together (continuous batching); `rounds_per_chunk`: rounds between
+    two reads of the new tokens (and two admissions)."""
 
     def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
-                 rounds_per_chunk: int = 1):
+                 rounds_per_chunk: int = 1, max_batch: int = 4):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.target, self.assistant, self.tok = target, assistant, tokenizer
         self.model_name, self.block_size, self.rounds_per_chunk = model_name, block_size, rounds_per_chunk
+        self.max_batch = max_batch
         self.context = target.config.max_position_embeddings
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxspec-serve")
-        self.active = 0
-        self.waiting = 0
+        # per slot: the context (at most BATCH_CONTEXT positions), half of it for the budget
+        self.batch_capacity = min(self.context or BATCH_CONTEXT, BATCH_CONTEXT)
+        self.batch_tokens = max(1, self.batch_capacity // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
+        self.engines: dict[tuple, BatchEngine] = {}  # one per sampling setting; one runs at a time
+        self.running: BatchEngine | None = None
+        self.slots: dict[int, tuple[Job, _Text]] = {}
+        self.queue: collections.deque[Job] = collections.deque()
+        self.cond = threading.Condition()
+        self.solo = 0
         self.dropped = 0  # requests stopped because their client went away
+        threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
+
+    @property
+    def active(self) -> int:
+        return len(self.slots) + self.solo
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def engine(self, params: tuple) -> BatchEngine:
+        if params not in self.engines:
+            temperature, top_k, top_p = params
+            self.engines[params] = BatchEngine(
+                self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
+                capacity=self.batch_capacity, block_size=self.block_size, temperature=temperature, top_k=top_k,
+                top_p=top_p, eos_token_ids=self.tok.eos_token_ids, rounds_per_step=self.rounds_per_chunk)
+        return self.engines[params]
 
     def warm_up(self) -> float:
-        """Compile what the most common request needs (a short prompt, the smallest budget, greedy)
-        before the first client waits for it; other shapes compile on their first request. Seconds."""
+        """Compile what the most common request needs (a short prompt, greedy: the batch's prefill
+        and round) before the first client waits for it; other shapes compile on their first
+        request. Seconds."""
         t0 = time.perf_counter()
         ids = (self.tok.encode("Hello") or [1])[:8]
-        for _ in streaming.stream_generate(self.target, [ids], assistant=self.assistant, max_new_tokens=16,
-                                           block_size=self.block_size, eos_token_ids=self.tok.eos_token_ids):
-            pass
+        engine = self.engine((0.0, None, None))
+        engine.admit(ids, min(16, self.batch_tokens))
+        while engine.live:
+            engine.step()
         return time.perf_counter() - t0
 
     # ---- requests -> jobs ------------------------------------------------------------------------
@@ -151,61 +226,112 @@ class Server:
         except TokenizerError as e:
             raise ApiError(400, f"this model cannot chat: {e}", "messages") from None
 
-    # ---- running a job ------------------------------------------------------------------------
-    def run(self, job: Job, emit) -> None:
-        """On the worker: generate, calling `emit(("text", piece))` as text becomes final and
-        `emit(("end", finish_reason, n_tokens, stats))` last (`("error", message, status)` on failure)."""
-        self.waiting -= 1
-        if job.cancelled.is_set():  # its client left while it waited
-            self.dropped += 1
-            return
-        self.active += 1
+    # ---- running jobs: the worker thread ------------------------------------------------------------
+    def submit(self, job: Job) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        with self.cond:
+            self.queue.append(job)
+            self.cond.notify()
+        return events
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.slots:
+                    self.cond.wait()
+            try:
+                solo = self._admit()
+                if solo is not None:
+                    self._run_alone(solo)
+                elif self.slots:
+                    self._round()
+            except Exception as e:  # an internal failure: its requests end with an error, the server keeps serving
+                for job, _ in self.slots.values():
+                    job.emit(("error", f"{type(e).__name__}: {e}", 500))
+                self.slots.clear()
+                self.engines = {k: v for k, v in self.engines.items() if v is not self.running}
+                self.running = None
+
+    def _admit(self) -> Job | None:
+        """Admit waiting jobs in arrival order while they fit the running batch; returns a job that
+        must run alone (it fits no slot) once no batch is running."""
+        while self.queue:
+            job = self.queue[0]
+            if job.cancelled.is_set():  # its client left while it waited
+                self.queue.popleft()
+                self.dropped += 1
+                continue
+            if not self.slots:
+                self.running = None
+            try:
+                engine = self.engine(job.params)
+            except ValueError as e:
+                self.queue.popleft()
+                job.emit(("error", str(e), 400))
+                continue
+            if not engine.fits(len(job.ids), job.max_tokens):
+                return None if self.running is not None else self.queue.popleft()
+            if (self.running is not None and engine is not self.running) or not engine.free:
+                return None  # waits for a free slot, or for the other setting's batch to drain
+            self.queue.popleft()
+            try:
+                slot = engine.admit(job.ids, job.max_tokens, seed=job.kw["seed"], owner=job)
+            except ValueError as e:  # e.g. non-finite logits from the prompt
+                job.emit(("error", str(e), 400))
+                continue
+            self.running = engine
+            self.slots[slot] = (job, _Text(self.tok, job))
+        return None
+
+    def _round(self) -> None:
+        engine = self.running
+        for ev in engine.step():
+            job, text = self.slots[ev.slot]
+            if job.cancelled.is_set():
+                engine.cancel(ev.slot)
+                del self.slots[ev.slot]
+                self.dropped += 1
+                continue
+            stats = None
+            if ev.done:
+                n = text.n + len(ev.tokens)
+                stats = {"mode": "speculative" if engine.block_size > 1 else "classic",
+                         "block_size": engine.block_size,
+                         "acceptance_rate": ev.accepted / ev.drafted if ev.drafted else 0.0,
+                         "tokens_per_round": (n - 1) / ev.rounds if ev.rounds else 0.0,
+                         "rounds": ev.rounds, "fallback": engine.fallback, "batch_slots": engine.slots}
+            if text.push(ev.tokens, ev.done, stats):
+                if not ev.done:  # a stop string ended it early
+                    engine.cancel(ev.slot)
+                del self.slots[ev.slot]
+
+    def _run_alone(self, job: Job) -> None:
+        """A job no slot fits (prompt + budget past a slot's cache), alone with stream_generate."""
+        self.solo += 1
         try:
-            dec, text, held, n, stats = IncrementalDecoder(self.tok), "", 0, 0, None
-            keep = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
-            reason = "length"
+            text = _Text(self.tok, job)
             for chunk in streaming.stream_generate(self.target, [job.ids], rounds_per_chunk=self.rounds_per_chunk,
                                                    **job.kw):
                 if job.cancelled.is_set():
                     self.dropped += 1
                     return
-                new = chunk.tokens[0]
-                n += len(new)
-                if new and new[-1] in self.tok.eos_token_ids:
-                    reason = "stop"
-                text += dec.push(new) if not chunk.done else dec.push(new) + dec.flush()
-                cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    emit(("text", text[held:cut]))
-                    emit(("end", "stop", n, None))
+                s = chunk.result.stats if chunk.done else None
+                stats = None if s is None else {
+                    "mode": s.mode, "block_size": s.block_size, "acceptance_rate": s.acceptance_rate,
+                    "tokens_per_round": s.tokens_per_round, "rounds": s.rounds, "fallback": s.fallback,
+                    "batch_slots": 1}
+                if text.push(chunk.tokens[0], chunk.done, stats):
                     return
-                safe = len(text) if chunk.done else max(held, len(text) - keep)
-                if safe > held:
-                    emit(("text", text[held:safe]))
-                    held = safe
-                stats = chunk.result.stats if chunk.done else None
-            emit(("end", reason, n, stats))
         except ValueError as e:  # input the library refused (e.g. a KV cache beyond the device's memory)
-            emit(("error", str(e), 400))
+            job.emit(("error", str(e), 400))
         except Exception as e:  # an internal failure: the request ends with an error, the server keeps serving
-            emit(("error", f"{type(e).__name__}: {e}", 500))
+            job.emit(("error", f"{type(e).__name__}: {e}", 500))
         finally:
-            self.active -= 1
-
-    def submit(self, job: Job) -> asyncio.Queue:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        self.waiting += 1
-        self.worker.submit(self.run, job, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        return events
+            self.solo -= 1
 
     # ---- responses ------------------------------------------------------------------------------
-    def _extension(self, stats) -> dict | None:
-        if stats is None:
-            return None
-        return {"mode": stats.mode, "block_size": stats.block_size, "acceptance_rate": stats.acceptance_rate,
-                "tokens_per_round": stats.tokens_per_round, "rounds": stats.rounds, "fallback": stats.fallback}
-
     def _usage(self, job, n):
         return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
 
@@ -255,7 +381,7 @@ class Server:
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                    "usage": self._usage(job, n), "jaxspec": self._extension(stats)}
+                    "usage": self._usage(job, n), "jaxspec": stats}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -291,7 +417,7 @@ class Server:
                     yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error'}})}\n\n"
                 else:
                     _, reason, n, stats = ev
-                    yield chunk("", reason, first=first, usage=self._usage(job, n), jaxspec=self._extension(stats))
+                    yield chunk("", reason, first=first, usage=self._usage(job, n), jaxspec=stats)
                 yield "data: [DONE]\n\n"
                 return
         finally:  # also when the client went away: the worker drops the job at its next chunk

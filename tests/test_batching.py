@@ -1,7 +1,7 @@
 """Continuous batching (jaxspec.batching.BatchEngine) on the tiny pair (CPU, XLA matmuls): requests
-admitted into free slots between rounds, each request's greedy output equal to jaxspec.generate on it
-alone whatever shares the batch (speculative and classic), cancelled slots reused, sampled engines
-within their budgets, bad input refused before any compute."""
+admitted into free slots between rounds, each request's output equal to jaxspec.generate on it alone
+whatever shares the batch (greedy: speculative and classic; sampled: with its seed), cancelled slots
+reused, bad input refused before any compute."""
 import numpy as np
 import pytest
 
@@ -59,15 +59,24 @@ def test_cancel_frees_the_slot_and_the_rest_are_unchanged():
         assert toks == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n).tokens[0]
 
 
-def test_sampled_engine_keeps_budgets():
-    requests = _requests(5, 4, TARGET.config.vocab_size)
-    engine = BatchEngine(TARGET, ASSISTANT, slots=4, max_new_tokens=24, capacity=64, temperature=0.8, top_k=20,
-                         seed=3)
-    got = _drain(engine, requests)
+def test_sampled_requests_follow_their_seeds():
+    """Each slot samples from its own key: a seeded request in a batch is what generate gives it alone
+    with that seed (speculative, temperature 0.8, top-k 20), and within its budget."""
+    requests = _requests(5, 5, TARGET.config.vocab_size)
+    engine = BatchEngine(TARGET, ASSISTANT, slots=3, max_new_tokens=24, capacity=64, temperature=0.8, top_k=20)
+    waiting, got, where = list(enumerate(requests)), {}, {}
+    while waiting or engine.live:
+        while waiting and engine.free:
+            i, (ids, n) = waiting.pop(0)
+            where[engine.admit(ids, n, seed=100 + i)] = i
+            got[i] = []
+        for ev in engine.step():
+            got[where[ev.slot]] += ev.tokens
     for i, (ids, n) in enumerate(requests):
-        assert 1 <= len(got[i]) <= n and all(0 <= t < TARGET.config.vocab_size for t in got[i])
-        if len(got[i]) < n:
-            assert got[i][-1] in engine.eos  # stopped early only at a stop token
+        alone = jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n, temperature=0.8, top_k=20,
+                                 seed=100 + i)
+        assert got[i] == alone.tokens[0], f"request {i}"
+        assert 1 <= len(got[i]) <= n
 
 
 def test_bad_input_is_refused_before_compute():

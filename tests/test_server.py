@@ -122,18 +122,31 @@ def test_stop_strings_cut_the_text(server):
 
 
 def test_concurrent_streams_each_equal_their_run_alone(server):
+    """8 streams at once on 4 slots (--max-batch 4, the default): they decode together (the health
+    endpoint sees several active at once), and each text equals the request's run alone."""
     lengths = [8 + 2 * i for i in range(len(PROMPTS))]
-    alone = [complete(server, p, n).choices[0].text for p, n in zip(PROMPTS, lengths)]
-    got = [None] * len(PROMPTS)
+    alone = [complete(server, p, n) for p, n in zip(PROMPTS, lengths)]
+    assert alone[0].model_extra["jaxspec"]["batch_slots"] == 4
+    got, busiest, running = [None] * len(PROMPTS), [0], [True]
 
     def one(i):
         got[i] = streamed(server, PROMPTS[i], lengths[i])[0]
+
+    def watch():
+        while running[0]:
+            busiest[0] = max(busiest[0], server.health()["active"])
+            time.sleep(0.02)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert got == alone
+    running[0] = False
+    watcher.join()
+    assert got == [r.choices[0].text for r in alone]
+    assert 2 <= busiest[0] <= 4
 
 
 def test_sampling_follows_the_seed(server):
@@ -173,9 +186,10 @@ def test_chat_needs_a_chat_template(server):
                                               messages=[{"role": "user", "content": "hi"}])
 
 
-def test_a_client_that_disconnects_is_dropped(server):
+@pytest.mark.parametrize("max_tokens", [120, 200], ids=["batched", "alone"])  # 200: past a slot's budget (128)
+def test_a_client_that_disconnects_is_dropped(server, max_tokens):
     before = server.health()["dropped"]
-    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 200, "stream": True}).encode()
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": max_tokens, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
