@@ -1,0 +1,149 @@
+"""serve_bench: continuous batching under concurrent clients, the way `jaxspec serve` runs it.
+
+    python benchmarks/serve_bench.py --target 12b --assistant 12b --clients 1,4,8,16 --k-values 1,4 --out DIR
+    python benchmarks/serve_bench.py --target default --clients 1,4,8 --k-values 1,4 --out DIR
+
+Each of N closed-loop clients sends its requests one after another (the next when the previous has
+finished), all starting at once; the server's scheduling core (`jaxspec.batching.BatchEngine` with
+min(N, --max-slots) slots, admitting between rounds in arrival order, one round per step, as the
+server's worker does) serves them. HTTP and JSON are not in the timed path: this measures what the
+GPU and the engine do. Per configuration: aggregate tokens/s (all tokens over the wall time), time
+to first token (arrival to the step that returns it: prefill + one round, plus any wait for a
+slot), per-stream tokens/s (a request's tokens after its first over the time since its first),
+the engine's K (after the exactness probe) and the speculative speedup against K = 1 at the same N.
+Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
+the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
+Writes DIR/serve.json and DIR/serve.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import environment, environment_line, random_pair, write_report  # noqa: E402
+
+import models  # noqa: E402
+from jaxspec import default_pair as dp  # noqa: E402
+from jaxspec.batching import BatchEngine  # noqa: E402
+from pallas_kernels import DispatchConfig  # noqa: E402
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def load(args, matmul):
+    """(target, assistant or None, prompts as id lists, description)."""
+    rng = np.random.default_rng(args.seed)
+    if args.target == "default":
+        path = dp.default_pair_path()
+        if not dp.default_pair_available(path):
+            raise SystemExit(f"--target default: the default pair is not installed at {path}")
+        dtype = jnp.dtype(args.dtype)
+        t = models.load_target(os.path.join(path, "target"), dtype=dtype, matmul=matmul)
+        a = models.load_assistant(os.path.join(path, "assistant"), dtype=dtype, matmul=matmul)
+        return t, a, [p["ids"] for p in dp.heldout_prompts(path)], "the default pair, its held-out prompts"
+    t, a = random_pair(args.target, args.assistant, layers=args.layers, matmul=matmul, seed=args.seed)
+    prompts = [rng.integers(2, t.config.vocab_size, int(n)).tolist()
+               for n in rng.integers(args.prompt_len // 2, args.prompt_len + 1, 32)]
+    return t, a, prompts, f"preset {args.target}, random 4-bit weights, {args.prompt_len // 2}-{args.prompt_len}-token prompts"
+
+
+def serve(engine: BatchEngine, prompts, clients: int, per_client: int, max_tokens: int) -> dict:
+    """Closed-loop clients against the engine; the timings of every request."""
+    todo = {c: [prompts[(c * per_client + i) % len(prompts)] for i in range(per_client)] for c in range(clients)}
+    queue = [(c, time.perf_counter()) for c in range(clients)]  # (client, arrival)
+    owner, first, tokens, done = {}, {}, {}, []
+    t0 = time.perf_counter()
+    while queue or engine.live:
+        while queue and engine.free:
+            c, arrived = queue.pop(0)
+            slot = engine.admit(todo[c].pop(0), max_tokens, seed=0)
+            owner[slot] = (c, arrived)
+            tokens[slot] = 0
+        for ev in engine.step():
+            now = time.perf_counter()
+            c, arrived = owner[ev.slot]
+            if tokens[ev.slot] == 0 and ev.tokens:
+                first[ev.slot] = now
+            tokens[ev.slot] += len(ev.tokens)
+            if ev.done:
+                n, t1 = tokens[ev.slot], first[ev.slot]
+                done.append(dict(ttft=t1 - arrived, tokens=n, stream_tps=(n - 1) / (now - t1) if now > t1 else 0.0))
+                if todo[c]:
+                    queue.append((c, now))
+    wall = time.perf_counter() - t0
+    total = sum(d["tokens"] for d in done)
+    ttft = sorted(d["ttft"] for d in done)
+    return dict(requests=len(done), tokens=total, wall_s=wall, tokens_per_s=total / wall,
+                ttft_median_s=statistics.median(ttft), ttft_p90_s=ttft[-(-9 * len(ttft) // 10) - 1],  # nearest rank
+                stream_tokens_per_s=statistics.median(d["stream_tps"] for d in done))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="12b", help="a preset name or 'default' (the shipped pair)")
+    ap.add_argument("--assistant", default=None, help="preset of the assistant (default: the target's name)")
+    ap.add_argument("--layers", type=int, default=0, help="keep the preset's first N layers (0: all)")
+    ap.add_argument("--clients", type=_ints, default=[1, 4, 8, 16, 32])
+    ap.add_argument("--k-values", type=_ints, default=[1, 4], help="block sizes (1: classic)")
+    ap.add_argument("--max-slots", type=int, default=16, help="slots at most (more clients queue)")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128, help="presets: prompts of half to all this many ids")
+    ap.add_argument("--capacity", type=int, default=1024, help="cache positions per slot")
+    ap.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
+    matmul = DispatchConfig.from_env(backend=backend)
+    if args.assistant is None and args.target != "default":
+        args.assistant = args.target
+    target, assistant, prompts, what = load(args, matmul)
+    rows = []
+    for k in args.k_values:
+        for n in args.clients:
+            slots = min(n, args.max_slots)
+            engine = BatchEngine(target, assistant if k > 1 else None, slots=slots, max_new_tokens=args.max_tokens,
+                                 capacity=args.capacity, block_size=k, eos_token_ids=())
+            for width in {-(-len(p) // 16) for p in prompts}:  # compile: each prompt width's prefill, the round
+                engine.admit(next(q for q in prompts if -(-len(q) // 16) == width), 2, seed=0)
+                while engine.live:
+                    engine.step()
+            r = serve(engine, prompts, n, args.requests_per_client, args.max_tokens)
+            rows.append(dict(k_asked=k, k=engine.block_size, fallback=engine.fallback, clients=n, slots=slots, **r))
+            print(f"K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} tok/s, "
+                  f"TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} tok/s", flush=True)
+    base = {r["clients"]: r["tokens_per_s"] for r in rows if r["k_asked"] == 1}
+    one = {r["k_asked"]: r["tokens_per_s"] for r in rows if r["clients"] == 1}
+    lines = [f"# serve_bench — {what}", "", environment_line(args.commit), "",
+             f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each; slots = min(clients, "
+             f"{args.max_slots}); {args.capacity} cache positions per slot.", "",
+             "| K asked | K run | clients | slots | tok/s (all) | x one client | TTFT median ms | TTFT p90 ms | "
+             "per-stream tok/s | speculative / classic |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        spec = f"{r['tokens_per_s'] / base[r['clients']]:.2f}" if r["k_asked"] > 1 and r["clients"] in base else ""
+        scale = f"{r['tokens_per_s'] / one[r['k_asked']]:.2f}" if r["k_asked"] in one else ""
+        lines.append(f"| {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | {r['tokens_per_s']:.1f} | "
+                     f"{scale} | {r['ttft_median_s'] * 1e3:.0f} | "
+                     f"{r['ttft_p90_s'] * 1e3:.0f} | {r['stream_tokens_per_s']:.1f} | {spec} |")
+    write_report(args.out, "serve", dict(environment(args.commit), what=what, args=vars(args)), rows, lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

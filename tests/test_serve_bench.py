@@ -1,0 +1,27 @@
+"""benchmarks/serve_bench.py end to end on CPU (tiny random pair, XLA matmuls): closed-loop clients
+against the batching engine, the report's rows (every request served, K after the probe, TTFT and
+per-stream rates present). Timings on CPU mean nothing; the structure and counts are checked."""
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import serve_bench  # noqa: E402
+
+
+def test_tiny_pair_clients_and_block_sizes(tmp_path):
+    out = str(tmp_path / "o")
+    serve_bench.main(["--target", "tiny", "--assistant", "tiny", "--layers", "2", "--clients", "1,3",
+                      "--k-values", "1,3", "--max-tokens", "6", "--capacity", "64", "--prompt-len", "20",
+                      "--requests-per-client", "2", "--backend", "xla", "--out", out])
+    d = json.load(open(os.path.join(out, "serve.json")))
+    rows = d["rows"]
+    assert [(r["k_asked"], r["clients"], r["slots"]) for r in rows] == [(1, 1, 1), (1, 3, 3), (3, 1, 1), (3, 3, 3)]
+    for r in rows:
+        assert r["requests"] == 2 * r["clients"] and r["tokens"] == 6 * r["requests"]  # no stop ids: full budgets
+        assert r["k"] == r["k_asked"] and r["tokens_per_s"] > 0 and r["ttft_p90_s"] >= r["ttft_median_s"] > 0
+        assert r["stream_tokens_per_s"] > 0
+    md = open(os.path.join(out, "serve.md")).read()
+    assert "| 3 | 3 | 3 | 3 |" in md and "speculative / classic" in md
