@@ -4,7 +4,7 @@ between rounds.
     engine = BatchEngine(target, assistant, slots=8, max_new_tokens=256, capacity=2048)
     slot = engine.admit(prompt_ids, max_new_tokens=64)   # its prefill, into a free slot
     while engine.live:
-        for event in engine.step():                      # one round for every live slot
+        for event in engine.step():                      # a round for every live slot; the last one's tokens
             print(event.slot, event.tokens, event.done)
 
 The slots are the rows of one `loop.DecodeState` of static shapes `[slots, ...]` and a cache of
@@ -70,6 +70,14 @@ def _retire(state: loop.DecodeState, slot) -> loop.DecodeState:
     return state.replace(done=state.done.at[slot].set(True))
 
 
+@jax.jit
+def _snapshot(state: loop.DecodeState):
+    """Copies of what the host reads after a step (the state itself is donated to the next one):
+    the tokens and int32 [5, B] (n_out, done, row rounds, drafted, accepted)."""
+    counts = jnp.stack([state.n_out, state.done.astype(jnp.int32), state.row_rounds, state.drafted, state.accepted])
+    return jnp.copy(state.out), counts
+
+
 class BatchEngine:
     """`slots` requests decoding together (see the module docstring). `max_new_tokens`: the largest
     budget a request may ask; `capacity`: cache positions per slot (prompt + budget + K must fit;
@@ -111,11 +119,15 @@ class BatchEngine:
         self.decode = self.gen.compiled_decode(target, self.drafter, self.state)
         self.seen = [0] * slots
         self.owner: list[object | None] = [None] * slots
+        self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
+        self.admissions = 0
+        self.pending = None  # (snapshot, tickets) of the last dispatched step, not read yet
 
     @property
     def live(self) -> int:
-        """Slots holding a request."""
+        """Slots holding a request (not yet reported finished)."""
         return sum(o is not None for o in self.owner)
+
 
     @property
     def free(self) -> int:
@@ -149,21 +161,28 @@ class BatchEngine:
         one = self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop)()
         loop.check_prefill(one)
         self.state = _insert(self.state, one, jnp.int32(slot))
-        self.seen[slot], self.owner[slot] = 0, owner
+        self.admissions += 1
+        self.seen[slot], self.owner[slot], self.ticket[slot] = 0, owner, self.admissions
         return slot
 
     def step(self) -> list[SlotEvent]:
-        """Up to `rounds_per_step` rounds for every live slot (none when no slot is live), then each
-        live slot's new tokens; finished slots are freed."""
-        if not self.live:
+        """Dispatch up to `rounds_per_step` rounds for every live slot, then report the previous
+        step's: each live slot's new tokens (finished slots are freed). Pipelined: the device runs
+        the new rounds while the host reads the last ones, so the host's work between rounds costs
+        no device time; the first step after an idle engine reports nothing yet. A slot admitted
+        or cancelled after a step was dispatched is left out of that step's report."""
+        nxt = None
+        if self.live:
+            self.state = self.decode(self.state, self.rounds_per_step)
+            nxt = (_snapshot(self.state), list(self.ticket))
+        report, self.pending = self.pending, nxt
+        if report is None:
             return []
-        self.state = self.decode(self.state, self.rounds_per_step)
-        out, n_out, done, row_rounds, drafted, accepted = jax.device_get(
-            (self.state.out, self.state.n_out, self.state.done, self.state.row_rounds, self.state.drafted,
-             self.state.accepted))
+        (out, counts), tickets = report
+        out, (n_out, done, row_rounds, drafted, accepted) = jax.device_get((out, counts))
         events = []
         for slot, owner in enumerate(self.owner):
-            if owner is None:
+            if owner is None or tickets[slot] != self.ticket[slot]:
                 continue
             n = int(n_out[slot])
             events.append(SlotEvent(slot=slot, tokens=out[slot, self.seen[slot]:n].tolist(), done=bool(done[slot]),
