@@ -98,6 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--k-values", type=_ints, default=[1, 4], help="block sizes (1: classic)")
     ap.add_argument("--max-slots", type=int, default=16, help="slots at most (more clients queue)")
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--rounds-per-step", type=int, default=1, help="rounds between two reads (the server's chunk)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="presets: prompts of half to all this many ids")
     ap.add_argument("--capacity", type=int, default=1024, help="cache positions per slot")
@@ -118,7 +119,8 @@ def main(argv=None) -> None:
         for n in args.clients:
             slots = min(n, args.max_slots)
             engine = BatchEngine(target, assistant if k > 1 else None, slots=slots, max_new_tokens=args.max_tokens,
-                                 capacity=args.capacity, block_size=k, eos_token_ids=())
+                                 capacity=args.capacity, block_size=k, eos_token_ids=(),
+                                 rounds_per_step=args.rounds_per_step)
             for width in {-(-len(p) // 16) for p in prompts}:  # compile: each prompt width's prefill, the round
                 engine.admit(next(q for q in prompts if -(-len(q) // 16) == width), 2, seed=0)
                 while engine.live:
@@ -132,7 +134,8 @@ def main(argv=None) -> None:
     lines = [f"# serve_bench — {what}", "", environment_line(args.commit), "",
              f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each; slots = min(clients, "
-             f"{args.max_slots}); {args.capacity} cache positions per slot.", "",
+             f"{args.max_slots}); {args.capacity} cache positions per slot; {args.rounds_per_step} round(s) per step.",
+             "",
              "| K asked | K run | clients | slots | tok/s (all) | x one client | TTFT median ms | TTFT p90 ms | "
              "per-stream tok/s | speculative / classic |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

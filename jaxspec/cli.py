@@ -460,7 +460,7 @@ def cmd_serve(args) -> int:
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
-                        max_batch=args.max_batch)
+                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk)
     if not args.no_warmup:
         _note("compiling the first programs (a new shape compiles on its first request) ...", end="")
         _note(f" {srv.warm_up():.1f} s")
@@ -570,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch", type=_positive_int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window)")
+    v.add_argument("--rounds-per-chunk", type=_positive_int, default=4, metavar="R",
+                   help="decode rounds between two reads of the new tokens and two admissions (default 4)")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")
