@@ -228,18 +228,19 @@ def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tilin
             with_sums = True
     blocks = tuple(pl.cdiv(n, tiling.block_n) for n in ns)
     m_blocks = pl.cdiv(rows, tiling.block_m)
+    rows_first = body is gemv_body and m_blocks > 1  # one row tile (every default launch): the grid as measured
     common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dt, interpret=interpret,
                   precision=None if dt != jnp.float32 else jax.lax.Precision.HIGHEST)
     first_w = 1 + with_sums  # operands: x, the group sums if any, then each weight's three arrays
     kernel = functools.partial(with_layer(_through_weights, layer is not None, range(first_w, first_w + 3 * len(qws))),
-                               body=body, ns=ns, blocks=blocks, with_sums=with_sums, rows_first=body is gemv_body, **common)
+                               body=body, ns=ns, blocks=blocks, with_sums=with_sums, rows_first=rows_first, **common)
     name = "gemv" if body is gemv_body else "qmm"
     outs = pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct((split, out_rows, on), x2.dtype if split == 1 else jnp.float32)
                         for on in out_ns),
-        grid=(m_blocks, sum(blocks), split) if body is gemv_body else (sum(blocks), m_blocks, split),
+        grid=(m_blocks, sum(blocks), split) if rows_first else (sum(blocks), m_blocks, split),
         interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages),
