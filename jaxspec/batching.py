@@ -88,7 +88,8 @@ class BatchEngine:
                  block_size: int = 4, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
                  rounds_per_step: int = 1):
-        for name, v in (("slots", slots), ("max_new_tokens", max_new_tokens), ("rounds_per_step", rounds_per_step)):
+        for name, v in (("slots", slots), ("max_new_tokens", max_new_tokens), ("block_size", block_size),
+                        ("rounds_per_step", rounds_per_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         sampling.validate_sampling(temperature, top_k, top_p)
@@ -102,7 +103,6 @@ class BatchEngine:
                              f"{max_new_tokens + block_size + 1}, got {capacity!r}")
         self.target, self.slots, self.capacity = target, slots, capacity
         self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
-        self.params = sampling.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p)
         k, self.fallback, _ = effective_block_size(target, assistant, slots, block_size, temperature, None,
                                                    exactness_probe)
         self.block_size = k

@@ -96,3 +96,5 @@ def test_bad_input_is_refused_before_compute():
         BatchEngine(TARGET, None, slots=1, max_new_tokens=40, capacity=32)
     with pytest.raises(ValueError, match="slots"):
         BatchEngine(TARGET, None, slots=0, max_new_tokens=8)
+    with pytest.raises(ValueError, match="block_size"):
+        BatchEngine(TARGET, ASSISTANT, slots=1, max_new_tokens=8, block_size=0)
