@@ -62,6 +62,15 @@ class Job:
         return self.kw["temperature"], self.kw["top_k"], self.kw["top_p"]
 
 
+def _fail(job: Job, e: Exception) -> None:
+    """End a job with an error: 400 for input the library refused (a ValueError, e.g. a KV cache
+    beyond the device's memory), 500 for an internal failure."""
+    if isinstance(e, ValueError):
+        job.emit(("error", str(e), 400))
+    else:
+        job.emit(("error", f"{type(e).__name__}: {e}", 500))
+
+
 class _Text:
     """A job's tokens -> text events: incremental decoding, stop strings (text that may still become
     one is held back), the finish reason; `push` returns True once the job has ended."""
@@ -269,9 +278,9 @@ class Server:
                 self.running = None
             try:
                 engine = self.engine(job.params)
-            except ValueError as e:
+            except Exception as e:  # e.g. its cache does not fit the device: this request fails, not the server
                 self.queue.popleft()
-                job.emit(("error", str(e), 400))
+                _fail(job, e)
                 continue
             if not engine.fits(len(job.ids), job.max_tokens):
                 return None if self.running is not None else self.queue.popleft()
@@ -280,8 +289,8 @@ class Server:
             self.queue.popleft()
             try:
                 slot = engine.admit(job.ids, job.max_tokens, seed=job.kw["seed"], owner=job)
-            except ValueError as e:  # e.g. non-finite logits from the prompt
-                job.emit(("error", str(e), 400))
+            except Exception as e:  # e.g. non-finite logits from the prompt (400), a failed prefill (500)
+                _fail(job, e)
                 continue
             self.running = engine
             self.slots[slot] = (job, _Text(self.tok, job))
@@ -326,10 +335,8 @@ class Server:
                     "batch_slots": 1}
                 if text.push(chunk.tokens[0], chunk.done, stats):
                     return
-        except ValueError as e:  # input the library refused (e.g. a KV cache beyond the device's memory)
-            job.emit(("error", str(e), 400))
-        except Exception as e:  # an internal failure: the request ends with an error, the server keeps serving
-            job.emit(("error", f"{type(e).__name__}: {e}", 500))
+        except Exception as e:  # the request ends with an error, the server keeps serving
+            _fail(job, e)
         finally:
             self.solo -= 1
 

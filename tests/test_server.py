@@ -235,3 +235,45 @@ def test_chat_completions_equal_the_cli(chat_pair):
         assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
     finally:
         s.stop()
+
+
+def test_a_failing_admission_ends_that_request_only(monkeypatch):
+    """In-process scheduler (no HTTP): a prefill that fails with an internal error ends its request
+    with a 500 error event, a refused one with a 400, and the next request is served."""
+    import models
+    from jaxspec import default_pair as dp
+    from jaxspec.batching import BatchEngine
+    from jaxspec.server import Server
+    from jaxspec.tokenizer import load_tokenizer
+    from pallas_kernels import DispatchConfig
+
+    path = dp.default_pair_path()
+    xla = DispatchConfig(backend="xla")
+    target = models.load_target(os.path.join(path, "target"), matmul=xla)
+    assistant = models.load_assistant(os.path.join(path, "assistant"), matmul=xla)
+    srv = Server(target, assistant, load_tokenizer(os.path.join(path, "target"), os.path.join(path, "tokenizer.json")),
+                 model_name="m", max_batch=2)
+    real = BatchEngine.admit
+    failures = iter([RuntimeError("device lost"), ValueError("refused")])
+
+    def admit(self, *a, **kw):
+        e = next(failures, None)
+        if e is not None:
+            raise e
+        return real(self, *a, **kw)
+    monkeypatch.setattr(BatchEngine, "admit", admit)
+
+    def run(prompt):
+        events, done = [], threading.Event()
+        job = srv.job({"prompt": prompt, "max_tokens": 6}, chat=False)
+        job.emit = lambda ev: (events.append(ev), ev[0] != "text" and done.set())
+        with srv.cond:
+            srv.queue.append(job)
+            srv.cond.notify()
+        assert done.wait(120)
+        return events
+    assert run(PROMPTS[0])[-1][::2] == ("error", 500)
+    assert run(PROMPTS[0])[-1][::2] == ("error", 400)
+    ok = run(PROMPTS[0])
+    assert ok[-1][0] == "end" and "".join(e[1] for e in ok if e[0] == "text")
+    assert srv.active == 0 and srv.waiting == 0
