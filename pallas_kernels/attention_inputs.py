@@ -56,52 +56,50 @@ def _rope(lo, hi, cos_ref, sin_ref, row, half):
 
 
 def _kernel(*refs, hq, hkv, t, capacity, d, eps, has_kv, own_v):
+    """Operands: cos, sin, q_scale, q_parts, then with K/V: k_scale, k_parts, [v_parts], cols and
+    the two caches (aliased to the last two outputs, never read); outputs: q, then the caches."""
     half = d // 2
-    it = iter(refs)
-    cols_ref, cos_ref, sin_ref, qs_ref, q_ref = (next(it) for _ in range(5))
-    ks_ref = k_ref = v_ref = kc_ref = vc_ref = None
+    cos_ref, sin_ref, qs_ref, q_ref, *refs = refs
     if has_kv:
-        ks_ref, k_ref = next(it), next(it)
-        v_ref = next(it) if own_v else None
-        next(it), next(it)  # the caches' inputs: aliased to the outputs below, never read
-    q_out = next(it)
-    if has_kv:
-        kc_ref, vc_ref = next(it), next(it)
+        ks_ref, k_ref, *refs = refs
+        v_ref, *refs = refs if own_v else (None, *refs)
+        cols_ref, _, _, q_out, kc_ref, vc_ref = refs
+    else:
+        (q_out,) = refs
     row, head = pl.program_id(0), pl.program_id(1)  # read outside the branches (interpret mode)
     dtype = q_out.dtype
 
-    def store(ref, at, lo, hi, mask=None):
+    def load(ref, col):  # one head's two halves, folded over the split
+        return tuple(_fold(ref, row, col + off, half, dtype) for off in (0, half))
+
+    def store(ref, at, lo, hi, col=0, mask=None):
         for off, part in ((0, lo), (half, hi)):
-            pltriton.store(ref.at[(*at, pl.ds(off, half))], part.astype(ref.dtype), mask=mask)
+            pltriton.store(ref.at[(*at, pl.ds(col + off, half))], part.astype(ref.dtype), mask=mask)
 
     @pl.when(head < hq)
     def _():
-        lo, hi = (_fold(q_ref, row, head * d + off, half, dtype) for off in (0, half))
-        lo, hi = _rope(*_norm(lo, hi, qs_ref, d, eps, dtype), cos_ref, sin_ref, row, half)
-        pltriton.store(q_out.at[row, pl.ds(head * d, half)], lo.astype(dtype))
-        pltriton.store(q_out.at[row, pl.ds(head * d + half, half)], hi.astype(dtype))
+        lo, hi = _rope(*_norm(*load(q_ref, head * d), qs_ref, d, eps, dtype), cos_ref, sin_ref, row, half)
+        store(q_out, (row,), lo, hi, col=head * d)
 
     if not has_kv:
         return
     col = pltriton.load(cols_ref.at[row])
     ok = jnp.broadcast_to((col >= 0) & (col < capacity), (half,))
-    at_b, at_c = row // t, jnp.clip(col, 0, capacity - 1)
+    at = (row // t, jnp.clip(col, 0, capacity - 1))
 
     @pl.when((head >= hq) & (head < hq + hkv))
     def _():
         j = head - hq
-        lo, hi = (_fold(k_ref, row, j * d + off, half, dtype) for off in (0, half))
-        store(kc_ref, (at_b, at_c, j), *_rope(*_norm(lo, hi, ks_ref, d, eps, dtype), cos_ref, sin_ref, row, half),
-              ok)
+        lo, hi = load(k_ref, j * d)
+        store(kc_ref, (*at, j), *_rope(*_norm(lo, hi, ks_ref, d, eps, dtype), cos_ref, sin_ref, row, half), mask=ok)
         if not own_v:  # v is k's projection, normed without a scale
-            store(vc_ref, (at_b, at_c, j), *_norm(lo, hi, None, d, eps, dtype), ok)
+            store(vc_ref, (*at, j), *_norm(lo, hi, None, d, eps, dtype), mask=ok)
 
     if own_v:
         @pl.when(head >= hq + hkv)
         def _():
             j = head - hq - hkv
-            lo, hi = (_fold(v_ref, row, j * d + off, half, dtype) for off in (0, half))
-            store(vc_ref, (at_b, at_c, j), *_norm(lo, hi, None, d, eps, dtype), ok)
+            store(vc_ref, (*at, j), *_norm(*load(v_ref, j * d), None, d, eps, dtype), mask=ok)
 
 
 def _check(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_cache, v_cache, cols, layer):
@@ -157,21 +155,19 @@ def attention_inputs(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_ca
     own_v = has_kv and v_parts is not None
     hkv = k_parts.shape[-1] // d if has_kv else 0
     flat = lambda a: a.reshape(a.shape[0], r, a.shape[-1])  # noqa: E731
-    operands = [cols.reshape(r) if has_kv else jnp.zeros((r,), jnp.int32), cos.reshape(r, d), sin.reshape(r, d),
-                q_scale, flat(q_parts)]
+    stacked = layer is not None
+    operands = [cos.reshape(r, d), sin.reshape(r, d), q_scale, flat(q_parts)]
     out_shape = [jax.ShapeDtypeStruct((r, hq * d), cos.dtype)]
     aliases, layered = {}, ()
     if has_kv:
-        operands += [k_scale, flat(k_parts)] + ([flat(v_parts)] if own_v else [])
-        aliases = {len(operands) + 1: 1, len(operands) + 2: 2}  # counted with the layer operand
+        operands += [k_scale, flat(k_parts)] + ([flat(v_parts)] if own_v else []) + [cols.reshape(r)]
+        lead = len(operands) + stacked  # the caches' positions among the call's operands (the index first)
+        aliases = {lead: 1, lead + 1: 2}
         operands += [k_cache, v_cache]
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
-        layered = (len(operands) + 1, len(operands) + 2)  # the caches' outputs
-    stacked = layer is not None
-    if not stacked:
-        aliases = {i - 1: o for i, o in aliases.items()}
+        layered = (len(operands) + 1, len(operands) + 2)  # the caches' outputs, counted after the index
     kernel = functools.partial(with_layer(_kernel, stacked, layered), hq=hq, hkv=hkv, t=t,
-                               capacity=(Layer(k_cache, 0).shape if stacked else k_cache.shape)[1] if has_kv else 0,
+                               capacity=k_cache.shape[-3] if has_kv else 0,  # [(L,) B, C, Hkv, D]
                                d=d, eps=eps, has_kv=has_kv, own_v=own_v)
     outs = pl.pallas_call(
         kernel, out_shape=tuple(out_shape), grid=(r, hq + hkv * (1 + own_v)),
