@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import loop, sampling
-from .generate import (BUDGET_BUCKET, PROMPT_BUCKET, _default_stop_ids, _round_up, effective_block_size,
+from .generate import (BUDGET_BUCKET, PROMPT_BUCKET, _default_stop_ids, _is_int, _round_up, effective_block_size,
                        make_generate, stop_array)
 
 
@@ -201,5 +201,4 @@ class BatchEngine:
 
 
 def _int_list(x) -> bool:
-    return isinstance(x, (list, tuple, np.ndarray)) and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in x)
+    return isinstance(x, (list, tuple, np.ndarray)) and all(_is_int(t) for t in x)
