@@ -71,11 +71,12 @@ def _retire(state: loop.DecodeState, slot) -> loop.DecodeState:
 
 
 @jax.jit
-def _snapshot(state: loop.DecodeState):
-    """Copies of what the host reads after a step (the state itself is donated to the next one):
-    the tokens and int32 [5, B] (n_out, done, row rounds, drafted, accepted)."""
-    counts = jnp.stack([state.n_out, state.done.astype(jnp.int32), state.row_rounds, state.drafted, state.accepted])
-    return jnp.copy(state.out), counts
+def _snapshot(out, n_out, done, row_rounds, drafted, accepted):
+    """One int32 [B, 5 + W] copy of what the host reads after a step (the state itself is donated
+    to the next one): n_out, done, row rounds, drafted, accepted, then the tokens. One array, so
+    one device-to-host copy; only these fields go in, as each argument costs the call host time."""
+    counts = jnp.stack([n_out, done.astype(jnp.int32), row_rounds, drafted, accepted], axis=1)
+    return jnp.concatenate([counts, out], axis=1)
 
 
 class BatchEngine:
@@ -174,12 +175,14 @@ class BatchEngine:
         nxt = None
         if self.live:
             self.state = self.decode(self.state, self.rounds_per_step)
-            nxt = (_snapshot(self.state), list(self.ticket))
+            st = self.state
+            nxt = (_snapshot(st.out, st.n_out, st.done, st.row_rounds, st.drafted, st.accepted), list(self.ticket))
         report, self.pending = self.pending, nxt
         if report is None:
             return []
-        (out, counts), tickets = report
-        out, (n_out, done, row_rounds, drafted, accepted) = jax.device_get((out, counts))
+        snap, tickets = report
+        snap = np.asarray(jax.device_get(snap))
+        (n_out, done, row_rounds, drafted, accepted), out = snap[:, :5].T, snap[:, 5:]
         events = []
         for slot, owner in enumerate(self.owner):
             if owner is None or tickets[slot] != self.ticket[slot]:
