@@ -1,7 +1,7 @@
 """serve_bench: continuous batching under concurrent clients, the way `jaxspec serve` runs it.
 
     python benchmarks/serve_bench.py --target 12b --assistant 12b --clients 1,4,8,16 --k-values 1,4 --out DIR
-    python benchmarks/serve_bench.py --target default --clients 1,4,8 --k-values 1,4 --out DIR
+    python benchmarks/serve_bench.py --target default --clients 1,4,8 --k-values 1,4 [--http] --out DIR
 
 Each of N closed-loop clients sends its requests one after another (the next when the previous has
 finished), all starting at once; the server's scheduling core (`jaxspec.batching.BatchEngine` with
@@ -13,6 +13,10 @@ slot), per-stream tokens/s (a request's tokens after its first over the time sin
 the engine's K (after the exactness probe) and the speculative speedup against K = 1 at the same N.
 Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
 the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
+`--http` (default pair) adds, per configuration, the same clients through the HTTP server
+(`jaxspec.server` on a local port, streamed completions read with http.client): the engine row then
+uses the server's own engine (its cache size, budget and the tokenizer's stop ids), so the two rows
+differ only by HTTP, JSON and the server's worker thread.
 Writes DIR/serve.json and DIR/serve.md.
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ from harness import environment, environment_line, random_pair, write_report  # 
 import models  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
 from jaxspec.batching import BatchEngine  # noqa: E402
+from jaxspec.tokenizer import load_tokenizer  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 
 
@@ -81,12 +86,102 @@ def serve(engine: BatchEngine, prompts, clients: int, per_client: int, max_token
                 done.append(dict(ttft=t1 - arrived, tokens=n, stream_tps=(n - 1) / (now - t1) if now > t1 else 0.0))
                 if todo[c]:
                     queue.append((c, now))
-    wall = time.perf_counter() - t0
+    return _summary(done, time.perf_counter() - t0)
+
+
+def serve_http(url: str, prompts, clients: int, per_client: int, max_tokens: int) -> dict:
+    """The same closed loop through the HTTP server: each client a thread streaming
+    /v1/completions (greedy, token-id prompts) with the standard library's http.client; TTFT is
+    the first chunk that carries text, the token count the final chunk's usage."""
+    import http.client
+    import json
+    import threading
+    from urllib.parse import urlparse
+
+    host = urlparse(url)
+    done, errors = [], []
+
+    def client(c):
+        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=600)
+        for i in range(per_client):
+            body = json.dumps(dict(prompt=prompts[(c * per_client + i) % len(prompts)], max_tokens=max_tokens,
+                                   temperature=0, stream=True))
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                errors.append(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+                return
+            first, n = None, 0
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                if "error" in d:
+                    errors.append(str(d["error"]))
+                    return
+                if first is None and d["choices"][0]["text"]:
+                    first = time.perf_counter()
+                if d.get("usage"):
+                    n = d["usage"]["completion_tokens"]
+            now = time.perf_counter()
+            first = first or now
+            done.append(dict(ttft=first - t0, tokens=n, stream_tps=(n - 1) / (now - first) if now > first else 0.0))
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"the server answered an error: {errors[0]}")
+    return _summary(done, time.perf_counter() - t0)
+
+
+def _summary(done: list[dict], wall: float) -> dict:
     total = sum(d["tokens"] for d in done)
     ttft = sorted(d["ttft"] for d in done)
     return dict(requests=len(done), tokens=total, wall_s=wall, tokens_per_s=total / wall,
                 ttft_median_s=statistics.median(ttft), ttft_p90_s=ttft[-(-9 * len(ttft) // 10) - 1],  # nearest rank
                 stream_tokens_per_s=statistics.median(d["stream_tps"] for d in done))
+
+
+def _http_run(server, warm_prompts, prompts, clients: int, args) -> dict:
+    """serve_http against `server` on a local port (one request per prefill width first: the
+    engine compiled them already, this warms the HTTP path)."""
+    http = _Http(server)
+    try:
+        serve_http(http.url, list(warm_prompts), 1, len(warm_prompts), 2)
+        return serve_http(http.url, prompts, clients, args.requests_per_client, args.max_tokens)
+    finally:
+        http.close()
+
+
+class _Http:
+    """`jaxspec serve`'s app for a Server, on a free local port in a thread (uvicorn), until closed."""
+
+    def __init__(self, server):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.srv = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.srv.run, daemon=True)
+        self.thread.start()
+        while not self.srv.started:
+            time.sleep(0.02)
+
+    def close(self):
+        self.srv.should_exit = True
+        self.thread.join()
 
 
 def main(argv=None) -> None:
@@ -106,42 +201,63 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--http", action="store_true",
+                    help="--target default only: each configuration also through `jaxspec serve`'s HTTP app "
+                         "(streamed completions), the engine rows then with the server's engine and stop ids")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.http and args.target != "default":
+        raise SystemExit("--http needs --target default (the server needs the pair's tokenizer)")
     os.makedirs(args.out, exist_ok=True)
     backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
     matmul = DispatchConfig.from_env(backend=backend)
     if args.assistant is None and args.target != "default":
         args.assistant = args.target
     target, assistant, prompts, what = load(args, matmul)
+    tokenizer = load_tokenizer(os.path.join(dp.default_pair_path(), "target")) if args.http else None
+    if args.http:
+        from jaxspec.server import Server
     rows = []
     for k in args.k_values:
         for n in args.clients:
             slots = min(n, args.max_slots)
-            engine = BatchEngine(target, assistant if k > 1 else None, slots=slots, max_new_tokens=args.max_tokens,
-                                 capacity=args.capacity, block_size=k, eos_token_ids=(),
-                                 rounds_per_step=args.rounds_per_step)
-            for width in {-(-len(p) // 16) for p in prompts}:  # compile: each prompt width's prefill, the round
-                engine.admit(next(q for q in prompts if -(-len(q) // 16) == width), 2, seed=0)
+            if args.http:  # the server's own engine (its capacity, budget and stop ids) for both rows
+                server = Server(target, assistant if k > 1 else None, tokenizer, model_name="bench", block_size=k,
+                                rounds_per_chunk=args.rounds_per_step, max_batch=slots)
+                engine = server.engine((0.0, None, None))
+            else:
+                engine = BatchEngine(target, assistant if k > 1 else None, slots=slots,
+                                     max_new_tokens=args.max_tokens, capacity=args.capacity, block_size=k,
+                                     eos_token_ids=(), rounds_per_step=args.rounds_per_step)
+            widths = {-(-len(p) // 16): p for p in prompts}  # one prompt per prefill width
+            for p in widths.values():  # compile: each prompt width's prefill, the round
+                engine.admit(p, 2, seed=0)
                 while engine.live:
                     engine.step()
-            r = serve(engine, prompts, n, args.requests_per_client, args.max_tokens)
-            rows.append(dict(k_asked=k, k=engine.block_size, fallback=engine.fallback, clients=n, slots=slots, **r))
-            print(f"K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} tok/s, "
-                  f"TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} tok/s", flush=True)
-    base = {r["clients"]: r["tokens_per_s"] for r in rows if r["k_asked"] == 1}
-    one = {r["k_asked"]: r["tokens_per_s"] for r in rows if r["clients"] == 1}
+            runs = [("engine", lambda: serve(engine, prompts, n, args.requests_per_client, args.max_tokens))]
+            if args.http:
+                runs.append(("http", lambda: _http_run(server, widths.values(), prompts, n, args)))
+            for mode, run in runs:
+                r = run()
+                rows.append(dict(mode=mode, k_asked=k, k=engine.block_size, fallback=engine.fallback, clients=n,
+                                 slots=slots, **r))
+                print(f"{mode} K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} tok/s, "
+                      f"TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} tok/s",
+                      flush=True)
+    base = {(r["mode"], r["clients"]): r["tokens_per_s"] for r in rows if r["k_asked"] == 1}
+    one = {(r["mode"], r["k_asked"]): r["tokens_per_s"] for r in rows if r["clients"] == 1}
     lines = [f"# serve_bench — {what}", "", environment_line(args.commit), "",
              f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each; slots = min(clients, "
              f"{args.max_slots}); {args.capacity} cache positions per slot; {args.rounds_per_step} round(s) per step.",
              "",
-             "| K asked | K run | clients | slots | tok/s (all) | x one client | TTFT median ms | TTFT p90 ms | "
-             "per-stream tok/s | speculative / classic |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| path | K asked | K run | clients | slots | tok/s (all) | x one client | TTFT median ms | TTFT p90 ms | "
+             "per-stream tok/s | speculative / classic |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        spec = f"{r['tokens_per_s'] / base[r['clients']]:.2f}" if r["k_asked"] > 1 and r["clients"] in base else ""
-        scale = f"{r['tokens_per_s'] / one[r['k_asked']]:.2f}" if r["k_asked"] in one else ""
-        lines.append(f"| {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | {r['tokens_per_s']:.1f} | "
+        b, o = base.get((r["mode"], r["clients"])), one.get((r["mode"], r["k_asked"]))
+        spec = f"{r['tokens_per_s'] / b:.2f}" if r["k_asked"] > 1 and b else ""
+        scale = f"{r['tokens_per_s'] / o:.2f}" if o else ""
+        lines.append(f"| {r['mode']} | {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | {r['tokens_per_s']:.1f} | "
                      f"{scale} | {r['ttft_median_s'] * 1e3:.0f} | "
                      f"{r['ttft_p90_s'] * 1e3:.0f} | {r['stream_tokens_per_s']:.1f} | {spec} |")
     write_report(args.out, "serve", dict(environment(args.commit), what=what, args=vars(args)), rows, lines)

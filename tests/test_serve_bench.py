@@ -24,4 +24,17 @@ def test_tiny_pair_clients_and_block_sizes(tmp_path):
         assert r["k"] == r["k_asked"] and r["tokens_per_s"] > 0 and r["ttft_p90_s"] >= r["ttft_median_s"] > 0
         assert r["stream_tokens_per_s"] > 0
     md = open(os.path.join(out, "serve.md")).read()
-    assert "| 3 | 3 | 3 | 3 |" in md and "speculative / classic" in md
+    assert "| engine | 3 | 3 | 3 | 3 |" in md and "speculative / classic" in md
+
+
+def test_http_rows_match_the_engine_rows(tmp_path):
+    """--http on the default pair: every request also served over HTTP, and the same token count as
+    through the engine (greedy, the same prompts and stop ids: identical outputs)."""
+    out = str(tmp_path / "o")
+    serve_bench.main(["--target", "default", "--http", "--clients", "2", "--k-values", "3", "--max-tokens", "5",
+                      "--requests-per-client", "2", "--backend", "xla", "--out", out])
+    rows = json.load(open(os.path.join(out, "serve.json")))["rows"]
+    assert [r["mode"] for r in rows] == ["engine", "http"]
+    engine, http = rows
+    assert http["requests"] == engine["requests"] == 4 and http["tokens"] == engine["tokens"] > 0
+    assert http["k"] == 3 and http["tokens_per_s"] > 0 and http["ttft_median_s"] > 0
