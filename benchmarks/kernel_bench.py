@@ -179,10 +179,6 @@ def table_phase(T, key, quick, only=None, rows_only=None):
             if rows in (2, 4, 8):  # multirow rows
                 off = DispatchConfig(multirow=False)
                 variants.append(("pallas", "qmv-per-row", lambda x, w, c=off: quantized_matmul(x, w, config=c)))
-            if 16 < rows <= 64:  # the verify of B = 8 / 16 at K = 4: multirow's 16-row tiles against qmm
-                wide = DispatchConfig(multirow_max_rows=64)
-                variants.append(("pallas", "multirow-16-row-tiles",
-                                 lambda x, w, c=wide: quantized_matmul(x, w, config=c)))
             if rows in (4, 8):
                 variants.append(("pallas", "qmm-forced", lambda x, w: quantized_matmul(x, w, path="qmm", config=DEFAULT)))
             if dense:  # the tiled kernel where the dense fallback takes the default

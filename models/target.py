@@ -81,9 +81,9 @@ def row_bucket(target: Target, batch: int) -> int:
     by 1e-6 at B = 1). Computing every forward of T <= bucket tokens at exactly `bucket` tokens
     makes decode and verify one computation, so greedy speculative decoding is bit-exact by
     construction. The bucket keeps batch * bucket within the model's multirow matmul window
-    (`target.matmul.multirow_max_rows`: up to ROW_TILE rows cost no weight traffic, the kernel
-    reads each weight tile once for all of them; a larger window runs 16-row tiles), and at most
-    MAX_BUCKET; without multirow it is 1."""
+    (`target.matmul.multirow_max_rows`, at most ROW_TILE), where extra rows cost no weight traffic
+    (the kernel reads each weight tile once for all of them), and at most MAX_BUCKET; without
+    multirow it is 1."""
     mm = target.matmul
     window = mm.multirow_max_rows if mm.multirow else 1
     return max(1, min(window // batch, MAX_BUCKET))

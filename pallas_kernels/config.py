@@ -20,9 +20,6 @@ PATHS = ("qmv", "multirow", "qmm")
 # the real count (1..ROW_TILE), so a row's arithmetic is the same alone or among others; callers pad
 # short blocks to it (or to a share of it) for the same reason. The multirow window fits in it.
 ROW_TILE = 16
-# The most rows the multirow path takes: more than ROW_TILE run as ROW_TILE-row tiles in one launch,
-# each computed exactly as a lone launch (so still row-invariant), each re-reading the weight tile.
-MULTIROW_LIMIT = 4 * ROW_TILE
 
 # The attention kernels' shared contract with their callers (models.cache): a key slot at position
 # EMPTY is never visible (no query position is above it), and the head dims the kernels tile.
@@ -51,12 +48,8 @@ class DispatchConfig:
     interpret: force Pallas interpret mode on or off (None: on unless JAX's default backend is a GPU).
     multirow: 2..multirow_max_rows rows run as one multirow GEMV, which reads each weight tile once
       for all rows (off: one GEMV per row, re-reading the weight each time). $JAXSPEC_QMV_MULTIROW.
-    multirow_max_rows: the largest row count sent to the GEMV (1..MULTIROW_LIMIT = 64; default
-      ROW_TILE, as many rows as its MMA tile computes anyway); more rows go to qmm. Above ROW_TILE
-      the GEMV runs 16-row tiles in one launch, each exactly as a lone launch: a row's result never
-      depends on the row count (a B = 8, K = 4 verify stays exact), at one more pass over the
-      weight per tile (from L2 where the tiles of one column block run side by side).
-      $JAXSPEC_QMV_MULTIROW_MAX_ROWS.
+    multirow_max_rows: the largest row count sent to the GEMV (1..ROW_TILE; default ROW_TILE, as many
+      rows as its MMA tile computes anyway); more rows go to qmm. $JAXSPEC_QMV_MULTIROW_MAX_ROWS.
     qmm_tile_m: the tiled GEMM's rows per tile (a power of two >= 16; None: 64, or 256 from 256
       rows). $JAXSPEC_QMM_TILE_M.
     qmm_dense_rows: from this many rows on, qmm dequantizes each weight and runs XLA's dense dot
@@ -87,9 +80,9 @@ class DispatchConfig:
             raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION}")
         if self.interpret is not None and not isinstance(self.interpret, bool):
             raise ValueError(f"interpret={self.interpret!r} must be None or a bool")
-        if not _is_int(self.multirow_max_rows) or not 1 <= self.multirow_max_rows <= MULTIROW_LIMIT:
-            raise ValueError(f"multirow_max_rows={self.multirow_max_rows!r} must be an integer in 1..{MULTIROW_LIMIT} "
-                             f"(the GEMV computes {ROW_TILE}-row tiles, at most {MULTIROW_LIMIT // ROW_TILE})")
+        if not _is_int(self.multirow_max_rows) or not 1 <= self.multirow_max_rows <= ROW_TILE:
+            raise ValueError(f"multirow_max_rows={self.multirow_max_rows!r} must be an integer in 1..{ROW_TILE} "
+                             f"(the GEMV computes one {ROW_TILE}-row tile)")
         if self.qmm_tile_m is not None and (not _is_int(self.qmm_tile_m) or self.qmm_tile_m < 16
                                             or self.qmm_tile_m & (self.qmm_tile_m - 1)):
             raise ValueError(f"qmm_tile_m={self.qmm_tile_m!r} must be a power of two >= 16 (Triton block shapes)")

@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .config import MULTIROW_LIMIT, PATHS, DispatchConfig, select_path
+from .config import PATHS, ROW_TILE, DispatchConfig, select_path
 from .launch import gemv, gemv_tiling, qmm, qmm_dense, qmm_tiling, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from .stack import Layer, unwrap
@@ -120,8 +120,8 @@ def _pallas(x2, qws, path: str, config: DispatchConfig, layer: Layer | None = No
                    layer=index, fold=fold)
     tiling = gemv_tiling(shape, group_size)
     if path == "multirow" or rows == 1:
-        if rows > MULTIROW_LIMIT:
-            raise ValueError(f"path='multirow' handles at most {MULTIROW_LIMIT} rows, got {rows}")
+        if rows > ROW_TILE:
+            raise ValueError(f"path='multirow' handles at most {ROW_TILE} rows, got {rows}")
         return gemv(x2, qws, tiling, interpret=interpret, layer=index, fold=fold)
     # qmv with several rows: one launch per row, re-reading the weight each time (multirow off)
     per_row = [gemv(x2[i:i + 1], qws, tiling, interpret=interpret, layer=index, fold=fold) for i in range(rows)]

@@ -108,11 +108,12 @@ def qmm_dense(rows: int, shape: tuple[int, int], config: DispatchConfig) -> bool
 
 # ---- the launch -------------------------------------------------------------------------------
 def gemv(x2: jax.Array, qws, tiling: Tiling, *, interpret: bool, layer=None, fold: bool = True) -> tuple[jax.Array, ...]:
-    """`x2 [rows, K] @ dequantize(qw).T` for each qw (one format), one launch of the GEMV body: one
-    block_m-row tile of programs per block_m rows, each computed exactly as in a lone launch.
+    """`x2 [rows <= ROW_TILE, K] @ dequantize(qw).T` for each qw (one format), one launch of the GEMV body.
     `layer` (an int32 `[1]` array, `stack.Layer.operand()`): the qws are stacks, use that layer's.
     `fold=False`: each result is the split-K partials `[split, rows, N]` (float32 when split > 1), for
     a consumer that adds them in split order itself (one kernel fewer)."""
+    if x2.shape[0] > tiling.block_m:
+        raise ValueError(f"the GEMV computes at most block_m={tiling.block_m} rows, got {x2.shape[0]}")
     return _launch(gemv_body, x2, tuple(qws), tiling, interpret=interpret, layer=layer, fold=fold)
 
 
@@ -165,19 +166,15 @@ def fold_splits(parts: jax.Array) -> jax.Array:
     return total
 
 
-def _through_weights(x_ref, *refs, body, ns, blocks, with_sums, rows_first, **common):
+def _through_weights(x_ref, *refs, body, ns, blocks, with_sums, **common):
     """The grid's N axis runs through the weights one after another, each over its own
-    ceil(N_i / block_n) blocks. `rows_first`: the row-tile axis is the grid's first (fastest), so
-    the row tiles of one column block run side by side and share its weight tile through L2 (the
-    GEMV); else the N axis is. Program ids are read here, outside the branches (interpret mode
+    ceil(N_i / block_n) blocks. Program ids are read here, outside the branches (interpret mode
     cannot lower them inside one)."""
     count = len(ns)
     if with_sums:
         common["xs_ref"], refs = refs[0], refs[1:]
     w_refs, o_refs = refs[:3 * count], refs[3 * count:]
     pid, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if rows_first:
-        pid, pid_m = pid_m, pid
     if count == 1:
         body(x_ref, *w_refs, o_refs[0], n=ns[0], pids=(pid, pid_m, pid_s), **common)
         return
@@ -227,20 +224,18 @@ def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tilin
             arrays = [(group_sums(x2, first.group_size),)] + arrays
             with_sums = True
     blocks = tuple(pl.cdiv(n, tiling.block_n) for n in ns)
-    m_blocks = pl.cdiv(rows, tiling.block_m)
-    rows_first = body is gemv_body and m_blocks > 1  # one row tile (every default launch): the grid as measured
     common = dict(rows=rows, bits=first.bits, group_size=first.group_size, tiling=tiling, n_groups=n_groups,
                   groups_per_split=groups_per_split, dot_dtype=dt, interpret=interpret,
                   precision=None if dt != jnp.float32 else jax.lax.Precision.HIGHEST)
     first_w = 1 + with_sums  # operands: x, the group sums if any, then each weight's three arrays
     kernel = functools.partial(with_layer(_through_weights, layer is not None, range(first_w, first_w + 3 * len(qws))),
-                               body=body, ns=ns, blocks=blocks, with_sums=with_sums, rows_first=rows_first, **common)
+                               body=body, ns=ns, blocks=blocks, with_sums=with_sums, **common)
     name = "gemv" if body is gemv_body else "qmm"
     outs = pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct((split, out_rows, on), x2.dtype if split == 1 else jnp.float32)
                         for on in out_ns),
-        grid=(m_blocks, sum(blocks), split) if rows_first else (sum(blocks), m_blocks, split),
+        grid=(sum(blocks), pl.cdiv(rows, tiling.block_m), split),
         interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages),

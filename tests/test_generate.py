@@ -642,11 +642,3 @@ def test_assistant_mismatch(no_compute, overrides, match):
     t, _ = pair()
     with pytest.raises(ValueError, match=match):
         jaxspec.generate(t, [1, 2, 3], assistant=_mismatched_assistant(**overrides))
-
-
-def test_row_bucket_follows_a_wider_multirow_window():
-    """A multirow window past 16 rows (16-row GEMV tiles) widens the row bucket, so a B = 8, K = 4
-    verify (32 rows) and its decode steps are one computation."""
-    t, _ = pair()
-    for window, batch, bucket in ((16, 8, 2), (32, 8, 4), (64, 16, 4), (64, 1, 8), (16, 1, 8)):
-        assert models.row_bucket(t.replace(matmul=DispatchConfig(multirow_max_rows=window)), batch) == bucket

@@ -110,25 +110,3 @@ def test_fused_launch_on_gpu():
         one = quantized_matmul_many(x[5:6], qws)
         for a, m in zip(one, multi):
             np.testing.assert_array_equal(_f32(a), _f32(m[5:6]))
-
-
-@pytest.mark.parametrize("rows", [17, 32, 64])
-def test_multirow_past_16_rows_keeps_each_row_on_gpu(rows):
-    """multirow_max_rows = 64: 16-row tiles in one launch (row tiles the grid's fastest axis); each
-    row bitwise what its lone launch gives, at a real q/k/v and an MLP shape, fused and single."""
-    rng = np.random.default_rng()
-    cfg = DispatchConfig(multirow_max_rows=64)
-    for n, k in ((4096, 3840), (3840, 15360)):
-        qw = quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16))
-        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-        multi = _f32(jax.jit(lambda x: quantized_matmul(x, qw, config=cfg))(x))
-        assert _rel(multi, _ref(x, qw)) < 1e-2
-        for i in (0, rows // 2, rows - 1):
-            alone = _f32(jax.jit(lambda x: quantized_matmul(x, qw, config=cfg))(x[i:i + 1]))
-            np.testing.assert_array_equal(multi[i:i + 1], alone)
-    qws = [quantize(jnp.asarray(rng.standard_normal((n, 2048)) * 0.05, jnp.bfloat16)) for n in (2048, 1024, 1024)]
-    x = jnp.asarray(rng.standard_normal((rows, 2048)), jnp.bfloat16)
-    multi = quantized_matmul_many(x, qws, config=cfg)
-    one = quantized_matmul_many(x[rows - 1:], qws, config=cfg)
-    for a, m in zip(one, multi):
-        np.testing.assert_array_equal(_f32(a), _f32(m[rows - 1:]))
