@@ -102,8 +102,12 @@ class Generator:
         def decode(t, a, s, n):
             return loop.decode(spec, t, a, s, n)
 
+        def decode_rounds(t, a, s, rounds):
+            return loop.decode_rounds(spec, t, a, s, rounds)
+
         self._run = jax.jit(generate)
         self._decode = jax.jit(decode, donate_argnums=(2,))
+        self._decode_rounds = jax.jit(decode_rounds, static_argnums=(3,), donate_argnums=(2,))
 
     def __call__(self, target, assistant, prompt, lengths, key, limit=None, stop_ids=None):
         b = prompt.shape[0]
@@ -148,6 +152,15 @@ class Generator:
 
     def prefill(self, target, prompt, lengths, key, limit, stop_ids) -> loop.DecodeState:
         return self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids)()
+
+    def compiled_rounds(self, target, assistant, state, rounds: int) -> Callable[[loop.DecodeState], loop.DecodeState]:
+        """`state -> state`: exactly `rounds` more rounds (`loop.decode_rounds`: no early exit, so on
+        a GPU the call returns once queued), compiled now. The state passed in is donated."""
+        drafter = assistant if self.spec.speculative else None
+        args = (target, drafter, state)
+        dec = programs.compiled(programs.Program("decode_rounds", (self.spec, rounds), args,
+                                                 lambda: self._decode_rounds.lower(*args, rounds)))
+        return lambda s: dec(target, drafter, s)
 
     def decode(self, target, assistant, state, max_rounds: int | None = None) -> loop.DecodeState:
         """Up to `max_rounds` rounds (default: until every row is done); `state` is donated."""

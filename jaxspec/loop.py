@@ -280,13 +280,7 @@ def decode(spec: LoopSpec, target, assistant, state: DecodeState, max_rounds: ja
     suffices (every round emits >= 1 token per active row); streaming passes its chunk size and
     calls again with the returned state, so one compiled program serves both. The state's shapes
     do not change (see `start`)."""
-    if spec.speculative and assistant is None:
-        raise ValueError("speculative decoding (block_size > 1) needs an assistant")
-    k = spec.block_size
-    if state.out.shape[1] < spec.max_new_tokens + k - 1:
-        raise ValueError(f"output buffer {state.out.shape[1]} < max_new_tokens + block_size - 1")
-    if state.hist.shape != (k,):
-        raise ValueError(f"hist has shape {state.hist.shape}, decode needs ({k},): pass the state through loop.start")
+    _check_decode(spec, assistant, state)
 
     def cond(carry):
         s, i = carry
@@ -298,6 +292,26 @@ def decode(spec: LoopSpec, target, assistant, state: DecodeState, max_rounds: ja
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
     return state
+
+
+def decode_rounds(spec: LoopSpec, target, assistant, state: DecodeState, rounds: int) -> DecodeState:
+    """Exactly `rounds` (static) rounds; a row that is done stays as it is (as in `decode`), but the
+    loop does not stop early. Without a condition to read there is no device-to-host copy per
+    round, so on a GPU the call returns as soon as its work is queued: continuous batching reads the
+    last step's tokens while these rounds run (`jaxspec.batching`). `state.rounds` counts every
+    round run, active rows or not; each row's own count is `row_rounds`."""
+    _check_decode(spec, assistant, state)
+    return jax.lax.fori_loop(0, rounds, lambda _, s: decode_round(spec, target, assistant, s), state)
+
+
+def _check_decode(spec: LoopSpec, assistant, state: DecodeState) -> None:
+    if spec.speculative and assistant is None:
+        raise ValueError("speculative decoding (block_size > 1) needs an assistant")
+    k = spec.block_size
+    if state.out.shape[1] < spec.max_new_tokens + k - 1:
+        raise ValueError(f"output buffer {state.out.shape[1]} < max_new_tokens + block_size - 1")
+    if state.hist.shape != (k,):
+        raise ValueError(f"hist has shape {state.hist.shape}, decode needs ({k},): pass the state through loop.start")
 
 
 def run(spec: LoopSpec, target, assistant, prompt, lengths, key, limit, stop_ids) -> DecodeState:
