@@ -122,6 +122,7 @@ class BatchEngine:
         self.state = jax.tree.map(jnp.copy, blank)  # its zero fields share one buffer: steps donate each
         self.decode = self.gen.compiled_rounds(target, self.drafter, self.state, rounds_per_step)
         self.seen = [0] * slots
+        self.fresh: dict[int, tuple[int, bool]] = {}  # slot -> (the prefill's token, done), not reported yet
         self.owner: list[object | None] = [None] * slots
         self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
         self.admissions = 0
@@ -163,10 +164,12 @@ class BatchEngine:
         prompt, lengths, key, limit, stop = self.gen.inputs([ids], max_new_tokens=max_new_tokens,
                                                             eos_token_ids=self.eos, seed=seed)
         one = self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop)()
-        loop.check_prefill(one)
+        loop.check_prefill(one)  # waits for the prefill: reading its token as well costs no extra wait
+        first, done = jax.device_get((one.bonus[0], one.done[0]))
         self.state = _insert(self.state, one, jnp.int32(slot))
         self.admissions += 1
-        self.seen[slot], self.owner[slot], self.ticket[slot] = 0, owner, self.admissions
+        self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
+        self.fresh[slot] = (int(first), bool(done))
         return slot
 
     def step(self) -> list[SlotEvent]:
@@ -174,7 +177,8 @@ class BatchEngine:
         live slot's new tokens (finished slots are freed). Pipelined: the device runs the new rounds
         while the host reads the last ones, so the host's work between steps costs no device time
         (a step's fixed host cost was ~1.5 ms on the H200 when each call waited for its rounds); the
-        first step after an idle engine reports nothing yet. A slot admitted
+        first step after an idle engine reports nothing from the device yet. A request's first
+        token (its prefill's) is reported by the first step after its admission. A slot admitted
         or cancelled after a step was dispatched is left out of that step's report."""
         nxt = None
         if self.live:
@@ -182,12 +186,17 @@ class BatchEngine:
             st = self.state
             nxt = (_snapshot(st.out, st.n_out, st.done, st.row_rounds, st.drafted, st.accepted), list(self.ticket))
         report, self.pending = self.pending, nxt
+        events = []
+        for slot, (first, done) in self.fresh.items():  # a request's first token, as soon as it exists
+            events.append(SlotEvent(slot=slot, tokens=[first], done=done, rounds=0, drafted=0, accepted=0))
+            if done:  # its first token ended it (a stop id or a budget of 1)
+                self.owner[slot] = None
+        self.fresh.clear()
         if report is None:
-            return []
+            return events
         snap, tickets = report
         snap = np.asarray(jax.device_get(snap))
         (n_out, done, row_rounds, drafted, accepted), out = snap[:, :5].T, snap[:, 5:]
-        events = []
         for slot, owner in enumerate(self.owner):
             if owner is None or tickets[slot] != self.ticket[slot]:
                 continue
@@ -205,6 +214,7 @@ class BatchEngine:
         if self.owner[slot] is not None:
             self.state = _retire(self.state, jnp.int32(slot))
             self.owner[slot] = None
+            self.fresh.pop(slot, None)
 
 
 def _int_list(x) -> bool:

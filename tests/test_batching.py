@@ -98,3 +98,21 @@ def test_bad_input_is_refused_before_compute():
         BatchEngine(TARGET, None, slots=0, max_new_tokens=8)
     with pytest.raises(ValueError, match="block_size"):
         BatchEngine(TARGET, ASSISTANT, slots=1, max_new_tokens=8, block_size=0)
+
+
+def test_first_token_comes_with_the_first_step_and_a_budget_of_one_ends_there():
+    """The prefill's token is reported by the first step after admission (before any round's
+    tokens, which come a step later, pipelined); a request with max_new_tokens=1 finishes at that
+    step and frees its slot. Both tokens are generate's."""
+    (ids, _), (ids2, _) = _requests(3, 2, TARGET.config.vocab_size)
+    engine = BatchEngine(TARGET, ASSISTANT, slots=2, max_new_tokens=24, capacity=64)
+    a, b = engine.admit(ids, 6), engine.admit(ids2, 1)
+    events = {ev.slot: ev for ev in engine.step()}
+    first = jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=6).tokens[0]
+    assert events[a].tokens == first[:1] and not events[a].done and events[a].rounds == 0
+    assert events[b].done and events[b].tokens == jaxspec.generate(TARGET, [ids2], max_new_tokens=1).tokens[0]
+    assert engine.live == 1 and engine.free == 1
+    got = list(events[a].tokens)
+    while engine.live:
+        got += [t for ev in engine.step() for t in ev.tokens]
+    assert got == first
