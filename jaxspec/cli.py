@@ -571,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window)")
     v.add_argument("--rounds-per-chunk", type=_positive_int, default=4, metavar="R",
-                   help="decode rounds between two reads of the new tokens and two admissions (default 4)")
+                   help="decode rounds between two reads of the new tokens and two admissions (default 4; 1 suits "
+                        "a large model: on the H200 the 12B streams 6%% faster with half the time to first token)")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")

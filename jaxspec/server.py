@@ -126,9 +126,11 @@ def _stops(body) -> list[str]:
 class Server:
     """The models, the tokenizer and the one worker thread; `app()` is the FastAPI application.
     `max_batch`: slots decoding together (continuous batching); `rounds_per_chunk`: rounds between
-    two reads of the new tokens (and two admissions): each call of the decode program costs a fixed
-    ~2.7 ms of host time on the H200 (12B), so 4 rounds per call stream one request at 182 tokens/s
-    against 129 with 1 (docs/benchmark_results/serve-h200-2026-12-02.md)."""
+    two reads of the new tokens (and two admissions). The host's ~1.5 ms per chunk overlaps the
+    device's rounds, so a large model loses nothing to it (12B: 1 round 183 tokens/s for one
+    client, 4 rounds 173, as the first token waits a longer chunk); a small one is bound by it (the
+    default pair: 4 rounds 2,169 tokens/s, 1 round 631). Hence 4 by default
+    (docs/benchmark_results/serve-h200-2026-12-02.md)."""
 
     def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
                  rounds_per_chunk: int = 4, max_batch: int = 4):
