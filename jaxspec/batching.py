@@ -73,15 +73,6 @@ def _retire(state: loop.DecodeState, slot) -> loop.DecodeState:
     return state.replace(done=state.done.at[slot].set(True))
 
 
-@jax.jit
-def _snapshot(out, n_out, done, row_rounds, drafted, accepted):
-    """One int32 [B, 5 + W] copy of what the host reads after a step (the state itself is donated
-    to the next one): n_out, done, row rounds, drafted, accepted, then the tokens. One array, so
-    one device-to-host copy; only these fields go in, as each argument costs the call host time."""
-    counts = jnp.stack([n_out, done.astype(jnp.int32), row_rounds, drafted, accepted], axis=1)
-    return jnp.concatenate([counts, out], axis=1)
-
-
 class BatchEngine:
     """`slots` requests decoding together (see the module docstring). `max_new_tokens`: the largest
     budget a request may ask; `capacity`: cache positions per slot (prompt + budget + K must fit;
@@ -183,8 +174,7 @@ class BatchEngine:
         nxt = None
         if self.live:
             self.state = self.decode(self.state)
-            st = self.state
-            nxt = (_snapshot(st.out, st.n_out, st.done, st.row_rounds, st.drafted, st.accepted), list(self.ticket))
+            nxt = (loop.snapshot(self.state), list(self.ticket))
         report, self.pending = self.pending, nxt
         events = []
         for slot, (first, done) in self.fresh.items():  # a request's first token, as soon as it exists
@@ -195,8 +185,7 @@ class BatchEngine:
         if report is None:
             return events
         snap, tickets = report
-        snap = np.asarray(jax.device_get(snap))
-        (n_out, done, row_rounds, drafted, accepted), out = snap[:, :5].T, snap[:, 5:]
+        n_out, done, row_rounds, drafted, accepted, out = loop.unpack_snapshot(snap)
         for slot, owner in enumerate(self.owner):
             if owner is None or tickets[slot] != self.ticket[slot]:
                 continue

@@ -70,7 +70,7 @@ _PREFILL = jax.jit(loop.prefill, static_argnums=0)  # shared by every Generator 
 @functools.lru_cache(maxsize=64)
 def _round_budget(n: int) -> jax.Array:
     """decode's max_rounds as a device scalar, made once per value: building it per call costs a
-    conversion program and a host-to-device copy (~0.3 ms on an H200 host), paid per streamed chunk."""
+    conversion program and a host-to-device copy (~0.3 ms on an H200 host)."""
     return jnp.asarray(n, jnp.int32)
 
 
@@ -130,11 +130,20 @@ class Generator:
         args = (target, assistant if self.spec.speculative else None, state, jnp.zeros((), jnp.int32))
         return programs.Program("decode", self.spec, args, lambda: self._decode.lower(*args))
 
-    def all_programs(self, target, assistant, prompt, lengths, key, limit, stop_ids) -> list[programs.Program]:
-        """The decode loop's program and the prefill's, for `programs.compile_all` (longest first)."""
+    def rounds_program(self, target, assistant, state, rounds: int) -> programs.Program:
+        """`loop.decode_rounds`' program (exactly `rounds` rounds per call); `state` may be shapes only."""
+        args = (target, assistant if self.spec.speculative else None, state)
+        return programs.Program("decode_rounds", (self.spec, rounds), args,
+                                lambda: self._decode_rounds.lower(*args, rounds))
+
+    def all_programs(self, target, assistant, prompt, lengths, key, limit, stop_ids,
+                     rounds_per_chunk: int | None = None) -> list[programs.Program]:
+        """The decode program and the prefill's, for `programs.compile_all` (longest first): the
+        decode loop, or with `rounds_per_chunk` the fixed-round program streaming runs."""
         state = loop.state_shapes(self.spec, target, prompt, limit, stop_ids, key)
-        return [self.decode_program(target, assistant, state),
-                self.prefill_program(target, prompt, lengths, key, limit, stop_ids)]
+        decode = (self.decode_program(target, assistant, state) if rounds_per_chunk is None
+                  else self.rounds_program(target, assistant, state, rounds_per_chunk))
+        return [decode, self.prefill_program(target, prompt, lengths, key, limit, stop_ids)]
 
     def compiled_prefill(self, target, prompt, lengths, key, limit, stop_ids) -> Callable[[], loop.DecodeState]:
         """`() -> state`: the prefill of these inputs, compiled now (cached per shapes), run when
@@ -157,9 +166,7 @@ class Generator:
         """`state -> state`: exactly `rounds` more rounds (`loop.decode_rounds`: no early exit, so on
         a GPU the call returns once queued), compiled now. The state passed in is donated."""
         drafter = assistant if self.spec.speculative else None
-        args = (target, drafter, state)
-        dec = programs.compiled(programs.Program("decode_rounds", (self.spec, rounds), args,
-                                                 lambda: self._decode_rounds.lower(*args, rounds)))
+        dec = programs.compiled(self.rounds_program(target, assistant, state, rounds))
         return lambda s: dec(target, drafter, s)
 
     def decode(self, target, assistant, state, max_rounds: int | None = None) -> loop.DecodeState:
@@ -411,10 +418,11 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
          temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
          eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
          verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-         exactness_probe: bool = True) -> Plan:
+         exactness_probe: bool = True, rounds_per_chunk: int | None = None) -> Plan:
     """`generate`'s arguments -> a Plan: every input check (on the host, before anything is
     compiled), then every program the call needs compiled at once (`programs.compile_all`), the
-    exactness probe (T = 0), the Generator and its input arrays."""
+    exactness probe (T = 0), the Generator and its input arrays. `rounds_per_chunk`: streaming's
+    plan (its fixed-round decode program instead of the decode loop)."""
     rows = _as_batch(prompt_ids)
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
@@ -438,7 +446,7 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
     gen, inputs = generator(asked)
     probes = (verify.probe_programs(target, batch, asked, verify.verify_width(asked, batch, pad, target.matmul))
               if _probes(asked, temperature, exactness_probe) else [])
-    programs.compile_all(gen.all_programs(target, assistant, *inputs) + probes)
+    programs.compile_all(gen.all_programs(target, assistant, *inputs, rounds_per_chunk=rounds_per_chunk) + probes)
     k, fallback, diff = effective_block_size(target, assistant, batch, block_size, temperature, pad,
                                              exactness_probe)
     if k != asked:

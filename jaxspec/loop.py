@@ -12,9 +12,11 @@ One round with block size K (classic decoding is the same machinery with K = 1 a
    carry the verify hidden at a as the next h_prev.
 
 Rows are independent: each has its own lengths, counters and done flag. A finished row keeps its
-cache length, its outputs are no longer written and it counts in no statistic; `decode` ends when
-every row is done or its round budget is spent. Nothing goes back to the host between the rounds of
-one `decode` call.
+cache length, its outputs are no longer written and it counts in no statistic. `decode` (what
+`generate` runs) ends when every row is done or its round budget is spent; on a GPU its exit test
+is read back by the host every round, so a call returns only when its rounds are done.
+`decode_rounds` (the host loops: streaming, continuous batching) runs a fixed number of rounds and
+reads nothing back, so a call returns as soon as it is queued.
 """
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ class DecodeState:
     stop_ids: jax.Array     # int32 [S]: EOS/stop ids, padded with -1
     done: jax.Array         # bool [B]
     key: jax.Array          # one key for the batch, or one per row ([B]: jaxspec.batching's slots)
-    rounds: jax.Array       # int32 []: loop iterations (verify forwards)
+    rounds: jax.Array       # int32 []: rounds in which some row was active (verify forwards that count)
     row_rounds: jax.Array   # int32 [B]: rounds in which the row was active
     drafted: jax.Array      # int32 [B]
     accepted: jax.Array     # int32 [B]: accepted draft tokens (before budget/stop truncation)
@@ -250,7 +252,7 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
     return DecodeState(
         cache=cache, bonus=bonus, h_prev=h_prev, out=out, n_out=n_out, limit=state.limit,
         stop_ids=state.stop_ids, done=done, key=key,
-        rounds=state.rounds + 1, row_rounds=state.row_rounds + act,
+        rounds=state.rounds + jnp.any(active).astype(jnp.int32), row_rounds=state.row_rounds + act,
         drafted=state.drafted + act * (k - 1), accepted=state.accepted + act * n_acc,
         hist=state.hist + jnp.sum(jax.nn.one_hot(n_acc, k, dtype=jnp.int32) * act[:, None], axis=0),
         finite=state.finite)
@@ -298,10 +300,27 @@ def decode_rounds(spec: LoopSpec, target, assistant, state: DecodeState, rounds:
     """Exactly `rounds` (static) rounds; a row that is done stays as it is (as in `decode`), but the
     loop does not stop early. Without a condition to read there is no device-to-host copy per
     round, so on a GPU the call returns as soon as its work is queued: continuous batching reads the
-    last step's tokens while these rounds run (`jaxspec.batching`). `state.rounds` counts every
-    round run, active rows or not; each row's own count is `row_rounds`."""
+    last step's tokens while these rounds run (`jaxspec.batching`, `jaxspec.streaming`). Rounds
+    run after every row is done change nothing, and `state.rounds` does not count them."""
     _check_decode(spec, assistant, state)
     return jax.lax.fori_loop(0, rounds, lambda _, s: decode_round(spec, target, assistant, s), state)
+
+
+@jax.jit
+def snapshot(state: DecodeState) -> jax.Array:
+    """What a host loop reads between calls, as one int32 [B, 5 + W] copy (one transfer back; a copy,
+    so the state itself can be donated to the next call while this is read): per row n_out, done,
+    row_rounds, drafted, accepted, then the output tokens. `unpack_snapshot` splits it."""
+    counts = jnp.stack([state.n_out, state.done.astype(jnp.int32), state.row_rounds, state.drafted,
+                        state.accepted], axis=1)
+    return jnp.concatenate([counts, state.out], axis=1)
+
+
+def unpack_snapshot(snap) -> tuple[np.ndarray, ...]:
+    """(n_out, done, row_rounds, drafted, accepted, out) numpy arrays from `snapshot`'s (device or host) array."""
+    snap = np.asarray(jax.device_get(snap))
+    n_out, done, row_rounds, drafted, accepted = snap[:, :5].T
+    return n_out, done.astype(bool), row_rounds, drafted, accepted, snap[:, 5:]
 
 
 def _check_decode(spec: LoopSpec, assistant, state: DecodeState) -> None:

@@ -4,14 +4,16 @@
         print(tok.decode(chunk.tokens[0]), end="", flush=True)
     result = chunk.result          # the last chunk carries the GenerationResult (tokens + stats)
 
-A host loop over the programs `jaxspec.generate` runs: the same prefill, then the same compiled
-decode (`Generator.compiled_decode`), called with a round budget of `rounds_per_chunk` instead of
-the whole budget and again on the state it returns, reading the newly committed tokens in between.
-The decode state has the same shapes before and after every call, so all chunks run one program.
-The rounds, and the sampling key threaded through them, are the ones `generate` runs, so the
-streamed tokens equal `generate`'s for the same arguments and seed, greedy or sampled.
+A host loop over generate's prefill and its round (`loop.decode_round`): each chunk is one call of
+a program of exactly `rounds_per_chunk` rounds (`Generator.compiled_rounds`), on the state the last
+call returned (the same shapes every time: one program for all chunks). The rounds, and the sampling
+key threaded through them, are the ones `generate` runs, so the streamed tokens and stats equal
+`generate`'s for the same arguments and seed, greedy or sampled.
 
-Cost: one dispatch and one device-to-host read per chunk; raise `rounds_per_chunk` to amortize it.
+Pipelined: the next chunk is queued before the last one is read, so the host's read and the
+caller's work on a chunk overlap the device (a program with no early exit returns once queued; the
+decode loop's exit test would make every call wait for its rounds). It costs one chunk of rounds
+after the last row is done, and stats' decode seconds count the time spent inside the iterator.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 
 from .generate import GenerationResult, plan
-from .loop import check_prefill
+from .loop import check_prefill, snapshot, unpack_snapshot
 
 
 @dataclasses.dataclass
@@ -52,15 +54,8 @@ def stream_generate(target, prompt_ids, *, assistant=None, max_new_tokens: int =
     p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
                stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,
-               exactness_probe=exactness_probe)
+               exactness_probe=exactness_probe, rounds_per_chunk=rounds_per_chunk)
     return _stream(p, target, rounds_per_chunk)
-
-
-def _read(state, seen):
-    """(new tokens per row since `seen`, the new counts, all rows done, rounds so far)."""
-    out, n_out, done, rounds = jax.device_get((state.out, state.n_out, state.done, state.rounds))
-    new = [out[b, seen[b]:n].tolist() for b, n in enumerate(n_out.tolist())]
-    return new, n_out.tolist(), bool(done.all()), int(rounds)
 
 
 def _stream(p, target, rounds_per_chunk: int) -> Iterator[StreamChunk]:
@@ -70,18 +65,29 @@ def _stream(p, target, rounds_per_chunk: int) -> Iterator[StreamChunk]:
     state = jax.block_until_ready(prefill())
     prefill_s = time.perf_counter() - t0
     check_prefill(state)
-    decode = gen.compiled_decode(target, p.drafter, state)
+    chunk = gen.compiled_rounds(target, p.drafter, state, rounds_per_chunk)
 
-    pending, seen, all_done, rounds = _read(state, [0] * p.batch)
+    t0 = time.perf_counter()
+    seen = [0] * p.batch
+    snap = snapshot(state)
     decode_s = 0.0
     # Every round emits >= 1 token per active row, so max_new_tokens rounds finish every row; the
     # bound only keeps a broken loop from spinning forever.
-    while not all_done and rounds < gen.spec.max_new_tokens:
+    calls = -(-gen.spec.max_new_tokens // rounds_per_chunk) + 1
+    for i in range(calls):
+        state = chunk(state)  # queued: runs while the last snapshot is read and handed out
+        nxt = snapshot(state)
+        n_out, done, row_rounds, _, _, out = unpack_snapshot(snap)
+        pending = [out[b, seen[b]:n].tolist() for b, n in enumerate(n_out.tolist())]
+        seen, rounds = n_out.tolist(), int(row_rounds.max())
+        if done.all() or i == calls - 1:
+            break
+        decode_s += time.perf_counter() - t0
         yield StreamChunk(tokens=pending, rounds=rounds, done=False)
         t0 = time.perf_counter()
-        state = decode(state, rounds_per_chunk)
-        pending, seen, all_done, rounds = _read(state, seen)
-        decode_s += time.perf_counter() - t0
+        snap = nxt
+    state = jax.block_until_ready(state)
+    decode_s += time.perf_counter() - t0
     yield StreamChunk(tokens=pending, rounds=rounds, done=True, result=p.result(state, prefill_s, decode_s))
 
 

@@ -313,9 +313,10 @@ def test_no_host_round_trip_in_decode():
 
 @pytest.mark.parametrize("k,temperature", [(4, 0.0), (4, 0.8), (1, 0.8)])
 def test_streaming_equals_generate(k, temperature):
-    """stream_generate runs generate's two compiled programs (no other compilation) and yields,
-    chunk by chunk, exactly generate's tokens and stats for the same arguments and seed, greedy
-    and sampled; every chunk but the last ran exactly rounds_per_chunk rounds."""
+    """stream_generate runs generate's prefill and one fixed-round decode program per chunk size (no
+    other compilation) and yields, chunk by chunk, exactly generate's tokens and stats for the same
+    arguments and seed, greedy and sampled; every chunk but the last ran exactly rounds_per_chunk
+    rounds."""
     t, a = pair()
     rows = [list(r) for r in prompts()]
     kw = dict(assistant=a, max_new_tokens=20, block_size=k, temperature=temperature, seed=5, exactness_probe=False)
@@ -325,7 +326,9 @@ def test_streaming_equals_generate(k, temperature):
     compiled = dict(programs._MEMO)
     for per_chunk in (1, 3):
         chunks = list(streaming.stream_generate(t, rows, rounds_per_chunk=per_chunk, **kw))
-        assert programs._MEMO == compiled
+        new = [sig for sig in programs._MEMO if sig not in compiled]
+        assert [(sig[0], sig[1][1]) for sig in new] == [("decode_rounds", per_chunk)]
+        compiled = dict(programs._MEMO)
         assert chunks[0].tokens == [r[:1] for r in ref.tokens] and chunks[0].rounds == 0
         assert [c.rounds for c in chunks[1:-1]] == [per_chunk * i for i in range(1, len(chunks) - 1)]
         assert [c.done for c in chunks] == [False] * (len(chunks) - 1) + [True]
@@ -348,8 +351,9 @@ def test_non_finite_prefill_logits_are_an_error():
     t, a = pair()
     rows = [list(r) for r in prompts()]
     kw = dict(max_new_tokens=20, exactness_probe=False)
-    for k in (4, 1):  # the finite pair compiles the shapes
+    for k in (4, 1):  # the finite pair compiles the shapes (streaming's decode program too)
         jaxspec.generate(t, rows, assistant=a, block_size=k, **kw)
+        list(streaming.stream_generate(t, rows, assistant=a, block_size=k, **kw))
     compiled = dict(programs._MEMO)
     bad = t.replace(params={**t.params, "norm": jnp.full_like(t.params["norm"], jnp.nan)})
     msg = r"the target produced NaN/inf logits for the prompt \(prompt rows \[0, 1, 2\]\): its weights are likely non-finite"
