@@ -87,9 +87,10 @@ class Generator:
 
     The same computation in two halves, each compiled ahead of time once per shapes: `prefill`
     (shared by all block sizes) gives the state, `decode(..., max_rounds)` runs up to max_rounds
-    rounds from it and can be called again on the state it returns (streaming does; the state's
-    shapes never change, so every call runs one program). `gen.run(...)` is prefill + one decode
-    of the whole budget, timed without compilation; `generate` uses it.
+    rounds from it and can be called again on the state it returns (the state's shapes never
+    change, so every call runs one program). `gen.run(...)` is prefill + one decode of the whole
+    budget, timed without compilation; `generate` uses it. Host loops (streaming, batching) use
+    `compiled_rounds` instead: exactly R rounds per call, which on a GPU returns once queued.
     """
 
     def __init__(self, spec: loop.LoopSpec):

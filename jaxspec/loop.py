@@ -279,8 +279,8 @@ def start(spec: LoopSpec, state: DecodeState) -> DecodeState:
 def decode(spec: LoopSpec, target, assistant, state: DecodeState, max_rounds: jax.Array) -> DecodeState:
     """Rounds in one `lax.while_loop` while some row is active and fewer than `max_rounds` (a traced
     int32 scalar) rounds ran in this call. `generate` passes max_new_tokens, which always
-    suffices (every round emits >= 1 token per active row); streaming passes its chunk size and
-    calls again with the returned state, so one compiled program serves both. The state's shapes
+    suffices (every round emits >= 1 token per active row); `Generator.decode` may pass fewer and
+    call again with the returned state, one compiled program for every budget. The state's shapes
     do not change (see `start`)."""
     _check_decode(spec, assistant, state)
 
