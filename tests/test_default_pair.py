@@ -214,6 +214,7 @@ def test_tiny_training_run(tmp_path):
     ev = metrics["eval"]
     assert not any("error" in v for v in ev.values() if isinstance(v, dict)), ev
     assert ev["speculative"]["byte_identical"] == "2/2"
+    assert ev["plausibility"]["n"] == 4 and 0.0 <= ev["plausibility"]["plausibility"] <= 1.0
     target, assistant, tok = dp.load_default_pair(jnp.float32, matmul=XLA, path=str(out))
     assert tok.token_to_id("<eos>") == dp.EOS_ID
     prompts = dp.heldout_prompts(str(out))

@@ -72,7 +72,7 @@ from models.layers import linear
 from models.params import LINEAR
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize
 
-from . import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair
+from . import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair, quality
 
 T_START = time.time()  # main() restarts it: --deadline counts from there
 SPECIALS = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID}  # the tokenizer's first ids, in this order
@@ -849,7 +849,7 @@ def main(argv=None) -> int:
     t = time.time()
     del params
     errors = evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu,
-                      corpus["bytes_per_token"])
+                      corpus["bytes_per_token"], held_files)
     phase_done("eval", t)
     log(f"done in {time.time() - T_START:.1f}s" + (f" with {len(errors)} eval error(s)" if errors else ""))
     return 1 if errors else 0
@@ -874,7 +874,7 @@ def eval_only(args) -> int:
         f"files from {corpus['stdlib']} (Python {corpus['python']})")
     metrics.set("eval_only_corpus", {k: corpus[k] for k in ("stdlib", "python", "files_sha256")})
     errors = evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, jax.default_backend() == "gpu",
-                      corpus["train_bytes"] / max(1, train_data.size))
+                      corpus["train_bytes"] / max(1, train_data.size), held_files)
     log(f"eval-only done in {time.time() - T_START:.1f}s" + (f" with {len(errors)} error(s)" if errors else ""))
     return 1 if errors else 0
 
@@ -909,7 +909,8 @@ def pick_prompts(tok, held_files, held_ids, sizes, seed):
     return out
 
 
-def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, bytes_per_token) -> list:
+def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, bytes_per_token,
+             held_files=()) -> list:
     """Reload the saved pair (as jaxspec.default_pair loads it) and measure it. Each part records an
     error (and prints its traceback) instead of stopping the others. Returns the list of errors."""
     errors = []
@@ -1021,7 +1022,15 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
                   "mean_accepted_drafts excludes it; speed = summed decode time, compile excluded"))
         return res
 
-    for name, fn, need in (("perplexity", perplexity, 45), ("speculative", speculative, 30)):
+    def plausibility():  # jaxspec.default_pair.quality's procedure on the held-out files (full: 40 x 64)
+        picked = quality.pick(quality.signature_prompts(held_files), 2 * sizes.n_prompts)
+        r = quality.score(loaded["target"], tok, picked, sizes.eval_new_tokens)
+        return dict(plausibility=round(r["plausibility"], 3), n=r["n"], max_tokens=r["max_tokens"],
+                    examples=[{k: x[k] for k in ("file", "line", "prompt", "completion", "plausible")}
+                              for x in r["rows"][:3]])
+
+    for name, fn, need in (("perplexity", perplexity, 45), ("speculative", speculative, 30),
+                           ("plausibility", plausibility, 30)):
         if time.time() - T_START > hard_limit - need:
             ev[name] = {"skipped": "out of time"}
             metrics.set("eval", ev)
