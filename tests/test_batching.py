@@ -116,3 +116,15 @@ def test_first_token_comes_with_the_first_step_and_a_budget_of_one_ends_there():
     while engine.live:
         got += [t for ev in engine.step() for t in ev.tokens]
     assert got == first
+
+
+def test_more_slots_than_the_multirow_window_stay_exact():
+    """5 slots x K = 4 is 20 verify rows, past the 16-row window where a row's arithmetic is the
+    same at any row count. The engine's exactness probe keeps K where verify and decode agree (on
+    the H200 it lowers it; here the probe passes), and every request is what generate gives it alone."""
+    requests = _requests(21, 6, TARGET.config.vocab_size)
+    engine = BatchEngine(TARGET, ASSISTANT, slots=5, max_new_tokens=24, capacity=64, block_size=4)
+    assert engine.block_size > 1
+    got = _drain(engine, requests)
+    for i, (ids, n) in enumerate(requests):
+        assert got[i] == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n).tokens[0], i
