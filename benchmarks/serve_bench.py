@@ -5,11 +5,11 @@
 
 Each of N closed-loop clients sends its requests one after another (the next when the previous has
 finished), all starting at once; the server's scheduling core (`jaxspec.batching.BatchEngine` with
-min(N, --max-slots) slots, admitting between rounds in arrival order, one round per step, as the
-server's worker does) serves them. HTTP and JSON are not in the timed path: this measures what the
-GPU and the engine do. Per configuration: aggregate tokens/s (all tokens over the wall time), time
-to first token (arrival to the step that returns it: prefill + one round, plus any wait for a
-slot), per-stream tokens/s (a request's tokens after its first over the time since its first),
+min(N, --max-slots) slots, admitting between steps in arrival order, --rounds-per-step rounds per
+step as the server's worker does per chunk) serves them. HTTP and JSON are not in the timed path
+(unless --http): this measures what the GPU and the engine do. Per configuration: aggregate
+tokens/s (all tokens over the wall time), time to first token (arrival to the step that reports
+it: the prefill and the next step's dispatch, plus any wait for a slot), per-stream tokens/s (a request's tokens after its first over the time since its first),
 the engine's K (after the exactness probe) and the speculative speedup against K = 1 at the same N.
 Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
 the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
