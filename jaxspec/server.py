@@ -162,6 +162,9 @@ class Server:
 
     def engine(self, params: tuple) -> BatchEngine:
         if params not in self.engines:
+            # One batch runs at a time: idle engines go first, so that many distinct settings do not
+            # each keep a cache of every slot (their compiled programs stay in memory and on disk).
+            self.engines = {k: v for k, v in self.engines.items() if v is self.running}
             temperature, top_k, top_p = params
             self.engines[params] = BatchEngine(
                 self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,

@@ -277,3 +277,11 @@ def test_a_failing_admission_ends_that_request_only(monkeypatch):
     ok = run(PROMPTS[0])
     assert ok[-1][0] == "end" and "".join(e[1] for e in ok if e[0] == "text")
     assert srv.active == 0 and srv.waiting == 0
+    # an engine per sampling setting, but only the running one is kept when another is built
+    first = srv.engine((0.0, None, None))
+    srv.running = first
+    srv.engine((0.5, None, None))
+    assert set(srv.engines) == {(0.0, None, None), (0.5, None, None)}
+    srv.running = None
+    srv.engine((0.0, 5, None))
+    assert set(srv.engines) == {(0.0, 5, None)}
