@@ -9,8 +9,9 @@ min(N, --max-slots) slots, admitting between steps in arrival order, --rounds-pe
 step as the server's worker does per chunk) serves them. HTTP and JSON are not in the timed path
 (unless --http): this measures what the GPU and the engine do. Per configuration: aggregate
 tokens/s (all tokens over the wall time), time to first token (arrival to the step that reports
-it: the prefill and the next step's dispatch, plus any wait for a slot), per-stream tokens/s (a request's tokens after its first over the time since its first),
-the engine's K (after the exactness probe) and the speculative speedup against K = 1 at the same N.
+it: the prefill and the next step's dispatch, plus any wait for a slot), per-stream tokens/s (a
+request's tokens after its first over the time since its first), the engine's K (after the
+exactness probe) and the speculative speedup against K = 1 at the same N.
 Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
 the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
 `--http` (default pair) adds, per configuration, the same clients through the HTTP server
@@ -257,7 +258,8 @@ def main(argv=None) -> None:
         b, o = base.get((r["mode"], r["clients"])), one.get((r["mode"], r["k_asked"]))
         spec = f"{r['tokens_per_s'] / b:.2f}" if r["k_asked"] > 1 and b else ""
         scale = f"{r['tokens_per_s'] / o:.2f}" if o else ""
-        lines.append(f"| {r['mode']} | {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['mode']} | {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | "
+                     f"{r['tokens_per_s']:.1f} | "
                      f"{scale} | {r['ttft_median_s'] * 1e3:.0f} | "
                      f"{r['ttft_p90_s'] * 1e3:.0f} | {r['stream_tokens_per_s']:.1f} | {spec} |")
     write_report(args.out, "serve", dict(environment(args.commit), what=what, args=vars(args)), rows, lines)

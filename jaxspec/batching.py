@@ -13,9 +13,10 @@ The slots are the rows of one `loop.DecodeState` of static shapes `[slots, ...]`
 early exit: a loop condition would be read back to the host every round, which makes a GPU call
 return only when its rounds are done. Without it the call returns once queued, and the host reads
 the previous step's tokens (and admits, retires, streams) while the device runs. Admitting a
-request runs the loop's prefill on it alone (batch 1, its prompt width bucketed, the engine's cache capacity) and copies
-that row into the free slot (one jitted, in-place insert). A finished or cancelled row stays in the
-state, inactive, until a new request takes its slot; inactive rows cost compute, not correctness.
+request runs the loop's prefill on it alone (batch 1, its prompt width bucketed, the engine's cache
+capacity) and copies that row into the free slot (one jitted, in-place insert). A finished or
+cancelled row stays in the state, inactive, until a new request takes its slot; inactive rows cost
+compute, not correctness.
 
 Rows never see each other: each keeps its own cache, lengths and budget, and the kernels compute a
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
