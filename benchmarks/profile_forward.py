@@ -1,13 +1,16 @@
 """Where a target forward's time goes: a profiler trace of decode (or verify) forwards, summed by kernel.
 
     python benchmarks/profile_forward.py --target 12b [--layers 8] [--batch 1] [--width 1] --out DIR
+    python benchmarks/profile_forward.py --target default --draft --out DIR    # assistant draft steps
 
 Times `--steps` dependent forwards in one jit (as speculative_bench's forward run does), then
 traces one such call with the JAX profiler and sums the device's kernel events by name and by
 kind: our 4-bit matmul kernels (GEMV, tiled qmm), XLA fusions, dense matmuls, the rest. The difference
 between the wall time and the summed kernel time is time the GPU sat idle between kernels (launch
 gaps, host work). Writes DIR/profile.md, DIR/profile.json and the raw trace under DIR/trace/; prints
-the table last. On a machine without a GPU it reports the host's XLA executor events instead (the
+the table last. `--draft` profiles the assistant's draft steps instead (`--assistant`, default the
+target's own: `default` is the shipped pair), chained and unrolled as the loop runs them, one
+"forward" per step. On a machine without a GPU it reports the host's XLA executor events instead (the
 Pallas kernels then run in interpret mode, so only the plumbing is meaningful there).
 """
 from __future__ import annotations
@@ -27,7 +30,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import environment, median_time, no_command_buffers  # noqa: E402
-from speculative_bench import forward_loop, load_pair, weight_bytes_per_token  # noqa: E402
+from speculative_bench import (draft_loop, forward_loop, load_pair, resolve_default_pair,  # noqa: E402
+                               weight_bytes_per_token)
 
 from pallas_kernels import DispatchConfig  # noqa: E402
 
@@ -160,7 +164,9 @@ def resummarize(out: str) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="12b", help="preset name or checkpoint dir")
+    ap.add_argument("--target", default="12b", help="preset name, checkpoint dir or `default` (the shipped pair)")
+    ap.add_argument("--draft", action="store_true", help="profile assistant draft steps, not target forwards")
+    ap.add_argument("--assistant", default=None, help="with --draft: checkpoint dir or preset (default: --target's)")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N target layers (preset only)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--width", type=int, default=1, help="tokens per row: 1 = decode, K = a K-wide verify")
@@ -175,13 +181,25 @@ def main(argv=None) -> int:
         return resummarize(args.out)
     if args.batch < 1 or args.width < 1 or args.steps < 1:
         ap.error("--batch, --width and --steps must be >= 1")
-    args.assistant, args.float = None, False
+    if args.draft and args.width != 1:
+        ap.error("--draft runs one token per row: leave --width at 1")
+    args.float, args.no_assistant = False, not args.draft
+    args.tokenizer = args.prompts_file = args.prompt_ids = args.prompt = None
+    resolve_default_pair(args)
+    if args.draft and args.assistant is None:
+        args.assistant = args.target
     no_command_buffers()  # else the kernels replayed inside CUDA graphs are missing from the trace
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    target, _, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env())
+    target, assistant, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env())
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
-    run, call_args = forward_loop(target, args.batch, args.width, args.width, args.steps)
+    if args.draft:
+        if assistant is None:
+            raise SystemExit(f"--draft needs an assistant: none loaded for --assistant {args.assistant!r}")
+        what = f"assistant draft steps of {what}"
+        run, call_args = draft_loop(assistant, target, args.batch, args.steps)
+    else:
+        run, call_args = forward_loop(target, args.batch, args.width, args.width, args.steps)
     wall_us = median_time(run, *call_args, warmup=1, repeats=5) / args.steps * 1e6
     log_dir = os.path.join(args.out, "trace")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -190,7 +208,7 @@ def main(argv=None) -> int:
     summary = summarize(events, args.steps)
     env = environment(args.commit)
     meta = {"what": what, "env": env, "batch": args.batch, "width": args.width, "steps": args.steps,
-            "source": source, "weight_gb": weight_bytes_per_token(target) / 1e9,
+            "source": source, "weight_gb": weight_bytes_per_token(assistant if args.draft else target) / 1e9,
             "command": "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     print(write(args.out, meta, wall_us, summary))
     return 0
