@@ -70,6 +70,18 @@ def test_signature_prompts_and_pick():
 
 
 @pytest.mark.skipif(not default_pair_available(), reason="the default pair is not installed")
+def test_fitting_leaves_room_for_the_completion():
+    """A prompt is kept iff its tokens plus max_tokens fit the context (the tokenizer decides)."""
+    class Words:  # one token per whitespace-separated word
+        def encode(self, text):
+            return type("Encoding", (), {"ids": text.split()})()
+
+    prompts = [dict(text="def f(a):"), dict(text="def g(a, b, c):"), dict(text="def h(a, b, c, d, e):")]
+    assert [p["text"] for p in quality.fitting(prompts, Words(), 10, 6)] == ["def f(a):", "def g(a, b, c):"]
+    assert quality.fitting(prompts, Words(), 10, 7) == [prompts[0]]
+    assert quality.fitting(prompts, Words(), 10, 9) == []
+
+
 def test_the_shipped_pair_scores():
     from jaxspec.default_pair import load_default_pair
     from pallas_kernels import DispatchConfig

@@ -6,7 +6,8 @@ The procedure, fixed so that two pairs' scores compare (docs/default-pair.md):
 1. Prompts: every function definition (`ast`) in the pair's held-out files, in (file, line) order,
    as the source of its header (the `def` line through the line that ends it, decorators and
    comment lines after it left out, dedented, ending at its colon), when its body starts on a
-   later line; `n` of them evenly spaced over that list.
+   later line, leaving out any whose tokens plus `max_tokens` pass the model's context; `n` of
+   them evenly spaced over that list.
 2. Each prompt is completed greedily, `max_tokens` tokens. The prompt stops at the colon, not after
    the newline: the newline and the indentation are the model's to write (a byte-level BPE merges
    them with the colon, so a prompt ending in a bare newline is one the model never saw).
@@ -55,6 +56,11 @@ def signature_prompts(files) -> list[dict]:
                 out.append(dict(file=rel, line=node.lineno, text=header))
     out.sort(key=lambda p: (p["file"], p["line"]))
     return out
+
+
+def fitting(prompts: list, tok, context: int, max_tokens: int) -> list:
+    """The prompts whose tokens leave room for `max_tokens` more within `context` positions."""
+    return [p for p in prompts if len(tok.encode(p["text"]).ids) + max_tokens <= context]
 
 
 def pick(prompts: list, n: int) -> list:
@@ -183,7 +189,8 @@ def main(argv=None) -> int:
     matmul = None if jax.default_backend() == "gpu" else DispatchConfig(backend="xla")  # Pallas interpret is slow
     target, _, tok = load_default_pair(matmul=matmul, path=args.path)
     files = heldout_files(args.path, args.stdlib)
-    prompts = pick(signature_prompts(files), args.n)
+    context = target.config.max_position_embeddings
+    prompts = pick(fitting(signature_prompts(files), tok, context, args.max_tokens), args.n)
     result = score(target, tok, prompts, args.max_tokens)
     for r in result["rows"][:args.show]:
         print(f"--- {r['file']}:{r['line']} ({'plausible' if r['plausible'] else 'not plausible'})")

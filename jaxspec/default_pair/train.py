@@ -1,15 +1,19 @@
 """Train the default (target, assistant) pair that jaxspec ships and loads when no model is given.
 
-    python -m jaxspec.default_pair.train --out OUT            # the real run (one H200)
+    python -m jaxspec.default_pair.train --out OUT --stage target      # ~10 min on one H200
+    python -m jaxspec.default_pair.train --out OUT --stage assistant   # ~10 min, same machine and OUT
+    python -m jaxspec.default_pair.train --out OUT                     # both stages in one run
     python -m jaxspec.default_pair.train --out OUT --smoke    # tiny sizes, CPU, a few minutes
     python -m jaxspec.default_pair.train --out OUT --eval-only   # re-measure the pair in OUT
 
 OUT then holds the files `jaxspec.default_pair` reads (`load_default_pair(path=OUT)`); copying them
-into the package directory makes them the shipped pair.
+into the package directory makes them the shipped pair. The two stages exist so that each fits a
+10-minute command limit: the first writes the tokenizer, the held-out prompts and the 4-bit target;
+the second reloads them (checking the corpus is the same) and does the rest.
 
-Everything is built from text every machine has offline, the Python standard library's own source
-(`sysconfig.get_paths()["stdlib"]`, *.py, test directories and site-packages skipped; files whose
-sha1(relative path) is 0 mod 20 are held out):
+Everything is built from Python source every training machine has offline (`corpus.py`): the
+standard library plus the installed packages in `corpus.PACKAGES`, test directories skipped, a
+repeat of earlier content dropped; files whose sha1(name) is 0 mod 20 are held out:
 
 1. a byte-level BPE tokenizer (`tokenizers`) trained on the training files;
 2. a Gemma-4-style target (the `models` code itself: sliding + full layers, QK norms, proportional
@@ -45,14 +49,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import platform
 import subprocess
 import sys
-import sysconfig
 import time
 import traceback
 
@@ -67,17 +69,20 @@ from tokenizers.models import BPE
 import jaxspec
 import models
 from jaxspec.loop import DRAFT_POSITION_OFFSET
+from models import layer_scan
 from models.config import FULL, SLIDING
 from models.layers import linear
 from models.params import LINEAR
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize
 
 from . import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair, quality
+from . import corpus as corpus_mod
 
 T_START = time.time()  # main() restarts it: --deadline counts from there
+# The recipe's own forwards (training, the teacher, its greedy data) run the XLA paths: training
+# differentiates them, and the Pallas attention kernels have no JVP. The evaluation runs the defaults.
+TRAIN_MATMUL = DispatchConfig(backend="xla")
 SPECIALS = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID}  # the tokenizer's first ids, in this order
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-HELDOUT_MOD = 20
 
 
 @dataclasses.dataclass
@@ -111,8 +116,8 @@ class Sizes:
 
 
 FULL_SIZES = Sizes(vocab=4096, hidden=512, layers=12, full_every=6, heads=8, kv_heads=2, head_dim=64,
-                   global_head_dim=128, ffn=1536, window=128, a_hidden=512, a_layers=2, a_heads=8, a_ffn=1536,
-                   seq=256, batch=64, a_batch=64, draft_steps=3, gen_seqs=8192, gen_prompt=128, gen_batch=512,
+                   global_head_dim=128, ffn=1536, window=128, a_hidden=512, a_layers=1, a_heads=8, a_ffn=3072,
+                   seq=256, batch=128, a_batch=64, draft_steps=3, gen_seqs=8192, gen_prompt=128, gen_batch=512,
                    prompt_tokens=48, n_prompts=20, eval_new_tokens=64, val_windows=64, ppl_windows=512)
 SMOKE_SIZES = Sizes(vocab=512, hidden=64, layers=3, full_every=3, heads=4, kv_heads=2, head_dim=16,
                     global_head_dim=32, ffn=128, window=16, a_hidden=64, a_layers=2, a_heads=4, a_ffn=128,
@@ -200,50 +205,17 @@ def deterministic_xla_flags(enabled: bool, environ) -> tuple[dict, str | None]:
 # Corpus and tokenizer
 
 
-def find_corpus(max_files: int | None):
-    """(stdlib root, [(relpath, text)] train, [(relpath, text)] held-out, info). Sorted, deterministic."""
-    root = sysconfig.get_paths()["stdlib"]
-    if not os.path.isdir(root):
-        raise RuntimeError(f"Python stdlib directory {root!r} not found")
-    paths = []
-    for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS)
-        for f in files:
-            if f.endswith(".py"):
-                paths.append(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"))
-    paths.sort()
-    if max_files:
-        paths = paths[:max_files]
-    train, held, undecodable = [], [], []
-    for rel in paths:
-        with open(os.path.join(root, rel), "rb") as f:
-            raw = f.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            undecodable.append(rel)
-            continue
-        if not text.strip():
-            continue
-        (held if is_heldout(rel) else train).append((rel, text))
-    if not train or not held:
-        raise RuntimeError(f"corpus split is empty: {len(train)} train / {len(held)} held-out files under {root}")
-    if sum(len(t) for _, t in train) < 5e6 and not max_files:
-        log(f"WARNING: only {sum(len(t) for _, t in train) / 1e6:.1f} MB of training text under {root}")
-    listing = "\n".join(r for r, _ in train) + "\n--\n" + "\n".join(r for r, _ in held)
-    info = dict(
-        stdlib=root, python=platform.python_version(),
-        rule=(f"*.py under sysconfig stdlib, os.walk with sorted dirs, skipping dirs {sorted(SKIP_DIRS)}, "
-              f"non-UTF-8 and empty files; held out iff int(sha1(relpath).hexdigest(), 16) % {HELDOUT_MOD} == 0"),
-        max_files=max_files, n_train_files=len(train), n_heldout_files=len(held),
-        train_bytes=sum(len(t.encode()) for _, t in train), heldout_bytes=sum(len(t.encode()) for _, t in held),
-        undecodable=undecodable, files_sha256=hashlib.sha256(listing.encode()).hexdigest(),
-        heldout_files=[r for r, _ in held], train_files=[r for r, _ in train])
+def load_corpus(smoke: bool, max_files: int | None):
+    """(train [(name, text)], held-out [(name, text)], info): `corpus.collect` over the stdlib and
+    the installed `corpus.PACKAGES` (the stdlib alone for --smoke)."""
+    roots = corpus_mod.source_roots(() if smoke else corpus_mod.PACKAGES)
+    train, held, info = corpus_mod.collect(roots, max_files)
+    missing = [k for k, v in info["sources"].items() if v["missing"]]
+    if missing:
+        log(f"WARNING: corpus sources not installed here, skipped: {missing}")
+    if info["train_bytes"] < 5e6 and not (smoke or max_files):
+        log(f"WARNING: only {info['train_bytes'] / 1e6:.1f} MB of training text")
     return train, held, info
-
-
-def is_heldout(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
 
 
 def train_tokenizer(texts, vocab: int):
@@ -321,6 +293,9 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes and budgets (CPU check of the whole script)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model/data sizes (default: full, or smoke with --smoke)")
+    p.add_argument("--stage", choices=("all", "target", "assistant"), default="all",
+                   help="target: corpus, tokenizer and target, saved to --out; assistant: the rest, on the target "
+                        "already in --out (two runs that each fit a 10-minute limit); all: both in one run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-seconds", type=float, default=None,
                    help="target training seconds after compilation (also capped by --target-epochs and the deadline)")
@@ -347,6 +322,9 @@ def parse_args(argv=None):
                    help="no training: re-measure the pair already in --out (updates metrics.json's eval)")
     p.add_argument("--batch", type=int, default=None, help="override the target batch (windows per step)")
     p.add_argument("--a-batch", type=int, default=None, help="override the assistant batch")
+    p.add_argument("--a-layers", type=int, default=None, help="override the assistant's layer count")
+    p.add_argument("--a-ffn", type=int, default=None, help="override the assistant's FFN width")
+    p.add_argument("--no-eval", action="store_true", help="stop after saving (measure later with --eval-only)")
     p.add_argument("--gen-seqs", type=int, default=None, help="override the number of greedy continuations")
     p.add_argument("--n-prompts", type=int, default=None, help="override the number of held-out eval prompts")
     p.add_argument("--eval-new-tokens", type=int, default=None, help="override the tokens generated per prompt")
@@ -354,12 +332,13 @@ def parse_args(argv=None):
     p.add_argument("--ppl-windows", type=int, default=None, help="override the held-out windows for perplexity")
     a = p.parse_args(argv)
     smoke = a.smoke
-    a.target_seconds = a.target_seconds if a.target_seconds is not None else (20.0 if smoke else 90.0)
-    a.assistant_seconds = a.assistant_seconds if a.assistant_seconds is not None else (20.0 if smoke else 200.0)
+    a.target_seconds = a.target_seconds if a.target_seconds is not None else (20.0 if smoke else 480.0)
+    a.assistant_seconds = a.assistant_seconds if a.assistant_seconds is not None else (20.0 if smoke else 330.0)
     a.assistant_min_seconds = (a.assistant_min_seconds if a.assistant_min_seconds is not None
-                               else (60.0 if smoke else 120.0))
-    a.deadline = a.deadline if a.deadline is not None else (600.0 if smoke or a.eval_only else 370.0)
-    a.eval_reserve = a.eval_reserve if a.eval_reserve is not None else (40.0 if smoke else 75.0)
+                               else (60.0 if smoke else 500.0))
+    if a.deadline is None:  # seconds from this process's start; each stage alone fits a 10-minute limit
+        a.deadline = 600.0 if smoke or a.eval_only else (1180.0 if a.stage == "all" else 590.0)
+    a.eval_reserve = a.eval_reserve if a.eval_reserve is not None else (40.0 if smoke else 110.0)
     if smoke and a.max_files is None:
         a.max_files = 120
     return a
@@ -423,7 +402,7 @@ def token_nll(logits, labels):
 
 def target_logits(tcfg, params, tokens, dtype):
     """Cache-free causal scoring through models.forward -> (logits, post-norm hidden, cache)."""
-    t = models.Target(config=tcfg, params=to_dtype(params, dtype))
+    t = models.Target(config=tcfg, params=to_dtype(params, dtype), matmul=TRAIN_MATMUL)
     # ring=False: the teacher-forced assistant reads every position's window, not only the last ones
     cache = models.init_cache(tcfg, tokens.shape[0], tokens.shape[1], dtype, ring=False)
     return models.forward(t, tokens, cache)
@@ -436,8 +415,8 @@ def assistant_forward(acfg, tcfg, ap: dict, teacher_params: dict, tok, h_prev, k
     Returns (logits f32 [B, Q, V], h_next [B, Q, H_target]). The layers are models.assistant_stack, the
     code draft_step runs, then draft_step's plain head (assistant_config has no ordered embeddings);
     self_check compares the two before training."""
-    assistant = models.Assistant(config=acfg, params=ap)
-    teacher = models.Target(config=tcfg, params=teacher_params)
+    assistant = models.Assistant(config=acfg, params=ap, matmul=TRAIN_MATMUL)
+    teacher = models.Target(config=tcfg, params=teacher_params, matmul=TRAIN_MATMUL)
     hn = models.assistant_stack(assistant, teacher, tok, h_prev, kv, lengths, position)
     head = ap["embed_tokens"] if acfg.tie_word_embeddings else ap["lm_head"]
     mm = assistant.matmul
@@ -472,8 +451,8 @@ def self_check(acfg, tcfg, ap32, teacher32, seq_tokens, steps: int) -> float:
     _, hidden, cache = jax.jit(lambda p, x: target_logits(tcfg, p, x, jnp.float32))(teacher32, tokens)
     outs = jax.jit(lambda ap, tp, x, h, c: unrolled_drafts(acfg, tcfg, ap, tp, x, h, c, steps))(
         ap32, teacher32, tokens, hidden, cache)
-    target = models.Target(config=tcfg, params=teacher32)
-    assistant = models.Assistant(config=acfg, params=ap32)
+    target = models.Target(config=tcfg, params=teacher32, matmul=TRAIN_MATMUL)
+    assistant = models.Assistant(config=acfg, params=ap32, matmul=TRAIN_MATMUL)
     draft = jax.jit(models.draft_step)
     q = s - steps
     worst = 0.0
@@ -567,25 +546,81 @@ def jax_list(x):
 # Main
 
 
+TARGET_SIZE_FIELDS = ("vocab", "hidden", "layers", "full_every", "heads", "kv_heads", "head_dim", "global_head_dim",
+                      "ffn", "window", "seq")
+
+
+def dequantized(model) -> dict:
+    """A quantized model's params with every 4-bit weight dequantized to bf16 (the teacher)."""
+    return {k: (dequantize(v, jnp.bfloat16) if isinstance(v, QuantizedWeight) else v) for k, v in model.params.items()}
+
+
+def save_model(metrics, model, out: str, name: str) -> None:
+    """models.save to out/name, then record every file's size under --out in metrics["files"]."""
+    float_left = sorted(k for k, v in model.params.items()
+                        if getattr(v, "ndim", 1) == 2 and not isinstance(v, QuantizedWeight))
+    models.save(model, os.path.join(out, name))
+    files = {}
+    for root, _, fs in os.walk(out):
+        for fn in fs:
+            fp = os.path.join(root, fn)
+            files[os.path.relpath(fp, out)] = os.path.getsize(fp)
+    total_mb = sum(v for k, v in files.items() if not k.startswith("metrics")) / 1e6
+    record = metrics.d.get("files", {})
+    metrics.set("files", dict(sizes=files, total_mb=round(total_mb, 2),
+                              float_2d_weights=sorted(set(record.get("float_2d_weights", [])) | set(float_left)),
+                              quantization="4-bit affine, group 64 (MLX layout), bf16 scales/biases/norms"))
+    log(f"saved {out}/{name}: the directory now holds {total_mb:.1f} MB ({len(files)} files)")
+    if total_mb > 40:
+        log(f"WARNING: the pair is {total_mb:.1f} MB > 40 MB")
+
+
+def check_target_stage(out: str, sizes: Sizes) -> None:
+    """--stage assistant needs what --stage target wrote to `out`, for the same target sizes."""
+    need = ["target/config.json", "target/model.safetensors", "tokenizer.json", "heldout_prompts.json",
+            "metrics.json"]
+    missing = [f for f in need if not os.path.isfile(os.path.join(out, f))]
+    if missing:
+        raise SystemExit(f"--stage assistant: {out!r} lacks {missing}; run --stage target with this --out first")
+    with open(os.path.join(out, "metrics.json")) as f:
+        recorded = json.load(f)
+    if "target_training" not in recorded or "corpus" not in recorded:
+        raise SystemExit(f"--stage assistant: {out}/metrics.json records no finished target stage")
+    diff = {k: (recorded["sizes"].get(k), getattr(sizes, k)) for k in TARGET_SIZE_FIELDS
+            if recorded["sizes"].get(k) != getattr(sizes, k)}
+    if diff:
+        raise SystemExit(f"--stage assistant: the target in {out} has other sizes (recorded, now): {diff}")
+
+
+def load_trained_target(out: str, tcfg):
+    """The 4-bit target --stage target saved, with per-layer params as training uses them."""
+    target = models.load_target(os.path.join(out, "target"), dtype=jnp.bfloat16)
+    if target.config != tcfg:
+        raise RuntimeError(f"{out}/target/config.json is not the config these sizes make")
+    return target.replace(params=layer_scan.unstack_params(tcfg, target.params))
+
+
 def main(argv=None) -> int:
     global T_START
     T_START = time.time()
     args = parse_args(argv)
     sizes = dataclasses.replace(PRESETS[args.preset or ("smoke" if args.smoke else "full")])
-    if args.batch:
-        sizes.batch = args.batch
-    if args.a_batch:
-        sizes.a_batch = args.a_batch
+    for name in ("batch", "a_batch", "a_layers", "a_ffn"):
+        if getattr(args, name):
+            setattr(sizes, name, getattr(args, name))
     for name in ("gen_seqs", "n_prompts", "eval_new_tokens", "val_windows", "ppl_windows"):
         if getattr(args, name) is not None:
             setattr(sizes, name, getattr(args, name))
     if args.eval_only:
         return eval_only(args)
+    resume = args.stage == "assistant"  # the target, tokenizer and prompts in --out are kept
+    if resume:
+        check_target_stage(args.out, sizes)
     os.makedirs(args.out, exist_ok=True)
-    metrics = Metrics(os.path.join(args.out, "metrics.json"))
+    metrics = Metrics(os.path.join(args.out, "metrics.json"), keep=resume)
+    run_key = "assistant_stage" if resume else "run"
     metrics.set("script", "jaxspec.default_pair.train")
-    metrics.set("argv", sys.argv[1:] if argv is None else list(argv))
-    metrics.set("args", vars(args))
+    metrics.set(run_key, dict(argv=sys.argv[1:] if argv is None else list(argv), args=vars(args)))
     metrics.set("sizes", dataclasses.asdict(sizes))
     xla_info, xla_flags = deterministic_xla_flags(args.deterministic_gpu, os.environ)
     if xla_flags is not None:  # the backend is not initialised yet: nothing has computed
@@ -596,21 +631,31 @@ def main(argv=None) -> int:
     metrics.set("versions", dict(python=platform.python_version(), jax=jax.__version__, optax=optax.__version__,
                                  tokenizers=tokenizers.__version__, numpy=np.__version__,
                                  device=str(jax.devices()[0]), backend=jax.default_backend()))
-    log(f"jax {jax.__version__} on {jax.devices()[0]} ({jax.default_backend()}); out={args.out}")
-    timings = {}
+    log(f"jax {jax.__version__} on {jax.devices()[0]} ({jax.default_backend()}); out={args.out}, stage {args.stage}")
+    timings = dict(metrics.d.get("timings_s", {})) if resume else {}
+    timings.pop("total", None)
 
     def phase_done(name, t):
         timings[name] = round(time.time() - t, 2)
-        metrics.set("timings_s", dict(timings, total=round(time.time() - T_START, 2)))
+        metrics.set("timings_s", dict(timings, total=round(sum(timings.values()), 2)))
 
     # ---- corpus + tokenizer -------------------------------------------------------------------
     t = time.time()
-    train_files, held_files, corpus = find_corpus(args.max_files)
+    train_files, held_files, corpus = load_corpus(args.smoke, args.max_files)
     log(f"corpus: {corpus['n_train_files']} train files ({corpus['train_bytes'] / 1e6:.1f} MB), "
-        f"{corpus['n_heldout_files']} held out ({corpus['heldout_bytes'] / 1e6:.2f} MB) from {corpus['stdlib']}")
-    tok = train_tokenizer([x for _, x in train_files], sizes.vocab)
-    tok.save(os.path.join(args.out, "tokenizer.json"))
-    phase_done("tokenizer", t)
+        f"{corpus['n_heldout_files']} held out ({corpus['heldout_bytes'] / 1e6:.2f} MB) from "
+        f"{sum(not v['missing'] for v in corpus['sources'].values())} sources")
+    if resume:
+        recorded = metrics.d["corpus"]
+        for k in ("train_sha256", "heldout_sha256"):
+            if corpus[k] != recorded[k]:
+                raise RuntimeError(f"the corpus here is not the one the target in {args.out} was trained on ({k} "
+                                   f"{corpus[k][:12]} != {recorded[k][:12]}): run both stages on one machine")
+        tok = Tokenizer.from_file(os.path.join(args.out, "tokenizer.json"))
+    else:
+        tok = train_tokenizer([x for _, x in train_files], sizes.vocab)
+        tok.save(os.path.join(args.out, "tokenizer.json"))
+        phase_done("tokenizer", t)
     t = time.time()
     train_ids = encode_files(tok, [x for _, x in train_files])
     held_ids = encode_files(tok, [x for _, x in held_files])
@@ -618,21 +663,22 @@ def main(argv=None) -> int:
     corpus.update(train_tokens=int(train_data.size), heldout_tokens=int(held_data.size),
                   bytes_per_token=round(corpus["train_bytes"] / max(1, train_data.size), 3),
                   file_separator=f"<eos> (id {EOS_ID}) after every file")
-    metrics.set("corpus", corpus)
-    metrics.set("tokenizer", dict(type="byte-level BPE (tokenizers)", vocab_size=tok.get_vocab_size(),
-                                  special_tokens=SPECIALS,
-                                  trained_on="the training files", seconds=timings["tokenizer"]))
-    phase_done("encode", t)
     log(f"tokens: train {train_data.size:,}, held-out {held_data.size:,} "
         f"({corpus['bytes_per_token']} bytes/token); vocab {tok.get_vocab_size()}")
-
-    # held-out prompts for the speculative eval (and the CPU test)
-    prompts = pick_prompts(tok, held_files, held_ids, sizes, args.seed)
-    with open(os.path.join(args.out, "heldout_prompts.json"), "w") as f:
-        json.dump(dict(note=("greedy-eval prompts: token windows of held-out stdlib files (never trained on); "
-                             "ids are authoritative, text = tokenizer.decode(ids)"),
-                       prompt_tokens=sizes.prompt_tokens, eval_new_tokens=sizes.eval_new_tokens, prompts=prompts),
-                  f, indent=1)
+    if resume:
+        prompts = heldout_prompts(args.out)
+    else:
+        metrics.set("corpus", corpus)
+        metrics.set("tokenizer", dict(type="byte-level BPE (tokenizers)", vocab_size=tok.get_vocab_size(),
+                                      special_tokens=SPECIALS,
+                                      trained_on="the training files", seconds=timings["tokenizer"]))
+        prompts = pick_prompts(tok, held_files, held_ids, sizes, args.seed)  # for the speculative eval and the CPU test
+        with open(os.path.join(args.out, "heldout_prompts.json"), "w") as f:
+            json.dump(dict(note=("greedy-eval prompts: token windows of held-out corpus files (never trained on); "
+                                 "ids are authoritative, text = tokenizer.decode(ids)"),
+                           prompt_tokens=sizes.prompt_tokens, eval_new_tokens=sizes.eval_new_tokens,
+                           prompts=prompts), f, indent=1)
+    phase_done("encode", t)
 
     # ---- target -------------------------------------------------------------------------------
     tcfg, acfg = target_config(sizes), assistant_config(sizes)
@@ -647,73 +693,85 @@ def main(argv=None) -> int:
 
     key = jax.random.key(args.seed)
     k_tinit, k_tdata, k_ainit, k_adata, k_gen = jax.random.split(key, 5)
-    params = init_params(tshapes, k_tinit, tcfg.num_hidden_layers)
-    tx = make_tx(args.weight_decay, params)
-    opt = tx.init(params)
     dtrain = jnp.asarray(train_data)
     seq, bsz = sizes.seq, sizes.batch
     cdt = jnp.bfloat16
+    if resume:
+        t = time.time()
+        target_q = load_trained_target(args.out, tcfg)
+        log(f"target loaded from {args.out}/target ({time.time() - t:.1f}s)")
+    else:
+        params_0 = init_params(tshapes, k_tinit, tcfg.num_hidden_layers)
+        tx = make_tx(args.weight_decay, params_0)
+        opt = tx.init(params_0)
 
-    def t_loss(p, tokens):
-        logits, _, _ = target_logits(tcfg, p, tokens[:, :-1], cdt)
-        return jnp.mean(token_nll(logits, tokens[:, 1:]))
+        def t_loss(p, tokens):
+            logits, _, _ = target_logits(tcfg, p, tokens[:, :-1], cdt)
+            return jnp.mean(token_nll(logits, tokens[:, 1:]))
 
-    @jax.jit
-    def t_step(p, o, data, step, lr):
-        tokens = sample_windows(data, jax.random.fold_in(k_tdata, step), bsz, seq + 1)
-        loss, grads = jax.value_and_grad(t_loss)(p, tokens)
-        updates, o = tx.update(grads, o, p)
-        p = jax.tree.map(lambda w, u: w - lr * u, p, updates)
-        return p, o, loss
+        @jax.jit
+        def t_step(p, o, data, step, lr):
+            tokens = sample_windows(data, jax.random.fold_in(k_tdata, step), bsz, seq + 1)
+            loss, grads = jax.value_and_grad(t_loss)(p, tokens)
+            updates, o = tx.update(grads, o, p)
+            p = jax.tree.map(lambda w, u: w - lr * u, p, updates)
+            return p, o, loss
 
-    val_tokens = jnp.asarray(eval_windows(held_data, seq + 1, sizes.val_windows))
+        val_tokens = jnp.asarray(eval_windows(held_data, seq + 1, sizes.val_windows))
 
-    @jax.jit
-    def t_val_fn(p, vt):
-        logits, _, _ = target_logits(tcfg, p, vt[:, :-1], cdt)
-        return jnp.mean(token_nll(logits, vt[:, 1:]))
+        @jax.jit
+        def t_val_fn(p, vt):
+            logits, _, _ = target_logits(tcfg, p, vt[:, :-1], cdt)
+            return jnp.mean(token_nll(logits, vt[:, 1:]))
 
-    def t_val(p):
-        return t_val_fn(p, val_tokens)
+        def t_val(p):
+            return t_val_fn(p, val_tokens)
 
-    state = {"p": params, "o": opt, "best": None, "best_loss": float("inf"), "best_step": 0}
+        state = {"p": params_0, "o": opt, "best": None, "best_loss": float("inf"), "best_step": 0}
 
-    def t_call(step, lr):
-        state["p"], state["o"], loss = t_step(state["p"], state["o"], dtrain, jnp.int32(step), jnp.float32(lr))
-        return loss, None
+        def t_call(step, lr):
+            state["p"], state["o"], loss = t_step(state["p"], state["o"], dtrain, jnp.int32(step), jnp.float32(lr))
+            return loss, None
 
-    def t_eval(step):
-        v = float(t_val(state["p"]))
-        if v < state["best_loss"]:
-            state["best"] = jax.tree.map(jnp.copy, state["p"])
-            state["best_loss"], state["best_step"] = v, step
-        log(f"target: step {step} held-out loss {v:.4f} (ppl {math.exp(v):.2f})")
-        return v
+        def t_eval(step):
+            v = float(t_val(state["p"]))
+            if v < state["best_loss"]:
+                state["best"] = jax.tree.map(jnp.copy, state["p"])
+                state["best_loss"], state["best_step"] = v, step
+            log(f"target: step {step} held-out loss {v:.4f} (ppl {math.exp(v):.2f})")
+            return v
 
-    epochs_cap = int(math.ceil(args.target_epochs * train_data.size / (bsz * seq)))
-    t = time.time()
-    warm = 20 if args.smoke else 150
-    t_end = T_START + args.deadline - args.eval_reserve - args.assistant_min_seconds
-    tsum = run_phase("target", t_call, budget_s=args.target_seconds, end_by=t_end, max_steps=epochs_cap,
-                     fixed_steps=args.target_steps, peak=args.target_lr, warmup=warm, on_eval=t_eval, n_evals=8)
-    tsum.update(params=n_t, tokens_seen=tsum["steps"] * bsz * seq,
-                epochs=round(tsum["steps"] * bsz * seq / train_data.size, 2),
-                epochs_cap_steps=epochs_cap, best_heldout_loss=state["best_loss"], best_step=state["best_step"],
-                lr=args.target_lr, warmup=warm, batch=bsz, seq=seq)
-    metrics.set("target_training", tsum)
-    phase_done("target_training", t)
-    params = state.pop("best")
-    del state["p"], state["o"]
+        epochs_cap = int(math.ceil(args.target_epochs * train_data.size / (bsz * seq)))
+        t = time.time()
+        warm = 20 if args.smoke else 150
+        t_end = T_START + args.deadline - (20.0 if args.stage == "target" else
+                                           args.eval_reserve + args.assistant_min_seconds)
+        tsum = run_phase("target", t_call, budget_s=args.target_seconds, end_by=t_end, max_steps=epochs_cap,
+                         fixed_steps=args.target_steps, peak=args.target_lr, warmup=warm, on_eval=t_eval, n_evals=8)
+        tsum.update(params=n_t, tokens_seen=tsum["steps"] * bsz * seq,
+                    epochs=round(tsum["steps"] * bsz * seq / train_data.size, 2),
+                    epochs_cap_steps=epochs_cap, best_heldout_loss=state["best_loss"], best_step=state["best_step"],
+                    lr=args.target_lr, warmup=warm, batch=bsz, seq=seq)
+        metrics.set("target_training", tsum)
+        phase_done("target_training", t)
+        params = state.pop("best")
+        del state["p"], state["o"], params_0
 
-    # ---- quantize the target: its dequantized weights are the teacher -------------------------------
-    t = time.time()
-    target_q = models.quantize_model(models.Target(config=tcfg, params=to_dtype(params, jnp.bfloat16)))
-    teacher = {k: (dequantize(v, jnp.bfloat16) if isinstance(v, QuantizedWeight) else v)
-               for k, v in target_q.params.items()}
-    q_loss = float(t_val(to_dtype(teacher, jnp.float32)))  # same signature: no recompile
-    log(f"target quantized (4-bit g64): held-out loss {q_loss:.4f} (float {state['best_loss']:.4f})")
-    tsum["quantized_heldout_loss"] = q_loss
-    metrics.set("target_training", tsum)
+        # ---- quantize the target: its dequantized weights are the teacher -------------------------------
+        t = time.time()
+        target_q = models.quantize_model(models.Target(config=tcfg, params=to_dtype(params, jnp.bfloat16)))
+        q_loss = float(t_val(to_dtype(dequantized(target_q), jnp.float32)))  # same signature: no recompile
+        log(f"target quantized (4-bit g64): held-out loss {q_loss:.4f} (float {state['best_loss']:.4f})")
+        tsum["quantized_heldout_loss"] = q_loss
+        metrics.set("target_training", tsum)
+        del params
+        if args.stage == "target":
+            save_model(metrics, target_q, args.out, "target")
+            phase_done("save", t)
+            log(f"target stage done in {time.time() - T_START:.1f}s: run --stage assistant on the same --out next")
+            return 0
+
+    teacher = dequantized(target_q)
 
     # ---- greedy continuations by the (quantized) target ----------------------------------------------
     gp = sizes.gen_prompt
@@ -722,7 +780,7 @@ def main(argv=None) -> int:
     @jax.jit
     def greedy(tp, prompt):  # one compiled loop per batch of training windows; no EOS stop
 
-        tgt = models.Target(config=tcfg, params=tp)
+        tgt = models.Target(config=tcfg, params=tp, matmul=TRAIN_MATMUL)
         b = prompt.shape[0]
         cache = models.init_cache(tcfg, b, seq, cdt)
         logits, _, cache = models.forward(tgt, prompt, cache)
@@ -740,13 +798,16 @@ def main(argv=None) -> int:
     gen_rows = []
     n_gen = sizes.gen_seqs if args.gen_frac > 0 else 0
     tg = time.time()
+    gen_compile_s = None
     for i in range(0, n_gen, sizes.gen_batch):
-        if gen_rows and time.time() - tg > args.gen_seconds:
-            log(f"greedy generation: {args.gen_seconds:.0f}s reached after {i} rows: stopping")
+        if gen_rows and time.time() - tg - gen_compile_s > args.gen_seconds:
+            log(f"greedy generation: {args.gen_seconds:.0f}s (after compiling) reached after {i} rows: stopping")
             break
         prompt = sample_windows(dtrain, jax.random.fold_in(k_gen, i), sizes.gen_batch, gp)
         gen_rows.append(greedy(teacher, prompt))
         gen_rows[-1].block_until_ready()
+        if gen_compile_s is None:  # the first batch compiles: its time does not count against gen_seconds
+            gen_compile_s = time.time() - tg
     if gen_rows:
         dgen = jnp.concatenate(gen_rows, axis=0)
         sample_txt = tok.decode([int(x) for x in np.asarray(dgen[0, gp:gp + 48])])
@@ -754,7 +815,9 @@ def main(argv=None) -> int:
             f"e.g. {sample_txt!r}")
     else:
         dgen = None
+    first_s = None if gen_compile_s is None else round(gen_compile_s, 1)
     metrics.set("greedy_data", dict(rows=0 if dgen is None else int(dgen.shape[0]), prompt_tokens=gp,
+                                    compile_and_first_batch_s=first_s,
                                     generated_tokens=n_new, seconds=round(time.time() - tg, 1),
                                     source="random training windows continued greedily by the 4-bit target"))
     phase_done("quantize_and_generate", t)
@@ -828,26 +891,16 @@ def main(argv=None) -> int:
     # ---- save (MLX 4-bit layout) -------------------------------------------------------------------
     t = time.time()
     assistant_q = models.quantize_model(models.Assistant(config=acfg, params=to_dtype(ap, jnp.bfloat16)))
-    float_left = sorted(k for k, v in {**target_q.params, **assistant_q.params}.items()
-                        if getattr(v, "ndim", 1) == 2 and not isinstance(v, QuantizedWeight))
-    models.save(target_q, os.path.join(args.out, "target"))
-    models.save(assistant_q, os.path.join(args.out, "assistant"))
-    files = {}
-    for root, _, fs in os.walk(args.out):
-        for fn in fs:
-            fp = os.path.join(root, fn)
-            files[os.path.relpath(fp, args.out)] = os.path.getsize(fp)
-    total_mb = sum(v for k, v in files.items() if not k.startswith("metrics")) / 1e6
-    metrics.set("files", dict(sizes=files, total_mb=round(total_mb, 2), float_2d_weights=float_left,
-                              quantization="4-bit affine, group 64 (MLX layout), bf16 scales/biases/norms"))
-    log(f"saved {args.out}: {total_mb:.1f} MB ({len(files)} files)")
-    if total_mb > 40:
-        log(f"WARNING: the pair is {total_mb:.1f} MB > 40 MB")
+    if not resume:
+        models.save(target_q, os.path.join(args.out, "target"))
+    save_model(metrics, assistant_q, args.out, "assistant")
     phase_done("save", t)
+    if args.no_eval:
+        log(f"done in {time.time() - T_START:.1f}s (no evaluation: --no-eval)")
+        return 0
 
     # ---- evaluate what was saved ---------------------------------------------------------------------
     t = time.time()
-    del params
     errors = evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu,
                       corpus["bytes_per_token"], held_files)
     phase_done("eval", t)
@@ -866,13 +919,13 @@ def eval_only(args) -> int:
         if getattr(args, name, None) is not None:
             setattr(sizes, name, getattr(args, name))
     tok = Tokenizer.from_file(os.path.join(args.out, "tokenizer.json"))
-    train_files, held_files, corpus = find_corpus(args.max_files)
+    train_files, held_files, corpus = load_corpus(args.smoke, args.max_files)
     train_data = token_stream(encode_files(tok, [x for _, x in train_files]))
     held_data = token_stream(encode_files(tok, [x for _, x in held_files]))
     prompts = heldout_prompts(args.out)[:sizes.n_prompts]
     log(f"eval-only on {jax.devices()[0]}: {args.out}, corpus {corpus['n_train_files']}/{corpus['n_heldout_files']} "
-        f"files from {corpus['stdlib']} (Python {corpus['python']})")
-    metrics.set("eval_only_corpus", {k: corpus[k] for k in ("stdlib", "python", "files_sha256")})
+        f"files (Python {corpus['python']})")
+    metrics.set("eval_only_corpus", {k: corpus[k] for k in ("python", "train_sha256", "heldout_sha256")})
     errors = evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, jax.default_backend() == "gpu",
                       corpus["train_bytes"] / max(1, train_data.size), held_files)
     log(f"eval-only done in {time.time() - T_START:.1f}s" + (f" with {len(errors)} error(s)" if errors else ""))
@@ -1023,7 +1076,8 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
         return res
 
     def plausibility():  # jaxspec.default_pair.quality's procedure on the held-out files (full: 40 x 64)
-        picked = quality.pick(quality.signature_prompts(held_files), 2 * sizes.n_prompts)
+        fit = quality.fitting(quality.signature_prompts(held_files), tok, seq, sizes.eval_new_tokens)
+        picked = quality.pick(fit, 2 * sizes.n_prompts)
         r = quality.score(loaded["target"], tok, picked, sizes.eval_new_tokens)
         return dict(plausibility=round(r["plausibility"], 3), n=r["n"], max_tokens=r["max_tokens"],
                     examples=[{k: x[k] for k in ("file", "line", "prompt", "completion", "plausible")}
