@@ -5,6 +5,8 @@ import math
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import profile_forward as pf  # noqa: E402
@@ -80,3 +82,17 @@ def test_from_trace_rebuilds_the_same_summary(tmp_path):
     again = json.load(open(tmp_path / "profile.json"))
     assert again["by_name"] == first["by_name"] and again["busy_us"] == first["busy_us"] > 0
     assert "re-summarized" in open(tmp_path / "profile.md").read()
+
+
+def test_draft_mode_profiles_the_assistant(tmp_path):
+    """--draft: the assistant's chained draft steps, named as such, with the assistant's weight bytes."""
+    assert pf.main(["--target", "tiny", "--draft", "--steps", "2", "--out", str(tmp_path)]) == 0
+    data = json.load(open(tmp_path / "profile.json"))
+    assert data["meta"]["what"].startswith("assistant draft steps of preset tiny")
+    assert data["wall_us"] > 0 and data["busy_us"] > 0
+    target, assistant, _ = pf.load_pair(type("A", (), dict(target="tiny", assistant="tiny", layers=0, seed=0,
+                                                           float=False))(), pf.jnp.bfloat16, pf.DispatchConfig())
+    assert math.isclose(data["meta"]["weight_gb"], pf.weight_bytes_per_token(assistant) / 1e9)
+    assert pf.weight_bytes_per_token(assistant) != pf.weight_bytes_per_token(target)
+    with pytest.raises(SystemExit):
+        pf.main(["--target", "tiny", "--draft", "--width", "4", "--out", str(tmp_path)])

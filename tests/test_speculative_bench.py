@@ -108,3 +108,21 @@ def test_each_prompt_sums_single_prompt_runs(tmp_path, monkeypatch):
     assert sum(spec["hist"]) == spec["rounds"] >= 3  # B = 1: one row-round per round, every prompt ran
     with pytest.raises(SystemExit):
         sb.main(["--target", "tiny", "--each-prompt", "--batch", "2", "--out", out])
+
+
+def test_draft_loop_chains_draft_steps():
+    """draft_loop's program equals models.draft_step chained by hand: each step's argmax is the next token."""
+    import jax
+    import jax.numpy as jnp
+    import models
+    from harness import random_pair
+    from pallas_kernels import DispatchConfig
+    target, assistant = random_pair("tiny", "tiny", matmul=DispatchConfig(backend="xla"), seed=3, dtype=jnp.float32)
+    run, args = sb.draft_loop(assistant, target, 2, steps=3)
+    tok, h = run(*args)
+    _, _, cache, t, hh = args
+    step = jax.jit(models.draft_step)
+    for _ in range(3):
+        logits, hh = step(assistant, target, cache, t, hh, cache.lengths)
+        t = jnp.argmax(logits, -1).astype(jnp.int32)
+    assert jnp.array_equal(tok, t) and jnp.allclose(h, hh, atol=1e-5)
