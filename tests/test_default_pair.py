@@ -35,11 +35,11 @@ N_PROMPTS = 8            # run one at a time (B=1): equal lengths, so one compil
 DTYPE = jnp.bfloat16     # on CPU the XLA path is bit-exact (K-wide verify == K steps) for bf16 at B=1
 NEW_TOKENS = 48
 BLOCK = 4
-# Accepted / drafted over these 8 prompts x 48 tokens: the shipped pair measures 0.627 here on CPU
-# (bf16, XLA path; 2.83 tokens per round), 0.672 over all 20 prompts x 64 tokens, and 0.73 on the
+# Accepted / drafted over these 8 prompts x 48 tokens: the shipped pair measures 0.651 here on CPU
+# (bf16, XLA path; 2.89 tokens per round), 0.683 over all 20 prompts x 64 tokens, and 0.675 on the
 # H200 through the Pallas kernels (docs/default-pair.md). The floors leave a margin for platforms.
-MIN_ACCEPTANCE = 0.5
-MIN_TOKENS_PER_ROUND = 2.4  # tokens per verify, the target's own token included
+MIN_ACCEPTANCE = 0.58
+MIN_TOKENS_PER_ROUND = 2.6  # tokens per verify, the target's own token included
 MAX_MB = 40.0
 MIN_TARGET_PARAMS = 30e6    # the issue's "at least ~30M parameters" (shipped: 39.6M)
 
@@ -195,6 +195,28 @@ def test_training_forward_is_draft_step():
 
 
 @pytest.mark.slow
+def test_assistant_stage_needs_the_target_stage(tmp_path):
+    """--stage assistant refuses, before any work, a directory the target stage did not finish, or
+    one whose target has other sizes than the run asks for."""
+    pytest.importorskip("optax")
+    from jaxspec.default_pair import train
+    sizes = train.SMOKE_SIZES
+    with pytest.raises(SystemExit, match="run --stage target"):
+        train.check_target_stage(str(tmp_path), sizes)
+    for f in ("target/config.json", "target/model.safetensors", "tokenizer.json", "heldout_prompts.json"):
+        (tmp_path / f).parent.mkdir(exist_ok=True)
+        (tmp_path / f).write_text("{}")
+    (tmp_path / "metrics.json").write_text(json.dumps({"sizes": dataclasses.asdict(sizes)}))
+    with pytest.raises(SystemExit, match="no finished target stage"):
+        train.check_target_stage(str(tmp_path), sizes)
+    other = dataclasses.replace(sizes, hidden=2 * sizes.hidden)
+    (tmp_path / "metrics.json").write_text(json.dumps({"sizes": dataclasses.asdict(other), "corpus": {},
+                                                       "target_training": {}}))
+    with pytest.raises(SystemExit, match="other sizes.*hidden"):
+        train.check_target_stage(str(tmp_path), sizes)
+    train.check_target_stage(str(tmp_path), dataclasses.replace(other, a_layers=1))  # the assistant may differ
+
+
 def test_tiny_training_run(tmp_path):
     """`python -m jaxspec.default_pair.train --smoke` with fixed small step counts: the files the loader
     reads, metrics.json with every phase and no eval error, and a pair that load_default_pair(path=OUT)
@@ -204,12 +226,16 @@ def test_tiny_training_run(tmp_path):
     argv = ["--out", str(out), "--smoke", "--target-steps", "30", "--assistant-steps", "10", "--gen-seqs", "16",
             "--n-prompts", "2", "--eval-new-tokens", "8", "--ppl-windows", "8", "--val-windows", "4",
             "--no-deterministic-gpu"]
-    r = subprocess.run([sys.executable, "-m", "jaxspec.default_pair.train", *argv], cwd=REPO, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for stage in ("target", "assistant"):  # the two runs the H200 recipe makes (each fits a 10-minute limit)
+        r = subprocess.run([sys.executable, "-m", "jaxspec.default_pair.train", *argv, "--stage", stage], cwd=REPO,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        if stage == "target":
+            assert dp.missing_files(str(out)) == ["assistant/config.json", "assistant/model.safetensors"]
     assert dp.missing_files(str(out)) == []
     metrics = dp.default_pair_metrics(str(out))
     assert metrics["target_training"]["steps"] == 30 and metrics["assistant_training"]["steps"] == 10
+    assert metrics["assistant_stage"]["argv"][-1] == "assistant" and metrics["corpus"]["n_train_files"] > 0
     assert metrics["assistant_self_check_max_abs_diff"] < 1e-3
     ev = metrics["eval"]
     assert not any("error" in v for v in ev.values() if isinstance(v, dict)), ev

@@ -5,9 +5,10 @@
     out = jaxspec.generate(target, ids, assistant=assistant, max_new_tokens=64)
     print(tokenizer.decode(out.tokens[0]))
 
-A small Gemma-4-style target and its MTP assistant trained by `jaxspec.default_pair.train` on the
-Python standard library's source, stored in the MLX 4-bit layout (see docs/default-pair.md for sizes,
-training and measured quality). Files, in this package's directory (`default_pair_path()`):
+A small Gemma-4-style target and its MTP assistant trained by `jaxspec.default_pair.train` on Python
+source (the standard library and 27 installed packages, `corpus.py`), stored in the MLX 4-bit layout
+(see docs/default-pair.md for sizes, training and measured quality). Files, in this package's
+directory (`default_pair_path()`):
 
     target/{config.json, model.safetensors}      assistant/{config.json, model.safetensors}
     tokenizer.json                               metrics.json          heldout_prompts.json
@@ -52,7 +53,7 @@ def _require(path: str) -> None:
     if missing:
         raise FileNotFoundError(
             f"the default model pair is not installed: {path!r} lacks {missing}. Train it with "
-            f"`{TRAIN_COMMAND}` (an H200 does it in under 7 minutes) and copy OUT's files to "
+            f"`{TRAIN_COMMAND}` (about 18 minutes on an H200, or two ~9-minute --stage runs) and copy OUT's files to "
             f"{_HERE!r}, pass path=OUT, or pass your own checkpoints (models.load_target / "
             "models.load_assistant)")
 
