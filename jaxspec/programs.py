@@ -38,7 +38,7 @@ _PACKAGES = ("jaxspec", "models", "pallas_kernels")
 class Program:
     """One program to compile: `lower()` traces and lowers it (called only when neither memory nor
     disk holds it). `setting` (hashable) and `args` (arrays or ShapeDtypeStructs) decide it: two
-    Programs with equal name, setting and argument tree/shapes/dtypes are the same program."""
+    Programs with equal name, setting and argument tree/shapes/dtypes/shardings are the same program."""
 
     name: str
     setting: Any
@@ -48,7 +48,16 @@ class Program:
     def signature(self) -> tuple:
         leaves, tree = jax.tree_util.tree_flatten(self.args)
         return (self.name, self.setting, tree,
-                tuple((x.shape, str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves))
+                tuple((x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), _placement(x)) for x in leaves))
+
+
+def _placement(x) -> str | None:
+    """How an argument is laid out over devices, for a sharded model (models.shard): a program is
+    compiled for its arguments' shardings. None for one on a single device (or not yet placed)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or len(sharding.device_set) == 1:
+        return None
+    return str(sharding)
 
 
 def compile_all(programs: Sequence[Program]) -> list[jax.stages.Compiled]:

@@ -19,6 +19,7 @@ from .cache import EMPTY, KVCache, cache_bytes, init_cache, ring_size
 from .checkpoint import load_assistant, load_target, quantize_model, save
 from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
 from .params import assistant_shapes, target_shapes
+from .shard import shard
 from .target import Target, embed, forward, logits, make_target, row_bucket, shared_kv
 
 __all__ = [
@@ -26,5 +27,5 @@ __all__ = [
     "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
     "centroid_logits", "check_fit", "draft_step", "embed", "forward", "init_cache", "load_assistant",
     "load_target", "logits", "make_assistant", "make_target", "presets", "quantize_model", "row_bucket", "save",
-    "shared_kv", "target_shapes", "visible_keys",
+    "shard", "shared_kv", "target_shapes", "visible_keys",
 ]
