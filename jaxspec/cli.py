@@ -155,12 +155,27 @@ def _dtype(args):
 def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
     """(target, assistant or None, the compile cache directory or None): the on-disk cache set as
     --compile-cache / --no-compile-cache say, then both models loaded on --backend's config."""
+    import jax
+
+    import models
+
+    devices = getattr(args, "devices", None)
+    if devices is not None and devices > 1 and devices != jax.device_count():
+        raise UsageError(f"--devices {devices}: this process has {jax.device_count()} devices, and the model is "
+                         "split over all of them (make only the ones to use visible, e.g. CUDA_VISIBLE_DEVICES)")
     if args.no_compile_cache:
         compile_cache.disable_default()
     cache_dir = None if args.no_compile_cache else compile_cache.enable(args.compile_cache)
     matmul = _matmul_config(args.backend)
     target = _load("target", model_dir, dtype=dtype, matmul=matmul)
     assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
+    if devices is not None and devices > 1:
+        import numpy as np
+
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
+        target = models.shard(target, mesh)
+        assistant = None if assistant is None else models.shard(assistant, mesh)
+        _note(f"split over {devices} devices (tensor parallel)")
     return target, assistant, cache_dir
 
 
@@ -544,6 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantized matmul: Pallas kernels (GPU default) or XLA dequantize+dot (CPU default)")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
                    help="activation / scale dtype (default bfloat16)")
+    g.add_argument("--devices", type=_positive_int, default=None, metavar="N",
+                   help="split the models over this process's N devices (tensor parallel, models.shard; N > 1 "
+                        "must be all of them); the xla backend splits the matmuls, the Pallas kernels still "
+                        "gather their weights")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
     g.add_argument("--no-stats", action="store_true", help="print only the text")
     g.add_argument("--compile-cache", metavar="DIR", default=None,
