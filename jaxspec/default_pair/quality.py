@@ -70,6 +70,11 @@ def pick(prompts: list, n: int) -> list:
     return [prompts[i * len(prompts) // n] for i in range(n)]
 
 
+def procedure_prompts(files, tok, context: int, max_tokens: int, n: int) -> list:
+    """Step 1 of the procedure: `n` of the held-out `files`' signatures that fit `context`."""
+    return pick(fitting(signature_prompts(files), tok, context, max_tokens), n)
+
+
 def cut(completion: str) -> str:
     """Whole lines of the completion, up to the end of the function it continues."""
     lines = completion.splitlines(keepends=True)
@@ -189,8 +194,7 @@ def main(argv=None) -> int:
     matmul = None if jax.default_backend() == "gpu" else DispatchConfig(backend="xla")  # Pallas interpret is slow
     target, _, tok = load_default_pair(matmul=matmul, path=args.path)
     files = heldout_files(args.path, args.stdlib)
-    context = target.config.max_position_embeddings
-    prompts = pick(fitting(signature_prompts(files), tok, context, args.max_tokens), args.n)
+    prompts = procedure_prompts(files, tok, target.config.max_position_embeddings, args.max_tokens, args.n)
     result = score(target, tok, prompts, args.max_tokens)
     for r in result["rows"][:args.show]:
         print(f"--- {r['file']}:{r['line']} ({'plausible' if r['plausible'] else 'not plausible'})")

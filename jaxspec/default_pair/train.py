@@ -891,8 +891,8 @@ def main(argv=None) -> int:
     # ---- save (MLX 4-bit layout) -------------------------------------------------------------------
     t = time.time()
     assistant_q = models.quantize_model(models.Assistant(config=acfg, params=to_dtype(ap, jnp.bfloat16)))
-    if not resume:
-        models.save(target_q, os.path.join(args.out, "target"))
+    if not resume:  # else the target stage saved it
+        save_model(metrics, target_q, args.out, "target")
     save_model(metrics, assistant_q, args.out, "assistant")
     phase_done("save", t)
     if args.no_eval:
@@ -1076,8 +1076,7 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
         return res
 
     def plausibility():  # jaxspec.default_pair.quality's procedure on the held-out files (full: 40 x 64)
-        fit = quality.fitting(quality.signature_prompts(held_files), tok, seq, sizes.eval_new_tokens)
-        picked = quality.pick(fit, 2 * sizes.n_prompts)
+        picked = quality.procedure_prompts(held_files, tok, seq, sizes.eval_new_tokens, 2 * sizes.n_prompts)
         r = quality.score(loaded["target"], tok, picked, sizes.eval_new_tokens)
         return dict(plausibility=round(r["plausibility"], 3), n=r["n"], max_tokens=r["max_tokens"],
                     examples=[{k: x[k] for k in ("file", "line", "prompt", "completion", "plausible")}
