@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (EMPTY, ROW_TILE, DispatchConfig, Layer, attention_head_dim_ok, quantized_matmul,
-                            quantized_matmul_many)
+from pallas_kernels import (EMPTY, ROW_TILE, DispatchConfig, Layer, attention_head_dim_ok, einsum_f32,
+                            quantized_matmul, quantized_matmul_many)
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention
 
@@ -143,14 +143,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
         mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)), mode="edge")
     tp = q.shape[1]
     qg = q.reshape(b, tp, hkv, hq // hkv, d)
-    s = jnp.einsum("btkgd,bckd->bkgtc", qg, k.astype(q.dtype), preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)
+    s = einsum_f32("btkgd,bckd->bkgtc", qg, k.astype(q.dtype))
     s = jnp.where(mask[:, None, None, :, :], s, _NEG)
     s = s - jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s)
     p = p / jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgtc,bckd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)
+    o = einsum_f32("bkgtc,bckd->btkgd", p.astype(v.dtype), v)
     return o[:, :t].reshape(b, t, hq * d).astype(q.dtype)
 
 
@@ -176,7 +174,6 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
     ks = jnp.moveaxis(kp.reshape(b, nk, bk, hkv, d), 1, 0)
     vs = jnp.moveaxis(vp.reshape(b, nk, bk, hkv, d), 1, 0)
     kps = jnp.moveaxis(kpos.reshape(b, nk, bk), 1, 0)
-    hi = jax.lax.Precision.HIGHEST
 
     def one_query_block(args):
         qi, qpi = args  # [B, bq, Hkv, G, D], [B, bq]
@@ -187,14 +184,13 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array
 
             def update(carry):
                 m, l, acc = carry
-                s = jnp.einsum("btkgd,bckd->bkgtc", qi, kk, preferred_element_type=jnp.float32, precision=hi)
+                s = einsum_f32("btkgd,bckd->bkgtc", qi, kk)
                 s = jnp.where(mask[:, None, None], s, _NEG)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 corr = jnp.exp(m - m_new)
                 p = jnp.exp(s - m_new[..., None])
                 l = l * corr + jnp.sum(p, axis=-1)
-                pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32,
-                                precision=hi)
+                pv = einsum_f32("bkgtc,bckd->bkgtd", p.astype(vv.dtype), vv)
                 return m_new, l, acc * corr[..., None] + pv
 
             return jax.lax.cond(jnp.any(mask), update, lambda c_: c_, carry), None

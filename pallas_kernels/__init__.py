@@ -19,6 +19,7 @@ from .config import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, sele
 from .dispatch import quantized_matmul, quantized_matmul_many, quantized_matmul_parts
 from .quant import QuantizedWeight, dequantize, quantize, take_rows
 from .stack import Layer
+from .xla import einsum_f32
 
-__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "Layer", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
+__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "einsum_f32", "Layer", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
            "quantized_matmul_many", "quantized_matmul_parts", "select_path", "take_rows"]

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (ROW_TILE, DispatchConfig, dequantize, quantize, quantized_matmul,
+from pallas_kernels import (ROW_TILE, DispatchConfig, dequantize, einsum_f32, quantize, quantized_matmul,
                             quantized_matmul_many, quantized_matmul_parts, select_path)
 from pallas_kernels import launch
 
@@ -140,6 +140,35 @@ def test_float_weight_path():
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     np.testing.assert_allclose(np.asarray(quantized_matmul(x, w)),
                                np.asarray(x, np.float64) @ np.asarray(w, np.float64).T, rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_f32_value_and_gradient_dtype():
+    """Forward: the float32-accumulated einsum (float64 reference). Gradient: exact in float32 (that
+    of the plain einsum), and in bf16 every dot of the backward reads bf16 operands (no float32
+    x float32 GEMM), with values within bf16 rounding of the float64 gradient."""
+    rng = np.random.default_rng()
+    a64, b64, g64 = (rng.standard_normal(s) for s in ((3, 5, 24), (7, 24), (3, 5, 7)))
+    spec = "btk,nk->btn"
+    for dt, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+        a, b, g = (jnp.asarray(x, dt) for x in (a64, b64, g64))
+        out = einsum_f32(spec, a, b)
+        assert out.dtype == jnp.float32
+        ref = np.einsum(spec, *(np.asarray(x.astype(jnp.float32), np.float64) for x in (a, b)))
+        assert np.abs(np.asarray(out, np.float64) - ref).max() < 1e-5 * np.abs(ref).max()
+        loss = lambda a, b: jnp.sum(einsum_f32(spec, a, b).astype(dt) * g)  # noqa: E731
+        da, db = jax.grad(loss, argnums=(0, 1))(a, b)
+        assert da.dtype == dt and db.dtype == dt
+        ga, gb = (np.asarray(x.astype(jnp.float32), np.float64) for x in (g, b))
+        ref_da = np.einsum("btn,nk->btk", ga, gb)
+        assert np.abs(np.asarray(da.astype(jnp.float32), np.float64) - ref_da).max() < tol * np.abs(ref_da).max()
+        if dt == jnp.float32:
+            plain = lambda a, b: jnp.sum(jnp.einsum(spec, a, b, precision="highest") * g)  # noqa: E731
+            for x, y in zip((da, db), jax.grad(plain, argnums=(0, 1))(a, b)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        else:
+            hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(a, b).as_text()
+            dots = [ln for ln in hlo.splitlines() if "stablehlo.dot_general" in ln]
+            assert len(dots) == 2 and all("xf32>" not in ln.split("->")[0] for ln in dots), dots
 
 
 def test_select_path_rule():
