@@ -148,6 +148,20 @@ def _path(program: Program, sig: tuple) -> str | None:
     return os.path.join(root, f"{program.name}-{hashlib.sha256(key.encode()).hexdigest()[:40]}.bin")
 
 
+def _execution_devices(program: Program) -> list | None:
+    """The devices to load a program onto: its arguments' one device when they all sit on one (JAX
+    would otherwise load it onto all of the process's devices, and a one-device program then
+    refuses its arguments); None (all of them) for a program over a mesh, which models.shard makes
+    span the process's devices."""
+    sets = {frozenset(s.device_set) for s in (getattr(x, "sharding", None)
+                                              for x in jax.tree_util.tree_leaves(program.args)) if s is not None}
+    if not sets:
+        return [jax.devices()[0]]
+    if len(sets) == 1 and len(next(iter(sets))) == 1:
+        return list(next(iter(sets)))
+    return None
+
+
 def _load(program: Program, sig: tuple, path: str | None) -> bool:
     if path is None or not os.path.exists(path):
         return False
@@ -157,7 +171,8 @@ def _load(program: Program, sig: tuple, path: str | None) -> bool:
     try:
         with open(path, "rb") as f:
             payload, in_tree, out_tree = pickle.load(f)
-        _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                               execution_devices=_execution_devices(program))
     except Exception:  # a damaged or foreign file: drop it and compile instead
         try:
             os.remove(path)
