@@ -10,13 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
-from pallas_kernels import DispatchConfig, take_rows
+from pallas_kernels import DispatchConfig
 
 from .cache import KVCache
 from .config import SLIDING, AssistantConfig, check_fit
 from .layers import apply_rope, attention, linear, mlp, rms_norm, rope_tables, visible
 from .params import assistant_shapes, check_params
+from . import shard as tp_shard
 from .target import Target, embed, shared_kv
 
 
@@ -26,6 +28,7 @@ class Assistant:
     config: AssistantConfig = struct.field(pytree_node=False)
     params: dict
     matmul: DispatchConfig = struct.field(pytree_node=False, default_factory=DispatchConfig)
+    tp: tp_shard.TensorParallel | None = struct.field(pytree_node=False, default=None)  # set by models.shard
 
     @property
     def dtype(self):
@@ -71,7 +74,6 @@ def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.
     """
     acfg, tcfg = assistant.config, target.config
     check_fit(acfg, tcfg)
-    p, mm = assistant.params, assistant.matmul
     token = jnp.asarray(token)
     if token.ndim != 1:
         raise ValueError(f"token must be [B], got shape {tuple(token.shape)}")
@@ -80,6 +82,32 @@ def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.
         raise ValueError(f"h_prev has shape {tuple(h_prev.shape)}, expected {(b, tcfg.hidden_size)}")
     if cache.batch != b:
         raise ValueError(f"token has batch {b} but the cache has batch {cache.batch}")
+    if assistant.tp != target.tp:
+        raise ValueError("the assistant and the target must be sharded alike: models.shard both over one mesh "
+                         f"(assistant: {assistant.tp}, target: {target.tp})")
+    if assistant.tp is not None:
+        return _draft_step_sharded(assistant, target, cache, token, h_prev, position)
+    return _draft_step(assistant, target, cache, token, h_prev, position)
+
+
+def _draft_step_sharded(assistant, target, cache, token, h_prev, position):
+    """_draft_step per shard (models.shard): local query heads over the target cache's local KV
+    heads; logits split by vocabulary (whole with ordered embeddings)."""
+    tp, acfg = assistant.tp, assistant.config
+    cspec = tp_shard.cache_specs(target, cache, tp.size, tp.axis)
+    head = assistant.params["embed_tokens"] if acfg.tie_word_embeddings else assistant.params["lm_head"]
+    out = (PartitionSpec() if acfg.use_ordered_embeddings else tp_shard.logits_spec(assistant, head, tp.axis, 2),
+           PartitionSpec())
+    rep = PartitionSpec()
+    args = [(assistant, tp_shard.model_specs(assistant)), (target, tp_shard.model_specs(target)), (cache, cspec),
+            (token, rep), (h_prev, rep), (jnp.asarray(position, jnp.int32), rep)]
+    return tp_shard.run_sharded(_draft_step, assistant, args, out)
+
+
+def _draft_step(assistant, target, cache, token, h_prev, position):
+    acfg, tcfg = assistant.config, target.config
+    p, mm = assistant.params, assistant.matmul
+    b = token.shape[0]
     lengths = cache.lengths.astype(jnp.int32)[:, None]
     pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32).reshape(-1), (b,))[:, None]
     hn = assistant_stack(assistant, target, token[:, None], h_prev[:, None], shared_kv(tcfg, cache), lengths,
@@ -116,14 +144,15 @@ def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_p
         window = a.sliding_window + 1 if a.layer_types[i] == SLIDING else None
         cos, sin = rope_tables(position, a.rope(i), hd, dt)
         xn = rms_norm(h, p[pre + "input_layernorm"], eps)
-        qh = linear(xn, p[pre + "self_attn.q_proj"], mm).reshape(b, q, nq, hd)
+        qh = linear(xn, p[pre + "self_attn.q_proj"], mm).reshape(b, q, -1, hd)  # a shard's heads, if sharded
         qh = apply_rope(rms_norm(qh, p[pre + "self_attn.q_norm"], eps), cos, sin)
         o = attention(qh, k_src, v_src, lengths.astype(jnp.int32) - 1, k_pos, window, matmul=mm)
-        o = linear(o, p[pre + "self_attn.o_proj"], mm)
+        o_proj, down = p[pre + "self_attn.o_proj"], p[pre + "mlp.down_proj"]
+        o = tp_shard.reduce_rows(assistant, linear(o, o_proj, mm), o_proj, nq * hd)
         h = h + rms_norm(o, p[pre + "post_attention_layernorm"], eps)
         xn = rms_norm(h, p[pre + "pre_feedforward_layernorm"], eps)
-        xn = mlp(xn, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], p[pre + "mlp.down_proj"],
-                 a.hidden_activation, mm)
+        xn = mlp(xn, p[pre + "mlp.gate_proj"], p[pre + "mlp.up_proj"], down, a.hidden_activation, mm)
+        xn = tp_shard.reduce_rows(assistant, xn, down, a.mlp_width(i))
         h = h + rms_norm(xn, p[pre + "post_feedforward_layernorm"], eps)
         h = h * p[pre + "layer_scalar"].astype(dt)
     return rms_norm(h, p["norm"], eps)
@@ -140,7 +169,7 @@ def centroid_logits(assistant: Assistant, hn: jax.Array, head) -> jax.Array:
     _, top = jax.lax.top_k(scores, acfg.centroid_intermediate_top_k)  # [B, k]
     ordering = p["masked_embedding.token_ordering"].astype(jnp.int32).reshape(acfg.num_centroids, per)
     sel = ordering[top].reshape(b, -1)  # [B, k * per] token ids
-    rows = take_rows(head, sel, hn.dtype)  # [B, S, H]
+    rows = tp_shard.embed_rows(assistant, head, sel, hn.dtype, acfg.vocab_size)  # [B, S, H]
     sl = jnp.einsum("bh,bsh->bs", hn, rows, preferred_element_type=jnp.float32,
                     precision=jax.lax.Precision.HIGHEST).astype(hn.dtype).astype(jnp.float32)
     fill = jnp.min(sl, axis=-1, keepdims=True) - 1.0

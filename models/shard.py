@@ -1,71 +1,153 @@
-"""Tensor parallelism: a model's weights placed over a device mesh with `jax.sharding`.
+"""Tensor parallelism: a model split over a device mesh with `jax.sharding`, run per shard.
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:G]), ("tp",))
-    target = models.shard(target, mesh)      # the same Target; its params now live split over G devices
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
+    target = models.shard(target, mesh)      # the same Target, its params split over the mesh
+    assistant = models.shard(assistant, mesh)
 
-Placement (Megatron's): q/k/v and gate/up are column-parallel (split over their output rows N), o and
-down row-parallel (split over their input K), the tied embedding / head split by vocabulary; norms,
-scalars and everything else replicated. A weight is split only where the split falls on whole
-64-row tiles (column: N a multiple of 64 G) or whole quantization groups (row: K / group a multiple
-of G); otherwise it stays replicated (e.g. a single KV head's k/v projection). A stacked weight
-(`layer_scan`) keeps its leading layer axis unsplit. Under jit, XLA's partitioner runs each matmul
-where its weight shard lives and adds the all-reduce after a row-parallel one; the KV cache follows
-the k/v projections (split by KV heads where they are).
+Placement (Megatron's): an attention block's q/k/v are column-parallel (split by whole heads) and its
+o projection row-parallel; gate/up column-parallel and down row-parallel; the tied embedding / head
+split by vocabulary; norms, scalars and the rest replicated. The KV cache is split by KV heads where
+the k/v projections are. A split must fall on whole 64-row tiles (column) and whole quantization
+groups (row); a block that cannot split stays replicated: K/V of a single KV head (the 12B's global
+layers) are replicated while their queries still split, K/V of 2 heads over 4 devices keep the whole
+block replicated. Stacked (scanned) weights keep their layer axis whole.
 
-Status (issue 27): this is the placement, exact on the XLA matmul backend. The Pallas kernels are
-custom calls the partitioner cannot split: with backend "pallas" a sharded model computes the same
-values but gathers each weight first. Running them per shard under `shard_map` is the next step.
+`forward` and `draft_step` of a sharded model run under `shard_map`: each device runs the Pallas
+kernels on its own shards (local heads, local FFN columns, local vocabulary) and the partial sums
+of a row-parallel projection meet in one all-reduce (`psum`); an embedding lookup into a vocabulary
+shard is an all-reduce of masked rows. Logits come out split by vocabulary. Everything else in
+jaxspec's loop is left to XLA's partitioner.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_kernels import QuantizedWeight
+from pallas_kernels import QuantizedWeight, take_rows
 from pallas_kernels.quant import TILE_ROWS
 
-COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"})
-ROW = frozenset({"o_proj", "down_proj"})
+_LAYER = re.compile(r"^(?:layers|scan)\.(\d+)\.(self_attn|mlp)\.([qkvo]_proj|gate_proj|up_proj|down_proj)$")
 
 
-def layout(name: str) -> str | None:
-    """"column", "row" or None (replicated) for a param name (its last component decides)."""
-    leaf = name.rsplit(".", 1)[-1]
-    return "column" if leaf in COLUMN else "row" if leaf in ROW else None
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Where a sharded model lives: the mesh and the axis its weights are split over (a static,
+    hashable field of the model, so programs compile per mesh)."""
+    mesh: Mesh
+    axis: str
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis]
 
 
-def _put(x, mesh: Mesh, axis: str, dim: int | None, base_ndim: int):
-    """Place x with `dim` (counted in the unstacked array's `base_ndim` dims) split over `axis`."""
+def _col_ok(w, g: int) -> bool:
+    """Whether w's output rows split into g parts of whole 64-row tiles (any format)."""
+    return w.shape[-2] % (TILE_ROWS * g) == 0
+
+
+def _row_ok(w, g: int) -> bool:
+    """Whether w's input columns split into g parts of whole quantization groups."""
+    k = w.shape[-1]
+    return (k // w.group_size) % g == 0 if isinstance(w, QuantizedWeight) else k % g == 0
+
+
+def attention_split(nq: int, nkv: int, hd: int, g: int) -> tuple[bool, bool]:
+    """(queries split, K/V split) for an attention block, by whole heads and whole tiles. Queries
+    may split over replicated K/V only when there is one KV head (every query head reads it)."""
+    kv = nkv % g == 0 and (nkv * hd) % (TILE_ROWS * g) == 0
+    q = (kv or nkv == 1) and nq % g == 0 and (nq * hd) % (TILE_ROWS * g) == 0
+    return q, kv
+
+
+def _text(model):
+    cfg = model.config
+    return getattr(cfg, "text", cfg)
+
+
+def _block_layout(model, g: int) -> dict[str, str | None]:
+    """param name -> "column", "row" or None (replicated)."""
+    cfg, params = _text(model), model.params
+    out = {}
+    for name, w in params.items():
+        m = _LAYER.match(name)
+        if name in ("embed_tokens", "lm_head"):
+            out[name] = "column" if _col_ok(w, g) else None
+        elif m is None:
+            out[name] = None
+        elif m.group(2) == "mlp":
+            pre = name.rsplit(".", 1)[0] + "."
+            ok = _col_ok(params[pre + "gate_proj"], g) and _col_ok(params[pre + "up_proj"], g) and \
+                _row_ok(params[pre + "down_proj"], g)
+            out[name] = None if not ok else "row" if m.group(3) == "down_proj" else "column"
+        else:
+            i = int(m.group(1))  # a scan position j is layer j's pattern
+            pre = name.rsplit(".", 1)[0] + "."
+            q, kv = attention_split(cfg.num_attention_heads, cfg.layer_kv_heads[i], cfg.layer_head_dims[i], g)
+            q = q and _row_ok(params[pre + "o_proj"], g)
+            if kv and not q:
+                raise ValueError(f"{name}: its K/V split by heads over {g} devices but its queries cannot "
+                                 "(o_proj's quantization groups do not divide)")
+            leaf = m.group(3)
+            split = kv if leaf in ("k_proj", "v_proj") else q
+            out[name] = None if not split else "row" if leaf == "o_proj" else "column"
+    return out
+
+
+def _spec(x, how: str | None, axis: str, base_ndim: int) -> P:
+    spec = [None] * x.ndim
+    if how is not None:
+        spec[x.ndim - base_ndim + (0 if how == "column" else 1)] = axis
+    return P(*spec)
+
+
+def param_specs(model, g: int, axis: str) -> dict:
+    """name -> the PartitionSpec (tree) of each param of `model` over `g` devices of `axis`."""
+    out = {}
+    for name, how in _block_layout(model, g).items():
+        w = model.params[name]
+        if isinstance(w, QuantizedWeight):
+            # the weight splits its row tiles (column) or its groups (row); scales/biases [K/group, N]
+            # the other way round
+            flip = None if how is None else "row" if how == "column" else "column"
+            out[name] = dataclasses.replace(w, weight=_spec(w.weight, how, axis, 4),
+                                            scales=_spec(w.scales, flip, axis, 2),
+                                            biases=_spec(w.biases, flip, axis, 2))
+        else:
+            out[name] = _spec(w, how if getattr(w, "ndim", 0) >= 2 else None, axis, 2)
+    return out
+
+
+def cache_specs(target, cache, g: int, axis: str):
+    """The KVCache's specs: buffer j split by KV heads iff its layers' K/V projections are."""
+    from .layer_scan import cache_entries  # noqa: PLC0415 (layer_scan imports nothing of ours)
+    cfg = target.config
+
+    def buf(x, layers):
+        i = layers[0]
+        _, kv = attention_split(cfg.num_attention_heads, cfg.layer_kv_heads[i], cfg.layer_head_dims[i], g)
+        return _spec_at(x, x.ndim - 2 if kv else None, axis)
+
+    entries = cache_entries(cfg)
+    return cache.replace(k=tuple(buf(x, e) for x, e in zip(cache.k, entries)),
+                         v=tuple(buf(x, e) for x, e in zip(cache.v, entries)),
+                         lengths=P(), pos=None if cache.pos is None else P())
+
+
+def _spec_at(x, dim: int | None, axis: str) -> P:
     spec = [None] * x.ndim
     if dim is not None:
-        spec[x.ndim - base_ndim + dim] = axis
-    return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
-
-
-def _place(w, how: str | None, mesh: Mesh, axis: str):
-    g = mesh.shape[axis]
-    if isinstance(w, QuantizedWeight):
-        n, k = w.shape
-        if how == "column" and n % (TILE_ROWS * g) == 0:
-            dims = (0, 1)  # weight: its row tiles; scales/biases [K/group, N]: their columns
-        elif how == "row" and (k // w.group_size) % g == 0:
-            dims = (1, 0)  # weight: its groups; scales/biases: their rows
-        else:
-            dims = (None, None)
-        return dataclasses.replace(w, weight=_put(w.weight, mesh, axis, dims[0], 4),
-                                   scales=_put(w.scales, mesh, axis, dims[1], 2),
-                                   biases=_put(w.biases, mesh, axis, dims[1], 2))
-    if how is None or getattr(w, "ndim", 0) < 2:
-        return _put(w, mesh, axis, None, 0)
-    dim = 0 if how == "column" else 1
-    return _put(w, mesh, axis, dim if w.shape[w.ndim - 2 + dim] % g == 0 else None, 2)
+        spec[dim] = axis
+    return P(*spec)
 
 
 def shard(model, mesh: Mesh, axis: str = "tp"):
-    """`model` (a Target or Assistant) with every param placed on `mesh` as the module docstring says.
-    `axis` names the mesh axis to split over; the model's values and config are unchanged."""
+    """`model` (a Target or Assistant) with its params placed on `mesh` as the module docstring
+    says, and marked to run per shard. Its values and config are unchanged."""
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r} (its axes: {tuple(mesh.shape)})")
     if mesh.devices.size != jax.device_count():
@@ -73,4 +155,56 @@ def shard(model, mesh: Mesh, axis: str = "tp"):
         # XLA rejects by aborting the process
         raise ValueError(f"the mesh holds {mesh.devices.size} of this process's {jax.device_count()} devices: "
                          "shard over all of them (start the process with only the devices to use)")
-    return model.replace(params={name: _place(w, layout(name), mesh, axis) for name, w in model.params.items()})
+    g = mesh.shape[axis]
+    specs = param_specs(model, g, axis)
+    params = {name: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), w, specs[name])
+              for name, w in model.params.items()}
+    return model.replace(params=params, tp=TensorParallel(mesh, axis))
+
+
+# ---- inside shard_map: what the models' code calls on its local shards --------------------------------
+
+
+def reduce_rows(model, y: jax.Array, w, full_k: int) -> jax.Array:
+    """`y = x @ w.T` of a row-parallel projection: the sum over the shards when w holds a slice of
+    its `full_k` inputs (one all-reduce); y itself otherwise."""
+    tp = model.tp
+    if tp is None or w.shape[-1] == full_k:
+        return y
+    return jax.lax.psum(y, tp.axis)
+
+
+def embed_rows(model, table, ids: jax.Array, dtype, vocab: int) -> jax.Array:
+    """`take_rows(table, ids)` where `table` may hold one vocabulary shard: each device looks up the
+    ids it holds, zeros elsewhere, and an all-reduce sums them (exact: one term is not zero)."""
+    tp = model.tp
+    n = table.shape[-2]
+    if tp is None or n == vocab:
+        return take_rows(table, ids, dtype)
+    local = ids - jax.lax.axis_index(tp.axis) * n
+    inside = (local >= 0) & (local < n)
+    rows = take_rows(table, jnp.where(inside, local, 0), dtype)
+    return jax.lax.psum(jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype)), tp.axis)
+
+
+def logits_spec(model, head, axis: str, ndim: int = 3) -> P:
+    """Logits `[..., V]` computed with the (global) `head`: split by vocabulary when the head is."""
+    return P(*([None] * (ndim - 1)), axis) if _col_ok(head, model.tp.size) else P()
+
+
+def run_sharded(fn, model, args_specs, out_specs):
+    """`fn(*args)` under shard_map over `model.tp.mesh` (specs as shard_map takes them)."""
+    args, in_specs = zip(*args_specs)
+    mapped = _shard_map(fn, model.tp.mesh, tuple(in_specs), out_specs)
+    return mapped(*args)
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    # check_vma off: pallas_call outputs carry no varying-axes annotation to check
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def model_specs(model):
+    """The model itself as a spec tree (its params' specs, its static fields unchanged)."""
+    return model.replace(params=param_specs(model.replace(tp=None), model.tp.size, model.tp.axis))
+

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from jax.sharding import PartitionSpec
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ from .layer_scan import PREFIX, cache_entry, cache_entries, is_stacked, scan_pla
 from .layers import (activation, apply_rope, attention, linear, linear_many, mlp, rms_norm,
                      rope_tables, scale_of)
 from .params import check_params, target_shapes
+from . import shard as tp_shard
 
 
 @struct.dataclass
@@ -34,6 +37,7 @@ class Target:
     config: TargetConfig = struct.field(pytree_node=False)
     params: dict
     matmul: DispatchConfig = struct.field(pytree_node=False, default_factory=DispatchConfig)
+    tp: tp_shard.TensorParallel | None = struct.field(pytree_node=False, default=None)  # set by models.shard
 
     @property
     def dtype(self):
@@ -51,7 +55,7 @@ def head_weight(target: Target):
 
 def embed(target: Target, tokens: jax.Array, dtype) -> jax.Array:
     """`E[ids] * sqrt(hidden)`, the scale rounded to the activation dtype first (as HF)."""
-    e = take_rows(target.params["embed_tokens"], tokens, dtype)
+    e = tp_shard.embed_rows(target, target.params["embed_tokens"], tokens, dtype, target.config.vocab_size)
     return e * scale_of(target.config.embed_scale, dtype)
 
 
@@ -116,11 +120,30 @@ def forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid: jax.Arr
         real = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
         if valid is not None and valid.shape != (b, t):
             raise ValueError(f"valid has shape {valid.shape}, expected {(b, t)}")
-        out, hidden, new = _forward(target, jnp.pad(tokens, ((0, 0), (0, pad))), cache,
-                                    valid=jnp.concatenate([real, jnp.zeros((b, pad), bool)], axis=1),
-                                    capacity_tokens=t, logits_at=logits_at)
+        out, hidden, new = _run(target, jnp.pad(tokens, ((0, 0), (0, pad))), cache,
+                                valid=jnp.concatenate([real, jnp.zeros((b, pad), bool)], axis=1),
+                                capacity_tokens=t, logits_at=logits_at)
         return (out if logits_at is not None else out[:, :t]), hidden[:, :t], new.replace(lengths=cache.lengths + t)
-    return _forward(target, tokens, cache, valid=valid, capacity_tokens=t, logits_at=logits_at)
+    return _run(target, tokens, cache, valid=valid, capacity_tokens=t, logits_at=logits_at)
+
+
+def _run(target: Target, tokens, cache: KVCache, *, valid, capacity_tokens: int, logits_at):
+    """_forward, on a sharded target (models.shard) per shard under shard_map: local heads, FFN
+    columns and vocabulary, the cache split by KV heads, logits out split by vocabulary."""
+    if target.tp is None:
+        return _forward(target, tokens, cache, valid=valid, capacity_tokens=capacity_tokens, logits_at=logits_at)
+    tp = target.tp
+    cspec = tp_shard.cache_specs(target, cache, tp.size, tp.axis)
+    extra = {k: v for k, v in (("valid", valid), ("logits_at", logits_at)) if v is not None}
+
+    def local(t_, tokens_, cache_, extra_):
+        return _forward(t_, tokens_, cache_, valid=extra_.get("valid"), capacity_tokens=capacity_tokens,
+                        logits_at=extra_.get("logits_at"))
+
+    out = (tp_shard.logits_spec(target, head_weight(target), tp.axis), PartitionSpec(), cspec)
+    args = [(target, tp_shard.model_specs(target)), (tokens, PartitionSpec()), (cache, cspec),
+            (extra, {k: PartitionSpec() for k in extra})]
+    return tp_shard.run_sharded(local, target, args, out)
 
 
 def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capacity_tokens: int, logits_at=None):
@@ -266,7 +289,7 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     b, t, pos, cache = step.b, step.t, step.pos, step.cache
     slot, index = entry
     eps = cfg.rms_norm_eps
-    hd, nq, nkv = cfg.layer_head_dims[i], cfg.num_attention_heads, cfg.layer_kv_heads[i]
+    hd, nq = cfg.layer_head_dims[i], cfg.num_attention_heads
     cos, sin = step.tables[(cfg.is_sliding(i), hd)]
 
     x = rms_norm(h, w.vector("input_layernorm"), eps)
@@ -287,10 +310,11 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
         kv = []
     else:
         q, *kv = linear_many(x, projections, mm)
-        q = apply_rope(rms_norm(q.reshape(b, t, nq, hd), w.vector("self_attn.q_norm"), eps), cos, sin)
+        # heads from the shapes: a sharded model's projections hold a shard's heads
+        q = apply_rope(rms_norm(q.reshape(b, t, -1, hd), w.vector("self_attn.q_norm"), eps), cos, sin)
     if kv:
-        kr = kv[0].reshape(b, t, nkv, hd)
-        vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, nkv, hd)
+        kr = kv[0].reshape(b, t, -1, hd)
+        vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, -1, hd)
         k = apply_rope(rms_norm(kr, w.vector("self_attn.k_norm"), eps), cos, sin)
         v = rms_norm(vr, None, eps)
         if ring:
@@ -309,12 +333,13 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     else:
         a = attention(q, _at(ks[slot], index), _at(vs[slot], index), pos,
                       step.ring_keys_pos if ring else step.slot_pos, window, matmul=mm)
-    a = linear(a, w.linear("self_attn.o_proj"), mm)
+    o_proj, down = w.linear("self_attn.o_proj"), w.linear("mlp.down_proj")
+    a = tp_shard.reduce_rows(target, linear(a, o_proj, mm), o_proj, nq * hd)
     h = h + rms_norm(a, w.vector("post_attention_layernorm"), eps)
 
     x = rms_norm(h, w.vector("pre_feedforward_layernorm"), eps)
-    x = mlp(x, w.linear("mlp.gate_proj"), w.linear("mlp.up_proj"), w.linear("mlp.down_proj"),
-            cfg.hidden_activation, mm)
+    x = mlp(x, w.linear("mlp.gate_proj"), w.linear("mlp.up_proj"), down, cfg.hidden_activation, mm)
+    x = tp_shard.reduce_rows(target, x, down, cfg.mlp_width(i))
     h = h + rms_norm(x, w.vector("post_feedforward_layernorm"), eps)
 
     if pli_i is not None:
