@@ -26,6 +26,7 @@ from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,12 +34,14 @@ from harness import environment, median_time, no_command_buffers  # noqa: E402
 from speculative_bench import (draft_loop, forward_loop, load_pair, resolve_default_pair,  # noqa: E402
                                weight_bytes_per_token)
 
+import models  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 
 # Kernel-name patterns, first match wins. pallas_kernels.launch names its kernels q{bits}gemv_m*_n*
 # (qmv, multirow) and q{bits}qmm_m*_n* (the tiled GEMM), with _x{count} for several weights in one
 # launch. (Older saved traces name them q4mm_m16_* and q4mm[dq]_m64_*: the last two patterns.)
-KINDS = [("4-bit GEMV", ("gemv_m",)), ("4-bit tiled matmul", ("qmm_m",)),
+KINDS = [("communication (all-reduce)", ("nccl", "all-reduce", "allreduce", "all_reduce")),
+         ("4-bit GEMV", ("gemv_m",)), ("4-bit tiled matmul", ("qmm_m",)),
          ("4-bit GEMV", ("mm_m16_",)), ("4-bit tiled matmul", ("mm_m", "mmdq_m")),
          ("dense matmul (XLA/cuBLAS)", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "dot")),
          ("XLA fusion", ("fusion", "loop_", "input_", "reduce", "transpose", "copy", "concatenate")),
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1, help="tokens per row: 1 = decode, K = a K-wide verify")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=1,
+                    help="split the models over this process's N devices (models.shard); times are per device")
     ap.add_argument("--commit", default=None, help="the commit to name in the report (default: git rev-parse)")
     ap.add_argument("--out", default="out/profile")
     ap.add_argument("--from-trace", action="store_true",
@@ -183,6 +188,8 @@ def main(argv=None) -> int:
         ap.error("--batch, --width and --steps must be >= 1")
     if args.draft and args.width != 1:
         ap.error("--draft runs one token per row: leave --width at 1")
+    if args.devices < 1 or (args.devices > 1 and args.devices != jax.device_count()):
+        ap.error(f"--devices {args.devices}: this process has {jax.device_count()} devices (use all of them)")
     args.float, args.no_assistant = False, not args.draft
     args.tokenizer = args.prompts_file = args.prompt_ids = args.prompt = None
     resolve_default_pair(args)
@@ -192,6 +199,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     target, assistant, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env())
+    if args.devices > 1:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
+        target = models.shard(target, mesh)
+        assistant = None if assistant is None else models.shard(assistant, mesh)
+        what += f", split over {args.devices} devices"
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
     if args.draft:
         if assistant is None:
@@ -205,7 +217,7 @@ def main(argv=None) -> int:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         jax.block_until_ready(run(*call_args))
     events, source = kernel_events(read_trace(log_dir))
-    summary = summarize(events, args.steps)
+    summary = summarize(events, args.steps * args.devices)  # every device's streams: per device
     env = environment(args.commit)
     meta = {"what": what, "env": env, "batch": args.batch, "width": args.width, "steps": args.steps,
             "source": source, "weight_gb": weight_bytes_per_token(assistant if args.draft else target) / 1e9,

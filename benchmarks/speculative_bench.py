@@ -468,6 +468,9 @@ def build_parser():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--backend", default=None, choices=["pallas", "xla"],
                     help="matmul backend (default: pallas; on CPU that is slow interpret mode)")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="split both models over this process's N devices (models.shard, tensor parallel); "
+                         "N must be the device count (restrict it with CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--commit", default=None, help="the commit to name in the report (default: git rev-parse)")
     ap.add_argument("--out", default="out/speculative")
     return ap
@@ -486,12 +489,20 @@ def main(argv=None):
         args.assistant = args.target
     if args.no_assistant:
         args.assistant = None
+    if args.devices < 1 or (args.devices > 1 and args.devices != jax.device_count()):
+        ap.error(f"--devices {args.devices}: this process has {jax.device_count()} devices (use all of them; "
+                 "restrict them with CUDA_VISIBLE_DEVICES)")
     os.makedirs(args.out, exist_ok=True)
     deadline = time.time() + args.time_budget
     dtype = jnp.dtype(args.dtype)
     t0 = time.time()
     matmul = DispatchConfig.from_env(**({"backend": args.backend} if args.backend else {}))
     target, assistant, what = load_pair(args, dtype, matmul)
+    if args.devices > 1:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
+        target = models.shard(target, mesh)
+        assistant = None if assistant is None else models.shard(assistant, mesh)
+        what += f", split over {args.devices} devices"
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
     env = environment(args.commit)
     meta = dict(what=what, env=env, command="python benchmarks/speculative_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -503,7 +514,7 @@ def main(argv=None):
     if env["platform"] == "gpu":
         bw = hbm_bandwidth()
         meta["hbm_tbps"] = bw / 1e12
-        meta["floor_ms"] = wb / bw * 1e3
+        meta["floor_ms"] = wb / (bw * args.devices) * 1e3  # each device streams its share
     try:
         fwd = None
         if "forward" in args.runs:
