@@ -22,7 +22,7 @@ venv: $(VENV)/.installed
 venv-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed
-	$(BIN)/jaxspec generate "def flatten(items):" --max-tokens 64 --compare
+	$(BIN)/jaxspec generate "def is_prime(n):" --max-tokens 64 --compare
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
