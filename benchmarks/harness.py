@@ -149,3 +149,22 @@ def random_pair(target: str, assistant: str | None = None, *, layers: int = 0, m
     acfg = (models.AssistantConfig.from_dict(presets.tiny_assistant_dict(tdict)) if assistant == "tiny"
             else presets.assistant_config(assistant))
     return t, presets.random_model(acfg, jax.random.fold_in(key, 1), dtype=dtype, quantize=quantize, matmul=matmul)
+
+
+def devices_error(devices: int) -> str | None:
+    """Why `--devices N` cannot run in this process (None when it can): a split needs all of them."""
+    if devices < 1 or (devices > 1 and devices != jax.device_count()):
+        return (f"--devices {devices}: this process has {jax.device_count()} devices (use all of them; "
+                "restrict them with CUDA_VISIBLE_DEVICES)")
+    return None
+
+
+def split_pair(target, assistant, devices: int):
+    """(target, assistant) split over the process's devices with `models.shard` when devices > 1."""
+    if devices <= 1:
+        return target, assistant
+    import models
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
+    return models.shard(target, mesh), None if assistant is None else models.shard(assistant, mesh)

@@ -26,15 +26,13 @@ from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import environment, median_time, no_command_buffers  # noqa: E402
+from harness import devices_error, environment, median_time, no_command_buffers, split_pair  # noqa: E402
 from speculative_bench import (draft_loop, forward_loop, load_pair, resolve_default_pair,  # noqa: E402
                                weight_bytes_per_token)
 
-import models  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 
 # Kernel-name patterns, first match wins. pallas_kernels.launch names its kernels q{bits}gemv_m*_n*
@@ -188,8 +186,8 @@ def main(argv=None) -> int:
         ap.error("--batch, --width and --steps must be >= 1")
     if args.draft and args.width != 1:
         ap.error("--draft runs one token per row: leave --width at 1")
-    if args.devices < 1 or (args.devices > 1 and args.devices != jax.device_count()):
-        ap.error(f"--devices {args.devices}: this process has {jax.device_count()} devices (use all of them)")
+    if devices_error(args.devices):
+        ap.error(devices_error(args.devices))
     args.float, args.no_assistant = False, not args.draft
     args.tokenizer = args.prompts_file = args.prompt_ids = args.prompt = None
     resolve_default_pair(args)
@@ -199,10 +197,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     target, assistant, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env())
+    target, assistant = split_pair(target, assistant, args.devices)
     if args.devices > 1:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
-        target = models.shard(target, mesh)
-        assistant = None if assistant is None else models.shard(assistant, mesh)
         what += f", split over {args.devices} devices"
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
     if args.draft:

@@ -38,7 +38,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
-from harness import Q4, environment, hbm_bandwidth, median_time, random_pair  # noqa: E402
+from harness import (Q4, devices_error, environment, hbm_bandwidth, median_time, random_pair,  # noqa: E402
+                     split_pair)
 from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
@@ -489,19 +490,16 @@ def main(argv=None):
         args.assistant = args.target
     if args.no_assistant:
         args.assistant = None
-    if args.devices < 1 or (args.devices > 1 and args.devices != jax.device_count()):
-        ap.error(f"--devices {args.devices}: this process has {jax.device_count()} devices (use all of them; "
-                 "restrict them with CUDA_VISIBLE_DEVICES)")
+    if devices_error(args.devices):
+        ap.error(devices_error(args.devices))
     os.makedirs(args.out, exist_ok=True)
     deadline = time.time() + args.time_budget
     dtype = jnp.dtype(args.dtype)
     t0 = time.time()
     matmul = DispatchConfig.from_env(**({"backend": args.backend} if args.backend else {}))
     target, assistant, what = load_pair(args, dtype, matmul)
+    target, assistant = split_pair(target, assistant, args.devices)
     if args.devices > 1:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
-        target = models.shard(target, mesh)
-        assistant = None if assistant is None else models.shard(assistant, mesh)
         what += f", split over {args.devices} devices"
     print(f"built {what} in {time.time() - t0:.1f}s", flush=True)
     env = environment(args.commit)

@@ -30,6 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pallas_kernels import QuantizedWeight, take_rows
 from pallas_kernels.quant import TILE_ROWS
 
+from .layer_scan import cache_entries
+
 _LAYER = re.compile(r"^(?:layers|scan)\.(\d+)\.(self_attn|mlp)\.([qkvo]_proj|gate_proj|up_proj|down_proj)$")
 
 
@@ -99,10 +101,9 @@ def _block_layout(model, g: int) -> dict[str, str | None]:
 
 
 def _spec(x, how: str | None, axis: str, base_ndim: int) -> P:
-    spec = [None] * x.ndim
-    if how is not None:
-        spec[x.ndim - base_ndim + (0 if how == "column" else 1)] = axis
-    return P(*spec)
+    """x split over `axis` on its output dim ("column") or input dim ("row"), counted in the unstacked
+    array's `base_ndim` dims (a stack's leading layer axis stays whole)."""
+    return _spec_at(x, None if how is None else x.ndim - base_ndim + (0 if how == "column" else 1), axis)
 
 
 def param_specs(model, g: int, axis: str) -> dict:
@@ -124,7 +125,6 @@ def param_specs(model, g: int, axis: str) -> dict:
 
 def cache_specs(target, cache, g: int, axis: str):
     """The KVCache's specs: buffer j split by KV heads iff its layers' K/V projections are."""
-    from .layer_scan import cache_entries  # noqa: PLC0415 (layer_scan imports nothing of ours)
     cfg = target.config
 
     def buf(x, layers):
@@ -206,5 +206,5 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 def model_specs(model):
     """The model itself as a spec tree (its params' specs, its static fields unchanged)."""
-    return model.replace(params=param_specs(model.replace(tp=None), model.tp.size, model.tp.axis))
+    return model.replace(params=param_specs(model, model.tp.size, model.tp.axis))
 

@@ -72,18 +72,19 @@ spec_ = jaxspec.generate(ts, ids, assistant=as_, block_size=4, **kw)
 alone = jaxspec.generate(t, ids, block_size=1, **kw)
 out.update(spec_equals_classic=spec_.tokens == classic.tokens, classic_equals_unsharded=classic.tokens == alone.tokens,
            mode=spec_.stats.mode, fallback=spec_.stats.fallback, rounds=spec_.stats.rounds)
-ordered = presets.random_model(models.AssistantConfig.from_dict(presets.tiny_assistant_dict(td, use_ordered_embeddings=True)),
-                               jax.random.key(seed + 2), dtype=jnp.float32, matmul=xla)  # the centroid head, split
-out["ordered_equals_classic"] = jaxspec.generate(ts, ids, assistant=models.shard(ordered, mesh), block_size=4,
-                                                 **kw).tokens == classic.tokens
-try:
-    models.draft_step(a, ts, c, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 256), jnp.float32), c.lengths)
-except ValueError as e:
-    out["mixed_error"] = str(e)
-from jaxspec import programs
-programs._MEMO.clear()  # the same calls again, their programs now read back from the disk cache
-out["reloaded_equal"] = [jaxspec.generate(ts, ids, assistant=as_, block_size=4, **kw).tokens == spec_.tokens,
-                         jaxspec.generate(t, ids, block_size=1, **kw).tokens == alone.tokens]
+if g == 2:  # the loop's other cases, on one mesh
+    ocfg = models.AssistantConfig.from_dict(presets.tiny_assistant_dict(td, use_ordered_embeddings=True))
+    ordered = presets.random_model(ocfg, jax.random.key(seed + 2), dtype=jnp.float32, matmul=xla)  # centroid head
+    out["ordered_equals_classic"] = jaxspec.generate(ts, ids, assistant=models.shard(ordered, mesh), block_size=4,
+                                                     **kw).tokens == classic.tokens
+    try:
+        models.draft_step(a, ts, c, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 256), jnp.float32), c.lengths)
+    except ValueError as e:
+        out["mixed_error"] = str(e)
+    from jaxspec import programs
+    programs._MEMO.clear()  # the same calls again, their programs now read back from the disk cache
+    out["reloaded_equal"] = [jaxspec.generate(ts, ids, assistant=as_, block_size=4, **kw).tokens == spec_.tokens,
+                             jaxspec.generate(t, ids, block_size=1, **kw).tokens == alone.tokens]
 print("RESULT " + json.dumps(out))
 '''
 
@@ -127,8 +128,9 @@ def test_sharded_model_matches_on_the_mesh(devices, tmp_path):
     # float32: the row-parallel sums add in another order; measured ~1.8e-5 at |logits| up to ~9
     assert r["max_abs_diff"] <= 5e-5 and r["max_abs_logit"] > 1.0, r
     assert r["pallas_max_abs_diff"] <= 5e-5, r
-    assert r["reloaded_equal"] == [True, True] and r["ordered_equals_classic"]
-    assert "must be sharded alike" in r["mixed_error"]
+    if devices == 2:
+        assert r["reloaded_equal"] == [True, True] and r["ordered_equals_classic"]
+        assert "must be sharded alike" in r["mixed_error"]
     assert r["verify_bitwise"]
     assert r["mode"] == "speculative" and r["fallback"] is None
     assert r["spec_equals_classic"] and r["classic_equals_unsharded"]
@@ -157,15 +159,15 @@ def test_cli_devices_splits_the_default_pair():
         pytest.skip("default pair not installed")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     cli = [sys.executable, "-m", "jaxspec.cli", "generate", "def flatten(items):", "--max-tokens", "16",
-           "--backend", "xla", "--json", "--no-compile-cache", "--dtype", "float32", "--compare"]
+           "--backend", "xla", "--json", "--no-compile-cache", "--dtype", "float32"]
     runs = {}
     for n in (1, 2):
-        r = subprocess.run(cli + ["--devices", str(n)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(cli + ["--devices", str(n)] + (["--compare"] if n == 2 else []), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[n] = json.loads(r.stdout)
         assert ("split over 2 devices" in r.stderr) == (n == 2)
     assert runs[2]["tokens"] == runs[1]["tokens"] and runs[2]["stats"]["mode"] == "speculative"
-    assert runs[2]["identical_to_classic"] and runs[1]["identical_to_classic"]
+    assert runs[2]["identical_to_classic"]
     r = subprocess.run(cli + ["--devices", "3"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "this process has 2 devices" in r.stderr and "loading" not in r.stderr
 

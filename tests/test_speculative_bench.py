@@ -137,13 +137,13 @@ def test_devices_must_be_the_process_device_count(tmp_path, capsys):
 
 def test_devices_splits_the_pair_on_two_host_devices(tmp_path):
     """`--devices 2` in a process with two CPU devices: both models split (models.shard), and the
-    loop's greedy parity and the verify's bitwise check hold on the mesh."""
+    verify's bitwise check and the draft row hold on the mesh (the loop on a mesh: test_shard)."""
     import subprocess
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=REPO)
     out = str(tmp_path / "o")
     r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "speculative_bench.py"), "--target", "tiny",
-                        "--runs", "forward,loop", "--k-values", "3", "--max-tokens", "6", "--dtype", "float32",
+                        "--runs", "forward", "--k-values", "3", "--dtype", "float32",
                         "--devices", "2", "--out", out, *FAST], env=env, cwd=REPO, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -151,5 +151,5 @@ def test_devices_splits_the_pair_on_two_host_devices(tmp_path):
     assert meta["what"].endswith("split over 2 devices") and meta["args"]["devices"] == 2
     [bit] = [x for x in rows if x["run"] == "bitwise"]
     assert bit["equal"] and bit["max_abs_diff"] == 0.0
-    [spec] = [x for x in rows if x["run"] == "loop" and x["mode"] == "speculative"]
-    assert spec["greedy_equal"] is True
+    [draft] = [x for x in rows if x["run"] == "draft"]
+    assert draft["ms"] > 0
