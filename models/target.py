@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jax.sharding import PartitionSpec
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from pallas_kernels import (DispatchConfig, Layer, QuantizedWeight, attention_head_dim_ok, quantized_matmul_parts,
                             take_rows)
