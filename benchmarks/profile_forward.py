@@ -186,8 +186,9 @@ def main(argv=None) -> int:
         ap.error("--batch, --width and --steps must be >= 1")
     if args.draft and args.width != 1:
         ap.error("--draft runs one token per row: leave --width at 1")
-    if devices_error(args.devices):
-        ap.error(devices_error(args.devices))
+    bad_devices = devices_error(args.devices)
+    if bad_devices:
+        ap.error(bad_devices)
     args.float, args.no_assistant = False, not args.draft
     args.tokenizer = args.prompts_file = args.prompt_ids = args.prompt = None
     resolve_default_pair(args)

@@ -490,8 +490,9 @@ def main(argv=None):
         args.assistant = args.target
     if args.no_assistant:
         args.assistant = None
-    if devices_error(args.devices):
-        ap.error(devices_error(args.devices))
+    bad_devices = devices_error(args.devices)
+    if bad_devices:
+        ap.error(bad_devices)
     os.makedirs(args.out, exist_ok=True)
     deadline = time.time() + args.time_budget
     dtype = jnp.dtype(args.dtype)

@@ -95,13 +95,18 @@ def _draft_step_sharded(assistant, target, cache, token, h_prev, position):
     heads; logits split by vocabulary (whole with ordered embeddings)."""
     tp, acfg = assistant.tp, assistant.config
     cspec = tp_shard.cache_specs(target, cache, tp.size, tp.axis)
-    head = assistant.params["embed_tokens"] if acfg.tie_word_embeddings else assistant.params["lm_head"]
-    out = (PartitionSpec() if acfg.use_ordered_embeddings else tp_shard.logits_spec(assistant, head, tp.axis, 2),
+    out = (PartitionSpec() if acfg.use_ordered_embeddings else
+           tp_shard.logits_spec(assistant, _head(assistant), tp.axis, 2),
            PartitionSpec())
     rep = PartitionSpec()
     args = [(assistant, tp_shard.model_specs(assistant)), (target, tp_shard.model_specs(target)), (cache, cspec),
             (token, rep), (h_prev, rep), (jnp.asarray(position, jnp.int32), rep)]
     return tp_shard.run_sharded(_draft_step, assistant, args, out)
+
+
+def _head(assistant: Assistant):
+    p = assistant.params
+    return p["embed_tokens"] if assistant.config.tie_word_embeddings else p["lm_head"]
 
 
 def _draft_step(assistant, target, cache, token, h_prev, position):
@@ -113,7 +118,7 @@ def _draft_step(assistant, target, cache, token, h_prev, position):
     hn = assistant_stack(assistant, target, token[:, None], h_prev[:, None], shared_kv(tcfg, cache), lengths,
                          pos)[:, 0]
     h_next = linear(hn, p["post_projection"], mm)
-    head = p["embed_tokens"] if acfg.tie_word_embeddings else p["lm_head"]
+    head = _head(assistant)
     if acfg.use_ordered_embeddings:
         out = centroid_logits(assistant, hn, head)
     else:

@@ -195,13 +195,9 @@ def logits_spec(model, head, axis: str, ndim: int = 3) -> P:
 def run_sharded(fn, model, args_specs, out_specs):
     """`fn(*args)` under shard_map over `model.tp.mesh` (specs as shard_map takes them)."""
     args, in_specs = zip(*args_specs)
-    mapped = _shard_map(fn, model.tp.mesh, tuple(in_specs), out_specs)
-    return mapped(*args)
-
-
-def _shard_map(fn, mesh, in_specs, out_specs):
     # check_vma off: pallas_call outputs carry no varying-axes annotation to check
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.shard_map(fn, mesh=model.tp.mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                         check_vma=False)(*args)
 
 
 def model_specs(model):
