@@ -24,8 +24,10 @@ venv-dev: $(VENV)/.installed-dev
 demo: $(VENV)/.installed
 	$(BIN)/jaxspec generate "def is_prime(n):" --max-tokens 64 --compare
 
+# Two workers (CI has 2 cores), each taking whole files so a file's fixtures are built once.
+JOBS ?= 2
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,7 +1,28 @@
-import jax
-import pytest
+import os
+import secrets
+import shutil
+import tempfile
+
+# Compile-bound on CPU: about 80% of a test's time is XLA compiling tiny programs. LLVM's backend
+# optimisations cost a quarter of that and buy nothing at these shapes (measured on the 2-core CI
+# machine: tests/test_batching.py 48.5 -> 39.4 s), so tests compile without them. Set before JAX
+# starts its backend (below), and inherited by every subprocess a test starts.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from seeds import SEED_ENV, run_seed  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# One on-disk compile cache per test run, made here (by the xdist controller, or the lone process)
+# and handed through the environment to the xdist workers and to every subprocess a test starts
+# (the CLI, the server, the notebook kernel, the training recipe): a program compiles once per run
+# whatever process needs it, and no run depends on what an earlier run left behind.
+CACHE_ENV = "JAXSPEC_TEST_COMPILE_CACHE"
 
 
 def _has_gpu() -> bool:
@@ -14,7 +35,44 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller: the workers inherit what it sets
+        config._jaxspec_cache = tempfile.mkdtemp(prefix="jaxspec-test-compile-cache-")
+        os.environ[CACHE_ENV] = os.environ["JAX_COMPILATION_CACHE_DIR"] = config._jaxspec_cache
+        os.environ.setdefault(SEED_ENV, str(secrets.randbits(32)))
+    from jaxspec import compile_cache, programs
+
+    compile_cache.disable_default()
+    # compile_cache.enable's settings, set here since JAX may have read the directory already
+    jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # In this process programs are not kept whole on disk: tests monkeypatch traced functions (the
+    # exactness probe's forward), which a whole program's key cannot see. JAX's own cache is keyed by
+    # the lowered program, so it stays on.
+    programs.directory = lambda: None
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_jaxspec_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"random test inputs: {SEED_ENV}={run_seed()} replays them")
+
+
+# The files that take longest on 2 CPU cores, longest first. `make test` hands out whole files to
+# its workers (pytest -n 2 --dist loadfile) in collection order, so these start first and no long
+# file is left running alone at the end.
+SLOW_FILES = ("test_server.py", "test_generate.py", "test_shard.py", "test_default_pair.py",
+              "test_speculative_bench.py", "test_long_context.py", "test_layer_scan.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: order within a file kept
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -23,18 +81,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# In-process tests keep no on-disk compilation cache (jaxspec turns one on by default): a run
-# never depends on what an earlier run left in ~/.cache. tests/test_compile_cache.py checks the default.
-from jaxspec import compile_cache, programs  # noqa: E402
-
-compile_cache.disable_default()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     """Free each module's compiled programs when it ends. Every XLA CPU executable keeps memory
     mappings, and one process running the whole suite reached the kernel's limit of 65,530
-    (vm.max_map_count) and crashed inside a compile."""
+    (vm.max_map_count) and crashed inside a compile. The run's disk cache serves them again."""
     yield
+    from jaxspec import programs
+
     jax.clear_caches()
     programs.clear()

@@ -16,6 +16,7 @@ from models import layer_scan, presets
 from models.config import FULL, SLIDING
 from models.params import LINEAR
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize
+from seeds import seeded_int, seeded_rng
 
 mx = pytest.importorskip("mlx.core")
 
@@ -282,7 +283,7 @@ def test_assistant_config_fields_of_the_wrong_type_are_named(edit, msg):
 
 
 def test_quantization_config_of_the_wrong_type_is_named(float_ckpt, tmp_path):
-    t = models.quantize_model(float_target(int(np.random.default_rng().integers(1 << 30))), bits=4, group_size=32)
+    t = models.quantize_model(float_target(seeded_int(1 << 30)), bits=4, group_size=32)
     models.save(t, str(tmp_path / "q"))
     for q, msg in ((dict(bits="4", group_size=32), r"'model\.\S+': bits must be an integer, got '4'"),
                    ("4-bit", r"quantization must be a dict, got '4-bit'")):
@@ -352,7 +353,7 @@ def assert_same_params(m, ref):
 @pytest.fixture
 def old_ckpt(tmp_path):
     """A sharded float checkpoint (several model-*-of-* files + index) with two foreign files beside it."""
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = seeded_int(1 << 30)
     t = float_target(seed)
     path = tmp_path / "ckpt"
     models.save(t, str(path), shard_bytes=64 << 10)
@@ -370,7 +371,7 @@ def test_save_keeps_foreign_files_and_drops_stale_shards(old_ckpt, tmp_path):
     assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t)
     # fewer shards: the index names exactly the new ones, the old ones are gone
     n_before = len([f for f in os.listdir(path) if f.startswith("model-")])
-    t2 = float_target(int(np.random.default_rng().integers(1 << 30)))
+    t2 = float_target(seeded_int(1 << 30))
     models.save(t2, str(path), shard_bytes=256 << 10)
     shards = sorted(f for f in os.listdir(path) if f.startswith("model-"))
     assert 1 < len(shards) < n_before
@@ -378,7 +379,7 @@ def test_save_keeps_foreign_files_and_drops_stale_shards(old_ckpt, tmp_path):
     assert sorted(set(index["weight_map"].values())) == shards
     assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t2)
     # one shard: no index is left pointing at old shards, and without an index the adapter is not read
-    t3 = float_target(int(np.random.default_rng().integers(1 << 30)))
+    t3 = float_target(seeded_int(1 << 30))
     models.save(t3, str(path))
     assert sorted(os.listdir(path)) == ["adapter_lora.safetensors", "config.json", "model.safetensors",
                                         "tokenizer.json"]
@@ -388,7 +389,7 @@ def test_save_keeps_foreign_files_and_drops_stale_shards(old_ckpt, tmp_path):
 
 
 def test_save_into_a_new_directory_and_over_a_file(tmp_path):
-    t = float_target(int(np.random.default_rng().integers(1 << 30)))
+    t = float_target(seeded_int(1 << 30))
     path = tmp_path / "a" / "b" / "ckpt"
     models.save(t, str(path))
     assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
@@ -442,7 +443,7 @@ def test_failed_save_leaves_the_old_checkpoint(old_ckpt, tmp_path, monkeypatch, 
     from models import checkpoint
     t, path = old_ckpt
     before = snapshot(path)
-    new = float_target(int(np.random.default_rng().integers(1 << 30)))
+    new = float_target(seeded_int(1 << 30))
     kind, _, arg = where.partition(" ")
     if kind == "save_file":
         fake, _ = _nth_call_fails(int(arg), checkpoint.save_file, _half_written_then_disk_full)
@@ -526,13 +527,13 @@ def _corrupt_header(fn):
 def test_unloadable_files_are_named_before_reading_tensors(tmp_path, monkeypatch, case, msg):
     from models import checkpoint
     path = tmp_path / "c"
-    models.save(float_target(int(np.random.default_rng().integers(1 << 30))), str(path), shard_bytes=64 << 10)
+    models.save(float_target(seeded_int(1 << 30)), str(path), shard_bytes=64 << 10)
     shard = str(next(path.glob("model-00002-of-*.safetensors")))
     index = path / "model.safetensors.index.json"
     if case == "empty":
         open(shard, "wb").close()
     elif case == "truncated":
-        _truncate(shard, lambda n: n - int(np.random.default_rng().integers(1, n // 2)))
+        _truncate(shard, lambda n: n - seeded_int(1, n // 2))
     elif case == "header only":
         _truncate(shard, lambda n: 8 + int.from_bytes(open(shard, "rb").read(8), "little"))
     elif case == "corrupt header":
@@ -560,7 +561,7 @@ def test_unloadable_files_are_named_before_reading_tensors(tmp_path, monkeypatch
 def test_only_model_safetensors_are_weights(tmp_path):
     """Without an index the weights are model*.safetensors: an adapter beside them is not read, and a
     directory with only other *.safetensors files says so."""
-    t = float_target(int(np.random.default_rng().integers(1 << 30)))
+    t = float_target(seeded_int(1 << 30))
     models.save(t, str(tmp_path / "t"))
     save_file({"model.norm.weight": np.zeros(64, np.float32)}, str(tmp_path / "t" / "adapter_lora.safetensors"))
     assert_same_params(models.load_target(str(tmp_path / "t"), dtype=jnp.float32, matmul=XLA), t)
@@ -580,7 +581,7 @@ def test_nan_norm_is_refused_naming_the_tensor(float_ckpt, tmp_path):
 
 
 def test_inf_scale_and_layer_scalar_are_refused(tmp_path):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     t = models.quantize_model(float_target(int(rng.integers(1 << 30))), bits=4, group_size=32)
     models.save(t, str(tmp_path / "q"))
     row, col = int(rng.integers(0, 128)), int(rng.integers(0, 2))
@@ -614,7 +615,7 @@ def test_non_finite_float_weight_refused_when_quantized_on_load_and_when_cast(fl
 
 
 def test_quantize_model_names_a_non_finite_param():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     t = float_target(int(rng.integers(1 << 30)))
     w = np.array(per_layer(t)["layers.1.mlp.up_proj"])
     i, j = int(rng.integers(0, w.shape[0])), int(rng.integers(0, w.shape[1]))

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from jaxspec import cli
 from jaxspec.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer, render_chat_template, train_byte_bpe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.path.join(tempfile.gettempdir(), f"jaxspec-test-compile-cache-{os.getuid()}")
+CACHE = os.environ["JAXSPEC_TEST_COMPILE_CACHE"]  # this run's, made by conftest.py
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = "24"
 STATS = re.compile(r"^stats: speculative K=4 \| (\d+) new tokens \| decode [\d.]+ tok/s \| acceptance [\d.]+% \| "

@@ -21,7 +21,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxspec
@@ -29,6 +28,7 @@ import models
 from models import layer_scan
 from jaxspec import default_pair as dp
 from pallas_kernels import DispatchConfig, QuantizedWeight
+from seeds import seeded_int, seeded_rng
 
 XLA = DispatchConfig(backend="xla")
 N_PROMPTS = 8            # run one at a time (B=1): equal lengths, so one compilation serves all
@@ -69,7 +69,7 @@ def test_path_selects_the_directory(tmp_path):
     for f in dp.REQUIRED:
         os.makedirs(os.path.dirname(tmp_path / f), exist_ok=True)
         (tmp_path / f).write_bytes(b"")
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [dict(file=f"f{i}.py", offset=int(rng.integers(1000)), ids=rng.integers(0, 99, 5).tolist(), text="x")
                for i in range(3)]
     metrics = {"marker": float(rng.random())}
@@ -184,7 +184,7 @@ def test_training_forward_is_draft_step():
     from jaxspec.default_pair import train
     sizes = train.SMOKE_SIZES
     tcfg, acfg = train.target_config(sizes), train.assistant_config(sizes)
-    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(2 ** 31))), 5)
+    keys = jax.random.split(jax.random.key(seeded_int(2 ** 31)), 5)
     tp = _scaled_embedding(train.init_params(models.target_shapes(tcfg), keys[0], tcfg.num_hidden_layers), keys[1])
     ap = _scaled_embedding(train.init_params(models.assistant_shapes(acfg), keys[2], acfg.text.num_hidden_layers),
                            keys[3])

@@ -187,7 +187,7 @@ def _eos_cases(full):
     return cases
 
 
-@pytest.mark.parametrize("k", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("k", [2, 4, 8])  # K = 3 runs in test_pallas_backend_parity
 def test_greedy_parity_blocks(k):
     """Speculative == classic, byte for byte, for a ragged batch of 3: full budget, per-row budgets
     that end mid-block, and EOS ids that hit mid-stream."""

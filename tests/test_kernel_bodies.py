@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul
 from pallas_kernels import launch
 from pallas_kernels.launch import Tiling, qmm_tiling
+from seeds import seeded_rng
 
 
 def _case(rng, n, k, dtype, bits=4, group_size=64):
@@ -31,7 +32,7 @@ def _ref(x, wd):
     (jnp.bfloat16, 1e-2, 2, 32, 224, 3, 2),   # 7 groups, 16 codes per word
     (jnp.float32, 1e-5, 4, 64, 448, 2, 1)])   # float32 dots: int->float codes
 def test_gemv_body_matches_float64_and_keeps_rows_invariant(dtype, tol, bits, group_size, k, gps, split):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw, wd = _case(rng, 72, k, dtype, bits, group_size)
     x = jnp.asarray(rng.standard_normal((5, k)), dtype)
     t = Tiling(block_n=64, groups_per_step=gps, split_k=split)
@@ -47,7 +48,7 @@ def test_gemv_group_sums_from_the_wrapper():
     float64 through a two-weight launch over 3 row tiles (the sums' row offset), with rows bitwise the
     same alone as among others; bad values rejected."""
     from pallas_kernels.gemv import group_sums
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     (qa, wa), (qb, wb) = _case(rng, 40, 192, jnp.bfloat16), _case(rng, 24, 192, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((40, 192)), jnp.bfloat16)
     t = Tiling(block_m=16, block_n=64, split_k=2, xsum="input")
@@ -72,7 +73,7 @@ def test_gemv_group_sums_from_the_wrapper():
                                                     (jnp.float16, 2e-3, 256, 1, 3), (jnp.bfloat16, 1e-2, 320, 2, 2)])
 def test_qmm_body_matches_float64(dtype, tol, k, gps, split):
     """Uneven splits and a last step past a split's end (5 or 7 groups over 2..3 per step)."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw, wd = _case(rng, 72, k, dtype)
     x = jnp.asarray(rng.standard_normal((20, k)), dtype)
     (y,) = launch.qmm(x, (qw,), Tiling(block_m=16, block_n=64, groups_per_step=gps, split_k=split), interpret=True)
@@ -91,7 +92,7 @@ def test_qmm_takes_tall_tiles_from_256_rows_of_16_bit_x():
     assert qmm_tiling(512, (96, 320), 64, cfg, x_itemsize=4).block_m == 64
     assert qmm_tiling(512, (96, 320), 64, cfg.replace(qmm_tile_m=32)).block_m == 32
     assert qmm_tiling(64, (3840, 15360), 64, cfg).split_k > 1   # a tall K splits to fill the machine
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw, wd = _case(rng, 48, 128, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((260, 128)), jnp.bfloat16)
     # 260 rows: two 256-row tiles, the second mostly masked (the dense fallback off)
@@ -104,7 +105,7 @@ def test_qmm_dense_fallback_from_its_row_count(monkeypatch):
     """From DispatchConfig.qmm_dense_rows rows the qmm path is dequantize + XLA's dot (no Pallas
     kernel in the program, and bitwise the xla backend); below it, with it set to 0, or for a weight
     over QMM_DENSE_MAX_ELEMENTS, the tiled kernel. Both against float64."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw, wd = _case(rng, 40, 128, jnp.bfloat16)
     cfg = DispatchConfig(qmm_dense_rows=24)
     x = jnp.asarray(rng.standard_normal((24, 128)), jnp.bfloat16)

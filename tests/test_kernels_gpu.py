@@ -8,6 +8,7 @@ import pytest
 
 from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul, quantized_matmul_many
 from pallas_kernels import launch
+from seeds import seeded_int, seeded_rng
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +27,7 @@ def _f32(y):
 
 @pytest.mark.parametrize("n,k", [(3840, 2048), (2048, 3840), (1024, 15360)])
 def test_gemv_compiles_to_triton_and_keeps_row_invariance_at_a_real_shape(n, k):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw = quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16))
     x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
     hlo = jax.jit(lambda x: quantized_matmul(x, qw)).lower(x).as_text()
@@ -45,7 +46,7 @@ def test_every_path_format_and_dtype_on_gpu(bits, group_size):
     """Through the dispatch at 1, 8 (GEMV), 64 (qmm) and 300 rows (the dense fallback and, off, the
     tiled kernel's 256-row tiles): N = 2000 is not a multiple of any tile (masked rows); K = 3776 is 59
     groups, so a two-group qmm step runs past a split's last group."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n, k = 2000, 3776 if group_size == 64 else 3840
     w = rng.standard_normal((n, k)) * 0.05
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)):
@@ -62,7 +63,7 @@ def test_every_path_format_and_dtype_on_gpu(bits, group_size):
 def test_explicit_launch_shapes_on_gpu(dtype):
     """Launch shapes a benchmark may pass: the GEMV with 128-row blocks, two groups per step and other
     splits; qmm with one and two groups per step. Float64 accuracy, and bitwise row invariance."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw = quantize(jnp.asarray(rng.standard_normal((3840, 2048)) * 0.05, dtype))
     x = jnp.asarray(rng.standard_normal((8, 2048)), dtype)
     ref = _ref(x, qw)
@@ -82,7 +83,7 @@ def test_tall_head_gemv_on_gpu():
     """The tied head's launch (launch.TALL_N: 128-row tiles, split 4, the wrapper's group sums) at its
     real shape: every row agrees with a float32 HIGHEST-precision XLA product and is bitwise the same
     alone or among 8."""
-    key = jax.random.PRNGKey(int(np.random.default_rng().integers(2**31)))
+    key = jax.random.PRNGKey(seeded_int(2**31))
     qw = quantize(jax.random.normal(key, (262144, 3840), jnp.bfloat16) * 0.05)
     x = jax.random.normal(jax.random.fold_in(key, 1), (8, 3840), jnp.bfloat16)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw, jnp.float32).T,
@@ -96,7 +97,7 @@ def test_tall_head_gemv_on_gpu():
 def test_fused_launch_on_gpu():
     """One launch of several weights (one branch per weight): bitwise the separate launches of the
     same tiling at gate/up-like and q/k/v-like shapes, and rows invariant through the dispatch."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     for ns in ((3840, 3840), (2048, 1024, 1024)):
         qws = [quantize(jnp.asarray(rng.standard_normal((n, 2048)) * 0.05, jnp.bfloat16)) for n in ns]
         x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)

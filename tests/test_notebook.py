@@ -4,7 +4,6 @@ tiny random pair its first cell writes otherwise. It shares the persistent compi
 tests/test_cli.py (JAX's own cache setting, which jaxspec's default cache keeps), so
 after that file ran the tiny pair mostly reuses compiled programs."""
 import os
-import tempfile
 
 import pytest
 
@@ -16,7 +15,7 @@ from jaxspec import default_pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "docs", "notebooks", "quickstart.ipynb")
-CACHE = os.path.join(tempfile.gettempdir(), f"jaxspec-test-compile-cache-{os.getuid()}")
+CACHE = os.environ["JAXSPEC_TEST_COMPILE_CACHE"]  # this run's, made by conftest.py
 
 
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny_pair", "default_pair"])

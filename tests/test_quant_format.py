@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import QuantizedWeight, dequantize, quantize, take_rows
+from seeds import seeded_rng
 
 MLX_DTYPES = {jnp.float32: mx.float32, jnp.float16: mx.float16, jnp.bfloat16: mx.bfloat16}
 
@@ -24,7 +25,7 @@ def _special_groups(w, g, rng):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_quantize_bit_exact_with_mlx(dtype, bits, group_size):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     w = (rng.standard_normal((48, 4 * group_size)) * rng.uniform(0.01, 20)).astype(np.float32)
     w = _special_groups(w, group_size, rng)
     wj = jnp.asarray(w, dtype)
@@ -46,7 +47,7 @@ def test_quantize_bit_exact_with_mlx(dtype, bits, group_size):
 def test_mlx_layout_round_trip(n, bits, group_size):
     """from_mlx stores 64-row tiles per group (rows past N zero) and [K/g, N] scales; to_mlx gives
     MLX's arrays back bit for bit; each stored tile holds the MLX words of its rows and group."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     k = 4 * group_size
     wpg = group_size * bits // 32
     words = rng.integers(0, 2**32, (n, k * bits // 32), dtype=np.uint32)
@@ -66,7 +67,7 @@ def test_mlx_layout_round_trip(n, bits, group_size):
 def test_format_properties():
     """The larger-magnitude extreme of each group is exact and 0.0 is representable (up to the float
     rounding of `-q0 * (edge / q0) + edge`)."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     w = rng.standard_normal((32, 256)).astype(np.float32)
     w[:, ::7] = 0.0
     deq = np.asarray(dequantize(quantize(jnp.asarray(w)), jnp.float32))
@@ -80,7 +81,7 @@ def test_format_properties():
 
 def test_take_rows_matches_dequantize():
     """An embedding lookup, negative ids wrapping and out-of-range ids clamped as JAX's gather does."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw = quantize(jnp.asarray(rng.standard_normal((140, 128)), jnp.bfloat16))
     ids = rng.integers(-140, 140, size=(3, 5))
     ids[0, 0] = 500
@@ -109,7 +110,7 @@ def test_quantize_rejects_bad_shapes_and_dtypes():
 
 
 def test_validate_and_from_mlx_name_bad_fields():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     qw = quantize(jnp.asarray(rng.standard_normal((8, 128)), jnp.float32))
     with pytest.raises(ValueError, match="biases has shape"):
         QuantizedWeight(qw.weight, qw.scales, qw.biases[:1], 4, 64).validate()
@@ -130,7 +131,7 @@ def test_quantize_refuses_non_finite_weights(dtype, bad):
     """A NaN would silently become its group's minimum, an inf a NaN scale: both are a ValueError that
     counts them and gives the first index. Under jit (a tracer) the check is skipped, not failed."""
     import jax
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     w = rng.standard_normal((16, 128)).astype(np.float32)
     i, j = int(rng.integers(0, 16)), int(rng.integers(0, 128))
     w[i, j] = float(bad)

@@ -237,22 +237,19 @@ def test_chat_completions_equal_the_cli(chat_pair):
         s.stop()
 
 
-def test_a_failing_admission_ends_that_request_only(monkeypatch):
-    """In-process scheduler (no HTTP): a prefill that fails with an internal error ends its request
-    with a 500 error event, a refused one with a 400, and the next request is served."""
+def test_a_failing_admission_ends_that_request_only(monkeypatch, chat_pair):
+    """In-process scheduler (no HTTP), on the tiny pair: a prefill that fails with an internal error
+    ends its request with a 500 error event, a refused one with a 400, and the next request is served."""
     import models
-    from jaxspec import default_pair as dp
     from jaxspec.batching import BatchEngine
     from jaxspec.server import Server
     from jaxspec.tokenizer import load_tokenizer
     from pallas_kernels import DispatchConfig
 
-    path = dp.default_pair_path()
     xla = DispatchConfig(backend="xla")
-    target = models.load_target(os.path.join(path, "target"), matmul=xla)
-    assistant = models.load_assistant(os.path.join(path, "assistant"), matmul=xla)
-    srv = Server(target, assistant, load_tokenizer(os.path.join(path, "target"), os.path.join(path, "tokenizer.json")),
-                 model_name="m", max_batch=2)
+    target = models.load_target(chat_pair[0], matmul=xla)
+    assistant = models.load_assistant(chat_pair[1], matmul=xla)
+    srv = Server(target, assistant, load_tokenizer(chat_pair[0]), model_name="m", max_batch=2)
     real = BatchEngine.admit
     failures = iter([RuntimeError("device lost"), ValueError("refused")])
 

@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+from hostenv import host_devices_env
+from seeds import seeded_rng
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r'''
@@ -90,8 +93,7 @@ print("RESULT " + json.dumps(out))
 
 
 def run_on(devices: int, seed: int, cache_dir) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(cache_dir))
+    env = host_devices_env(devices, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(cache_dir))
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(seed)], env=env, cwd=REPO, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -157,7 +159,7 @@ def test_cli_devices_splits_the_default_pair():
     from jaxspec import default_pair as dp
     if not dp.default_pair_available():
         pytest.skip("default pair not installed")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = host_devices_env(2)
     cli = [sys.executable, "-m", "jaxspec.cli", "generate", "def flatten(items):", "--max-tokens", "16",
            "--backend", "xla", "--json", "--no-compile-cache", "--dtype", "float32"]
     runs = {}
@@ -195,7 +197,7 @@ def test_sharded_kernels_on_several_gpus():
                              dtype=jnp.bfloat16)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
     ts, as_ = models.shard(t, mesh), models.shard(a, mesh)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = jnp.asarray(rng.integers(3, 1024, (2, 12)), jnp.int32)
     cache = models.init_cache(tcfg, 2, 64, jnp.bfloat16)
     fwd = jax.jit(models.forward)

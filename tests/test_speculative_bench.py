@@ -12,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import speculative_bench as sb  # noqa: E402
+from hostenv import host_devices_env  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
 
 FAST = ["--backend", "xla", "--warmup", "0", "--repeats", "1"]
@@ -139,8 +140,7 @@ def test_devices_splits_the_pair_on_two_host_devices(tmp_path):
     """`--devices 2` in a process with two CPU devices: both models split (models.shard), and the
     verify's bitwise check and the draft row hold on the mesh (the loop on a mesh: test_shard)."""
     import subprocess
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO)
+    env = host_devices_env(2, PYTHONPATH=REPO)
     out = str(tmp_path / "o")
     r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "speculative_bench.py"), "--target", "tiny",
                         "--runs", "forward", "--k-values", "3", "--dtype", "float32",
