@@ -3,8 +3,8 @@
 default pair's layout, bad input (one line, exit status 2, no traceback unless --debug), the compile
 cache flags; plus the tokenizer helpers.
 
-Compiled programs go to a persistent compilation cache (--compile-cache) shared with
-tests/test_notebook.py (same tiny shapes), so only the first run of a session compiles.
+Compiled programs go to the test run's compilation cache (--compile-cache; made by conftest.py and
+shared with tests/test_notebook.py, same tiny shapes), so a program compiles once per run.
 """
 import json
 import os

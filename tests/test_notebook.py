@@ -1,8 +1,8 @@
 """Execute docs/notebooks/quickstart.ipynb on CPU (nbclient, the python3 kernel of this
 interpreter) so it never rots: with the packaged default pair when it is installed, and with the
-tiny random pair its first cell writes otherwise. It shares the persistent compilation cache of
-tests/test_cli.py (JAX's own cache setting, which jaxspec's default cache keeps), so
-after that file ran the tiny pair mostly reuses compiled programs."""
+tiny random pair its first cell writes otherwise. It uses the test run's compilation cache
+(conftest.py; JAX's own cache setting, which jaxspec's default cache keeps), as tests/test_cli.py
+does, so the tiny pair reuses what that file compiled earlier in the same run."""
 import os
 
 import pytest
