@@ -2,6 +2,7 @@
 
     python benchmarks/serve_bench.py --target 12b --assistant 12b --clients 1,4,8,16 --k-values 1,4 --out DIR
     python benchmarks/serve_bench.py --target default --clients 1,4,8 --k-values 1,4 [--http] --out DIR
+    python benchmarks/serve_bench.py --target 12b --http --clients 32 --k-values 1 --sampling uniform,mixed --out DIR
 
 Each of N closed-loop clients sends its requests one after another (the next when the previous has
 finished), all starting at once; the server's scheduling core (`jaxspec.batching.BatchEngine` with
@@ -14,10 +15,14 @@ request's tokens after its first over the time since its first), the engine's K 
 exactness probe) and the speculative speedup against K = 1 at the same N.
 Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
 the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
-`--http` (default pair) adds, per configuration, the same clients through the HTTP server
-(`jaxspec.server` on a local port, streamed completions read with http.client): the engine row then
-uses the server's own engine (its cache size, budget and the tokenizer's stop ids), so the two rows
-differ only by HTTP, JSON and the server's worker thread.
+`--http` adds, per configuration, the same clients through the HTTP server (`jaxspec.server` behind
+its guard on a local port, streamed completions read with http.client): the engine row then uses
+the server's own engine (its cache size, budget and the tokenizer's stop ids), so the two rows
+differ only by HTTP, JSON and the server's worker thread. A preset has no tokenizer: its text is
+the ids written out (`IdTokenizer`, no stop ids).
+`--sampling`: greedy (T = 0), uniform (every request T = 0.8, top_p 0.95) or mixed (request i gets
+one of 16 distinct (temperature, top_p) settings and its own seed): mixed against uniform is what
+sharing one batch across settings costs.
 Writes DIR/serve.json and DIR/serve.md.
 """
 from __future__ import annotations
@@ -38,7 +43,9 @@ from harness import environment, environment_line, random_pair, write_report  # 
 
 import models  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
+from jaxspec import sampling  # noqa: E402
 from jaxspec.batching import BatchEngine  # noqa: E402
+from jaxspec.serve_guard import Guard  # noqa: E402
 from jaxspec.tokenizer import load_tokenizer  # noqa: E402
 from pallas_kernels import DispatchConfig  # noqa: E402
 
@@ -64,16 +71,44 @@ def load(args, matmul):
     return t, a, prompts, f"preset {args.target}, random 4-bit weights, {args.prompt_len // 2}-{args.prompt_len}-token prompts"
 
 
-def serve(engine: BatchEngine, prompts, clients: int, per_client: int, max_tokens: int) -> dict:
+class IdTokenizer:
+    """A stand-in tokenizer for presets (random weights have no vocabulary): text is the ids
+    written out, no stop ids. What `jaxspec.server` needs of one."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {int(i)}" for i in ids)
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) for t in text.split()]
+
+
+MIXED = [(round(0.5 + 0.05 * i, 2), (None, 0.9, 0.95, 0.8)[i % 4]) for i in range(16)]
+
+
+def setting(kind: str, i: int) -> dict:
+    """Request i's sampling fields for --sampling `kind`."""
+    if kind == "greedy":
+        return dict(temperature=0.0)
+    t, p = (0.8, 0.95) if kind == "uniform" else MIXED[i % len(MIXED)]
+    return dict(temperature=t, top_p=p, seed=1000 + i)
+
+
+def serve(engine: BatchEngine, prompts, clients: int, per_client: int, max_tokens: int, kind: str = "greedy") -> dict:
     """Closed-loop clients against the engine; the timings of every request."""
     todo = {c: [prompts[(c * per_client + i) % len(prompts)] for i in range(per_client)] for c in range(clients)}
     queue = [(c, time.perf_counter()) for c in range(clients)]  # (client, arrival)
     owner, first, tokens, done = {}, {}, {}, []
     t0 = time.perf_counter()
+    sent = 0
     while queue or engine.live:
         while queue and engine.free:
             c, arrived = queue.pop(0)
-            slot = engine.admit(todo[c].pop(0), max_tokens, seed=0)
+            kw = setting(kind, sent)
+            sent += 1
+            params = sampling.SamplingParams(temperature=kw["temperature"], top_p=kw.get("top_p"))
+            slot = engine.admit(todo[c].pop(0), max_tokens, seed=kw.get("seed", 0), params=params)
             owner[slot] = (c, arrived)
             tokens[slot] = 0
         for ev in engine.step():
@@ -90,7 +125,7 @@ def serve(engine: BatchEngine, prompts, clients: int, per_client: int, max_token
     return _summary(done, time.perf_counter() - t0)
 
 
-def serve_http(url: str, prompts, clients: int, per_client: int, max_tokens: int) -> dict:
+def serve_http(url: str, prompts, clients: int, per_client: int, max_tokens: int, kind: str = "greedy") -> dict:
     """The same closed loop through the HTTP server: each client a thread streaming
     /v1/completions (greedy, token-id prompts) with the standard library's http.client; TTFT is
     the first chunk that carries text, the token count the final chunk's usage."""
@@ -106,7 +141,7 @@ def serve_http(url: str, prompts, clients: int, per_client: int, max_tokens: int
         conn = http.client.HTTPConnection(host.hostname, host.port, timeout=600)
         for i in range(per_client):
             body = json.dumps(dict(prompt=prompts[(c * per_client + i) % len(prompts)], max_tokens=max_tokens,
-                                   temperature=0, stream=True))
+                                   stream=True, **setting(kind, c * per_client + i)))
             t0 = time.perf_counter()
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -150,13 +185,13 @@ def _summary(done: list[dict], wall: float) -> dict:
                 stream_tokens_per_s=statistics.median(d["stream_tps"] for d in done))
 
 
-def _http_run(server, warm_prompts, prompts, clients: int, args) -> dict:
+def _http_run(server, warm_prompts, prompts, clients: int, args, kind: str) -> dict:
     """serve_http against `server` on a local port (one request per prefill width first: the
     engine compiled them already, this warms the HTTP path)."""
     http = _Http(server)
     try:
-        serve_http(http.url, list(warm_prompts), 1, len(warm_prompts), 2)
-        return serve_http(http.url, prompts, clients, args.requests_per_client, args.max_tokens)
+        serve_http(http.url, list(warm_prompts), 1, len(warm_prompts), 2, kind)
+        return serve_http(http.url, prompts, clients, args.requests_per_client, args.max_tokens, kind)
     finally:
         http.close()
 
@@ -174,7 +209,8 @@ class _Http:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.srv = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+        app = Guard(server.app(), api_key=None, max_body_bytes=1 << 20, bound_host="127.0.0.1")  # as `serve`
+        self.srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.srv.run, daemon=True)
         self.thread.start()
         while not self.srv.started:
@@ -203,19 +239,23 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--http", action="store_true",
-                    help="--target default only: each configuration also through `jaxspec serve`'s HTTP app "
-                         "(streamed completions), the engine rows then with the server's engine and stop ids")
+                    help="each configuration also through `jaxspec serve`'s HTTP app (streamed completions), the "
+                         "engine rows then with the server's engine and stop ids")
+    ap.add_argument("--sampling", type=lambda s: s.split(","), default=["greedy"],
+                    help="comma-separated: greedy, uniform (T 0.8, top_p 0.95), mixed (16 distinct settings)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.http and args.target != "default":
-        raise SystemExit("--http needs --target default (the server needs the pair's tokenizer)")
+    bad = set(args.sampling) - {"greedy", "uniform", "mixed"}
+    if bad:
+        raise SystemExit(f"--sampling: unknown {sorted(bad)} (greedy, uniform, mixed)")
     os.makedirs(args.out, exist_ok=True)
     backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
     matmul = DispatchConfig.from_env(backend=backend)
     if args.assistant is None and args.target != "default":
         args.assistant = args.target
     target, assistant, prompts, what = load(args, matmul)
-    tokenizer = load_tokenizer(os.path.join(dp.default_pair_path(), "target")) if args.http else None
+    tokenizer = (load_tokenizer(os.path.join(dp.default_pair_path(), "target")) if args.target == "default"
+                 else IdTokenizer())
     if args.http:
         from jaxspec.server import Server
     rows = []
@@ -224,44 +264,54 @@ def main(argv=None) -> None:
             slots = min(n, args.max_slots)
             if args.http:  # the server's own engine (its capacity, budget and stop ids) for both rows
                 server = Server(target, assistant if k > 1 else None, tokenizer, model_name="bench", block_size=k,
-                                rounds_per_chunk=args.rounds_per_step, max_batch=slots)
-                engine = server.engine((0.0, None, None))
+                                rounds_per_chunk=args.rounds_per_step, max_batch=slots, max_queue=1 << 20)
+                engine = server.engine
             else:
                 engine = BatchEngine(target, assistant if k > 1 else None, slots=slots,
                                      max_new_tokens=args.max_tokens, capacity=args.capacity, block_size=k,
                                      eos_token_ids=(), rounds_per_step=args.rounds_per_step)
             widths = {-(-len(p) // 16): p for p in prompts}  # one prompt per prefill width
-            for p in widths.values():  # compile: each prompt width's prefill, the round
+            if set(args.sampling) != {"greedy"}:
+                engine.warm_up()  # every step program (greedy alone needs only the first)
+            for p in widths.values():  # compile: each prompt width's prefill
                 engine.admit(p, 2, seed=0)
                 while engine.live:
                     engine.step()
-            runs = [("engine", lambda: serve(engine, prompts, n, args.requests_per_client, args.max_tokens))]
-            if args.http:
-                runs.append(("http", lambda: _http_run(server, widths.values(), prompts, n, args)))
-            for mode, run in runs:
-                r = run()
-                rows.append(dict(mode=mode, k_asked=k, k=engine.block_size, fallback=engine.fallback, clients=n,
-                                 slots=slots, **r))
-                print(f"{mode} K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} tok/s, "
-                      f"TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} tok/s",
-                      flush=True)
-    base = {(r["mode"], r["clients"]): r["tokens_per_s"] for r in rows if r["k_asked"] == 1}
-    one = {(r["mode"], r["k_asked"]): r["tokens_per_s"] for r in rows if r["clients"] == 1}
+            for kind in args.sampling:
+                runs = [("engine", lambda: serve(engine, prompts, n, args.requests_per_client, args.max_tokens, kind))]
+                if args.http:
+                    runs.append(("http", lambda: _http_run(server, widths.values(), prompts, n, args, kind)))
+                for mode, run in runs:
+                    steps = list(engine.steps)
+                    r = run()
+                    used = [b - a for a, b in zip(steps, engine.steps)]
+                    rows.append(dict(mode=mode, sampling=kind, k_asked=k, k=engine.block_size, fallback=engine.fallback,
+                                     clients=n, slots=slots, steps_per_program=used, **r))
+                    print(f"{mode} {kind} K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} "
+                          f"tok/s, TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} tok/s, "
+                          f"steps per program {used}", flush=True)
+    base = {(r["mode"], r["sampling"], r["clients"]): r["tokens_per_s"] for r in rows if r["k_asked"] == 1}
+    one = {(r["mode"], r["sampling"], r["k_asked"]): r["tokens_per_s"] for r in rows if r["clients"] == 1}
+    uniform = {(r["mode"], r["k_asked"], r["clients"]): r["tokens_per_s"] for r in rows if r["sampling"] == "uniform"}
     lines = [f"# serve_bench — {what}", "", environment_line(args.commit), "",
              f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each; slots = min(clients, "
              f"{args.max_slots}); {args.capacity} cache positions per slot; {args.rounds_per_step} round(s) per step.",
              "",
-             "| path | K asked | K run | clients | slots | tok/s (all) | x one client | TTFT median ms | TTFT p90 ms | "
-             "per-stream tok/s | speculative / classic |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| path | sampling | K asked | K run | clients | slots | tok/s (all) | x one client | / uniform | "
+             "TTFT median ms | TTFT p90 ms | per-stream tok/s | speculative / classic | steps per program |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        b, o = base.get((r["mode"], r["clients"])), one.get((r["mode"], r["k_asked"]))
+        b = base.get((r["mode"], r["sampling"], r["clients"]))
+        o = one.get((r["mode"], r["sampling"], r["k_asked"]))
+        u = uniform.get((r["mode"], r["k_asked"], r["clients"]))
         spec = f"{r['tokens_per_s'] / b:.2f}" if r["k_asked"] > 1 and b else ""
         scale = f"{r['tokens_per_s'] / o:.2f}" if o else ""
-        lines.append(f"| {r['mode']} | {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | "
-                     f"{r['tokens_per_s']:.1f} | "
-                     f"{scale} | {r['ttft_median_s'] * 1e3:.0f} | "
-                     f"{r['ttft_p90_s'] * 1e3:.0f} | {r['stream_tokens_per_s']:.1f} | {spec} |")
+        vs = f"{r['tokens_per_s'] / u:.2f}" if u and r["sampling"] == "mixed" else ""
+        lines.append(f"| {r['mode']} | {r['sampling']} | {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | "
+                     f"{r['tokens_per_s']:.1f} | {scale} | {vs} | {r['ttft_median_s'] * 1e3:.0f} | "
+                     f"{r['ttft_p90_s'] * 1e3:.0f} | {r['stream_tokens_per_s']:.1f} | {spec} | "
+                     f"{r['steps_per_program']} |")
     write_report(args.out, "serve", dict(environment(args.commit), what=what, args=vars(args)), rows, lines)
     print("\n".join(lines))
 

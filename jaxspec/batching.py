@@ -22,8 +22,15 @@ Rows never see each other: each keeps its own cache, lengths and budget, and the
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
 gives it alone (tests/test_batching.py checks it against generate, request by request). Each slot
 draws its random numbers from its own key (`sampling.uniform`), so a sampled request with a seed is
-also what generate gives it alone with that seed. The sampling setting (temperature, top_k, top_p)
-is one per engine, static like every LoopSpec's.
+also what generate gives it alone with that seed.
+
+Each request brings its own sampling (temperature, top_k, top_p, logit_bias, logprobs): they are
+rows of the state (`sampling.RowParams`), not part of a program. The engine compiles a short ladder
+of programs over one state layout (`MODES`: greedy only; sampling; sampling with top-k/top-p and
+log-probabilities) and each step runs the cheapest one that covers every live request, so a batch
+of greedy requests pays for no distribution and a new setting never compiles. A row computes the
+same whichever program runs it (a greedy row is an argmax either way; a sampled row's filter with
+top_k and top_p off keeps every token), so its output does not depend on its batch mates.
 """
 from __future__ import annotations
 
@@ -35,15 +42,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import loop, sampling
-from .generate import (BUDGET_BUCKET, PROMPT_BUCKET, _default_stop_ids, _is_int, _round_up, effective_block_size,
-                       make_generate, stop_array)
+from .generate import (BUDGET_BUCKET, PROMPT_BUCKET, _check_logprobs, _default_stop_ids, _is_int, _round_up,
+                       effective_block_size, make_generate, stop_array)
+
+# The programs an engine may run, cheapest first; the last covers every request (the state's layout).
+MODES = (sampling.SamplingMode(), sampling.SamplingMode(sample=True, bias=True), sampling.FULL_MODE)
 
 
 @dataclasses.dataclass
 class SlotEvent:
     """What one step did to a live slot: `tokens` committed since the last step (the first step
     after admission includes the prefill's token), `done` when the request finished (budget or a
-    stop token; the slot is free again). `drafted` / `accepted`: the request's totals so far."""
+    stop token; the slot is free again). `drafted` / `accepted`: the request's totals so far.
+    `logprobs`: for a request admitted with logprobs, one (logprob, [(id, logprob), ...]) per token."""
 
     slot: int
     tokens: list[int]
@@ -51,12 +62,14 @@ class SlotEvent:
     rounds: int
     drafted: int
     accepted: int
+    logprobs: list[tuple] | None = None
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.DecodeState:
     """`state` with row `slot` replaced by `one`'s only row (its cache, tokens, budget, counters,
-    key); the shared fields (stop ids, round count, histogram) stay the state's."""
+    key, sampling values, log-probabilities); the shared fields (stop ids, round count, histogram)
+    stay the state's."""
     def put(big, row, axis=0):
         return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
 
@@ -64,8 +77,9 @@ def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.Decode
     cache = c.replace(k=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.k, oc.k)),  # [(G,) B, L, H, D]
                       v=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.v, oc.v)),
                       lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos))
-    rows = {f: put(getattr(state, f), getattr(one, f)) for f in
-            ("bonus", "h_prev", "out", "n_out", "limit", "done", "row_rounds", "drafted", "accepted", "finite")}
+    rows = {f: jax.tree.map(put, getattr(state, f), getattr(one, f)) for f in
+            ("bonus", "h_prev", "out", "n_out", "limit", "done", "row_rounds", "drafted", "accepted", "finite",
+             "rows", "lp", "top_ids", "top_lp")}
     return state.replace(cache=cache, key=state.key.at[slot].set(one.key), **rows)
 
 
@@ -78,17 +92,20 @@ class BatchEngine:
     """`slots` requests decoding together (see the module docstring). `max_new_tokens`: the largest
     budget a request may ask; `capacity`: cache positions per slot (prompt + budget + K must fit;
     default: the target's context, capped at 8192 so the default cache stays small). `block_size`
-    is probed once at `slots` rows at T = 0 (`generate.effective_block_size`), as generate does."""
+    is probed once at `slots` rows at T = 0 (`generate.effective_block_size`), as generate does.
+    temperature / top_k / top_p: the sampling of a request admitted without its own. `modes`: the
+    program ladder (default MODES); only programs that a step needs are compiled (`warm_up`
+    compiles them all)."""
 
     def __init__(self, target, assistant=None, *, slots: int, max_new_tokens: int, capacity: int | None = None,
                  block_size: int = 4, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
-                 rounds_per_step: int = 1):
+                 rounds_per_step: int = 1, modes=MODES):
         for name, v in (("slots", slots), ("max_new_tokens", max_new_tokens), ("block_size", block_size),
                         ("rounds_per_step", rounds_per_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        sampling.validate_sampling(temperature, top_k, top_p)
+        self.default = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if block_size > 1 and assistant is None:
             block_size = 1
         context = target.config.max_position_embeddings
@@ -99,25 +116,35 @@ class BatchEngine:
                              f"{max_new_tokens + block_size + 1}, got {capacity!r}")
         self.target, self.slots, self.capacity = target, slots, capacity
         self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
-        k, self.fallback, _ = effective_block_size(target, assistant, slots, block_size, temperature, None,
+        # Greedy rows are exact only if the K-wide verify is: probed at T = 0 whatever the default.
+        k, self.fallback, _ = effective_block_size(target, assistant, slots, block_size, 0.0, None,
                                                    exactness_probe)
         self.block_size = k
         self.drafter = assistant if k > 1 else None
-        self.gen = make_generate(block_size=k, max_new_tokens=_round_up(max_new_tokens, BUDGET_BUCKET),
-                                 temperature=float(temperature), top_k=top_k, top_p=top_p, cache_size=capacity)
+        self.modes = tuple(modes)
+        budget = _round_up(max_new_tokens, BUDGET_BUCKET)
+        self.gens = [make_generate(block_size=k, max_new_tokens=budget, cache_size=capacity, mode=m)
+                     for m in self.modes]
+        self.gen = self.gens[-1]  # the layout of the state, and every admission's prefill
+        if not self.gen.spec.sampling.covers(self.default):
+            raise ValueError(f"the engine's modes cannot run its default sampling {self.default}")
         eos = _default_stop_ids(target) if eos_token_ids is None else tuple(eos_token_ids)
         self.eos = tuple(int(t) for t in eos)
         self.stop_ids = stop_array(self.eos)
         self.seeds = np.random.default_rng(sampling.validate_seed(seed))  # for requests without a seed
         keys = jax.random.split(sampling.seed_key(seed), slots)  # per-row keys; each admission sets its own
-        blank = loop.blank_state(self.gen.spec, target, slots, PROMPT_BUCKET, self.stop_ids, keys)
+        blank = loop.blank_state(self.gen.spec, target, slots, PROMPT_BUCKET, self.stop_ids, keys,
+                                 self.gen.rows(slots))
         self.state = jax.tree.map(jnp.copy, blank)  # its zero fields share one buffer: steps donate each
-        self.decode = self.gen.compiled_rounds(target, self.drafter, self.state, rounds_per_step)
+        self.window = rounds_per_step * k + 1  # tokens a row gains per step, at most (+ the prefill's)
+        self._decode: dict[int, object] = {}  # mode index -> compiled rounds
         self.seen = [0] * slots
-        self.fresh: dict[int, tuple[int, bool]] = {}  # slot -> (the prefill's token, done), not reported yet
+        self.fresh: dict[int, tuple] = {}  # slot -> (the prefill's token, done, its logprobs), not reported yet
         self.owner: list[object | None] = [None] * slots
+        self.need: list[sampling.SamplingMode | None] = [None] * slots  # what each live request needs
         self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
         self.admissions = 0
+        self.steps = [0] * len(self.modes)  # steps run per program (what mixing costs)
         self.pending = None  # (snapshot, tickets) of the last dispatched step, not read yet
 
     @property
@@ -125,21 +152,38 @@ class BatchEngine:
         """Slots holding a request (not yet reported finished)."""
         return sum(o is not None for o in self.owner)
 
-
     @property
     def free(self) -> int:
         return self.slots - self.live
+
+    def decode(self, mode_index: int):
+        """The compiled step of `modes[mode_index]` (compiled on first use)."""
+        if mode_index not in self._decode:
+            self._decode[mode_index] = self.gens[mode_index].compiled_rounds(
+                self.target, self.drafter, self.state, self.rounds_per_step)
+        return self._decode[mode_index]
+
+    def warm_up(self) -> None:
+        """Compile every program the engine may run (each step's ladder and the prefill of a
+        PROMPT_BUCKET-token prompt), so no request waits for a compile."""
+        for i in range(len(self.modes)):
+            self.decode(i)
+        prompt, lengths, key, limit, stop, rows = self.gen.inputs([[0]], max_new_tokens=1, eos_token_ids=self.eos)
+        self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop, rows)
 
     def fits(self, n_prompt: int, max_new_tokens: int) -> bool:
         """Whether a request of this prompt length and budget fits a slot's cache and the budget."""
         return (1 <= max_new_tokens <= self.max_new_tokens
                 and n_prompt + max_new_tokens - 1 + self.gen.spec.width(self.slots, self.target.matmul) <= self.capacity)
 
-    def admit(self, prompt_ids, max_new_tokens: int, seed: int | None = None, owner: object = True) -> int:
+    def admit(self, prompt_ids, max_new_tokens: int, seed: int | None = None, owner: object = True,
+              params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:
         """Prefill one request into a free slot and return the slot. `seed`: its sampling seed
-        (None: one drawn from the engine's seed). ValueError (before any compute) for bad ids, a
-        budget or prompt that does not fit, a bad seed or no free slot; after the prefill for
-        non-finite logits (`loop.check_prefill`, the slot stays free)."""
+        (None: one drawn from the engine's seed); `params`: its sampling (None: the engine's
+        default); `logprobs`: None or the alternatives per token its events carry (0..20).
+        ValueError (before any compute) for bad ids, a budget or prompt that does not fit, a bad
+        seed, sampling or bias or no free slot; after the prefill for non-finite logits
+        (`loop.check_prefill`, the slot stays free)."""
         ids = [int(t) for t in prompt_ids] if _int_list(prompt_ids) else None
         vocab = self.target.config.vocab_size
         if not ids or min(ids) < 0 or max(ids) >= vocab:
@@ -148,21 +192,39 @@ class BatchEngine:
                 not self.fits(len(ids), max_new_tokens):
             raise ValueError(f"a {len(ids)}-token prompt with max_new_tokens={max_new_tokens!r} does not fit this "
                              f"engine (budget 1..{self.max_new_tokens}, {self.capacity} cache positions per slot)")
+        params = self.default if params is None else params
+        if not isinstance(params, sampling.SamplingParams):
+            raise ValueError(f"params must be a sampling.SamplingParams, got {type(params).__name__}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        need = params.mode(_check_logprobs(logprobs))
+        if not self.modes[-1].covers(need):
+            raise ValueError(f"no program of this engine runs {params} with logprobs={logprobs}")
         if not self.free:
             raise ValueError(f"all {self.slots} slots are taken")
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
-        prompt, lengths, key, limit, stop = self.gen.inputs([ids], max_new_tokens=max_new_tokens,
-                                                            eos_token_ids=self.eos, seed=seed)
-        one = self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop)()
+        inputs = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos, seed=seed,
+                                 params=params)
+        one = self.gen.compiled_prefill(self.target, *inputs)()
         loop.check_prefill(one)  # waits for the prefill: reading its token as well costs no extra wait
-        first, done = jax.device_get((one.bonus[0], one.done[0]))
+        first, done, lps = jax.device_get((one.bonus[0], one.done[0],
+                                           None if logprobs is None else (one.lp[0, 0], one.top_ids[0, 0],
+                                                                          one.top_lp[0, 0])))
         self.state = _insert(self.state, one, jnp.int32(slot))
         self.admissions += 1
         self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
-        self.fresh[slot] = (int(first), bool(done))
+        self.need[slot] = need
+        first_lp = None if lps is None else [(float(lps[0]), list(zip(lps[1][:logprobs].tolist(),
+                                                                      lps[2][:logprobs].tolist())))]
+        self.fresh[slot] = (int(first), bool(done), first_lp)
         return slot
+
+    def _mode_index(self) -> int:
+        """The cheapest program that covers every live request."""
+        needs = [n for n, o in zip(self.need, self.owner) if o is not None]
+        return next(i for i, m in enumerate(self.modes) if all(m.covers(n) for n in needs))
 
     def step(self) -> list[SlotEvent]:
         """Dispatch `rounds_per_step` rounds for every slot, then report the previous step's: each
@@ -174,33 +236,42 @@ class BatchEngine:
         or cancelled after a step was dispatched is left out of that step's report."""
         nxt = None
         if self.live:
-            self.state = self.decode(self.state)
-            nxt = (loop.snapshot(self.state), list(self.ticket))
+            i = self._mode_index()
+            self.state = self.decode(i)(self.state)
+            self.steps[i] += 1
+            nxt = (loop.snapshot(self.state, self.window), list(self.ticket))
         report, self.pending = self.pending, nxt
         events = []
-        for slot, (first, done) in self.fresh.items():  # a request's first token, as soon as it exists
-            events.append(SlotEvent(slot=slot, tokens=[first], done=done, rounds=0, drafted=0, accepted=0))
+        for slot, (first, done, first_lp) in self.fresh.items():  # a request's first token, as soon as it exists
+            events.append(SlotEvent(slot=slot, tokens=[first], done=done, rounds=0, drafted=0, accepted=0,
+                                    logprobs=first_lp))
             if done:  # its first token ended it (a stop id or a budget of 1)
                 self.owner[slot] = None
         self.fresh.clear()
         if report is None:
             return events
         snap, tickets = report
-        n_out, done, row_rounds, drafted, accepted, out = loop.unpack_snapshot(snap)
+        got = loop.Snapshot.of(snap)
         for slot, owner in enumerate(self.owner):
             if owner is None or tickets[slot] != self.ticket[slot]:
                 continue
-            n = int(n_out[slot])
-            events.append(SlotEvent(slot=slot, tokens=out[slot, self.seen[slot]:n].tolist(), done=bool(done[slot]),
-                                    rounds=int(row_rounds[slot]), drafted=int(drafted[slot]),
-                                    accepted=int(accepted[slot])))
+            n, seen = int(got.n_out[slot]), self.seen[slot]
+            lps = None
+            if self.need[slot].logprobs >= 0:
+                top = self.need[slot].logprobs
+                lps = [(lp, alts[:top]) for lp, alts in got.logprobs(slot, seen, n)]
+            events.append(SlotEvent(slot=slot, tokens=got.tokens(slot, seen, n), done=bool(got.done[slot]),
+                                    rounds=int(got.row_rounds[slot]), drafted=int(got.drafted[slot]),
+                                    accepted=int(got.accepted[slot]), logprobs=lps))
             self.seen[slot] = n
-            if done[slot]:
+            if got.done[slot]:
                 self.owner[slot] = None
         return events
 
     def cancel(self, slot: int) -> None:
         """Stop the request in `slot` now and free the slot (its row goes inactive)."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
         if self.owner[slot] is not None:
             self.state = _retire(self.state, jnp.int32(slot))
             self.owner[slot] = None

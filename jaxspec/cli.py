@@ -24,6 +24,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -462,9 +463,12 @@ def cmd_serve(args) -> int:
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise UsageError(f"jaxspec serve needs {' and '.join(missing)}: pip install 'jaxspec[serve]'")
+    _check_serve_flags(args)  # before importing the server (JAX) or loading anything: found in a second
     from . import server
     from .tokenizer import TokenizerError, load_tokenizer
 
+    origins = tuple(args.allow_origin or ())
+    api_key = args.api_key or None  # "" (e.g. JAXSPEC_API_KEY= ) means no key
     model_dir, assistant_dir = _resolve_dirs(args)
     _parse_configs(model_dir, assistant_dir)
     try:
@@ -475,14 +479,59 @@ def cmd_serve(args) -> int:
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
-                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk)
+                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue)
     if not args.no_warmup:
         _note("compiling the first programs (a new shape compiles on its first request) ...", end="")
         _note(f" {srv.warm_up():.1f} s")
+    guard = ("API key required" if api_key else "no API key") + (
+        f", CORS for {', '.join(origins)}" if origins else "")  # never the key itself
     server.serve(srv, args.host, args.port,
                  announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
-                                        "(OpenAI-compatible: /v1/completions, /v1/chat/completions)"))
+                                        f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; {guard})"),
+                 api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes)
     return EXIT_OK
+
+
+# "*" or scheme://host[:port] (a browser's Origin header: no path, no trailing slash)
+_ORIGIN = re.compile(r"^(\*|[a-zA-Z][a-zA-Z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^\s/:?#\[\]@]+)(:\d{1,5})?)$")
+
+
+# The serve flags' ranges: (flag, attribute, lowest, highest)
+_SERVE_RANGES = (("--port", "port", 1, 65535), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30),
+                 ("--max-queue", "max_queue", 1, 100_000), ("--rounds-per-chunk", "rounds_per_chunk", 1, 64))
+
+
+def _check_serve_flags(args) -> None:
+    """UsageError (one line) for a serve flag out of range, a malformed --allow-origin, or an
+    address that cannot be listened on. Checked here rather than by argparse, whose errors print
+    the whole usage."""
+    for flag, attr, lo, hi in _SERVE_RANGES:
+        v = getattr(args, attr)
+        if not lo <= v <= hi:
+            raise UsageError(f"{flag} {v}: expected an integer in {lo}..{hi}")
+    for o in args.allow_origin or ():
+        if not _ORIGIN.match(o):
+            raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port], "
+                             "e.g. http://localhost:3000")
+    _check_listen(args.host, args.port)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """UsageError unless (host, port) resolves and can be bound now (not in use, an address of
+    this machine); the socket is closed again at once."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {host!r} does not resolve: {_one_line(e)}") from None
+    family, kind, proto, _, addr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
+            s.bind(addr)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or _one_line(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,16 +631,29 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the model directory's "
                                                        "name, or jaxspec-default-pair)")
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=_positive_int, default=8000)
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; on a loopback address only requests naming "
+                        "localhost in their Host header are served)")
+    v.add_argument("--port", type=int, default=8000, help="TCP port, 1..65535 (default 8000)")
+    v.add_argument("--api-key", metavar="KEY", default=os.environ.get("JAXSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/... (default: $JAXSPEC_API_KEY, else no key; "
+                        "an empty KEY means none); the environment variable keeps it out of the process list")
+    v.add_argument("--allow-origin", metavar="ORIGIN", action="append",
+                   help="let web pages of ORIGIN (scheme://host[:port], or '*' for any) call the server; "
+                        "repeatable (default: no cross-origin requests)")
+    v.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="largest request body, 1024..1 GiB (default 1048576 = 1 MiB); larger is HTTP 413")
+    v.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests waiting beyond the running batch, 1..100000 (default 64); more get HTTP 429")
     v.add_argument("--block-size", type=_positive_int, default=4, metavar="K",
                    help="verify width K (default 4; 1 decodes classically)")
     v.add_argument("--max-batch", type=_positive_int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window)")
-    v.add_argument("--rounds-per-chunk", type=_positive_int, default=4, metavar="R",
-                   help="decode rounds between two reads of the new tokens and two admissions (default 4; 1 suits "
-                        "a large model: on the H200 the 12B streams 6%% faster with half the time to first token)")
+    v.add_argument("--rounds-per-chunk", type=int, default=4, metavar="R",
+                   help="decode rounds between two reads of the new tokens and two admissions, 1..64 (default 4; "
+                        "1 suits a large model: on the H200 the 12B streams 6%% faster with half the time to first "
+                        "token)")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")

@@ -58,6 +58,9 @@ class GenerationStats:
 class GenerationResult:
     tokens: list[list[int]]        # one list per prompt row, cut after the first EOS/stop (inclusive)
     stats: GenerationStats
+    # with `logprobs=N`: per row, per token (its log-probability under the target's logits, the N
+    # most likely [(id, log-probability)], most likely first); else None
+    logprobs: list[list[tuple]] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,6 +68,23 @@ class GenerationResult:
 
 
 _PREFILL = jax.jit(loop.prefill, static_argnums=0)  # shared by every Generator (keyed by PrefillSpec)
+
+
+@functools.lru_cache(maxsize=None)
+def _jits(spec: loop.LoopSpec):
+    """The jitted whole run, decode loop and fixed-round decode of one spec (shared by the
+    Generators of that spec, whatever their default sampling values)."""
+    def generate(t, a, *xs):  # the program names JAX logs (compile_cache.CompileLog)
+        return loop.run(spec, t, a, *xs)
+
+    def decode(t, a, s, n):
+        return loop.decode(spec, t, a, s, n)
+
+    def decode_rounds(t, a, s, rounds):
+        return loop.decode_rounds(spec, t, a, s, rounds)
+
+    return (jax.jit(generate), jax.jit(decode, donate_argnums=(2,)),
+            jax.jit(decode_rounds, static_argnums=(3,), donate_argnums=(2,)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -77,11 +97,14 @@ def _round_budget(n: int) -> jax.Array:
 class Generator:
     """The compiled generation for one static setting (see `make_generate`).
 
-    `gen(target, assistant, prompt, lengths, key, limit=None, stop_ids=None) -> DecodeState` runs
-    prefill and the whole decode in one jit (assistant None when block_size == 1):
+    `gen(target, assistant, prompt, lengths, key, limit=None, stop_ids=None, rows=None) -> DecodeState`
+    runs prefill and the whole decode in one jit (assistant None when block_size == 1):
       prompt int32 [B, P] right-padded (any pad id); lengths int32 [B] true lengths (>= 1);
       key a jax PRNG key; limit int32 [B] per-row budgets in 1..max_new_tokens (default: all
-      max_new_tokens); stop_ids int32 [S] EOS/stop ids padded with -1 (default: none).
+      max_new_tokens); stop_ids int32 [S] EOS/stop ids padded with -1 (default: none); rows the
+      per-row sampling values (`sampling.row_params`; default: `defaults` for every row).
+    The program depends on the spec's `SamplingMode` only, so any temperature / top_k / top_p
+    (and bias) its mode covers runs without compiling.
     `gen.inputs(prompt_ids, ...)` builds those arrays from Python lists; `gen.tokens(state)` cuts
     the output rows.
 
@@ -93,37 +116,36 @@ class Generator:
     `compiled_rounds` instead: exactly R rounds per call, which on a GPU returns once queued.
     """
 
-    def __init__(self, spec: loop.LoopSpec):
-        self.spec = spec
+    def __init__(self, spec: loop.LoopSpec, defaults: sampling.SamplingParams = sampling.SamplingParams()):
+        self.spec, self.defaults = spec, defaults
         compile_cache.ensure_default()
+        self._run, self._decode, self._decode_rounds = _jits(spec)
 
-        def generate(t, a, *xs):  # the program names JAX logs (compile_cache.CompileLog)
-            return loop.run(spec, t, a, *xs)
-
-        def decode(t, a, s, n):
-            return loop.decode(spec, t, a, s, n)
-
-        def decode_rounds(t, a, s, rounds):
-            return loop.decode_rounds(spec, t, a, s, rounds)
-
-        self._run = jax.jit(generate)
-        self._decode = jax.jit(decode, donate_argnums=(2,))
-        self._decode_rounds = jax.jit(decode_rounds, static_argnums=(3,), donate_argnums=(2,))
-
-    def __call__(self, target, assistant, prompt, lengths, key, limit=None, stop_ids=None):
+    def __call__(self, target, assistant, prompt, lengths, key, limit=None, stop_ids=None, rows=None):
         b = prompt.shape[0]
         if limit is None:
             limit = jnp.full((b,), self.spec.max_new_tokens, jnp.int32)
         if stop_ids is None:
             stop_ids = stop_array(())
-        return self._run(target, assistant, prompt, lengths, key, limit, stop_ids)
+        if rows is None:
+            rows = self.rows(b)
+        return self._run(target, assistant, prompt, lengths, key, limit, stop_ids, rows)
+
+    def rows(self, batch: int, params=None) -> sampling.RowParams:
+        """Per-row sampling values: `params` one SamplingParams for every row, a list of one per
+        row, or None (this Generator's defaults). ValueError when the spec's mode does not cover one."""
+        params = self.defaults if params is None else params
+        params = [params] * batch if isinstance(params, sampling.SamplingParams) else list(params)
+        if len(params) != batch:
+            raise ValueError(f"{len(params)} sampling settings for {batch} rows")
+        return sampling.row_params(params, self.spec.sampling)
 
     def prefill_spec(self, target, prompt) -> loop.PrefillSpec:
         return self.spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
 
-    def prefill_program(self, target, prompt, lengths, key, limit, stop_ids) -> programs.Program:
+    def prefill_program(self, target, prompt, lengths, key, limit, stop_ids, rows) -> programs.Program:
         spec = self.prefill_spec(target, prompt)
-        args = (target, prompt, lengths, key, limit, stop_ids)
+        args = (target, prompt, lengths, key, limit, stop_ids, rows)
         return programs.Program("prefill", spec, args, lambda: _PREFILL.lower(spec, *args))
 
     def decode_program(self, target, assistant, state) -> programs.Program:
@@ -137,19 +159,19 @@ class Generator:
         return programs.Program("decode_rounds", (self.spec, rounds), args,
                                 lambda: self._decode_rounds.lower(*args, rounds))
 
-    def all_programs(self, target, assistant, prompt, lengths, key, limit, stop_ids,
+    def all_programs(self, target, assistant, prompt, lengths, key, limit, stop_ids, rows,
                      rounds_per_chunk: int | None = None) -> list[programs.Program]:
         """The decode program and the prefill's, for `programs.compile_all` (longest first): the
         decode loop, or with `rounds_per_chunk` the fixed-round program streaming runs."""
-        state = loop.state_shapes(self.spec, target, prompt, limit, stop_ids, key)
+        state = loop.state_shapes(self.spec, target, prompt, limit, stop_ids, key, rows)
         decode = (self.decode_program(target, assistant, state) if rounds_per_chunk is None
                   else self.rounds_program(target, assistant, state, rounds_per_chunk))
-        return [decode, self.prefill_program(target, prompt, lengths, key, limit, stop_ids)]
+        return [decode, self.prefill_program(target, prompt, lengths, key, limit, stop_ids, rows)]
 
-    def compiled_prefill(self, target, prompt, lengths, key, limit, stop_ids) -> Callable[[], loop.DecodeState]:
+    def compiled_prefill(self, target, prompt, lengths, key, limit, stop_ids, rows) -> Callable[[], loop.DecodeState]:
         """`() -> state`: the prefill of these inputs, compiled now (cached per shapes), run when
         called; the state comes in decode's shapes (`loop.start`)."""
-        args = (target, prompt, lengths, key, limit, stop_ids)
+        args = (target, prompt, lengths, key, limit, stop_ids, rows)
         pre = programs.compiled(self.prefill_program(*args))
         return lambda: loop.start(self.spec, pre(*args))
 
@@ -160,8 +182,8 @@ class Generator:
         dec = programs.compiled(self.decode_program(target, assistant, state))
         return lambda s, max_rounds: dec(target, drafter, s, _round_budget(int(max_rounds)))
 
-    def prefill(self, target, prompt, lengths, key, limit, stop_ids) -> loop.DecodeState:
-        return self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids)()
+    def prefill(self, target, prompt, lengths, key, limit, stop_ids, rows) -> loop.DecodeState:
+        return self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids, rows)()
 
     def compiled_rounds(self, target, assistant, state, rounds: int) -> Callable[[loop.DecodeState], loop.DecodeState]:
         """`state -> state`: exactly `rounds` more rounds (`loop.decode_rounds`: no early exit, so on
@@ -175,10 +197,10 @@ class Generator:
         n = self.spec.max_new_tokens if max_rounds is None else max_rounds
         return self.compiled_decode(target, assistant, state)(state, n)
 
-    def run(self, target, assistant, prompt, lengths, key, limit, stop_ids):
+    def run(self, target, assistant, prompt, lengths, key, limit, stop_ids, rows):
         """-> (state, prefill seconds, decode seconds), compilation excluded. ValueError after the
         prefill when its logits were not finite (`loop.check_prefill`)."""
-        pre = self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids)
+        pre = self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids, rows)
         t0 = time.perf_counter()
         state = jax.block_until_ready(pre())
         t1 = time.perf_counter()
@@ -194,11 +216,13 @@ class Generator:
         return programs.compiled(self.decode_program(target, assistant, state)).as_text()
 
     def inputs(self, prompt_ids, *, max_new_tokens=None, eos_token_ids=(), stop_token_ids=(), seed=0,
-               prompt_width=None):
-        """(prompt, lengths, key, limit, stop_ids) arrays for `gen(target, assistant, *inputs)`.
-        seed: an integer in [0, 2**64) (`sampling.seed_key`; ValueError otherwise)."""
+               prompt_width=None, params=None):
+        """(prompt, lengths, key, limit, stop_ids, rows) arrays for `gen(target, assistant, *inputs)`.
+        seed: an integer in [0, 2**64) (`sampling.seed_key`; ValueError otherwise). params: the
+        rows' sampling (see `rows`)."""
         sampling.validate_seed(seed)
         rows = _as_batch(prompt_ids)
+        row_params = self.rows(len(rows), params)
         n = self.spec.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if not 1 <= n <= self.spec.max_new_tokens:
             raise ValueError(f"max_new_tokens={n} must be in 1..{self.spec.max_new_tokens} for this Generator")
@@ -209,7 +233,7 @@ class Generator:
             prompt[i, :len(r)] = r
         return (jnp.asarray(prompt), jnp.asarray([len(r) for r in rows], jnp.int32),
                 sampling.seed_key(seed), jnp.full((len(rows),), n, jnp.int32),
-                stop_array((*eos_token_ids, *stop_token_ids)))
+                stop_array((*eos_token_ids, *stop_token_ids)), row_params)
 
     @staticmethod
     def tokens(state) -> list[list[int]]:
@@ -236,10 +260,14 @@ _GENERATORS: dict = {}
 
 def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, verify_pad=None,
-                  draft: str = "sample", cache_size: int | None = None) -> Generator:
+                  draft: str = "sample", cache_size: int | None = None, logit_bias=(),
+                  logprobs: int | None = None, mode: sampling.SamplingMode | None = None) -> Generator:
     """The jitted generation function for one static setting (cached: equal arguments return the
     same Generator). block_size=1 is classic decoding (no assistant). max_new_tokens is the output
     buffer and the largest per-row budget; smaller budgets and EOS/stop ids are runtime inputs.
+    temperature / top_k / top_p / logit_bias are the default per-row sampling values; what the
+    program can do is `mode` (default: the least those values and `logprobs` need), so Generators
+    that differ only in the values share their compiled programs.
     verify_pad: None (the target's `matmul.verify_pad`, read when the Generator runs), a bool or a
     width. cache_size: KV positions per row (None: prompt width + max_new_tokens + verify width).
     See Generator for the call signature."""
@@ -249,14 +277,26 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     sampling.validate_sampling(temperature, top_k, top_p, draft)
     params = sampling.SamplingParams(temperature=float(temperature), top_k=None if top_k is None else int(top_k),
-                                     top_p=None if top_p is None else float(top_p), draft=draft)
-    spec = loop.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=params,
+                                     top_p=None if top_p is None else float(top_p), draft=draft,
+                                     logit_bias=logit_bias)
+    if mode is None:
+        mode = params.mode(_check_logprobs(logprobs))
+    elif not mode.covers(params):
+        raise ValueError(f"mode {mode} does not cover the sampling values {params}")
+    spec = loop.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=mode,
                       verify_pad=None if verify_pad is None else verify.resolve_verify_pad(verify_pad, None),
                       cache_size=cache_size)
-    gen = _GENERATORS.get(spec)
+    gen = _GENERATORS.get((spec, params))
     if gen is None:
-        gen = _GENERATORS[spec] = Generator(spec)
+        gen = _GENERATORS[(spec, params)] = Generator(spec, params)
     return gen
+
+
+def _check_logprobs(logprobs) -> int | None:
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= sampling.TOP_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an integer in [0, {sampling.TOP_LOGPROBS}] (alternatives per "
+                         f"token), got {logprobs!r}")
+    return logprobs
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +358,8 @@ def _default_stop_ids(target) -> tuple[int, ...]:
 
 
 def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temperature, top_k, top_p,
-                    eos_token_ids, stop_token_ids, verify_pad, draft, cache_size, seed):
+                    eos_token_ids, stop_token_ids, verify_pad, draft, cache_size, seed, logit_bias=(),
+                    logprobs=None):
     """Every check that can fail, on the host, before anything is compiled or run. Returns
     (resolved verify_pad, stop ids, capacity, padded prompt width)."""
     if not hasattr(target, "config") or not hasattr(target.config, "vocab_size"):
@@ -330,6 +371,10 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     sampling.validate_seed(seed)
     sampling.validate_sampling(temperature, top_k, top_p, draft)
+    _check_logprobs(logprobs)
+    for t, _ in sampling.validate_bias(logit_bias):
+        if t >= vocab:
+            raise ValueError(f"logit_bias has token id {t} outside the vocabulary [0, {vocab})")
     for i, row in enumerate(rows):
         lo, hi = min(row), max(row)
         if lo < 0 or hi >= vocab:
@@ -387,17 +432,23 @@ class Plan:
 
     gen: Generator
     drafter: Any
-    inputs: tuple                       # (prompt, lengths, key, limit, stop_ids)
+    inputs: tuple                       # (prompt, lengths, key, limit, stop_ids, rows)
     batch: int
     verify_width: int
     fallback: str | None
     probe_logit_diff: float | None
 
     def result(self, state, prefill_s: float, decode_s: float) -> GenerationResult:
-        out, n_out, rounds, row_rounds, drafted, accepted, hist = jax.device_get(
-            (state.out, state.n_out, state.rounds, state.row_rounds, state.drafted, state.accepted, state.hist))
+        out, n_out, rounds, row_rounds, drafted, accepted, hist, lps = jax.device_get(
+            (state.out, state.n_out, state.rounds, state.row_rounds, state.drafted, state.accepted, state.hist,
+             (state.lp, state.top_ids, state.top_lp)))
         batch, spec = self.batch, self.gen.spec
         tokens = [out[b, :n_out[b]].tolist() for b in range(batch)]
+        logprobs = None
+        if lps[0] is not None:
+            lp, top_ids, top_lp = lps
+            logprobs = [[(float(lp[b, i]), list(zip(top_ids[b, i].tolist(), top_lp[b, i].tolist())))
+                         for i in range(n_out[b])] for b in range(batch)]
         new_tokens = int(n_out.sum())
         row_r = int(row_rounds.sum())
         drafted, accepted = int(drafted.sum()), int(accepted.sum())
@@ -412,14 +463,15 @@ class Plan:
             prefill_s=prefill_s, decode_s=decode_s,
             decode_tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("inf"),
             fallback=self.fallback, probe_logit_diff=self.probe_logit_diff)
-        return GenerationResult(tokens=tokens, stats=stats)
+        return GenerationResult(tokens=tokens, stats=stats, logprobs=logprobs)
 
 
 def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
          temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
          eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
          verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-         exactness_probe: bool = True, rounds_per_chunk: int | None = None) -> Plan:
+         exactness_probe: bool = True, rounds_per_chunk: int | None = None, logit_bias=(),
+         logprobs: int | None = None) -> Plan:
     """`generate`'s arguments -> a Plan: every input check (on the host, before anything is
     compiled), then every program the call needs compiled at once (`programs.compile_all`), the
     exactness probe (T = 0), the Generator and its input arrays. `rounds_per_chunk`: streaming's
@@ -431,13 +483,14 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
         target, assistant, rows, max_new_tokens=max_new_tokens, block_size=block_size,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_ids=eos_token_ids,
         stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft,
-        cache_size=cache_size, seed=seed)
+        cache_size=cache_size, seed=seed, logit_bias=logit_bias, logprobs=logprobs)
     batch = len(rows)
     budget = _round_up(int(max_new_tokens), BUDGET_BUCKET)
 
     def generator(k):
         gen = make_generate(block_size=k, max_new_tokens=budget, temperature=float(temperature), top_k=top_k,
-                            top_p=top_p, verify_pad=pad, draft=draft, cache_size=capacity)
+                            top_p=top_p, verify_pad=pad, draft=draft, cache_size=capacity, logit_bias=logit_bias,
+                            logprobs=logprobs)
         return gen, gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop, seed=seed,
                                prompt_width=prompt_width)
 
@@ -460,7 +513,7 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
              verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-             exactness_probe: bool = True) -> GenerationResult:
+             exactness_probe: bool = True, logit_bias=(), logprobs: int | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
     `assistant` is given (block_size K: K-1 drafts + one K-wide verify per round), classically
     otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
@@ -474,11 +527,15 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
     cache_size: KV positions per row (None: just enough).
     exactness_probe: at T = 0, check once per shape that a K-wide verify is bit-identical to K
     single steps and fall back to classic decoding with a warning when it is not.
+    logit_bias: {token id: value in [-100, 100]} added to the logits (greedy too), at most 300.
+    logprobs: None, or N in 0..20: the result's `logprobs` holds each token's log-probability under
+    the target's logits (log_softmax, before bias and temperature) and the N most likely tokens'.
+    A new temperature / top_k / top_p / bias value compiles nothing: they are runtime inputs.
     """
     p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
              stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,
-             exactness_probe=exactness_probe)
+             exactness_probe=exactness_probe, logit_bias=logit_bias, logprobs=logprobs)
     state, prefill_s, decode_s = p.gen.run(target, p.drafter, *p.inputs)
     return p.result(state, prefill_s, decode_s)
 

@@ -21,6 +21,7 @@ reads nothing back, so a call returns as soon as it is queued.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -52,7 +53,7 @@ class PrefillSpec:
     """Everything static about a prefill; independent of the block size, so classic and
     speculative runs of one shape share one compiled prefill."""
 
-    sampling: sampling.SamplingParams
+    sampling: sampling.SamplingMode
     max_new_tokens: int
     capacity: int
     out_width: int
@@ -66,7 +67,7 @@ class LoopSpec:
 
     block_size: int                 # K; 1 means classic decoding
     max_new_tokens: int             # N >= 1: output buffer size, the largest budget
-    sampling: sampling.SamplingParams
+    sampling: sampling.SamplingMode  # what rows may ask (the values are per-row inputs: RowParams)
     verify_pad: Any = None          # None (the target's matmul.verify_pad), a bool (True: the
                                     # qmm threshold) or an int width; see verify.verify_width
     cache_size: int | None = None   # None: prompt width + N - 1 + verify width, rounded up
@@ -115,6 +116,10 @@ class DecodeState:
     hist: jax.Array         # int32 [K]: active row-rounds by accepted count a (empty from prefill,
                             # sized by `start`)
     finite: jax.Array       # bool [B]: the row's prefill logits were all finite (`check_prefill`)
+    rows: sampling.RowParams  # each row's temperature, top_k, top_p, logit bias
+    lp: Any = None          # float32 [B, W] when the mode has logprobs: out's log-probabilities
+    top_ids: Any = None     # int32 [B, W, N]: the N most likely tokens at each output position
+    top_lp: Any = None      # float32 [B, W, N]: their log-probabilities
 
 
 def _cache_dtype(target):
@@ -129,9 +134,10 @@ def _stop_mask(tokens, stop_ids):
 
 
 def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, key: jax.Array,
-            limit: jax.Array, stop_ids: jax.Array) -> DecodeState:
+            limit: jax.Array, stop_ids: jax.Array, rows: sampling.RowParams) -> DecodeState:
     """Right-padded prompts [B, P] (any pad id) with true lengths [B] (>= 1), per-row budgets
-    limit [B] (1..N) and stop ids [S] (pad with -1) -> the state after the first token.
+    limit [B] (1..N), stop ids [S] (pad with -1) and sampling values -> the state after the first
+    token.
     The pad positions are passed as not `valid`: hidden, and not written to a sliding ring (which
     keeps each row's own newest positions); on full buffers they lie past the row's length."""
     b, p = prompt.shape
@@ -145,14 +151,28 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)  # one reduction; the host reads it once
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     key, k_first = sampling.split(key, 2)
-    first = sampling.sample(k_first, logits[:, 0], spec.sampling)
-    return _first_state(spec, cache, first, hidden[jnp.arange(b), last], limit, stop_ids, key, finite)
+    first = sampling.choose(k_first, logits[:, 0], rows, spec.sampling)
+    lps = None
+    if spec.sampling.logprobs >= 0:
+        lps = sampling.token_logprobs(logits, first[:, None], spec.sampling.logprobs)
+    return _first_state(spec, cache, first, hidden[jnp.arange(b), last], limit, stop_ids, key, finite, rows, lps)
 
 
-def _first_state(spec: PrefillSpec, cache, first, h_last, limit, stop_ids, key, finite) -> DecodeState:
-    """The state after the prompt: its first token emitted, no round run yet."""
+def _first_state(spec: PrefillSpec, cache, first, h_last, limit, stop_ids, key, finite, rows,
+                 lps=None) -> DecodeState:
+    """The state after the prompt: its first token emitted, no round run yet. `lps`: the first
+    token's (logprob [B, 1], top ids [B, 1, N], top logprobs [B, 1, N]) when the mode has logprobs."""
     b = first.shape[0]
     out = jnp.zeros((b, spec.out_width), jnp.int32).at[:, 0].set(first)
+    lp = top_ids = top_lp = None
+    n_top = spec.sampling.logprobs
+    if n_top >= 0:
+        if lps is None:
+            lps = (jnp.zeros((b, 1), jnp.float32), jnp.zeros((b, 1, n_top), jnp.int32),
+                   jnp.zeros((b, 1, n_top), jnp.float32))
+        lp = jnp.zeros((b, spec.out_width), jnp.float32).at[:, :1].set(lps[0])
+        top_ids = jnp.zeros((b, spec.out_width, n_top), jnp.int32).at[:, :1].set(lps[1])
+        top_lp = jnp.zeros((b, spec.out_width, n_top), jnp.float32).at[:, :1].set(lps[2])
     limit = jnp.clip(limit.astype(jnp.int32), 1, spec.max_new_tokens)
     stop_ids = stop_ids.astype(jnp.int32)
     done = _stop_mask(first[:, None], stop_ids)[:, 0] | (limit <= 1)
@@ -160,29 +180,30 @@ def _first_state(spec: PrefillSpec, cache, first, h_last, limit, stop_ids, key, 
     return DecodeState(cache=cache, bonus=first, h_prev=h_last, out=out,
                        n_out=jnp.ones((b,), jnp.int32), limit=limit, stop_ids=stop_ids, done=done, key=key,
                        rounds=jnp.zeros((), jnp.int32), row_rounds=zeros, drafted=zeros,
-                       accepted=zeros, hist=jnp.zeros((0,), jnp.int32), finite=finite)
+                       accepted=zeros, hist=jnp.zeros((0,), jnp.int32), finite=finite, rows=rows, lp=lp,
+                       top_ids=top_ids, top_lp=top_lp)
 
 
-def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key) -> DecodeState:
+def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key, rows) -> DecodeState:
     """The shapes (ShapeDtypeStructs) of `start(spec, prefill(...))` for these inputs, found
     without tracing the model: decode's program can be looked up, or compiled, before the prefill
     has run."""
     b, p = prompt.shape
-    return jax.eval_shape(lambda *xs: _blank(spec, target, b, p, *xs), limit, stop_ids, key)
+    return jax.eval_shape(lambda *xs: _blank(spec, target, b, p, *xs), limit, stop_ids, key, rows)
 
 
-def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key) -> DecodeState:
+def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key, rows) -> DecodeState:
     """A decode state (decode's shapes, as `start(spec, prefill(...))` of `[batch, prompt_width]`
     prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.batching`)."""
-    return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key)
+    return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key, rows)
 
 
-def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key) -> DecodeState:
+def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key, rows) -> DecodeState:
     pspec = spec.prefill_spec(p, b, target.matmul)
     cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
     h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
     first = jnp.zeros((b,), jnp.int32)
-    return start(spec, _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool)))
+    return start(spec, _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool), rows))
 
 
 def _draft(spec, assistant, target, state, key):
@@ -190,17 +211,17 @@ def _draft(spec, assistant, target, state, key):
     k = spec.block_size
     position = state.cache.lengths + DRAFT_POSITION_OFFSET
     cache = state.cache
-    params = spec.sampling
+    mode = spec.sampling
 
     def step(carry, step_key):
         tok, h = carry
         logits, h_next = models.draft_step(assistant, target, cache, tok, h, position)
-        d, q = sampling.draft_choice(step_key, logits, params)
+        d, q = sampling.draft_choice(step_key, logits, state.rows, mode)
         return (d, h_next.astype(h.dtype)), (d if q is None else (d, q))
 
-    keys = None if params.greedy else sampling.split(key, k - 1)  # greedy: no RNG work at all
+    keys = None if mode.greedy else sampling.split(key, k - 1)  # greedy: no RNG work at all
     _, ys = jax.lax.scan(step, (state.bonus, state.h_prev), keys, length=k - 1, unroll=DRAFT_UNROLL)
-    if params.greedy:
+    if mode.greedy:
         return jnp.swapaxes(ys, 0, 1), None
     d, q = ys
     return jnp.swapaxes(d, 0, 1), jnp.swapaxes(q, 0, 1)
@@ -209,8 +230,8 @@ def _draft(spec, assistant, target, state, key):
 def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> DecodeState:
     k = spec.block_size
     b = state.bonus.shape[0]
-    params = spec.sampling
-    if params.greedy:
+    mode = spec.sampling
+    if mode.greedy:
         key = k_draft = k_accept = state.key
     else:
         key, k_draft, k_accept = sampling.split(state.key, 3)
@@ -222,13 +243,7 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
         drafts, q = jnp.zeros((b, 0), jnp.int32), None
         tokens = state.bonus[:, None]
     logits, hidden, cache = verify.verify_forward(target, tokens, state.cache, spec.width(b, target.matmul))
-    if params.greedy:
-        n_acc, emitted = sampling.greedy_accept(drafts, logits)
-    else:
-        p = sampling.probs_from_logits(logits, params)
-        if q is None:
-            q = jnp.zeros((b, 0, p.shape[-1]), jnp.float32)
-        n_acc, emitted = sampling.speculative_accept(k_accept, drafts, q, p)
+    n_acc, emitted = sampling.accept(k_accept, drafts, q, logits, state.rows, mode)
 
     active = ~state.done
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
@@ -237,8 +252,15 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
     hit = jnp.any(stop, axis=1)
     count = jnp.where(hit, jnp.argmax(stop, axis=1).astype(jnp.int32) + 1, count)
 
-    new_out = jax.vmap(lambda o, e, s: jax.lax.dynamic_update_slice(o, e, (s,)))(state.out, emitted, state.n_out)
-    out = jnp.where(active[:, None], new_out, state.out)
+    def write(buf, block):  # block [B, K, ...] into buf [B, W, ...] at each active row's n_out
+        new = jax.vmap(lambda o, e, s: jax.lax.dynamic_update_slice_in_dim(o, e, s, 0))(buf, block, state.n_out)
+        return jnp.where(active.reshape((b,) + (1,) * (buf.ndim - 1)), new, buf)
+
+    out = write(state.out, emitted)
+    lps = dict(lp=state.lp, top_ids=state.top_ids, top_lp=state.top_lp)  # a cheaper program leaves them
+    if mode.logprobs >= 0:
+        lp, top_ids, top_lp = sampling.token_logprobs(logits, emitted, mode.logprobs)
+        lps = dict(lp=write(state.lp, lp), top_ids=write(state.top_ids, top_ids), top_lp=write(state.top_lp, top_lp))
     n_out = state.n_out + jnp.where(active, count, 0)
     done = state.done | (active & (hit | (n_out >= state.limit)))
     rows = jnp.arange(b)
@@ -255,7 +277,7 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
         rounds=state.rounds + jnp.any(active).astype(jnp.int32), row_rounds=state.row_rounds + act,
         drafted=state.drafted + act * (k - 1), accepted=state.accepted + act * n_acc,
         hist=state.hist + jnp.sum(jax.nn.one_hot(n_acc, k, dtype=jnp.int32) * act[:, None], axis=0),
-        finite=state.finite)
+        finite=state.finite, rows=state.rows, **lps)
 
 
 def check_prefill(state: DecodeState) -> None:
@@ -306,21 +328,62 @@ def decode_rounds(spec: LoopSpec, target, assistant, state: DecodeState, rounds:
     return jax.lax.fori_loop(0, rounds, lambda _, s: decode_round(spec, target, assistant, s), state)
 
 
-@jax.jit
-def snapshot(state: DecodeState) -> jax.Array:
-    """What a host loop reads between calls, as one int32 [B, 5 + W] copy (one transfer back; a copy,
-    so the state itself can be donated to the next call while this is read): per row n_out, done,
-    row_rounds, drafted, accepted, then the output tokens. `unpack_snapshot` splits it."""
+@functools.partial(jax.jit, static_argnums=1)
+def snapshot(state: DecodeState, window: int) -> tuple:
+    """What a host loop reads between calls: a copy (so the state itself can be donated to the next
+    call while this is read) of each row's counters and its last `window` output positions before
+    n_out (a host loop that reads after every call of R rounds needs window >= R * K). Returns
+    (int32 [B, 6 + window]: n_out, done, row_rounds, drafted, accepted, the window's first position,
+    then its tokens; and with logprobs float32 [B, window, 1 + N] (the tokens' and the top N's
+    log-probabilities) and int32 [B, window, N] (the top N's ids), else None). `Snapshot.of`
+    reads it."""
+    window = min(window, state.out.shape[1])
+    begin = jnp.maximum(state.n_out - window, 0)
+
+    def cut(buf):
+        return jax.vmap(lambda o, s: jax.lax.dynamic_slice_in_dim(o, s, window, 0))(buf, begin)
+
     counts = jnp.stack([state.n_out, state.done.astype(jnp.int32), state.row_rounds, state.drafted,
-                        state.accepted], axis=1)
-    return jnp.concatenate([counts, state.out], axis=1)
+                        state.accepted, begin], axis=1)
+    ints = jnp.concatenate([counts, cut(state.out)], axis=1)
+    if state.lp is None:
+        return ints, None, None
+    return ints, jnp.concatenate([cut(state.lp)[..., None], cut(state.top_lp)], axis=2), cut(state.top_ids)
 
 
-def unpack_snapshot(snap) -> tuple[np.ndarray, ...]:
-    """(n_out, done, row_rounds, drafted, accepted, out) numpy arrays from `snapshot`'s (device or host) array."""
-    snap = np.asarray(jax.device_get(snap))
-    n_out, done, row_rounds, drafted, accepted = snap[:, :5].T
-    return n_out, done.astype(bool), row_rounds, drafted, accepted, snap[:, 5:]
+@dataclasses.dataclass
+class Snapshot:
+    """`snapshot`'s arrays on the host: per-row counters, and the output positions
+    begin[b] .. begin[b] + window (`tokens(b, lo, hi)` cuts absolute positions lo..hi out of it)."""
+
+    n_out: np.ndarray
+    done: np.ndarray
+    row_rounds: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    begin: np.ndarray
+    out: np.ndarray
+    lps: np.ndarray | None       # [B, window, 1 + N]
+    top_ids: np.ndarray | None   # [B, window, N]
+
+    @classmethod
+    def of(cls, snap) -> "Snapshot":
+        ints, lps, top_ids = jax.device_get(snap)
+        ints = np.asarray(ints)
+        n_out, done, row_rounds, drafted, accepted, begin = ints[:, :6].T
+        return cls(n_out, done.astype(bool), row_rounds, drafted, accepted, begin, ints[:, 6:], lps, top_ids)
+
+    def tokens(self, b: int, lo: int, hi: int) -> list[int]:
+        s = self.begin[b]
+        if lo < s:
+            raise ValueError(f"positions {lo}..{hi} of row {b} are no longer in the snapshot's window")
+        return self.out[b, lo - s:hi - s].tolist()
+
+    def logprobs(self, b: int, lo: int, hi: int) -> list[tuple]:
+        """[(logprob, [(top id, top logprob), ...]), ...] for positions lo..hi (needs logprobs)."""
+        s = self.begin[b]
+        return [(float(row[0]), list(zip(ids.tolist(), row[1:].tolist())))
+                for row, ids in zip(self.lps[b, lo - s:hi - s], self.top_ids[b, lo - s:hi - s])]
 
 
 def _check_decode(spec: LoopSpec, assistant, state: DecodeState) -> None:
@@ -333,8 +396,8 @@ def _check_decode(spec: LoopSpec, assistant, state: DecodeState) -> None:
         raise ValueError(f"hist has shape {state.hist.shape}, decode needs ({k},): pass the state through loop.start")
 
 
-def run(spec: LoopSpec, target, assistant, prompt, lengths, key, limit, stop_ids) -> DecodeState:
+def run(spec: LoopSpec, target, assistant, prompt, lengths, key, limit, stop_ids, rows) -> DecodeState:
     """Prefill and the whole decode (one traceable function)."""
     pspec = spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
-    state = start(spec, prefill(pspec, target, prompt, lengths, key, limit, stop_ids))
+    state = start(spec, prefill(pspec, target, prompt, lengths, key, limit, stop_ids, rows))
     return decode(spec, target, assistant, state, jnp.int32(spec.max_new_tokens))

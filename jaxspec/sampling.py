@@ -1,33 +1,45 @@
-"""Token selection: greedy, temperature / top-k / top-p sampling, and the lossless
-speculative accept/resample step.
+"""Token selection: greedy, temperature / top-k / top-p sampling, logit bias, log-probabilities,
+and the lossless speculative accept/resample step.
 
 Everything here is batched, vectorized and jit-friendly: no Python control flow depends on array
-values. Sampling parameters are static (a frozen, hashable `SamplingParams`), so one compiled
-function serves one setting.
+values. What a compiled program can do is static (`SamplingMode`: may rows sample, filter, carry
+a bias, report log-probabilities); the values are per-row runtime arrays (`RowParams`: one
+temperature, top_k, top_p and bias per row, temperature 0 = a greedy row). So one program serves
+every setting, and rows with different settings share a batch: a new temperature compiles nothing.
 
 The speculative step is modified rejection sampling (Leviathan et al. / Chen et al.): draft token
 `d` drawn from `q` is accepted with probability `min(1, p(d) / q(d))`; at the first rejection the
 token is resampled from `normalize(max(0, p - q))`; when every draft is accepted the bonus token is
 drawn from `p`. The emitted sequence then has exactly the target's distribution `p`. Argmax drafting
-is the special case `q = one_hot(argmax)`.
+is the special case `q = one_hot(argmax)`. Greedy rows walk the argmax (`greedy_accept`) in the same
+program: a row's choice between the two is a select, so a greedy row is exactly classic decoding.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 DRAFT_MODES = ("sample", "argmax")
 SEED_LIMIT = 1 << 64  # seeds are integers in [0, 2**64): the two 32-bit words of a threefry key
+# Below this a temperature is refused: logits / T overflows float32 (1e-45 made every row token 0).
+MIN_TEMPERATURE = 1e-3
+BIAS_LIMIT = 100.0   # |logit_bias| values, as OpenAI's API
+BIAS_SLOTS = 300     # logit_bias entries per row (OpenAI's limit); static width of RowParams.bias
+TOP_LOGPROBS = 20    # alternatives per position a logprobs program reports at most (OpenAI's limit)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. `temperature == 0` is greedy (argmax; top_k/top_p ignored).
 
+    logit_bias: (token id, value) pairs added to the logits before anything else (greedy rows too),
+    values in [-100, 100], at most BIAS_SLOTS of them.
     draft: "sample" draws draft tokens from the filtered draft distribution q (default, lossless,
     best acceptance); "argmax" drafts the draft model's argmax (q one-hot; also lossless).
     """
@@ -36,15 +48,93 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     draft: str = "sample"
+    logit_bias: tuple = ()
 
     def __post_init__(self):
         validate_sampling(self.temperature, self.top_k, self.top_p, self.draft)
         if self.top_k is not None:  # a numpy integer is accepted and kept as a Python int
             object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "logit_bias", validate_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def mode(self, logprobs: int | None = None) -> "SamplingMode":
+        """The least a program needs for these parameters (and `logprobs` alternatives, None: none)."""
+        return SamplingMode(sample=not self.greedy,
+                            filter=not self.greedy and (self.top_k is not None or self.top_p is not None),
+                            bias=bool(self.logit_bias), logprobs=-1 if logprobs is None else int(logprobs),
+                            draft=self.draft)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMode:
+    """What a compiled program can do; static (part of the loop's spec). Rows ask for less freely:
+    a greedy row in a `sample` program is exactly a greedy row in a greedy one.
+
+    sample: rows may have temperature > 0 (False: argmax only, no random numbers drawn).
+    filter: rows may use top_k / top_p (a sort of the vocabulary per distribution).
+    bias: rows may carry a logit_bias (BIAS_SLOTS entries per row).
+    logprobs: -1 none; N >= 0: the log-probability of every emitted token under the target's logits
+      (before bias and temperature) and the N most likely tokens with theirs.
+    """
+
+    sample: bool = False
+    filter: bool = False
+    bias: bool = False
+    logprobs: int = -1
+    draft: str = "sample"
+
+    def __post_init__(self):
+        if self.filter and not self.sample:
+            raise ValueError("SamplingMode: filter needs sample")
+        if not -1 <= self.logprobs <= TOP_LOGPROBS:
+            raise ValueError(f"SamplingMode: logprobs must be in -1..{TOP_LOGPROBS}, got {self.logprobs}")
+        if self.draft not in DRAFT_MODES:
+            raise ValueError(f"draft={self.draft!r}: expected one of {DRAFT_MODES}")
+
+    @property
+    def greedy(self) -> bool:
+        """Every row greedy: no distribution is ever computed."""
+        return not self.sample
+
+    def covers(self, need) -> bool:
+        """Whether this program runs what `need` (a SamplingMode, or SamplingParams) asks."""
+        need = need.mode() if isinstance(need, SamplingParams) else need
+        return ((self.sample or not need.sample) and (self.filter or not need.filter)
+                and (self.bias or not need.bias) and self.logprobs >= need.logprobs
+                and (self.draft == need.draft or not need.sample))
+
+
+FULL_MODE = SamplingMode(sample=True, filter=True, bias=True, logprobs=TOP_LOGPROBS)
+
+
+@struct.dataclass
+class RowParams:
+    """Per-row sampling values, runtime inputs of a program (`row_params` builds them)."""
+
+    temperature: jax.Array  # float32 [B]; 0: the row is greedy
+    top_k: jax.Array        # int32 [B]; 0: off
+    top_p: jax.Array        # float32 [B]; 1: off
+    bias_ids: jax.Array     # int32 [B, NB] (NB = BIAS_SLOTS when the mode has bias, else 0)
+    bias: jax.Array         # float32 [B, NB]; unused entries 0
+
+
+def row_params(params: Sequence[SamplingParams], mode: SamplingMode) -> RowParams:
+    """RowParams for one SamplingParams per row; ValueError when `mode` cannot run one of them."""
+    for i, p in enumerate(params):
+        if not mode.covers(p):
+            raise ValueError(f"row {i}'s sampling {p} needs a program with {p.mode()}, this one is {mode}")
+    b, nb = len(params), BIAS_SLOTS if mode.bias else 0
+    ids, vals = np.zeros((b, nb), np.int32), np.zeros((b, nb), np.float32)
+    for i, p in enumerate(params):
+        for j, (t, v) in enumerate(p.logit_bias):
+            ids[i, j], vals[i, j] = t, v
+    return RowParams(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                     top_k=jnp.asarray([p.top_k or 0 for p in params], jnp.int32),
+                     top_p=jnp.asarray([1.0 if p.top_p is None else p.top_p for p in params], jnp.float32),
+                     bias_ids=jnp.asarray(ids), bias=jnp.asarray(vals))
 
 
 def validate_sampling(temperature, top_k, top_p, draft="sample") -> None:
@@ -54,14 +144,39 @@ def validate_sampling(temperature, top_k, top_p, draft="sample") -> None:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
     if top_k is not None:
-        if not _is_int(top_k) or top_k < 1:
+        if not _is_int(top_k) or not 1 <= top_k < 2**31:
             raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if top_p is not None:
         if not _is_number(top_p) or not (0.0 < top_p <= 1.0):
             raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
     if draft not in DRAFT_MODES:
         raise ValueError(f"draft={draft!r}: expected one of {DRAFT_MODES}")
+
+
+def validate_bias(logit_bias) -> tuple:
+    """A logit bias (a mapping or (id, value) pairs) as a sorted tuple of (int id, float value);
+    ValueError for ids that are not integers >= 0, values outside [-100, 100] or too many entries."""
+    items = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
+    try:
+        items = list(items or ())
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(logit_bias).__name__}") from None
+    if len(items) > BIAS_SLOTS:
+        raise ValueError(f"logit_bias has {len(items)} entries, at most {BIAS_SLOTS} are allowed")
+    out = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"logit_bias entries must be (token id, value) pairs, got {item!r}")
+        t, v = item
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"logit_bias token ids must be integers >= 0, got {t!r}")
+        if not _is_number(v) or not math.isfinite(v) or abs(v) > BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {t}")
+        out[int(t)] = float(v)
+    return tuple(sorted(out.items()))
 
 
 def _is_int(x) -> bool:
@@ -119,46 +234,57 @@ def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------
-# Filtering: logits -> probabilities
+# Filtering: logits -> probabilities, row by row
 
 
-def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature-scaled logits (float32) with tokens outside top-k / top-p set to -inf.
+def _per_row(v: jax.Array, ndim: int) -> jax.Array:
+    """[B] -> [B, 1, ..., 1] with `ndim` axes (broadcasts against [B, ..., V])."""
+    return v.reshape(v.shape + (1,) * (ndim - 1))
+
+
+def biased(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
+    """The logits [B, ..., V] with each row's logit_bias added (float32 when the mode has a bias;
+    unchanged otherwise, so a greedy program's argmax sees the model's own logits)."""
+    if not mode.bias:
+        return logits
+    x = logits.astype(jnp.float32)
+    b, v = x.shape[0], x.shape[-1]
+    dense = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], rows.bias_ids].add(rows.bias)
+    return x + dense.reshape((b,) + (1,) * (x.ndim - 2) + (v,))
+
+
+def filter_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
+    """Temperature-scaled logits (float32) with tokens outside each row's top-k / top-p set to -inf.
+    A greedy row (temperature 0) is scaled by 1 (its distribution is computed, never used).
 
     top-k keeps every token whose scaled logit is >= the k-th largest (ties at the boundary are
-    kept). top-p (nucleus) keeps the smallest prefix of the descending-probability order whose mass
-    reaches top_p (the most likely token is always kept; ties at the boundary are kept). With both,
-    top-k is applied first and top-p renormalizes within it.
+    kept). top-p (nucleus) keeps the smallest prefix of the descending-probability order (within
+    top-k) whose mass reaches top_p (the most likely token is always kept; ties at the boundary are
+    kept). One descending sort of the vocabulary serves both; a program without `filter` skips it.
     """
-    if params.greedy:
-        raise ValueError("filter_logits is for temperature > 0; greedy decoding uses argmax")
-    x = logits.astype(jnp.float32) / jnp.float32(params.temperature)
-    vocab = x.shape[-1]
-    neg_inf = jnp.float32(-jnp.inf)
-    top_k = params.top_k if params.top_k is not None and params.top_k < vocab else None
-    top_p = params.top_p if params.top_p is not None and params.top_p < 1.0 else None
-    if top_k is None and top_p is None:
+    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
+    x = logits.astype(jnp.float32) / _per_row(t, logits.ndim)
+    if not mode.filter:
         return x
-    if top_k is not None:
-        # Descending values of the k best; their last one is the threshold.
-        sorted_desc = jax.lax.top_k(x, top_k)[0]
-        x = jnp.where(x >= sorted_desc[..., -1:], x, neg_inf)
-    else:
-        sorted_desc = -jnp.sort(-x, axis=-1)
-    if top_p is not None:
-        # Probabilities of the candidates in descending order (within top-k when set).
-        p_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
-        keep = mass_before < jnp.float32(top_p)  # a prefix; index 0 always kept
-        n_keep = jnp.sum(keep, axis=-1, keepdims=True)
-        threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-        x = jnp.where(x >= threshold, x, neg_inf)
-    return x
+    vocab, nd = x.shape[-1], x.ndim
+    neg_inf = jnp.float32(-jnp.inf)
+    s = -jnp.sort(-x, axis=-1)
+    k = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)
+    thr_k = jnp.take_along_axis(s, jnp.broadcast_to(_per_row(k - 1, nd), s.shape[:-1] + (1,)), axis=-1)
+    s = jnp.where(s >= thr_k, s, neg_inf)
+    p_sorted = jax.nn.softmax(s, axis=-1)
+    mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+    top_p = _per_row(rows.top_p, nd)
+    keep = (mass_before < top_p) | (top_p >= 1.0)  # a prefix; index 0 always kept
+    n_keep = jnp.sum(keep, axis=-1, keepdims=True)
+    thr_p = jnp.take_along_axis(s, n_keep - 1, axis=-1)
+    return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, neg_inf)
 
 
-def probs_from_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """The sampling distribution (float32, sums to 1 over the last axis) for temperature > 0."""
-    return jax.nn.softmax(filter_logits(logits, params), axis=-1)
+def probs_from_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
+    """The sampling distribution (float32, sums to 1 over the last axis) of each row's setting,
+    from (biased) logits [B, ..., V]."""
+    return jax.nn.softmax(filter_logits(logits, rows, mode), axis=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,13 +309,29 @@ def sample_from_probs(probs: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(idx, last_positive).astype(jnp.int32)
 
 
-def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """One token per row of `logits` [..., V]: argmax when greedy, else a sample from the filtered
-    distribution. Returns int32 [...]."""
-    if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    probs = probs_from_logits(logits, params)
-    return sample_from_probs(probs, uniform(key, probs.shape[:-1]))
+def choose(key: jax.Array, logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
+    """One token per row of `logits` [B, V]: argmax for a greedy row, else a sample from its
+    filtered distribution. Returns int32 [B]."""
+    x = biased(logits, rows, mode)
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if mode.greedy:
+        return greedy
+    probs = probs_from_logits(x, rows, mode)
+    return jnp.where(rows.temperature > 0, sample_from_probs(probs, uniform(key, probs.shape[:-1])), greedy)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int):
+    """log_softmax of the model's logits [B, K, V] (float32; no bias, no temperature) at `tokens`
+    [B, K], and the n_top most likely tokens per position: (logprob [B, K], top ids [B, K, n_top],
+    top logprobs [B, K, n_top])."""
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    lp = jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0] - lse
+    if n_top == 0:
+        shape = x.shape[:-1] + (0,)
+        return lp, jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+    vals, ids = jax.lax.top_k(x, n_top)
+    return lp, ids.astype(jnp.int32), vals - lse[..., None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,16 +411,33 @@ def speculative_accept(key, draft_tokens, q, p):
     return speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample)
 
 
-def draft_choice(key, draft_logits: jax.Array, params: SamplingParams):
-    """A draft token and the distribution q it was drawn from (the one the accept step must use).
+def accept(key, draft_tokens, q, logits, rows: RowParams, mode: SamplingMode):
+    """One verified block, each row by its own setting: (n_accepted [B], emitted [B, K]). A greedy
+    row walks the argmax of its (biased) logits (`greedy_accept`), a sampled row is modified
+    rejection sampling against its filtered p (`speculative_accept`); a select picks per row."""
+    x = biased(logits, rows, mode)
+    n_greedy, e_greedy = greedy_accept(draft_tokens, x)
+    if mode.greedy:
+        return n_greedy, e_greedy
+    b, k, v = x.shape
+    p = probs_from_logits(x, rows, mode)
+    if q is None:
+        q = jnp.zeros((b, 0, v), jnp.float32)
+    n_s, e_s = speculative_accept(key, draft_tokens, q, p)
+    g = rows.temperature == 0
+    return jnp.where(g, n_greedy, n_s), jnp.where(g[:, None], e_greedy, e_s)
 
-    draft_logits: [B, V]. Greedy: argmax, q unused (returned as None). Sampling with draft="sample":
-    a sample from the filtered q; draft="argmax": the argmax with q = one_hot(argmax).
-    """
-    if params.greedy:
-        return jnp.argmax(draft_logits, axis=-1).astype(jnp.int32), None
-    if params.draft == "argmax":
-        tok = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
-        return tok, jax.nn.one_hot(tok, draft_logits.shape[-1], dtype=jnp.float32)
-    q = probs_from_logits(draft_logits, params)
-    return sample_from_probs(q, uniform(key, q.shape[:-1])), q
+
+def draft_choice(key, draft_logits: jax.Array, rows: RowParams, mode: SamplingMode):
+    """A draft token per row and the distribution q it was drawn from (the one the accept step must
+    use). draft_logits: [B, V]. Greedy rows (and draft="argmax"): the argmax of the biased logits;
+    sampled rows: a sample from the filtered q (draft="argmax": q = one_hot(argmax)). q is None in
+    a greedy program; a greedy row's q is computed and never used."""
+    x = biased(draft_logits, rows, mode)
+    top = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if mode.greedy:
+        return top, None
+    if mode.draft == "argmax":
+        return top, jax.nn.one_hot(top, x.shape[-1], dtype=jnp.float32)
+    q = probs_from_logits(x, rows, mode)
+    return jnp.where(rows.temperature > 0, sample_from_probs(q, uniform(key, q.shape[:-1])), top), q

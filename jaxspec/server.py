@@ -5,41 +5,48 @@
 
 Requests decode together, continuously batched (`jaxspec.batching.BatchEngine`): one worker thread
 admits waiting requests into free slots between rounds (in arrival order), runs a round for every
-live slot, and retires finished ones. Requests batch when their sampling settings (temperature,
-top_k, top_p) are equal; others wait until the running batch drains. A request whose prompt and
-budget do not fit a slot runs alone (`streaming.stream_generate`) when no batch is running. Either
-way its output is exactly what `jaxspec generate` gives it (greedy: the CLI's text; sampled: the
-same for the same seed). Between rounds the worker reads the tokens, stops at a stop string, and
-drops a request whose client went away. Bad requests get OpenAI's error JSON with a 4xx status
-before anything runs. Responses carry `usage` and a `jaxspec` object (mode, K, acceptance, tokens
-per round, batch slots).
+live slot, and retires finished ones. Every sampling setting shares the batch: temperature, top_p,
+top_k, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
+nothing. A request whose prompt and budget do not fit a slot runs alone
+(`streaming.stream_generate`) once the batch has drained. Either way its output is exactly what
+`jaxspec generate` gives it (greedy: the CLI's text; sampled: the same for the same seed). Between
+rounds the worker reads the tokens, stops at a stop string, and drops a request whose client went
+away (streaming or not). Bad requests get OpenAI's error JSON with a 4xx status before anything
+runs; a field the server does not implement is a 400 naming it, never ignored. Responses carry
+`usage` and a `jaxspec` object (mode, K, acceptance, tokens per round, batch slots). In front of
+the app, `serve_guard.Guard` checks the API key, Host, CORS, content type and body size.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import json
+import math
 import random
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import sampling, streaming
+from . import compile_cache, sampling, streaming
 from .batching import BatchEngine
+from .serve_guard import Guard
 from .generate import BUDGET_BUCKET
 from .tokenizer import IncrementalDecoder, TokenizerError
 
 BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests run alone)
+DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
@@ -48,18 +55,16 @@ class ApiError(Exception):
 
 @dataclass
 class Job:
-    """One request, validated: the prompt ids and the generation arguments; `emit` (set when it is
-    submitted) sends its events to the request's handler."""
+    """One request, validated: the prompt ids, its budget, stop strings and sampling; `emit` (set
+    when it is submitted) sends its events to the request's handler."""
     ids: list[int]
     max_tokens: int
     stop: list[str]
-    kw: dict
+    params: sampling.SamplingParams
+    seed: int
+    logprobs: int | None = None  # alternatives per token to report, or None: no logprobs
     cancelled: threading.Event = field(default_factory=threading.Event)
     emit: object = None
-
-    @property
-    def params(self) -> tuple:
-        return self.kw["temperature"], self.kw["top_k"], self.kw["top_p"]
 
 
 def _fail(job: Job, e: Exception) -> None:
@@ -73,43 +78,92 @@ def _fail(job: Job, e: Exception) -> None:
 
 class _Text:
     """A job's tokens -> text events: incremental decoding, stop strings (text that may still become
-    one is held back), the finish reason; `push` returns True once the job has ended."""
+    one is held back), the finish reason, and the tokens' logprob entries (sent with the text that
+    holds them; those past a stop string are dropped); `push` returns True once the job has ended.
+    Events: ("text", piece, entries) and ("end", reason, n tokens, stats, entries)."""
 
     def __init__(self, tok, job: Job):
         self.tok, self.job = tok, job
         self.dec, self.text, self.held, self.n, self.reason = IncrementalDecoder(tok), "", 0, 0, "length"
         self.keep = max((len(s) for s in job.stop), default=1) - 1
+        self.entries: list[tuple] = []  # (token id, text end offset, logprob, alternatives), not sent yet
 
-    def push(self, new: list[int], done: bool, stats=None) -> bool:
+    def push(self, new: list[int], done: bool, stats=None, lps=None) -> bool:
         emit = self.job.emit
         self.n += len(new)
         if new and new[-1] in self.tok.eos_token_ids:
             self.reason = "stop"
-        self.text += self.dec.push(new) + (self.dec.flush() if done else "")
+        if lps is None:
+            self.text += self.dec.push(new) + (self.dec.flush() if done else "")
+        else:  # token by token, to know where each token's text ends
+            for i, (t, (lp, alts)) in enumerate(zip(new, lps)):
+                self.text += self.dec.push([t]) + (self.dec.flush() if done and i == len(new) - 1 else "")
+                self.entries.append((t, len(self.text), lp, alts))
         cut = min((i for i in (self.text.find(s) for s in self.job.stop) if i >= 0), default=-1)
         if cut >= 0:
-            emit(("text", self.text[self.held:cut]))
-            emit(("end", "stop", self.n, stats))
+            emit(("text", self.text[self.held:cut], self._take(cut, inclusive=True)))
+            emit(("end", "stop", self.n, stats, []))
             return True
         safe = len(self.text) if done else max(self.held, len(self.text) - self.keep)
         if safe > self.held:
-            emit(("text", self.text[self.held:safe]))
+            emit(("text", self.text[self.held:safe], self._take(safe)))
             self.held = safe
         if done:
-            emit(("end", self.reason, self.n, stats))
+            emit(("end", self.reason, self.n, stats, self._take(len(self.text))))
         return done
+
+    def _take(self, upto: int, inclusive: bool = False) -> list[tuple]:
+        """The pending entries of tokens whose text ends by `upto` (at a stop string's start: also the
+        token that text is cut in)."""
+        n = 0
+        while n < len(self.entries) and self.entries[n][1] <= upto:
+            n += 1
+        if inclusive and n < len(self.entries) and (n == 0 or self.entries[n - 1][1] < upto):
+            n += 1
+        taken, self.entries = self.entries[:n], self.entries[n:]
+        if inclusive:
+            self.entries = []
+        return taken
 
 
 # ---- validation ------------------------------------------------------------------------------
+MAX_STOP_CHARS = 256        # per stop string
+MAX_ROUNDS_PER_CHUNK = 64   # rounds between two reads of the tokens (and two admissions)
+
+# Fields a request may carry; the values that change nothing are accepted for the others
+# (`_NEUTRAL`); anything else is a 400 naming the field, never silently ignored.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+           "n", "logit_bias", "user", "presence_penalty", "frequency_penalty", "logprobs"}
+_FIELDS = {False: _COMMON | {"prompt", "echo", "best_of", "suffix"},
+           True: _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "echo": (False,), "best_of": (1,),
+            "suffix": ("",), "n": (1,)}
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    for name in body:
+        if name not in _FIELDS[chat]:
+            raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    for name, ok in _NEUTRAL.items():
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) != isinstance(ok[0], bool) or v not in ok):
+            raise ApiError(400, f"'{name}' is not supported by this server (only {ok[0]!r})", name,
+                           "unsupported_parameter")
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict) and set(opts) <= {"include_usage"}
+                                 and isinstance(opts.get("include_usage", True), bool)):
+        raise ApiError(400, "'stream_options' may only hold include_usage (a boolean)", "stream_options")
+
+
 def _number(body, name, default, lo, hi, *, integer=False, lo_open=False):
     v = body.get(name, default)
     if v is None:
         return default
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or v < lo or v > hi or (lo_open and v == lo):
+    if isinstance(v, bool) or not ok or not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
         kind = "an integer" if integer else "a number"
         rng = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
-        raise ApiError(400, f"'{name}' must be {kind} {rng}, got {v!r}", name)
+        raise ApiError(400, f"'{name}' must be {kind} {rng}, got {str(v)[:40]}", name)
     return v
 
 
@@ -118,38 +172,72 @@ def _stops(body) -> list[str]:
     if stop is None:
         return []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+    if not isinstance(stop, list) or len(stop) > 4 or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"'stop' must be a non-empty string of at most {MAX_STOP_CHARS} characters or a list "
+                            "of at most 4 of them", "stop")
     return stop
+
+
+def _logit_bias(body, vocab: int) -> tuple:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+    pairs = []
+    for k, v in bias.items():
+        t = int(k) if isinstance(k, str) and k.isdigit() and len(k) < 12 else -1
+        if not 0 <= t < vocab:
+            raise ApiError(400, f"'logit_bias' keys must be token ids in [0, {vocab}), got {k[:40]!r}", "logit_bias")
+        pairs.append((t, v))
+    try:
+        return sampling.validate_bias(pairs)
+    except ValueError as e:
+        raise ApiError(400, f"'logit_bias': {e}", "logit_bias") from None
+
+
+def parse_body(raw: bytes):
+    """The JSON body; a 400 for anything json cannot read (bad syntax or encoding, a 5000-digit
+    integer, nesting past the recursion limit)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
 
 
 class Server:
     """The models, the tokenizer and the one worker thread; `app()` is the FastAPI application.
-    `max_batch`: slots decoding together (continuous batching); `rounds_per_chunk`: rounds between
-    two reads of the new tokens (and two admissions). The host's ~1.5 ms per chunk overlaps the
-    device's rounds, so a large model loses nothing to it (12B: 1 round 183 tokens/s for one
-    client, 4 rounds 173, as the first token waits a longer chunk); a small one is bound by it (the
-    default pair: 4 rounds 2,169 tokens/s, 1 round 631). Hence 4 by default
-    (docs/benchmark_results/serve-h200-2026-12-02.md)."""
+    `max_batch`: slots decoding together (continuous batching), any mix of sampling settings in one
+    batch; `rounds_per_chunk`: rounds between two reads of the new tokens (and two admissions),
+    1..64. The host's ~1.5 ms per chunk overlaps the device's rounds, so a large model loses nothing
+    to it (12B: 1 round 183 tokens/s for one client, 4 rounds 173, as the first token waits a longer
+    chunk); a small one is bound by it (the default pair: 4 rounds 2,169 tokens/s, 1 round 631).
+    Hence 4 by default (docs/benchmark_results/serve-h200-2026-12-02.md). `max_queue`: requests
+    waiting for a slot at most; more are answered 429 with Retry-After."""
 
     def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
-                 rounds_per_chunk: int = 4, max_batch: int = 4):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+                 rounds_per_chunk: int = 4, max_batch: int = 4, max_queue: int = 64):
+        for name, v, hi in (("max_batch", max_batch, 1 << 12), ("rounds_per_chunk", rounds_per_chunk,
+                                                                 MAX_ROUNDS_PER_CHUNK), ("max_queue", max_queue, 1 << 20)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [1, {hi}], got {v!r}")
         self.target, self.assistant, self.tok = target, assistant, tokenizer
         self.model_name, self.block_size, self.rounds_per_chunk = model_name, block_size, rounds_per_chunk
-        self.max_batch = max_batch
+        self.max_batch, self.max_queue = max_batch, max_queue
         self.context = target.config.max_position_embeddings
         # per slot: the context (at most BATCH_CONTEXT positions), half of it for the budget
         self.batch_capacity = min(self.context or BATCH_CONTEXT, BATCH_CONTEXT)
         self.batch_tokens = max(1, self.batch_capacity // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
-        self.engines: dict[tuple, BatchEngine] = {}  # one per sampling setting; one runs at a time
-        self.running: BatchEngine | None = None
+        self._engine: BatchEngine | None = None  # built on first use (warm_up or the first request)
         self.slots: dict[int, tuple[Job, _Text]] = {}
         self.queue: collections.deque[Job] = collections.deque()
         self.cond = threading.Condition()
         self.solo = 0
         self.dropped = 0  # requests stopped because their client went away
+        self.served = 0
+        self.compiles = compile_cache.CompileLog()  # programs built since warm-up (reported by /health)
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
         threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
 
     @property
@@ -160,63 +248,95 @@ class Server:
     def waiting(self) -> int:
         return len(self.queue)
 
-    def engine(self, params: tuple) -> BatchEngine:
-        if params not in self.engines:
-            # One batch runs at a time: idle engines go first, so that many distinct settings do not
-            # each keep a cache of every slot (their compiled programs stay in memory and on disk).
-            self.engines = {k: v for k, v in self.engines.items() if v is self.running}
-            temperature, top_k, top_p = params
-            self.engines[params] = BatchEngine(
+    @property
+    def engine(self) -> BatchEngine:
+        """The one batch engine: every sampling setting runs in it (greedy, sampled, filtered, with
+        a bias or logprobs), so a new setting compiles nothing."""
+        if self._engine is None:
+            self._engine = BatchEngine(
                 self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
-                capacity=self.batch_capacity, block_size=self.block_size, temperature=temperature, top_k=top_k,
-                top_p=top_p, eos_token_ids=self.tok.eos_token_ids, rounds_per_step=self.rounds_per_chunk)
-        return self.engines[params]
+                capacity=self.batch_capacity, block_size=self.block_size, eos_token_ids=self.tok.eos_token_ids,
+                rounds_per_step=self.rounds_per_chunk)
+        return self._engine
 
     def warm_up(self) -> float:
-        """Compile what the most common request needs (a short prompt, greedy: the batch's prefill
-        and round) before the first client waits for it; other shapes compile on their first
-        request. Seconds."""
+        """Compile every program a request that fits a slot runs (each of the engine's step programs,
+        the prefill of a short prompt), before the first client waits for it; then count what is
+        built later (/health's "compiles": a longer prompt's prefill, a request that runs alone).
+        Seconds."""
         t0 = time.perf_counter()
+        engine = self.engine
+        engine.warm_up()
         ids = (self.tok.encode("Hello") or [1])[:8]
-        engine = self.engine((0.0, None, None))
-        engine.admit(ids, min(16, self.batch_tokens))
-        while engine.live:
-            engine.step()
+        budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens)
+        for i, params in enumerate((sampling.SamplingParams(), sampling.SamplingParams(temperature=1.0),
+                                    sampling.SamplingParams(temperature=1.0, top_p=0.9, logit_bias=((0, 1.0),)))):
+            engine.admit(ids, budget, seed=0, params=params, logprobs=1 if i == 2 else None)
+            while engine.live:
+                engine.step()
+            engine.step()  # the idle step after the last report
+        engine.cancel(engine.admit(ids, budget, seed=0))
+        self.compiles.__enter__()
         return time.perf_counter() - t0
 
     # ---- requests -> jobs ------------------------------------------------------------------------
-    def job(self, body, chat: bool) -> Job:
+    def job(self, raw: bytes, chat: bool) -> tuple[Job, bool]:
+        """A request body -> (its Job, stream); ApiError for anything wrong, before any compute."""
+        body = parse_body(raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        _check_fields(body, chat)
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model '{model}' does not exist: this server serves '{self.model_name}'",
-                           "model", "model_not_found")
-        if _number(body, "n", 1, 1, 1, integer=True) != 1:
-            raise ApiError(400, "'n' must be 1", "n")
-        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
-        if not ids:
-            raise ApiError(400, "the prompt encodes to no tokens", "messages" if chat else "prompt")
-        room = None if self.context is None else self.context - len(ids)
-        if room is not None and room < 1:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than the model's context of "
-                                f"{self.context} tokens", "messages" if chat else "prompt", "context_length_exceeded")
-        default = 256 if chat else 16  # completions: OpenAI's default; chat: a bounded stand-in for "the rest"
-        max_tokens = _number(body, "max_tokens", min(default, room or default), 1, room or 1 << 20, integer=True)
+            raise ApiError(404, f"the model '{str(model)[:100]}' does not exist: this server serves "
+                                f"'{self.model_name}'", "model", "model_not_found")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be a boolean", "stream")
         temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+        if 0 < temperature < sampling.MIN_TEMPERATURE:
+            raise ApiError(400, f"'temperature' must be 0 (greedy) or in [{sampling.MIN_TEMPERATURE}, 2]",
+                           "temperature")
         top_p = _number(body, "top_p", None, 0.0, 1.0, lo_open=True)
         top_k = _number(body, "top_k", None, 1, 1 << 30, integer=True)
         seed = _number(body, "seed", None, 0, 2**64 - 1, integer=True)
-        if seed is None:  # as OpenAI: without a seed, sampling differs from call to call
-            seed = random.getrandbits(63)
+        logprobs = self._logprobs(body, chat)
+        bias = _logit_bias(body, self.target.config.vocab_size)
+        stop = _stops(body)
         try:
-            sampling.validate_sampling(temperature, top_k, top_p)
+            params = sampling.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p,
+                                             logit_bias=bias)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        kw = dict(assistant=self.assistant, max_new_tokens=max_tokens, block_size=self.block_size,
-                  temperature=float(temperature), top_k=top_k, top_p=top_p, seed=seed,
-                  eos_token_ids=self.tok.eos_token_ids)
-        return Job(ids=ids, max_tokens=max_tokens, stop=_stops(body), kw=kw)
+        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+        what = "messages" if chat else "prompt"
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", what)
+        room = None if self.context is None else self.context - len(ids)
+        if room is not None and room < 1:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens, longer than the model's context of "
+                                f"{self.context} tokens", what, "context_length_exceeded")
+        default = 256 if chat else 16  # completions: OpenAI's default; chat: a bounded stand-in for "the rest"
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _number(body, name, min(default, room or default), 1, room or 1 << 20, integer=True)
+        if seed is None:  # as OpenAI: without a seed, sampling differs from call to call
+            seed = random.getrandbits(63)
+        return Job(ids=ids, max_tokens=max_tokens, stop=stop, params=params, seed=seed, logprobs=logprobs), stream
+
+    @staticmethod
+    def _logprobs(body, chat: bool) -> int | None:
+        """Alternatives per token to report, or None. Completions: `logprobs` N; chat: `logprobs`
+        true with `top_logprobs` N."""
+        top = sampling.TOP_LOGPROBS
+        if not chat:
+            return _number(body, "logprobs", None, 0, top, integer=True)
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise ApiError(400, "'logprobs' must be a boolean", "logprobs")
+        n = _number(body, "top_logprobs", None, 0, top, integer=True)
+        if n is not None and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (n or 0) if on else None
 
     def _prompt_ids(self, body) -> list[int]:
         prompt = body.get("prompt")
@@ -244,10 +364,15 @@ class Server:
 
     # ---- running jobs: the worker thread ------------------------------------------------------------
     def submit(self, job: Job) -> asyncio.Queue:
+        """Queue a job; 429 (with Retry-After) when max_queue requests already wait."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         with self.cond:
+            if len(self.queue) >= self.max_queue:
+                wait = 1 + len(self.queue) // self.max_batch
+                raise ApiError(429, f"{len(self.queue)} requests are waiting (--max-queue {self.max_queue}): retry "
+                                    f"in {wait} s", code="queue_full", headers={"Retry-After": str(wait)})
             self.queue.append(job)
             self.cond.notify()
         return events
@@ -263,46 +388,51 @@ class Server:
                     self._run_alone(solo)
                 elif self.slots:
                     self._round()
+                else:  # only cancelled jobs were waiting, or the next one waits for the batch to drain
+                    time.sleep(0.001)
             except Exception as e:  # an internal failure: its requests end with an error, the server keeps serving
                 for job, _ in self.slots.values():
                     job.emit(("error", f"{type(e).__name__}: {e}", 500))
                 self.slots.clear()
-                self.engines = {k: v for k, v in self.engines.items() if v is not self.running}
-                self.running = None
+                self._engine = None
 
     def _admit(self) -> Job | None:
-        """Admit waiting jobs in arrival order while they fit the running batch; returns a job that
-        must run alone (it fits no slot) once no batch is running."""
+        """Admit waiting jobs in arrival order into free slots; returns a job that must run alone
+        (it fits no slot) once the batch has drained."""
         while self.queue:
             job = self.queue[0]
             if job.cancelled.is_set():  # its client left while it waited
-                self.queue.popleft()
+                with self.cond:
+                    self.queue.popleft()
                 self.dropped += 1
                 continue
-            if not self.slots:
-                self.running = None
             try:
-                engine = self.engine(job.params)
+                engine = self.engine
             except Exception as e:  # e.g. its cache does not fit the device: this request fails, not the server
-                self.queue.popleft()
+                with self.cond:
+                    self.queue.popleft()
                 _fail(job, e)
                 continue
             if not engine.fits(len(job.ids), job.max_tokens):
-                return None if self.running is not None else self.queue.popleft()
-            if (self.running is not None and engine is not self.running) or not engine.free:
-                return None  # waits for a free slot, or for the other setting's batch to drain
-            self.queue.popleft()
+                if self.slots:
+                    return None  # runs alone once the batch has drained
+                with self.cond:
+                    return self.queue.popleft()
+            if not engine.free:
+                return None
+            with self.cond:
+                self.queue.popleft()
             try:
-                slot = engine.admit(job.ids, job.max_tokens, seed=job.kw["seed"], owner=job)
+                slot = engine.admit(job.ids, job.max_tokens, seed=job.seed, owner=job, params=job.params,
+                                    logprobs=job.logprobs)
             except Exception as e:  # e.g. non-finite logits from the prompt (400), a failed prefill (500)
                 _fail(job, e)
                 continue
-            self.running = engine
             self.slots[slot] = (job, _Text(self.tok, job))
         return None
 
     def _round(self) -> None:
-        engine = self.running
+        engine = self.engine
         for ev in engine.step():
             job, text = self.slots[ev.slot]
             if job.cancelled.is_set():
@@ -318,18 +448,23 @@ class Server:
                          "acceptance_rate": ev.accepted / ev.drafted if ev.drafted else 0.0,
                          "tokens_per_round": (n - 1) / ev.rounds if ev.rounds else 0.0,
                          "rounds": ev.rounds, "fallback": engine.fallback, "batch_slots": engine.slots}
-            if text.push(ev.tokens, ev.done, stats):
+            if text.push(ev.tokens, ev.done, stats, ev.logprobs):
                 if not ev.done:  # a stop string ended it early
                     engine.cancel(ev.slot)
                 del self.slots[ev.slot]
+                self.served += 1
 
     def _run_alone(self, job: Job) -> None:
         """A job no slot fits (prompt + budget past a slot's cache), alone with stream_generate."""
         self.solo += 1
         try:
             text = _Text(self.tok, job)
-            for chunk in streaming.stream_generate(self.target, [job.ids], rounds_per_chunk=self.rounds_per_chunk,
-                                                   **job.kw):
+            p = job.params
+            for chunk in streaming.stream_generate(
+                    self.target, [job.ids], assistant=self.assistant, max_new_tokens=job.max_tokens,
+                    block_size=self.block_size, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                    logit_bias=p.logit_bias, logprobs=job.logprobs, seed=job.seed,
+                    eos_token_ids=self.tok.eos_token_ids, rounds_per_chunk=self.rounds_per_chunk):
                 if job.cancelled.is_set():
                     self.dropped += 1
                     return
@@ -338,7 +473,9 @@ class Server:
                     "mode": s.mode, "block_size": s.block_size, "acceptance_rate": s.acceptance_rate,
                     "tokens_per_round": s.tokens_per_round, "rounds": s.rounds, "fallback": s.fallback,
                     "batch_slots": 1}
-                if text.push(chunk.tokens[0], chunk.done, stats):
+                lps = None if chunk.logprobs is None else [(lp, alts[:job.logprobs]) for lp, alts in chunk.logprobs[0]]
+                if text.push(chunk.tokens[0], chunk.done, stats, lps):
+                    self.served += 1
                     return
         except Exception as e:  # the request ends with an error, the server keeps serving
             _fail(job, e)
@@ -349,17 +486,39 @@ class Server:
     def _usage(self, job, n):
         return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
 
+    def _logprobs_json(self, entries, chat: bool, offset: int = 0):
+        """OpenAI's logprobs object for `entries` [(id, text end, logprob, [(id, logprob), ...])]:
+        chat's {"content": [...]}, completions' parallel lists (text_offset from `offset`)."""
+        piece = lambda t: self.tok.decode([t], skip_special_tokens=False)  # noqa: E731
+        if chat:
+            def item(t, lp):
+                s = piece(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"content": [item(t, lp) | {"top_logprobs": [item(a, alp) for a, alp in alts]}
+                                for t, _, lp, alts in entries], "refusal": None}
+        offsets, at, tops = [], offset, []
+        for t, _, _, alts in entries:
+            offsets.append(at)
+            at += len(piece(t))
+            top: dict = {}
+            for a, alp in alts:  # most likely first: a string two byte tokens share keeps the larger
+                top.setdefault(piece(a), alp)
+            tops.append(top)
+        return {"tokens": [piece(t) for t, _, _, _ in entries], "token_logprobs": [lp for _, _, lp, _ in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
     def app(self) -> FastAPI:
         app = FastAPI(title="jaxspec")
 
         @app.exception_handler(ApiError)
         async def api_error(_, e: ApiError):
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
         @app.get("/health")
         async def health():
             return {"status": "ok", "model": self.model_name, "active": self.active, "waiting": self.waiting,
-                    "dropped": self.dropped}
+                    "dropped": self.dropped, "served": self.served,
+                    "compiles": [p.name for p in self.compiles.programs if p.lower_s or p.compile_s]}
 
         @app.get("/v1/models")
         async def models_():
@@ -367,33 +526,43 @@ class Server:
                                                 "owned_by": "jaxspec"}]}
 
         async def handle(request: Request, chat: bool):
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            job = self.job(body, chat)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise ApiError(400, "'stream' must be a boolean", "stream")
+            raw = await request.body()
+            job, stream = await asyncio.get_running_loop().run_in_executor(self.prep, self.job, raw, chat)
             head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                     "model": self.model_name}
             events = self.submit(job)
             if stream:
                 return StreamingResponse(self._sse(job, events, head, chat), media_type="text/event-stream")
-            text, end = "", None
+            text, entries, end = "", [], None
+            clock = asyncio.get_running_loop().time
+            check = clock() + DISCONNECT_POLL_S
             while end is None:
-                ev = await events.get()
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    ev = None
+                if clock() >= check:  # every poll interval, events or not
+                    check = clock() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():  # nobody will read the answer: stop its work
+                        job.cancelled.set()
+                        return JSONResponse({}, status_code=499)
+                if ev is None:
+                    continue
                 if ev[0] == "text":
                     text += ev[1]
+                    entries += ev[2]
                 else:
                     end = ev
             if end[0] == "error":
                 kind = "invalid_request_error" if end[2] < 500 else "server_error"
                 return JSONResponse({"error": {"message": end[1], "type": kind, "param": None, "code": None}},
                                     status_code=end[2])
-            _, reason, n, stats = end
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+            _, reason, n, stats, rest = end
+            entries += rest
+            lps = None if job.logprobs is None else self._logprobs_json(entries, chat)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                       "finish_reason": reason}
+                      if chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason})
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                     "usage": self._usage(job, n), "jaxspec": stats}
 
@@ -409,13 +578,15 @@ class Server:
 
     async def _sse(self, job, events, head, chat):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = 0  # characters sent (completions' text_offset)
 
-        def chunk(piece, reason=None, first=False, **extra):
+        def chunk(piece, entries, reason=None, first=False, **extra):
+            lps = None if job.logprobs is None else self._logprobs_json(entries, chat, sent)
             if chat:
                 delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "text": piece, "logprobs": lps, "finish_reason": reason}
             return f"data: {json.dumps({**head, 'object': obj, 'choices': [choice], **extra})}\n\n"
 
         try:
@@ -423,25 +594,31 @@ class Server:
             while True:
                 ev = await events.get()
                 if ev[0] == "text":
-                    if ev[1]:
-                        yield chunk(ev[1], first=first)
+                    if ev[1] or ev[2]:
+                        yield chunk(ev[1], ev[2], first=first)
+                        sent += len(ev[1])
                         first = False
                     continue
                 if ev[0] == "error":
                     yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error'}})}\n\n"
                 else:
-                    _, reason, n, stats = ev
-                    yield chunk("", reason, first=first, usage=self._usage(job, n), jaxspec=stats)
+                    _, reason, n, stats, rest = ev
+                    yield chunk("", rest, reason, first=first, usage=self._usage(job, n), jaxspec=stats)
                 yield "data: [DONE]\n\n"
                 return
         finally:  # also when the client went away: the worker drops the job at its next chunk
             job.cancelled.set()
 
 
-def serve(server: Server, host: str, port: int, announce=None) -> None:
+def serve(server: Server, host: str, port: int, announce=None, *, api_key: str | None = None,
+          allow_origins: tuple[str, ...] = (), max_body_bytes: int = 1 << 20) -> None:
+    """Serve `server.app()` behind `serve_guard.Guard` (API key, Host check, CORS, content type,
+    body size) with uvicorn until interrupted."""
     import uvicorn
 
-    config = uvicorn.Config(server.app(), host=host, port=port, log_level="warning")
+    app = Guard(server.app(), api_key=api_key, allow_origins=allow_origins, max_body_bytes=max_body_bytes,
+                bound_host=host)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
     srv = uvicorn.Server(config)
     if announce is not None:
         async def started():

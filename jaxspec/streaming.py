@@ -24,26 +24,29 @@ from typing import Callable, Iterator, Sequence
 import jax
 
 from .generate import GenerationResult, plan
-from .loop import check_prefill, snapshot, unpack_snapshot
+from .loop import Snapshot, check_prefill, snapshot
 
 
 @dataclasses.dataclass
 class StreamChunk:
     """New tokens of one chunk: `tokens[b]` lists row b's tokens committed since the previous chunk
     (possibly empty: the row is done). `rounds` counts the rounds run so far. `done` on the last
-    chunk, which also carries `result` (what `jaxspec.generate` returns, timings included)."""
+    chunk, which also carries `result` (what `jaxspec.generate` returns, timings included).
+    `logprobs[b]` (with `logprobs=N`): the new tokens' entries of GenerationResult.logprobs."""
 
     tokens: list[list[int]]
     rounds: int
     done: bool
     result: GenerationResult | None = None
+    logprobs: list[list[tuple]] | None = None
 
 
 def stream_generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                     eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
                     verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-                    exactness_probe: bool = True, rounds_per_chunk: int = 1) -> Iterator[StreamChunk]:
+                    exactness_probe: bool = True, rounds_per_chunk: int = 1, logit_bias=(),
+                    logprobs: int | None = None) -> Iterator[StreamChunk]:
     """`jaxspec.generate` as an iterator of StreamChunks (same arguments, output and stats). Input
     errors raise here, as does the exactness probe's fallback (it runs here); the prefill and
     decode compile on the first `next()`. The first chunk holds the first token (from prefill),
@@ -54,7 +57,8 @@ def stream_generate(target, prompt_ids, *, assistant=None, max_new_tokens: int =
     p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
                stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,
-               exactness_probe=exactness_probe, rounds_per_chunk=rounds_per_chunk)
+               exactness_probe=exactness_probe, rounds_per_chunk=rounds_per_chunk, logit_bias=logit_bias,
+               logprobs=logprobs)
     return _stream(p, target, rounds_per_chunk)
 
 
@@ -69,26 +73,29 @@ def _stream(p, target, rounds_per_chunk: int) -> Iterator[StreamChunk]:
 
     t0 = time.perf_counter()
     seen = [0] * p.batch
-    snap = snapshot(state)
+    window = rounds_per_chunk * gen.spec.block_size + 1  # tokens a row gains per call, at most
+    snap = snapshot(state, window)
     decode_s = 0.0
     # Every round emits >= 1 token per active row, so max_new_tokens rounds finish every row; the
     # bound only keeps a broken loop from spinning forever.
     calls = -(-gen.spec.max_new_tokens // rounds_per_chunk) + 1
     for i in range(calls):
         state = chunk(state)  # queued: runs while the last snapshot is read and handed out
-        nxt = snapshot(state)
-        n_out, done, row_rounds, _, _, out = unpack_snapshot(snap)
-        pending = [out[b, seen[b]:n].tolist() for b, n in enumerate(n_out.tolist())]
-        seen, rounds = n_out.tolist(), int(row_rounds.max())
-        if done.all() or i == calls - 1:
+        nxt = snapshot(state, window)
+        got = Snapshot.of(snap)
+        pending = [got.tokens(b, seen[b], n) for b, n in enumerate(got.n_out.tolist())]
+        lps = None if got.lps is None else [got.logprobs(b, seen[b], n) for b, n in enumerate(got.n_out.tolist())]
+        seen, rounds = got.n_out.tolist(), int(got.row_rounds.max())
+        if got.done.all() or i == calls - 1:
             break
         decode_s += time.perf_counter() - t0
-        yield StreamChunk(tokens=pending, rounds=rounds, done=False)
+        yield StreamChunk(tokens=pending, rounds=rounds, done=False, logprobs=lps)
         t0 = time.perf_counter()
         snap = nxt
     state = jax.block_until_ready(state)
     decode_s += time.perf_counter() - t0
-    yield StreamChunk(tokens=pending, rounds=rounds, done=True, result=p.result(state, prefill_s, decode_s))
+    yield StreamChunk(tokens=pending, rounds=rounds, done=True, result=p.result(state, prefill_s, decode_s),
+                      logprobs=lps)
 
 
 def generate_streaming(target, prompt_ids, *, on_tokens: Callable[[list[list[int]]], None], **kwargs) -> GenerationResult:

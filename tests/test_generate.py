@@ -157,10 +157,10 @@ def host_speculative_rounds(t, a, prompt, k, n):
 def run(k, rows, limits=None, stops=(), seed=0, **kw):
     t, a = pair()
     gen = jaxspec.make_generate(block_size=k, max_new_tokens=BUDGET, **kw)
-    prompt, lengths, key, limit, stop_ids = gen.inputs([list(r) for r in rows], eos_token_ids=stops, seed=seed)
+    prompt, lengths, key, limit, stop_ids, rows = gen.inputs([list(r) for r in rows], eos_token_ids=stops, seed=seed)
     if limits is not None:
         limit = jnp.asarray(limits, jnp.int32)
-    state, _, _ = gen.run(t, a, prompt, lengths, key, limit, stop_ids)  # the path generate takes
+    state, _, _ = gen.run(t, a, prompt, lengths, key, limit, stop_ids, rows)  # the path generate takes
     return gen.tokens(state), jax.device_get(state)
 
 
@@ -405,7 +405,7 @@ def test_numpy_sampling_arguments():
                            top_p=np.float64(0.9), **kw).tokens
     assert got == ref
     assert (jaxspec.make_generate(temperature=0.9, top_k=np.int32(5)) is jaxspec.make_generate(temperature=0.9, top_k=5))
-    assert type(jaxspec.make_generate(temperature=0.9, top_k=np.uint8(5)).spec.sampling.top_k) is int
+    assert type(jaxspec.make_generate(temperature=0.9, top_k=np.uint8(5)).defaults.top_k) is int
 
 
 def test_decode_round_budget():
@@ -433,10 +433,10 @@ def test_decode_round_budget():
     state = gen.prefill(t, *args)
     assert int(gen.decode(t, a, state, 0).rounds) == 0
     # decode's program is built from shapes found without the prefill: they are the prefill's
-    prompt, _, key, limit, stop_ids = args
+    prompt, _, key, limit, stop_ids, rows = args
     def shape(x):
         return x.shape, x.dtype, getattr(x, "weak_type", False)
-    got = loop.state_shapes(gen.spec, t, prompt, limit, stop_ids, key)
+    got = loop.state_shapes(gen.spec, t, prompt, limit, stop_ids, key, rows)
     assert jax.tree_util.tree_map(shape, got) == jax.tree_util.tree_map(shape, gen.prefill(t, *args))
 
 

@@ -55,7 +55,9 @@ def test_filter_matches_numpy(temperature, top_k, top_p):
     rng = np.random.default_rng(zlib.crc32(repr((temperature, top_k, top_p)).encode()))
     logits = rng.normal(size=(7, 50)).astype(np.float32) * 3
     params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    got = np.asarray(jax.jit(sampling.probs_from_logits, static_argnums=1)(jnp.asarray(logits), params))
+    mode = params.mode()
+    rows = sampling.row_params([params] * len(logits), mode)
+    got = np.asarray(jax.jit(sampling.probs_from_logits, static_argnums=2)(jnp.asarray(logits), rows, mode))
     want = np_filter_probs(logits, temperature, top_k, top_p)
     np.testing.assert_array_equal(got > 0, want > 0)  # the same support, exactly
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
@@ -261,10 +263,12 @@ def test_draft_choice_argmax_is_one_hot():
     rng = np.random.default_rng(5)
     logits = jnp.asarray(rng.normal(size=(4, 11)).astype(np.float32))
     params = sampling.SamplingParams(temperature=0.8, top_k=4, draft="argmax")
-    tok, q = sampling.draft_choice(jax.random.key(0), logits, params)
+    tok, q = sampling.draft_choice(jax.random.key(0), logits, sampling.row_params([params] * 4, params.mode()),
+                                   params.mode())
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(logits).argmax(-1))
     np.testing.assert_array_equal(np.asarray(q), np.eye(11)[np.asarray(logits).argmax(-1)])
     params = sampling.SamplingParams(temperature=0.8, top_k=4)
-    tok, q = sampling.draft_choice(jax.random.key(0), logits, params)
+    tok, q = sampling.draft_choice(jax.random.key(0), logits, sampling.row_params([params] * 4, params.mode()),
+                                   params.mode())
     assert np.all(np.asarray(q)[np.arange(4), np.asarray(tok)] > 0)
     np.testing.assert_allclose(np.asarray(q), np_filter_probs(np.asarray(logits), 0.8, 4), rtol=2e-5, atol=1e-7)

@@ -3,6 +3,7 @@ equals the target's own (exact, by enumerating a tiny vocabulary), for speculati
 sampled drafts and with argmax drafts, and for classic sampling; the same statistic rejects a loop
 with a plausible bug (resampling from p instead of the residual on rejection).
 """
+import functools
 import importlib
 
 import jax
@@ -94,6 +95,7 @@ def test_statistic_rejects_a_biased_loop(tiny_pair, exact, monkeypatch):
 
     monkeypatch.setattr(sampling, "speculative_accept", _biased_accept)
     monkeypatch.setattr(G, "_GENERATORS", {})
+    monkeypatch.setattr(G, "_jits", functools.lru_cache(maxsize=None)(G._jits.__wrapped__))  # traced anew
     monkeypatch.setattr(programs, "_MEMO", {k: v for k, v in programs._MEMO.items() if k[0] == "prefill"})
     r = _generate(t, a, 3)
     emp = empirical(r.tokens)

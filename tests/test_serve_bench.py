@@ -24,17 +24,22 @@ def test_tiny_pair_clients_and_block_sizes(tmp_path):
         assert r["k"] == r["k_asked"] and r["tokens_per_s"] > 0 and r["ttft_p90_s"] >= r["ttft_median_s"] > 0
         assert r["stream_tokens_per_s"] > 0
     md = open(os.path.join(out, "serve.md")).read()
-    assert "| engine | 3 | 3 | 3 | 3 |" in md and "speculative / classic" in md
+    assert "| engine | greedy | 3 | 3 | 3 | 3 |" in md and "speculative / classic" in md
 
 
 def test_http_rows_match_the_engine_rows(tmp_path):
-    """--http on the default pair: every request also served over HTTP, and the same token count as
-    through the engine (greedy, the same prompts and stop ids: identical outputs)."""
+    """--http on a preset (ids as text): every request also served over HTTP with the same token
+    count as through the engine, greedy and with 16 mixed settings in one batch; mixed is
+    reported against uniform."""
     out = str(tmp_path / "o")
-    serve_bench.main(["--target", "default", "--http", "--clients", "2", "--k-values", "3", "--max-tokens", "5",
-                      "--requests-per-client", "2", "--backend", "xla", "--out", out])
+    serve_bench.main(["--target", "tiny", "--assistant", "tiny", "--layers", "2", "--http", "--clients", "3",
+                      "--k-values", "3", "--max-tokens", "5", "--capacity", "64", "--prompt-len", "12",
+                      "--requests-per-client", "2", "--sampling", "uniform,mixed", "--backend", "xla", "--out", out])
     rows = json.load(open(os.path.join(out, "serve.json")))["rows"]
-    assert [r["mode"] for r in rows] == ["engine", "http"]
-    engine, http = rows
-    assert http["requests"] == engine["requests"] == 4 and http["tokens"] == engine["tokens"] > 0
-    assert http["k"] == 3 and http["tokens_per_s"] > 0 and http["ttft_median_s"] > 0
+    assert [(r["mode"], r["sampling"]) for r in rows] == [("engine", "uniform"), ("http", "uniform"),
+                                                          ("engine", "mixed"), ("http", "mixed")]
+    for r in rows:
+        assert r["requests"] == 6 and r["tokens"] == 30 and r["k"] == 3 and r["tokens_per_s"] > 0
+        assert sum(r["steps_per_program"][1:]) > 0 and r["steps_per_program"][0] == 0  # sampled: not the greedy program
+    md = open(os.path.join(out, "serve.md")).read()
+    assert "| http | mixed | 3 | 3 | 3 | 3 |" in md
