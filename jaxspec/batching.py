@@ -14,7 +14,9 @@ early exit: a loop condition would be read back to the host every round, which m
 return only when its rounds are done. Without it the call returns once queued, and the host reads
 the previous step's tokens (and admits, retires, streams) while the device runs. Admitting a
 request runs the loop's prefill on it alone (batch 1, its prompt width bucketed, the engine's cache
-capacity) and copies that row into the free slot (one jitted, in-place insert). A finished or
+capacity) and copies that row into the free slot (one jitted, in-place insert), both queued without
+waiting: the next step queues its rounds before it reads the prefill's token, so admissions do not
+drain the pipeline. A finished or
 cancelled row stays in the state, inactive, until a new request takes its slot; inactive rows cost
 compute, not correctness.
 
@@ -54,7 +56,8 @@ class SlotEvent:
     """What one step did to a live slot: `tokens` committed since the last step (the first step
     after admission includes the prefill's token), `done` when the request finished (budget or a
     stop token; the slot is free again). `drafted` / `accepted`: the request's totals so far.
-    `logprobs`: for a request admitted with logprobs, one (logprob, [(id, logprob), ...]) per token."""
+    `logprobs`: for a request admitted with logprobs, one (logprob, [(id, logprob), ...]) per token.
+    `error`: the request failed (its prefill's logits were not finite); the slot is free again."""
 
     slot: int
     tokens: list[int]
@@ -63,6 +66,7 @@ class SlotEvent:
     drafted: int
     accepted: int
     logprobs: list[tuple] | None = None
+    error: str | None = None
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -81,6 +85,14 @@ def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.Decode
             ("bonus", "h_prev", "out", "n_out", "limit", "done", "row_rounds", "drafted", "accepted", "finite",
              "rows", "lp", "top_ids", "top_lp")}
     return state.replace(cache=cache, key=state.key.at[slot].set(one.key), **rows)
+
+
+@jax.jit
+def _first(one: loop.DecodeState):
+    """What the host reads of an admitted request's prefill: its token, done, finite and the token's
+    logprobs (one dispatch; read after the next step is queued, so the read does not stall the device)."""
+    lps = None if one.lp is None else (one.lp[0, 0], one.top_ids[0, 0], one.top_lp[0, 0])
+    return one.bonus[0], one.done[0], one.finite[0], lps
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -139,7 +151,7 @@ class BatchEngine:
         self.window = rounds_per_step * k + 1  # tokens a row gains per step, at most (+ the prefill's)
         self._decode: dict[int, object] = {}  # mode index -> compiled rounds
         self.seen = [0] * slots
-        self.fresh: dict[int, tuple] = {}  # slot -> (the prefill's token, done, its logprobs), not reported yet
+        self.fresh: dict[int, object] = {}  # slot -> its prefill's `_first` (device arrays), not reported yet
         self.owner: list[object | None] = [None] * slots
         self.need: list[sampling.SamplingMode | None] = [None] * slots  # what each live request needs
         self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
@@ -182,8 +194,10 @@ class BatchEngine:
         (None: one drawn from the engine's seed); `params`: its sampling (None: the engine's
         default); `logprobs`: None or the alternatives per token its events carry (0..20).
         ValueError (before any compute) for bad ids, a budget or prompt that does not fit, a bad
-        seed, sampling or bias or no free slot; after the prefill for non-finite logits
-        (`loop.check_prefill`, the slot stays free)."""
+        seed, sampling or bias or no free slot. Nothing waits for the device: the prefill and the
+        copy into the slot are queued, and the next `step` queues its rounds before it reads the
+        prefill's token, so admitting never drains the pipeline. Non-finite prefill logits
+        (`loop.check_prefill`) come back as that step's event with `error` set."""
         ids = [int(t) for t in prompt_ids] if _int_list(prompt_ids) else None
         vocab = self.target.config.vocab_size
         if not ids or min(ids) < 0 or max(ids) >= vocab:
@@ -208,17 +222,11 @@ class BatchEngine:
         inputs = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos, seed=seed,
                                  params=params)
         one = self.gen.compiled_prefill(self.target, *inputs)()
-        loop.check_prefill(one)  # waits for the prefill: reading its token as well costs no extra wait
-        first, done, lps = jax.device_get((one.bonus[0], one.done[0],
-                                           None if logprobs is None else (one.lp[0, 0], one.top_ids[0, 0],
-                                                                          one.top_lp[0, 0])))
         self.state = _insert(self.state, one, jnp.int32(slot))
         self.admissions += 1
         self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
         self.need[slot] = need
-        first_lp = None if lps is None else [(float(lps[0]), list(zip(lps[1][:logprobs].tolist(),
-                                                                      lps[2][:logprobs].tolist())))]
-        self.fresh[slot] = (int(first), bool(done), first_lp)
+        self.fresh[slot] = _first(one)
         return slot
 
     def _mode_index(self) -> int:
@@ -242,8 +250,18 @@ class BatchEngine:
             nxt = (loop.snapshot(self.state, self.window), list(self.ticket))
         report, self.pending = self.pending, nxt
         events = []
-        for slot, (first, done, first_lp) in self.fresh.items():  # a request's first token, as soon as it exists
-            events.append(SlotEvent(slot=slot, tokens=[first], done=done, rounds=0, drafted=0, accepted=0,
+        for slot, arrays in self.fresh.items():  # a request's first token, as soon as it exists
+            first, done, finite, lps = jax.device_get(arrays)
+            if not finite:
+                self.state = _retire(self.state, jnp.int32(slot))
+                self.owner[slot] = None
+                events.append(SlotEvent(slot=slot, tokens=[], done=True, rounds=0, drafted=0, accepted=0,
+                                        error="the target produced NaN/inf logits for the prompt: its weights are "
+                                              "likely non-finite (a corrupt or badly converted checkpoint)"))
+                continue
+            top = self.need[slot].logprobs
+            first_lp = None if top < 0 else [(float(lps[0]), list(zip(lps[1][:top].tolist(), lps[2][:top].tolist())))]
+            events.append(SlotEvent(slot=slot, tokens=[int(first)], done=bool(done), rounds=0, drafted=0, accepted=0,
                                     logprobs=first_lp))
             if done:  # its first token ended it (a stop id or a budget of 1)
                 self.owner[slot] = None

@@ -236,7 +236,7 @@ class Server:
         self.solo = 0
         self.dropped = 0  # requests stopped because their client went away
         self.served = 0
-        self.compiles = compile_cache.CompileLog()  # programs built since warm-up (reported by /health)
+        self.compiles = compile_cache.CompileLog().__enter__()  # programs built (/health), emptied by warm_up
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
         threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
 
@@ -276,7 +276,7 @@ class Server:
                 engine.step()
             engine.step()  # the idle step after the last report
         engine.cancel(engine.admit(ids, budget, seed=0))
-        self.compiles.__enter__()
+        self.compiles.programs.clear()
         return time.perf_counter() - t0
 
     # ---- requests -> jobs ------------------------------------------------------------------------
@@ -425,7 +425,7 @@ class Server:
             try:
                 slot = engine.admit(job.ids, job.max_tokens, seed=job.seed, owner=job, params=job.params,
                                     logprobs=job.logprobs)
-            except Exception as e:  # e.g. non-finite logits from the prompt (400), a failed prefill (500)
+            except Exception as e:  # e.g. a refused request (400), a prefill that failed to build (500)
                 _fail(job, e)
                 continue
             self.slots[slot] = (job, _Text(self.tok, job))
@@ -435,6 +435,10 @@ class Server:
         engine = self.engine
         for ev in engine.step():
             job, text = self.slots[ev.slot]
+            if ev.error is not None:  # e.g. non-finite logits from the prompt: this request fails
+                job.emit(("error", ev.error, 400))
+                del self.slots[ev.slot]
+                continue
             if job.cancelled.is_set():
                 engine.cancel(ev.slot)
                 del self.slots[ev.slot]

@@ -128,3 +128,17 @@ def test_more_slots_than_the_multirow_window_stay_exact():
     got = _drain(engine, requests)
     for i, (ids, n) in enumerate(requests):
         assert got[i] == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n).tokens[0], i
+
+
+def test_nan_prefill_logits_come_back_as_the_slots_error():
+    """Admission only queues the prefill (nothing waits for it): NaN prefill logits (the final norm
+    made NaN, in memory) are reported by the next step as that slot's error event, and the slot is free."""
+    import jax.numpy as jnp
+
+    (ids, n), = _requests(5, 1, TARGET.config.vocab_size)
+    bad = TARGET.replace(params={**TARGET.params, "norm": jnp.full_like(TARGET.params["norm"], jnp.nan)})
+    engine = BatchEngine(bad, None, slots=2, max_new_tokens=24, capacity=64, block_size=1, exactness_probe=False)
+    slot = engine.admit(ids, n)
+    events = engine.step()
+    assert [(ev.slot, ev.done, ev.tokens) for ev in events] == [(slot, True, [])] and "NaN/inf" in events[0].error
+    assert engine.live == 0 and engine.free == 2

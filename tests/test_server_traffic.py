@@ -254,10 +254,16 @@ def test_a_full_queue_is_429_with_retry_after():
         srv.queue.append(job)
 
     async def submit():
-        return srv.submit(Job(ids=[3], max_tokens=2, stop=[], params=sampling.SamplingParams(), seed=0))
+        job = Job(ids=[3], max_tokens=2, stop=[], params=sampling.SamplingParams(), seed=0)
+        job.cancelled.set()  # its client "left": the worker drops it without answering
+        return srv.submit(job)
     with pytest.raises(ApiError) as e:
         asyncio.run(submit())
     assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1 and "--max-queue" in e.value.message
+    assert srv.dropped == 0  # refused before it queued; the worker still sleeps
     srv.queue.popleft()
-    asyncio.run(submit())  # room again
-    assert srv.waiting == 2
+    asyncio.run(submit())  # room again: queued, and the worker wakes and drops the three left jobs
+    deadline = time.time() + 30
+    while srv.dropped < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    assert srv.dropped == 2 and srv.waiting == 0
