@@ -16,7 +16,8 @@ exactness probe) and the speculative speedup against K = 1 at the same N.
 Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
 the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
 `--http` adds, per configuration, the same clients through the HTTP server (`jaxspec.server` behind
-its guard on a local port, streamed completions read with http.client): the engine row then uses
+its guard on a local port, streamed completions read with http.client by client threads in a process
+of their own, `http_clients.py`, as real clients would be): the engine row then uses
 the server's own engine (its cache size, budget and the tokenizer's stop ids), so the two rows
 differ only by HTTP, JSON and the server's worker thread. A preset has no tokenizer: its text is
 the ids written out (`IdTokenizer`, no stop ids).
@@ -127,54 +128,20 @@ def serve(engine: BatchEngine, prompts, clients: int, per_client: int, max_token
 
 def serve_http(url: str, prompts, clients: int, per_client: int, max_tokens: int, kind: str = "greedy") -> dict:
     """The same closed loop through the HTTP server: each client a thread streaming
-    /v1/completions (greedy, token-id prompts) with the standard library's http.client; TTFT is
-    the first chunk that carries text, the token count the final chunk's usage."""
-    import http.client
+    /v1/completions (token-id prompts), all in one other process (`http_clients.py`: real clients
+    do not share the server's interpreter)."""
     import json
-    import threading
-    from urllib.parse import urlparse
+    import subprocess
 
-    host = urlparse(url)
-    done, errors = [], []
-
-    def client(c):
-        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=600)
-        for i in range(per_client):
-            body = json.dumps(dict(prompt=prompts[(c * per_client + i) % len(prompts)], max_tokens=max_tokens,
-                                   stream=True, **setting(kind, c * per_client + i)))
-            t0 = time.perf_counter()
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                errors.append(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-                return
-            first, n = None, 0
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                d = json.loads(line[6:])
-                if "error" in d:
-                    errors.append(str(d["error"]))
-                    return
-                if first is None and d["choices"][0]["text"]:
-                    first = time.perf_counter()
-                if d.get("usage"):
-                    n = d["usage"]["completion_tokens"]
-            now = time.perf_counter()
-            first = first or now
-            done.append(dict(ttft=first - t0, tokens=n, stream_tps=(n - 1) / (now - first) if now > first else 0.0))
-        conn.close()
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"the server answered an error: {errors[0]}")
-    return _summary(done, time.perf_counter() - t0)
+    requests = [[dict(prompt=prompts[(c * per_client + i) % len(prompts)], max_tokens=max_tokens, stream=True,
+                      **setting(kind, c * per_client + i)) for i in range(per_client)] for c in range(clients)]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "http_clients.py")
+    proc = subprocess.run([sys.executable, script], input=json.dumps(dict(url=url, requests=requests)),
+                          capture_output=True, text=True, check=True)
+    got = json.loads(proc.stdout)
+    if got["errors"]:
+        raise RuntimeError(f"the server answered an error: {got['errors'][0]}")
+    return _summary(got["done"], got["wall_s"])
 
 
 def _summary(done: list[dict], wall: float) -> dict:

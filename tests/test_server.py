@@ -85,6 +85,30 @@ def server():
     s.stop()
 
 
+def concurrently(server, calls) -> tuple[list, int]:
+    """Run every call in a thread of its own, all at once: (their results, the most requests the
+    server's /health saw active at one time meanwhile)."""
+    got, busiest, running = [None] * len(calls), [0], [True]
+
+    def one(i):
+        got[i] = calls[i]()
+
+    def watch():
+        while running[0]:
+            busiest[0] = max(busiest[0], server.health()["active"])
+            time.sleep(0.01)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    running[0] = False
+    watcher.join()
+    return got, busiest[0]
+
+
 def complete(server, prompt, max_tokens=24, **kw):
     r = server.client.completions.create(model="jaxspec-default-pair", prompt=prompt, max_tokens=max_tokens, **kw)
     return r
@@ -130,26 +154,10 @@ def test_concurrent_streams_each_equal_their_run_alone(server):
     lengths = [8 + 2 * i for i in range(len(PROMPTS))]
     alone = [complete(server, p, n) for p, n in zip(PROMPTS, lengths)]
     assert alone[0].model_extra["jaxspec"]["batch_slots"] == 4
-    got, busiest, running = [None] * len(PROMPTS), [0], [True]
-
-    def one(i):
-        got[i] = streamed(server, PROMPTS[i], lengths[i])[0]
-
-    def watch():
-        while running[0]:
-            busiest[0] = max(busiest[0], server.health()["active"])
-            time.sleep(0.02)
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    running[0] = False
-    watcher.join()
+    got, busiest = concurrently(server, [lambda i=i: streamed(server, PROMPTS[i], lengths[i])[0]
+                                         for i in range(len(PROMPTS))])
     assert got == [r.choices[0].text for r in alone]
-    assert 2 <= busiest[0] <= 4
+    assert 2 <= busiest <= 4
 
 
 def test_sampling_follows_the_seed(server):

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import socket
-import threading
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_server import Running  # noqa: E402
+from test_server import Running, concurrently  # noqa: E402
 
 from jaxspec import cli  # noqa: E402
 
@@ -55,26 +54,10 @@ def test_sixteen_settings_share_the_batch_without_compiling(server):
     settings = [(round(0.1 * i, 2), [None, 0.95, 0.8, 0.5][i % 4]) for i in range(16)]  # (0.0, None) greedy
     assert len(set(settings)) == 16
     compiled = server.health()["compiles"]
-    got, busiest, running = [None] * 16, [0], [True]
-
-    def one(i):
-        t, p = settings[i]
-        got[i] = complete(server, PROMPTS[i % 8], max_tokens=12, temperature=t, top_p=p, seed=100 + i)
-
-    def watch():
-        while running[0]:
-            busiest[0] = max(busiest[0], server.health()["active"])
-            time.sleep(0.01)
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
-    running[0] = False
-    watcher.join()
-    assert busiest[0] >= 4  # they decoded together
+    got, busiest = concurrently(server, [
+        lambda i=i: complete(server, PROMPTS[i % 8], max_tokens=12, temperature=settings[i][0], top_p=settings[i][1],
+                             seed=100 + i) for i in range(16)])
+    assert busiest >= 4  # they decoded together
     assert server.health()["compiles"] == compiled  # no setting compiled anything
     texts = [r.choices[0].text for r in got]
     for i, (t, p) in enumerate(settings):  # each equals its run alone
