@@ -16,9 +16,10 @@ the previous step's tokens (and admits, retires, streams) while the device runs.
 request runs the loop's prefill on it alone (batch 1, its prompt width bucketed, the engine's cache
 capacity) and copies that row into the free slot (one jitted, in-place insert), both queued without
 waiting: the next step queues its rounds before it reads the prefill's token, so admissions do not
-drain the pipeline. A finished or
-cancelled row stays in the state, inactive, until a new request takes its slot; inactive rows cost
-compute, not correctness.
+drain the pipeline. The prefill stays batch 1 on purpose: a [B, P] prefill's logits differ in the
+last bits from a [1, P] one on CPU (XLA blocks its dot by row count), and a request's output must
+not depend on what it was admitted with. A finished or cancelled row stays in the state, inactive,
+until a new request takes its slot; inactive rows cost compute, not correctness.
 
 Rows never see each other: each keeps its own cache, lengths and budget, and the kernels compute a
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
