@@ -250,3 +250,15 @@ def test_a_full_queue_is_429_with_retry_after():
     while srv.dropped < 2 and time.time() < deadline:
         time.sleep(0.01)
     assert srv.dropped == 2 and srv.waiting == 0
+
+
+def test_json_the_parser_refuses_is_a_400(server):
+    """A 5000-digit integer (past Python's int-from-text limit) and nesting past the recursion limit
+    were 500s; both are the client's malformed input."""
+    auth = f"Authorization: Bearer {KEY}\r\n"
+    for body in (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", b"[" * 20000 + b"]" * 20000):
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        status, reply = _raw(server, head, body)
+        assert status == 400 and b"not valid JSON" in reply, reply[-300:]
+    assert server.health()["status"] == "ok"
