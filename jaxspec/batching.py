@@ -25,7 +25,9 @@ Rows never see each other: each keeps its own cache, lengths and budget, and the
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
 gives it alone (tests/test_batching.py checks it against generate, request by request). Each slot
 draws its random numbers from its own key (`sampling.uniform`), so a sampled request with a seed is
-also what generate gives it alone with that seed.
+also what generate gives it alone with that seed, on CPU. On the H200 it is an exact sample of the
+same distribution but may leave its run alone after some tokens: XLA's fused softmax rounds a row
+by how many rows share the call (tests/test_batching_gpu.py; greedy rows are exact there too).
 
 Each request brings its own sampling (temperature, top_k, top_p, logit_bias, logprobs): they are
 rows of the state (`sampling.RowParams`), not part of a program. The engine compiles a short ladder
@@ -33,7 +35,8 @@ of programs over one state layout (`MODES`: greedy only; sampling; sampling with
 log-probabilities) and each step runs the cheapest one that covers every live request, so a batch
 of greedy requests pays for no distribution and a new setting never compiles. A row computes the
 same whichever program runs it (a greedy row is an argmax either way; a sampled row's filter with
-top_k and top_p off keeps every token), so its output does not depend on its batch mates.
+top_k and top_p off keeps every token), so its output does not depend on its batch mates (up to
+the GPU softmax rounding above, for sampled rows).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ live slot, and retires finished ones. Every sampling setting shares the batch: t
 top_k, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
 nothing. A request whose prompt and budget do not fit a slot runs alone
 (`streaming.stream_generate`) once the batch has drained. Either way its output is exactly what
-`jaxspec generate` gives it (greedy: the CLI's text; sampled: the same for the same seed). Between
+`jaxspec generate` gives it (greedy: the CLI's text; sampled: the same for the same seed on CPU;
+on a GPU the same distribution, see `jaxspec.batching`). Between
 rounds the worker reads the tokens, stops at a stop string, and drops a request whose client went
 away (streaming or not). Bad requests get OpenAI's error JSON with a 4xx status before anything
 runs; a field the server does not implement is a 400 naming it, never ignored. Responses carry
