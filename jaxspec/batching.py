@@ -260,11 +260,10 @@ class BatchEngine:
                 self.state = _retire(self.state, jnp.int32(slot))
                 self.owner[slot] = None
                 events.append(SlotEvent(slot=slot, tokens=[], done=True, rounds=0, drafted=0, accepted=0,
-                                        error="the target produced NaN/inf logits for the prompt: its weights are "
-                                              "likely non-finite (a corrupt or badly converted checkpoint)"))
+                                        error=loop.nonfinite_message(f"slot {slot}")))
                 continue
             top = self.need[slot].logprobs
-            first_lp = None if top < 0 else [(float(lps[0]), list(zip(lps[1][:top].tolist(), lps[2][:top].tolist())))]
+            first_lp = None if top < 0 else loop.logprob_entries(lps[0][None], lps[1][None], lps[2][None], top)
             events.append(SlotEvent(slot=slot, tokens=[int(first)], done=bool(done), rounds=0, drafted=0, accepted=0,
                                     logprobs=first_lp))
             if done:  # its first token ended it (a stop id or a budget of 1)
@@ -278,10 +277,8 @@ class BatchEngine:
             if owner is None or tickets[slot] != self.ticket[slot]:
                 continue
             n, seen = int(got.n_out[slot]), self.seen[slot]
-            lps = None
-            if self.need[slot].logprobs >= 0:
-                top = self.need[slot].logprobs
-                lps = [(lp, alts[:top]) for lp, alts in got.logprobs(slot, seen, n)]
+            top = self.need[slot].logprobs
+            lps = got.logprobs(slot, seen, n, top) if top >= 0 else None
             events.append(SlotEvent(slot=slot, tokens=got.tokens(slot, seen, n), done=bool(got.done[slot]),
                                     rounds=int(got.row_rounds[slot]), drafted=int(got.drafted[slot]),
                                     accepted=int(got.accepted[slot]), logprobs=lps))

@@ -447,8 +447,8 @@ class Plan:
         logprobs = None
         if lps[0] is not None:
             lp, top_ids, top_lp = lps
-            logprobs = [[(float(lp[b, i]), list(zip(top_ids[b, i].tolist(), top_lp[b, i].tolist())))
-                         for i in range(n_out[b])] for b in range(batch)]
+            logprobs = [loop.logprob_entries(lp[b, :n_out[b]], top_ids[b, :n_out[b]], top_lp[b, :n_out[b]])
+                        for b in range(batch)]
         new_tokens = int(n_out.sum())
         row_r = int(row_rounds.sum())
         drafted, accepted = int(drafted.sum()), int(accepted.sum())

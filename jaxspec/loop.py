@@ -287,9 +287,20 @@ def check_prefill(state: DecodeState) -> None:
     finite = np.asarray(jax.device_get(state.finite))
     if not finite.all():
         rows = np.flatnonzero(~finite).tolist()
-        which = f"prompt row {rows[0]}" if len(rows) == 1 else f"prompt rows {rows}"
-        raise ValueError(f"the target produced NaN/inf logits for the prompt ({which}): its weights are likely "
-                         "non-finite (a corrupt or badly converted checkpoint)")
+        raise ValueError(nonfinite_message(f"prompt row {rows[0]}" if len(rows) == 1 else f"prompt rows {rows}"))
+
+
+def nonfinite_message(which: str) -> str:
+    """What `check_prefill` (and the batching engine, per slot) says of non-finite prefill logits."""
+    return (f"the target produced NaN/inf logits for the prompt ({which}): its weights are likely non-finite "
+            "(a corrupt or badly converted checkpoint)")
+
+
+def logprob_entries(lp, top_ids, top_lp, n_top: int | None = None) -> list[tuple]:
+    """Host arrays of positions (logprob [T], top ids [T, N], top logprobs [T, N]) -> one
+    (logprob, [(id, logprob), ...]) per position, the alternatives cut to the first n_top."""
+    n = top_ids.shape[-1] if n_top is None else n_top
+    return [(float(a), list(zip(i[:n].tolist(), b[:n].tolist()))) for a, i, b in zip(lp, top_ids, top_lp)]
 
 
 def start(spec: LoopSpec, state: DecodeState) -> DecodeState:
@@ -379,11 +390,11 @@ class Snapshot:
             raise ValueError(f"positions {lo}..{hi} of row {b} are no longer in the snapshot's window")
         return self.out[b, lo - s:hi - s].tolist()
 
-    def logprobs(self, b: int, lo: int, hi: int) -> list[tuple]:
-        """[(logprob, [(top id, top logprob), ...]), ...] for positions lo..hi (needs logprobs)."""
+    def logprobs(self, b: int, lo: int, hi: int, n_top: int | None = None) -> list[tuple]:
+        """`logprob_entries` of positions lo..hi of row b (needs logprobs)."""
         s = self.begin[b]
-        return [(float(row[0]), list(zip(ids.tolist(), row[1:].tolist())))
-                for row, ids in zip(self.lps[b, lo - s:hi - s], self.top_ids[b, lo - s:hi - s])]
+        lps = self.lps[b, lo - s:hi - s]
+        return logprob_entries(lps[:, 0], self.top_ids[b, lo - s:hi - s], lps[:, 1:], n_top)
 
 
 def _check_decode(spec: LoopSpec, assistant, state: DecodeState) -> None:

@@ -53,9 +53,14 @@ def _host_name(value: str) -> str | None:
     return name or None
 
 
+def error_json(message: str, *, code: str | None = None, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error object (the guard's refusals and the server's errors alike)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def _error_body(message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    return json.dumps(error_json(message, code=code)).encode()
 
 
 class Guard:

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import compile_cache, sampling, streaming
 from .batching import BatchEngine
-from .serve_guard import Guard
+from .serve_guard import Guard, error_json
 from .generate import BUDGET_BUCKET
 from .tokenizer import IncrementalDecoder, TokenizerError
 
@@ -50,8 +50,7 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
-                          "code": self.code}}
+        return error_json(self.message, code=self.code, param=self.param)
 
 
 @dataclass
@@ -267,15 +266,15 @@ class Server:
         Seconds."""
         t0 = time.perf_counter()
         engine = self.engine
-        engine.warm_up()
+        engine.warm_up()  # the step programs of every sampling mode, a short prompt's prefill
+        # One request through, and one cancelled: the small programs around them (insert, snapshot,
+        # retire), the same whatever the request's sampling.
         ids = (self.tok.encode("Hello") or [1])[:8]
         budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens)
-        for i, params in enumerate((sampling.SamplingParams(), sampling.SamplingParams(temperature=1.0),
-                                    sampling.SamplingParams(temperature=1.0, top_p=0.9, logit_bias=((0, 1.0),)))):
-            engine.admit(ids, budget, seed=0, params=params, logprobs=1 if i == 2 else None)
-            while engine.live:
-                engine.step()
-            engine.step()  # the idle step after the last report
+        engine.admit(ids, budget, seed=0)
+        while engine.live:
+            engine.step()
+        engine.step()  # the idle step after the last report
         engine.cancel(engine.admit(ids, budget, seed=0))
         self.compiles.programs.clear()
         return time.perf_counter() - t0
@@ -478,7 +477,7 @@ class Server:
                     "mode": s.mode, "block_size": s.block_size, "acceptance_rate": s.acceptance_rate,
                     "tokens_per_round": s.tokens_per_round, "rounds": s.rounds, "fallback": s.fallback,
                     "batch_slots": 1}
-                lps = None if chunk.logprobs is None else [(lp, alts[:job.logprobs]) for lp, alts in chunk.logprobs[0]]
+                lps = None if chunk.logprobs is None else chunk.logprobs[0]  # job.logprobs alternatives each
                 if text.push(chunk.tokens[0], chunk.done, stats, lps):
                     self.served += 1
                     return
@@ -501,16 +500,17 @@ class Server:
                 return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
             return {"content": [item(t, lp) | {"top_logprobs": [item(a, alp) for a, alp in alts]}
                                 for t, _, lp, alts in entries], "refusal": None}
+        tokens = [piece(t) for t, _, _, _ in entries]  # each decoded once: offsets and strings
         offsets, at, tops = [], offset, []
-        for t, _, _, alts in entries:
+        for s, (_, _, _, alts) in zip(tokens, entries):
             offsets.append(at)
-            at += len(piece(t))
+            at += len(s)
             top: dict = {}
             for a, alp in alts:  # most likely first: a string two byte tokens share keeps the larger
                 top.setdefault(piece(a), alp)
             tops.append(top)
-        return {"tokens": [piece(t) for t, _, _, _ in entries], "token_logprobs": [lp for _, _, lp, _ in entries],
-                "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp for _, _, lp, _ in entries], "top_logprobs": tops,
+                "text_offset": offsets}
 
     def app(self) -> FastAPI:
         app = FastAPI(title="jaxspec")
@@ -560,8 +560,7 @@ class Server:
                     end = ev
             if end[0] == "error":
                 kind = "invalid_request_error" if end[2] < 500 else "server_error"
-                return JSONResponse({"error": {"message": end[1], "type": kind, "param": None, "code": None}},
-                                    status_code=end[2])
+                return JSONResponse(error_json(end[1], kind=kind), status_code=end[2])
             _, reason, n, stats, rest = end
             entries += rest
             lps = None if job.logprobs is None else self._logprobs_json(entries, chat)

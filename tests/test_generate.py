@@ -311,6 +311,22 @@ def test_no_host_round_trip_in_decode():
         assert bad not in hlo, bad
 
 
+def test_logprobs_of_generate_and_its_stream():
+    """generate(logprobs=2) gives per row one (logprob, 2 alternatives) per token; greedy, the token
+    is the most likely alternative and its logprob is the first alternative's; the stream's chunks
+    carry the same entries, in order."""
+    t, a = pair()
+    rows = [list(r) for r in prompts()][:2]
+    kw = dict(assistant=a, max_new_tokens=10, block_size=4, exactness_probe=False, logprobs=2)
+    ref = jaxspec.generate(t, rows, **kw)
+    assert [len(e) for e in ref.logprobs] == [len(r) for r in ref.tokens]
+    for toks, entries in zip(ref.tokens, ref.logprobs):
+        for tok, (lp, alts) in zip(toks, entries):
+            assert len(alts) == 2 and alts[0][0] == tok and lp == alts[0][1] and alts[0][1] >= alts[1][1]
+    chunks = list(streaming.stream_generate(t, rows, rounds_per_chunk=2, **kw))
+    assert [sum((c.logprobs[b] for c in chunks), []) for b in range(len(rows))] == ref.logprobs
+
+
 @pytest.mark.parametrize("k,temperature", [(4, 0.0), (4, 0.8), (1, 0.8)])
 def test_streaming_equals_generate(k, temperature):
     """stream_generate runs generate's prefill and one fixed-round decode program per chunk size (no
