@@ -236,3 +236,20 @@ def test_presets_pass(name):
     tcfg, acfg = presets.target_config(name), presets.assistant_config(name)
     models.check_fit(acfg, tcfg)
     assert models.TargetConfig.from_dict(tcfg.to_dict()) == tcfg
+
+
+# ---- the quantization section (read by checkpoint loading; the check lives with the config rules) -
+def test_quantization_section_is_checked():
+    qf = models.config.quantization_format
+    rng = seeded_rng()
+    bits, gs = int(rng.choice([2, 4, 8])), int(rng.choice([32, 64, 128]))
+    good = {"bits": bits, "group_size": gs, "model.layers.0.mlp.up_proj": {"bits": 8, "group_size": 32}}
+    assert qf({"quantization": good}) is good and qf({}) is None
+    refused(lambda: qf({"quantization": {"bits": 3, "group_size": gs}}), "quantization.bits", "3")
+    refused(lambda: qf({"quantization": {"bits": bits, "group_size": float("nan")}}), "quantization.group_size")
+    refused(lambda: qf({"quantization": {"bits": HUGE_INT}}), "quantization.bits")
+    refused(lambda: qf({"quantization": {"bits": bits, HUGE_STR: {"bits": True}}}), "bits", "True")
+    refused(lambda: qf({"quantization": HUGE_STR}), "quantization")
+    refused(lambda: qf({"quantization": {"bits": 4, "mode": HUGE_STR}}), "mode", exc=NotImplementedError)
+    refused(lambda: qf({"quantization_config": {"quant_method": HUGE_STR}}), "quantization_config",
+            exc=NotImplementedError)
