@@ -2,11 +2,15 @@
 
 Every field is read from the dict; a field that is absent takes the HF transformers 5.24 default of
 the config class named by `model_type` (mlx-lm's defaults differ, which is why nothing is assumed).
+Every numeric field has a range (FIELD_RANGES) checked as it is parsed, and again when a config is
+built directly: a bad value is one short ValueError line naming the field, the value and the range,
+before any weight is read or anything compiles.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from typing import Any
 
 SLIDING = "sliding_attention"
@@ -39,11 +43,75 @@ _PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
 
 
 @dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric config field may take: [lo, hi] (lo excluded when `lo_open`), integers
+    when `integer` (a whole float such as 512.0 counts: some JSON writers emit those)."""
+
+    lo: float
+    hi: float
+    integer: bool = True
+    lo_open: bool = False
+
+    def __contains__(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        if self.integer and isinstance(v, float) and not v.is_integer():
+            return False
+        # int-float comparisons are exact in Python (no overflow for huge ints); NaN compares False
+        return (self.lo < v if self.lo_open else self.lo <= v) and v <= self.hi
+
+    def __str__(self) -> str:
+        kind, fmt = ("an integer", "d") if self.integer else ("a finite number", "g")
+        return f"{kind} in {'(' if self.lo_open else '['}{self.lo:{fmt}}, {self.hi:{fmt}}]"
+
+
+MAX_LAYERS = 4096  # ~40x the deepest Gemma 4 (60): a bound that keeps per-layer work and messages small
+_WIDTH, _HEADS, _TOKENS = 1 << 16, 1024, 1 << 24
+
+# The one table of ranges: sizes generous around real Gemma 4 configs, floats bounded so that float32
+# stays finite and the model is not degenerate (a softcap that rounds to 0 caps every logit to 0,
+# eps <= 0 or a theta / factor <= 0 gives NaN RoPE or norms). Keyed by the field's (last) name.
+FIELD_RANGES: dict[str, Range] = {
+    "vocab_size": Range(1, _TOKENS),
+    "hidden_size": Range(1, _WIDTH),
+    "intermediate_size": Range(1, 1 << 18),
+    "num_hidden_layers": Range(1, MAX_LAYERS),
+    "num_attention_heads": Range(1, _HEADS),
+    "num_key_value_heads": Range(1, _HEADS),
+    "num_global_key_value_heads": Range(1, _HEADS),
+    "head_dim": Range(2, 4096),          # and even (rotate-half RoPE): TargetConfig.validate
+    "global_head_dim": Range(2, 4096),
+    "sliding_window": Range(1, _TOKENS),
+    "max_position_embeddings": Range(1, _TOKENS),
+    "num_kv_shared_layers": Range(0, MAX_LAYERS),     # and <= num_hidden_layers
+    "hidden_size_per_layer_input": Range(0, _WIDTH),  # 0: no per-layer inputs
+    "vocab_size_per_layer_input": Range(0, _TOKENS),
+    "eos_token_id": Range(0, _TOKENS - 1),            # and < vocab_size
+    "backbone_hidden_size": Range(1, _WIDTH),
+    "num_centroids": Range(1, _TOKENS),
+    "centroid_intermediate_top_k": Range(1, _TOKENS),  # and <= num_centroids when used
+    "rms_norm_eps": Range(1e-12, 1.0, integer=False),
+    "final_logit_softcapping": Range(1e-3, 1e6, integer=False),  # null / absent: no cap
+    "rope_theta": Range(1.0, 1e12, integer=False),
+    "partial_rotary_factor": Range(0.0, 1.0, integer=False, lo_open=True),
+    "factor": Range(1e-3, 1e6, integer=False),
+}
+MAX_EOS_IDS = 1024
+_NULL_MEANS = {"final_logit_softcapping": "no cap", "max_position_embeddings": "not given"}  # optional fields
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeConfig:
     rope_type: str
     theta: float
     partial_rotary_factor: float = 1.0
     factor: float = 1.0
+
+    def __post_init__(self):
+        _choice("rope_type", self.rope_type, ROPE_TYPES)
+        for name, v in (("rope_theta", self.theta), ("partial_rotary_factor", self.partial_rotary_factor),
+                        ("factor", self.factor)):
+            _number(name, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +172,14 @@ class TargetConfig:
         if mt in ASSISTANT_TYPES:
             raise ValueError(f"model_type={mt!r} is an assistant (drafter) config: load it with "
                              "models.load_assistant / AssistantConfig.from_dict")
-        raise ValueError(f"unsupported model_type={mt!r}: expected one of "
+        raise ValueError(f"unsupported model_type={_short(mt)}: expected one of "
                          f"{TARGET_TYPES + MULTIMODAL_TYPES} for a target")
 
     @classmethod
     def _from_text_dict(cls, d: dict[str, Any], outer_type: str) -> "TargetConfig":
         mt = d.get("model_type", "gemma4_text")
         if mt not in TARGET_TYPES:
-            raise ValueError(f"unsupported text_config model_type={mt!r}: expected one of {TARGET_TYPES}")
+            raise ValueError(f"unsupported text_config model_type={_short(mt)}: expected one of {TARGET_TYPES}")
         defaults = _UNIFIED_TEXT_DEFAULTS if mt == "gemma4_unified_text" else _TEXT_DEFAULTS
 
         def get(key):
@@ -132,13 +200,13 @@ class TargetConfig:
         if layer_types is None:  # HF default: 5 sliding then 1 full
             layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
         if not isinstance(layer_types, (list, tuple)):
-            raise ValueError(f"config field 'layer_types' must be a list of {LAYER_TYPES}, got {layer_types!r}")
+            raise ValueError(f"config field 'layer_types' must be a list of {LAYER_TYPES}, got {_short(layer_types)}")
         layer_types = list(layer_types)
         if len(layer_types) != n_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers={n_layers}")
-        bad = sorted({repr(t) for t in layer_types if not isinstance(t, str) or t not in LAYER_TYPES})
+        bad = sorted({_short(t) for t in layer_types if not isinstance(t, str) or t not in LAYER_TYPES})
         if bad:
-            raise ValueError(f"unsupported layer_types [{', '.join(bad)}]: expected {LAYER_TYPES}")
+            raise ValueError(f"unsupported layer_types [{_join(bad)}]: expected {LAYER_TYPES}")
         if layer_types and layer_types[-1] != FULL:  # HF forces it; so do we (and say so)
             layer_types[-1] = FULL
 
@@ -150,41 +218,46 @@ class TargetConfig:
         per_layer = d.get("per_layer_config")
         if per_layer is not None and not (isinstance(per_layer, dict)
                                           and all(isinstance(v, dict) for v in per_layer.values())):
-            raise ValueError(f"config field 'per_layer_config' must map layer indices to dicts, got {per_layer!r}")
+            raise ValueError(f"config field 'per_layer_config' must map layer indices to dicts, got {_short(per_layer)}")
+        if per_layer and len(per_layer) > n_layers:
+            raise ValueError(f"config field 'per_layer_config' has {len(per_layer)} entries but there are "
+                             f"{n_layers} layers")
         if per_layer:  # HF >= 5.24 serialises the full-layer overrides here
             for key, over in per_layer.items():
                 try:
                     i = int(key)
                 except (TypeError, ValueError):
-                    raise ValueError(f"per_layer_config key {key!r} is not a layer index") from None
+                    raise ValueError(f"per_layer_config key {_short(key)} is not a layer index") from None
                 if not 0 <= i < n_layers:
                     raise ValueError(f"per_layer_config names layer {i}, but there are {n_layers} layers")
-                unknown = sorted(set(over) - set(_PER_LAYER_KEYS))
+                unknown = sorted(_short(k) for k in set(over) - set(_PER_LAYER_KEYS))
                 if unknown:
-                    raise NotImplementedError(f"per_layer_config[{key}] overrides {unknown}; only "
+                    raise NotImplementedError(f"per_layer_config[{i}] overrides [{_join(unknown)}]; only "
                                               f"{_PER_LAYER_KEYS} are supported")
-                layer_head_dims[i] = _int(over, "head_dim", layer_head_dims[i])
-                layer_kv[i] = _int(over, "num_key_value_heads", layer_kv[i])
+                for k, out in (("head_dim", layer_head_dims), ("num_key_value_heads", layer_kv)):
+                    if k in over:
+                        out[i] = _number(f"per_layer_config.{i}.{k}", over[k])
         else:  # Google / mlx-lm style: global_head_dim and num_global_key_value_heads
             g_dim = get("global_head_dim")
             g_kv = get("num_global_key_value_heads") if k_eq_v else None
             for i, t in enumerate(layer_types):
                 if t == FULL:
-                    layer_head_dims[i] = _int({}, "global_head_dim", g_dim)
+                    layer_head_dims[i] = _number("global_head_dim", g_dim)
                     if g_kv is not None:
-                        layer_kv[i] = _int({}, "num_global_key_value_heads", g_kv)
+                        layer_kv[i] = _number("num_global_key_value_heads", g_kv)
 
         rope = d.get("rope_parameters") or {}
         if not isinstance(rope, dict):
-            raise ValueError(f"config field 'rope_parameters' must be a dict, got {rope!r}")
+            raise ValueError(f"config field 'rope_parameters' must be a dict, got {_short(rope)}")
         if rope and not any(t in rope for t in LAYER_TYPES):
             raise ValueError(f"rope_parameters must map layer types {LAYER_TYPES} to their RoPE; got keys "
-                             f"{sorted(rope)}")
+                             f"{_short(list(rope))}")
         ropes = {t: _rope(t, rope.get(t) or _DEFAULT_ROPE[t]) for t in LAYER_TYPES}
 
         softcap = get("final_logit_softcapping")
+        vocab = _int(d, "vocab_size", get("vocab_size"))
         return cls(
-            vocab_size=_int(d, "vocab_size", get("vocab_size")),
+            vocab_size=vocab,
             hidden_size=_int(d, "hidden_size", get("hidden_size")),
             intermediate_size=_int(d, "intermediate_size", get("intermediate_size")),
             num_hidden_layers=n_layers,
@@ -198,7 +271,8 @@ class TargetConfig:
             rope_sliding=ropes[SLIDING],
             rope_full=ropes[FULL],
             rms_norm_eps=_float("rms_norm_eps", get("rms_norm_eps")),
-            hidden_activation=str(get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"),
+            hidden_activation=_choice("hidden_activation", get("hidden_activation") or d.get("hidden_act")
+                                      or "gelu_pytorch_tanh", ACTIVATIONS),
             final_logit_softcapping=None if softcap is None else _float("final_logit_softcapping", softcap),
             tie_word_embeddings=_bool("tie_word_embeddings", get("tie_word_embeddings")),
             attention_k_eq_v=k_eq_v,
@@ -207,9 +281,9 @@ class TargetConfig:
             vocab_size_per_layer_input=_int({}, "vocab_size_per_layer_input", get("vocab_size_per_layer_input") or 0),
             use_double_wide_mlp=_bool("use_double_wide_mlp", get("use_double_wide_mlp")),
             model_type=mt,
-            eos_token_ids=_eos_ids(d.get("eos_token_id")),
+            eos_token_ids=_eos_ids(d.get("eos_token_id"), vocab),
             max_position_embeddings=(None if d.get("max_position_embeddings") is None
-                                     else _int(d, "max_position_embeddings", None)),
+                                     else _number("max_position_embeddings", d["max_position_embeddings"])),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,27 +330,35 @@ class TargetConfig:
 
     # ---- checks --------------------------------------------------------------------------------
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
-            raise ValueError(f"max_position_embeddings={self.max_position_embeddings} must be >= 1 (or absent)")
+        for f in dataclasses.fields(self):  # every numeric field against its range, sizes first
+            if f.name in FIELD_RANGES:
+                v = getattr(self, f.name)
+                if not (v is None and f.name in ("final_logit_softcapping", "max_position_embeddings")):
+                    _number(f.name, v)
+        for name in ("rope_sliding", "rope_full"):
+            if not isinstance(getattr(self, name), RopeConfig):
+                raise ValueError(f"{name} must be a RopeConfig, got {_short(getattr(self, name))}")
+        _eos_ids(self.eos_token_ids, self.vocab_size)
         n = self.num_hidden_layers
         for name in ("layer_types", "layer_head_dims", "layer_kv_heads"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, expected {n}")
+        bad = [t for t in self.layer_types if not isinstance(t, str) or t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"layer_types has {len(bad)} unsupported entries (first {_short(bad[0])}): "
+                             f"expected {LAYER_TYPES}")
         for i in range(n):
-            kv, d = self.layer_kv_heads[i], self.layer_head_dims[i]
-            if kv < 1 or self.num_attention_heads % kv:
+            kv = _number(f"layer_kv_heads[{i}]", self.layer_kv_heads[i], "num_key_value_heads")
+            d = _number(f"layer_head_dims[{i}]", self.layer_head_dims[i], "head_dim")
+            if self.num_attention_heads % kv:
                 raise ValueError(f"layer {i}: num_attention_heads={self.num_attention_heads} is not a "
                                  f"multiple of its num_key_value_heads={kv}")
-            if d < 2 or d % 2:
+            if d % 2:
                 raise ValueError(f"layer {i}: head_dim={d} must be even (rotate-half RoPE)")
-        if self.hidden_activation not in ACTIVATIONS:
-            raise NotImplementedError(f"hidden_activation={self.hidden_activation!r}: supported {ACTIVATIONS}")
-        if not 0 <= self.num_kv_shared_layers <= n:
-            raise ValueError(f"num_kv_shared_layers={self.num_kv_shared_layers} not in [0, {n}]")
+        _choice("hidden_activation", self.hidden_activation, ACTIVATIONS)
+        if self.num_kv_shared_layers > n:
+            raise ValueError(f"config field 'num_kv_shared_layers'={self.num_kv_shared_layers} must be an integer "
+                             f"in [0, num_hidden_layers={n}]")
         if 0 < self.num_kv_shared_layers < n:
             first = n - self.num_kv_shared_layers
             missing = set(self.layer_types[first:]) - set(self.layer_types[:first])
@@ -351,10 +433,10 @@ class AssistantConfig:
         if t.num_kv_shared_layers != t.num_hidden_layers:
             raise ValueError(f"every assistant layer must be KV-shared: num_kv_shared_layers="
                              f"{t.num_kv_shared_layers}, num_hidden_layers={t.num_hidden_layers}")
-        if self.backbone_hidden_size < 1:
-            raise ValueError(f"backbone_hidden_size={self.backbone_hidden_size} must be >= 1")
+        for name in ("backbone_hidden_size", "num_centroids", "centroid_intermediate_top_k"):
+            _number(name, getattr(self, name))
         if self.use_ordered_embeddings:
-            if self.num_centroids < 1 or t.vocab_size % self.num_centroids:
+            if t.vocab_size % self.num_centroids:
                 raise ValueError(f"vocab_size={t.vocab_size} is not a multiple of num_centroids={self.num_centroids}")
             if not 1 <= self.centroid_intermediate_top_k <= self.num_centroids:
                 raise ValueError(f"centroid_intermediate_top_k={self.centroid_intermediate_top_k} not in "
@@ -365,7 +447,7 @@ class AssistantConfig:
         mt = d.get("model_type") if isinstance(d, dict) else None
         if mt not in ASSISTANT_TYPES:
             hint = " (a target config: load it with models.load_target)" if mt in TARGET_TYPES + MULTIMODAL_TYPES else ""
-            raise ValueError(f"unsupported assistant model_type={mt!r}{hint}: expected one of {ASSISTANT_TYPES}")
+            raise ValueError(f"unsupported assistant model_type={_short(mt)}{hint}: expected one of {ASSISTANT_TYPES}")
         text = d.get("text_config")
         if not isinstance(text, dict):
             raise ValueError(f"model_type={mt!r} config has no 'text_config' dict")
@@ -404,7 +486,7 @@ class AssistantConfig:
 
 
 def check_fit(assistant: AssistantConfig, target: TargetConfig) -> None:
-    """Raise ValueError (naming every mismatch) unless `assistant` can draft for `target`."""
+    """Raise ValueError (naming the mismatches, the first few in full) unless `assistant` can draft for `target`."""
     a = assistant.text
     problems = []
     if assistant.backbone_hidden_size != target.hidden_size:
@@ -412,8 +494,9 @@ def check_fit(assistant: AssistantConfig, target: TargetConfig) -> None:
                         f"hidden_size={target.hidden_size}")
     if a.vocab_size != target.vocab_size:
         problems.append(f"assistant vocab_size={a.vocab_size} != target vocab_size={target.vocab_size}")
+    sources = {t: target.store_layer(t) for t in LAYER_TYPES}  # once, not per assistant layer
     for i, t in enumerate(a.layer_types):
-        src = target.store_layer(t)
+        src = sources[t]
         if src is None:
             problems.append(f"assistant layer {i} is {t} but the target has no non-shared {t} layer")
             continue
@@ -428,54 +511,139 @@ def check_fit(assistant: AssistantConfig, target: TargetConfig) -> None:
             problems.append(f"assistant num_attention_heads={a.num_attention_heads} is not a multiple of the "
                             f"target layer {src} num_key_value_heads={kv}")
     if problems:
-        raise ValueError("assistant does not fit the target: " + "; ".join(problems))
+        raise ValueError("assistant does not fit the target: " + _join(problems, sep="; "))
 
 
-def _eos_ids(v) -> tuple[int, ...]:
-    """config.json's eos_token_id: absent, an int, or a list of ints."""
+# ---- the one rule per kind of value ------------------------------------------------------------------
+class _Brief(reprlib.Repr):
+    """repr() cut short: a few items of a container, the start of a string, the size of a huge int
+    (whose repr() Python refuses past 4300 digits), so a message never grows with the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 2, 40, 40, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_int(self, x, level):
+        return f"<{x.bit_length()}-bit integer>" if x.bit_length() > 128 else super().repr_int(x, level)
+
+    def repr_dict(self, x, level):  # reprlib sorts every key first: O(n log n), and fails on mixed types
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in list(x.items())[:self.maxdict]]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+
+_BRIEF = _Brief()
+
+
+def _short(v) -> str:
+    """A value as shown in an error: its repr, at most ~80 characters."""
+    s = _BRIEF.repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _join(items, sep=", ", budget=150) -> str:
+    """`items` joined while they fit in `budget` characters, then how many were left out."""
+    out, used = [], 0
+    for j, it in enumerate(items):
+        if out and used + len(it) > budget:
+            return sep.join(out) + f"{sep}... and {len(items) - j} more"
+        out.append(it)
+        used += len(it) + len(sep)
+    return sep.join(out)
+
+
+def _number(path: str, v, key: str | None = None):
+    """The one rule for a numeric config value: the type and range of FIELD_RANGES[key] (default: the
+    path's last name). Returns it as int or float; ValueError naming path, value and range."""
+    r = FIELD_RANGES[key or path.rsplit(".", 1)[-1]]
     if v is None:
-        return ()
-    ids = v if isinstance(v, (list, tuple)) else [v]
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise ValueError(f"eos_token_id must be a non-negative int or a list of them, got {v!r}")
-    return tuple(ids)
+        raise ValueError(f"config field {path!r} is missing: must be {r}")
+    if v not in r:
+        null = _NULL_MEANS.get(path)
+        raise ValueError(f"config field {path!r}={_short(v)} must be {r}" + (f" (or null: {null})" if null else ""))
+    return int(v) if r.integer else float(v)
 
 
 def _int(d, key, default):
-    v = d.get(key, default)
-    if v is None:
-        raise ValueError(f"config field {key!r} is missing")
-    if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()):
-        raise ValueError(f"config field {key!r}={v!r} must be an integer")
-    return int(v)
+    return _number(key, d.get(key, default))
+
+
+def _float(key, v) -> float:
+    return _number(key, v)
+
+
+def _choice(path: str, v, options: tuple[str, ...]) -> str:
+    """A string field that must be one of `options` (NotImplementedError: the others are formats or
+    features this implementation does not have)."""
+    if not isinstance(v, str) or v not in options:
+        raise NotImplementedError(f"config field {path!r}={_short(v)} is not supported: expected one of {options}")
+    return v
 
 
 def _bool(key, v) -> bool:
     """A JSON flag: true / false (null and 0 / 1 accepted); a string such as "false" is an error."""
     if v is None or isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
         return bool(v)
-    raise ValueError(f"config field {key!r}={v!r} must be true or false")
+    raise ValueError(f"config field {key!r}={_short(v)} must be true or false")
 
 
-def _float(key, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"config field {key!r}={v!r} must be a finite number")
-    return float(v)
+def _eos_ids(v, vocab_size: int) -> tuple[int, ...]:
+    """config.json's eos_token_id: absent, a token id, or a list of at most MAX_EOS_IDS of them."""
+    if v is None:
+        return ()
+    ids = v if isinstance(v, (list, tuple)) else [v]
+    r = FIELD_RANGES["eos_token_id"]
+    if len(ids) > MAX_EOS_IDS or not all(t in r and isinstance(t, int) and t < vocab_size for t in ids):
+        raise ValueError(f"config field 'eos_token_id'={_short(v)} must be a token id in [0, vocab_size="
+                         f"{vocab_size}) or a list of at most {MAX_EOS_IDS} of them")
+    return tuple(ids)
 
 
 def _rope(layer_type: str, p: dict) -> RopeConfig:
+    where = f"rope_parameters.{layer_type}"
     if not isinstance(p, dict):
-        raise ValueError(f"rope_parameters[{layer_type!r}] must be a dict, got {p!r}")
-    rt = p.get("rope_type", p.get("type", "default"))
-    if rt not in ROPE_TYPES:
-        raise NotImplementedError(f"rope_parameters[{layer_type!r}].rope_type={rt!r}: supported {ROPE_TYPES}")
+        raise ValueError(f"{where} must be a dict, got {_short(p)}")
+    rt = _choice(f"{where}.rope_type", p.get("rope_type", p.get("type", "default")), ROPE_TYPES)
     if "rope_theta" not in p:
-        raise ValueError(f"rope_parameters[{layer_type!r}] has no rope_theta")
-    where = f"rope_parameters[{layer_type!r}]"
-    return RopeConfig(rope_type=rt, theta=_float(f"{where}.rope_theta", p["rope_theta"]),
-                      partial_rotary_factor=(_float(f"{where}.partial_rotary_factor", p.get("partial_rotary_factor", 1.0))
-                                             if rt == "proportional" else 1.0),
-                      factor=_float(f"{where}.factor", p.get("factor", 1.0)) if rt == "proportional" else 1.0)
+        raise ValueError(f"{where} has no rope_theta")
+    prop = rt == "proportional"  # only "proportional" reads these two
+    return RopeConfig(rope_type=rt, theta=_number(f"{where}.rope_theta", p["rope_theta"]),
+                      partial_rotary_factor=_number(f"{where}.partial_rotary_factor",
+                                                    p.get("partial_rotary_factor", 1.0)) if prop else 1.0,
+                      factor=_number(f"{where}.factor", p.get("factor", 1.0)) if prop else 1.0)
+
+
+def quantization_format(d: dict) -> dict | None:
+    """The MLX `quantization` section of a config.json dict (else an HF `quantization_config` that has
+    `bits`), checked as config is read: a dict whose `bits` / `group_size` (global, and in each
+    per-module override dict) are supported integers and whose `mode` is "affine". None when absent.
+    ValueError naming the field, the value and the allowed set; NotImplementedError for another
+    quantization method or mode. (checkpoint._quant_config's checks, one rule, short messages.)"""
+    from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+
+    name, q = "quantization", d.get("quantization")
+    if q is None:
+        name, q = "quantization_config", d.get("quantization_config")
+        if isinstance(q, dict) and "bits" not in q:
+            raise NotImplementedError(f"{name} {_short(q.get('quant_method', q))} is not the MLX affine "
+                                      "format (expected 'bits' and 'group_size')")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"config field {name!r} must be a dict, got {_short(q)}")
+    if q.get("mode", "affine") != "affine":
+        raise NotImplementedError(f"config field '{name}.mode'={_short(q.get('mode'))} is not supported "
+                                  "(only 'affine')")
+    allowed = {"bits": SUPPORTED_BITS, "group_size": SUPPORTED_GROUP_SIZES}
+    for where, sec in [(name, q)] + [(f"{name}.{k}", v) for k, v in q.items() if isinstance(v, dict)]:
+        for key, ok in allowed.items():
+            v = sec.get(key)
+            if v is not None and not (v in Range(min(ok), max(ok)) and int(v) in ok):
+                path = f"{where}.{key}" if len(where) <= 80 else f"{where[:60]}....{key}"  # module names are the user's
+                raise ValueError(f"config field {path!r}={_short(v)} must be one of {ok}")
+    return q
 
 
 def _rope_dict(r: RopeConfig) -> dict:
