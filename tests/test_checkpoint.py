@@ -263,7 +263,7 @@ def test_moe_config_not_implemented():
     (dict(hidden_size=float("inf")), r"'hidden_size'=inf must be an integer"),
     (dict(hidden_size_per_layer_input="8"), r"'hidden_size_per_layer_input'='8' must be an integer"),
     (dict(max_position_embeddings="4096"), r"'max_position_embeddings'='4096' must be an integer"),
-    (dict(max_position_embeddings=0), r"max_position_embeddings=0 must be >= 1"),
+    (dict(max_position_embeddings=0), r"'max_position_embeddings'=0 must be an integer in \[1, "),
     (dict(rope_parameters=[1, 2]), r"'rope_parameters' must be a dict, got \[1, 2\]"),
     (dict(per_layer_config={"2": 64}), r"'per_layer_config' must map layer indices to dicts"),
 ])
