@@ -2,6 +2,7 @@
 
     python benchmarks/profile_forward.py --target 12b [--layers 8] [--batch 1] [--width 1] --out DIR
     python benchmarks/profile_forward.py --target default --draft --out DIR    # assistant draft steps
+    python benchmarks/profile_forward.py --target 12b --context 131072 --out DIR  # decode at a long context
 
 Times `--steps` dependent forwards in one jit (as speculative_bench's forward run does), then
 traces one such call with the JAX profiler and sums the device's kernel events by name and by
@@ -128,7 +129,8 @@ def report(meta: dict, summary: dict, wall_us: float) -> str:
     lines = [f"# Forward profile — {meta['what']}", "",
              f"{meta['env']['device']}, JAX {meta['env']['jax']}, commit {meta['env']['commit']}, {meta['env']['date']}", "",
              f"Command: `{meta['command']}`" + (f" ({meta['note']})" if meta.get("note") else ""), "",
-             f"[B, T] = [{meta['batch']}, {meta['width']}]; {meta['steps']} dependent forwards per call; "
+             f"[B, T] = [{meta['batch']}, {meta['width']}] at {meta.get('context', 64)} cached positions; "
+             f"{meta['steps']} dependent forwards per call; "
              f"events from {meta['source']}; XLA command buffers (CUDA graphs) off, so every kernel "
              "is launched and traced on its own.", "",
              f"Wall per forward {wall_us / 1e3:.3f} ms (median, outside the profiler); kernels "
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--width", type=int, default=1, help="tokens per row: 1 = decode, K = a K-wide verify")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--context", type=int, default=64, help="positions already in the cache (target forwards)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--devices", type=int, default=1,
                     help="split the models over this process's N devices (models.shard); times are per device")
@@ -182,8 +185,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_trace:
         return resummarize(args.out)
-    if args.batch < 1 or args.width < 1 or args.steps < 1:
-        ap.error("--batch, --width and --steps must be >= 1")
+    if args.batch < 1 or args.width < 1 or args.steps < 1 or args.context < 1:
+        ap.error("--batch, --width, --steps and --context must be >= 1")
+    if args.draft and args.context != 64:
+        ap.error("--context is for target forwards; --draft profiles 64 cached positions")
     if args.draft and args.width != 1:
         ap.error("--draft runs one token per row: leave --width at 1")
     bad_devices = devices_error(args.devices)
@@ -208,7 +213,7 @@ def main(argv=None) -> int:
         what = f"assistant draft steps of {what}"
         run, call_args = draft_loop(assistant, target, args.batch, args.steps)
     else:
-        run, call_args = forward_loop(target, args.batch, args.width, args.width, args.steps)
+        run, call_args = forward_loop(target, args.batch, args.width, args.width, args.steps, args.context)
     wall_us = median_time(run, *call_args, warmup=1, repeats=5) / args.steps * 1e6
     log_dir = os.path.join(args.out, "trace")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -217,6 +222,7 @@ def main(argv=None) -> int:
     summary = summarize(events, args.steps * args.devices)  # every device's streams: per device
     env = environment(args.commit)
     meta = {"what": what, "env": env, "batch": args.batch, "width": args.width, "steps": args.steps,
+            "context": args.context,
             "source": source, "weight_gb": weight_bytes_per_token(assistant if args.draft else target) / 1e9,
             "command": "python benchmarks/profile_forward.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     print(write(args.out, meta, wall_us, summary))

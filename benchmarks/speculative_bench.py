@@ -148,12 +148,13 @@ def prompt_sets(args, vocab, batch):
 
 
 # ----------------------------------------------------------------------------------------------
-def forward_loop(target, batch, width, k_real, steps=8):
+def forward_loop(target, batch, width, k_real, steps=8, context=64):
     """(jitted fn, its args): `steps` dependent target forwards over [batch, width] tokens (k_real
     real, the rest padding) at a fixed position, in one fori_loop. The model is an argument of the
     jit, never a closure: captured weights become HLO constants (6.7 GB at 12B) and compiles that
-    take minutes."""
-    cap = 256
+    take minutes. `context`: positions already in the cache (its keys are zeros: attention's cost
+    does not depend on their values); the cache holds them plus 192, as a run at that length would."""
+    cap = max(256, -(-(context + 192) // 256) * 256)
 
     @jax.jit
     def run(target, tokens, cache):
@@ -169,7 +170,7 @@ def forward_loop(target, batch, width, k_real, steps=8):
         return jax.lax.fori_loop(0, steps, body, (tokens, cache))[0]
 
     cache = models.init_cache(target.config, batch, cap, target.dtype)
-    cache = cache.replace(lengths=jnp.full((batch,), 64, jnp.int32))
+    cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
     tokens = jnp.ones((batch, width), jnp.int32)
     return run, (target, tokens, cache)
 

@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import profile_forward as pf  # noqa: E402
+from seeds import seeded_int  # noqa: E402
 
 
 def _meta(pid, name, tid=None, thread=None):
@@ -96,3 +97,14 @@ def test_draft_mode_profiles_the_assistant(tmp_path):
     assert pf.weight_bytes_per_token(assistant) != pf.weight_bytes_per_token(target)
     with pytest.raises(SystemExit):
         pf.main(["--target", "tiny", "--draft", "--width", "4", "--out", str(tmp_path)])
+
+
+def test_context_fills_the_cache():
+    """--context N: the profiled forwards start at N cached positions of a cache that holds them."""
+    target, _, _ = pf.load_pair(type("A", (), dict(target="tiny", assistant=None, layers=0, seed=0, float=False))(),
+                                pf.jnp.bfloat16, pf.DispatchConfig())
+    n = seeded_int(300, 1000)
+    _, (_, tokens, cache) = pf.forward_loop(target, 2, 1, 1, steps=1, context=n)
+    assert cache.lengths.tolist() == [n, n] and n + 192 <= cache.capacity < n + 192 + 256
+    with pytest.raises(SystemExit):
+        pf.main(["--target", "tiny", "--context", "0"])
