@@ -65,7 +65,7 @@ def _read_config(path: str, role: str) -> dict:
     if not os.path.lexists(path):
         raise UsageError(f"{role} directory {path!r} does not exist")
     try:
-        return read_config(path, weights_required=False)[0]
+        return read_config(path, complete=False)[0]
     except ValueError as e:
         raise UsageError(f"{path!r} is not a usable {role} directory: {_one_line(e)}") from None
 

@@ -173,22 +173,28 @@ def _located(path: str, m: dict, name: str) -> str:
     return os.path.join(path, name)
 
 
-def checkpoint_files(path: str, weights_required: bool = True) -> tuple[str, list[str]]:
+def checkpoint_files(path: str, complete: bool = True) -> tuple[str, list[str]]:
     """(config.json, [weight files]) of checkpoint directory `path`, every one checked to be a
     readable regular file (`probe_regular`; nothing is read here but the manifest and the index).
     The weight files are those the manifest lists (at the sizes it records), else those
     `model.safetensors.index.json` names, else every `model*.safetensors`. FileProblem for what
-    cannot be read, ValueError when there are no weight files (unless not `weights_required`)."""
+    cannot be read, ValueError when there are no weight files. With `complete=False` (the CLI's
+    check before the loader runs) only the files present are checked: missing files, sizes and the
+    absence of weights are left to the loader."""
     names = list_dir(path)
     m = read_manifest(path)
     if m is not None:
+        found = {fn: _located(path, m, fn) for fn in sorted(m["weights"])}
+        found = {fn: where for fn, where in found.items() if complete or os.path.lexists(where)}
+        if complete and not any(os.path.lexists(where) for where in found.values()):
+            raise ValueError(f"no *.safetensors files in {path!r}")  # as without a manifest
         weights = []
-        for fn, size in sorted(m["weights"].items()):
-            where = _located(path, m, fn)
+        for fn, where in found.items():
             got = probe_regular(where).st_size
-            if got != size:
-                raise FileProblem(f"{where!r} has {got} bytes where {MANIFEST} records {size}: it changed after "
-                                  f"models.save wrote it (remove {MANIFEST} to load the directory by the usual rules)")
+            if complete and got != m["weights"][fn]:
+                raise FileProblem(f"{os.path.relpath(where, path)!r} has {got} bytes where {MANIFEST} records "
+                                  f"{m['weights'][fn]}: it changed after models.save wrote it (remove {MANIFEST} "
+                                  "to load the directory by the usual rules)")
             weights.append(where)
         config = _located(path, m, CONFIG)
         probe_regular(config)
@@ -207,11 +213,12 @@ def checkpoint_files(path: str, weights_required: bool = True) -> tuple[str, lis
             raise FileProblem(f"{INDEX_FILE}'s weight_map must map tensor names to file names in the directory")
         files = sorted(set(wmap.values()))
         missing = [fn for fn in files if not os.path.lexists(os.path.join(path, fn))]
-        if missing:
+        files = [fn for fn in files if complete or fn not in missing]
+        if missing and complete:
             raise FileProblem(f"{INDEX_FILE} names weight file(s) {missing} that do not exist")
     else:
         files = [fn for fn in names if fnmatch.fnmatchcase(fn, WEIGHT_FILES)]
-        if not files and weights_required:
+        if not files and complete:
             others = [fn for fn in names if fn.endswith(".safetensors")]
             if others:
                 raise ValueError(f"no {WEIGHT_FILES} files in {path!r} (the weights are model.safetensors or the "
@@ -223,10 +230,10 @@ def checkpoint_files(path: str, weights_required: bool = True) -> tuple[str, lis
     return config, weights
 
 
-def read_config(path: str, weights_required: bool = True) -> tuple[dict, list[str]]:
+def read_config(path: str, complete: bool = True) -> tuple[dict, list[str]]:
     """(config.json as a dict, [weight files]) of checkpoint directory `path`, after
-    `checkpoint_files` checked every file."""
-    config, weights = checkpoint_files(path, weights_required)
+    `checkpoint_files(path, complete)` checked the files."""
+    config, weights = checkpoint_files(path, complete)
     d = _json(read_regular(config), CONFIG)
     if not isinstance(d, dict):
         raise FileProblem(f"{CONFIG} is not a JSON object")
