@@ -9,13 +9,11 @@ from whatever the kill left. One final save must leave no trace of the killed on
 Cheap by design: one helper process imports numpy, safetensors and models/checkpoint_files.py
 (not the models package: no JAX) once, and forks a child per save; the tensors are small."""
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
-import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 

@@ -2,7 +2,6 @@
 manifest names what a save wrote and the next save deletes only that, a full disk is an OSError
 (ENOSPC) that leaves the previous checkpoint loadable."""
 import errno
-import json
 import os
 
 import jax
