@@ -58,22 +58,16 @@ def _one_line(e: BaseException) -> str:
 
 def _read_config(path: str, role: str) -> dict:
     """config.json of a model directory, read up front (before the tokenizer, the context check
-    and loading); the weights are the loader's to check."""
-    if not os.path.exists(path):
+    and loading), and every file the loader will open checked to be a readable regular file (a
+    FIFO, a symlink loop, no permission: named here); their contents are the loader's to check."""
+    from models.checkpoint_files import read_config
+
+    if not os.path.lexists(path):
         raise UsageError(f"{role} directory {path!r} does not exist")
-    if not os.path.isdir(path):
-        raise UsageError(f"{role} path {path!r} is not a directory")
-    cpath = os.path.join(path, "config.json")
-    if not os.path.isfile(cpath):
-        raise UsageError(f"{path!r} is not a model directory: no config.json")
     try:
-        with open(cpath) as f:
-            d = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path!r} is not a model directory: config.json is unreadable ({_one_line(e)})") from None
-    if not isinstance(d, dict):
-        raise UsageError(f"{path!r} is not a model directory: config.json is not a JSON object")
-    return d
+        return read_config(path, complete=False)[0]
+    except ValueError as e:
+        raise UsageError(f"{path!r} is not a usable {role} directory: {_one_line(e)}") from None
 
 
 def _parse_configs(model_dir: str, assistant_dir: str | None):
@@ -544,13 +538,42 @@ def cmd_tiny_pair(args) -> int:
 
     from .tokenizer import DEMO_CORPUS, train_byte_bpe
 
+    _check_output_dir(args.dir, args.force)  # before building anything
     target, assistant = models.presets.tiny_pair(seed=args.seed)
     tdir, adir = os.path.join(args.dir, "target"), os.path.join(args.dir, "assistant")
-    models.save(target, tdir)
-    models.save(assistant, adir)
-    train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size).save(os.path.join(tdir, "tokenizer.json"))
+    try:
+        models.save(target, tdir)
+        models.save(assistant, adir)
+        train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size).save(os.path.join(tdir, "tokenizer.json"))
+    except OSError as e:  # e.g. a full disk: the path and the reason, not a traceback
+        raise UsageError(f"cannot write the tiny pair to {args.dir!r}: {e.strerror or _one_line(e)}"
+                         + (f" ({e.filename!r})" if e.filename else "")) from None
     print(f"wrote {tdir} and {adir}\ntry: jaxspec generate \"def f(x):\" --model {tdir} --assistant {adir}")
     return EXIT_OK
+
+
+def _check_output_dir(path: str, force: bool) -> None:
+    """An output directory that exists empty (or anything, with `force`), or can be created."""
+    from models.checkpoint_files import why_not
+
+    try:
+        if os.path.isdir(path):
+            if os.listdir(path) and not force:
+                raise UsageError(f"{path!r} is not empty: tiny-pair would replace the model files in it; pass "
+                                 "--force to write there anyway")
+            where = path
+        elif os.path.lexists(path):
+            raise UsageError(f"{path!r} is not a directory")
+        else:
+            where = os.path.dirname(os.path.abspath(path))
+            while not os.path.lexists(where):
+                where = os.path.dirname(where)
+            if not os.path.isdir(where):
+                raise UsageError(f"cannot create {path!r}: {where!r} is not a directory")
+    except OSError as e:  # a symlink loop, a directory that cannot be listed
+        raise UsageError(why_not(e, path)) from None
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"permission denied: cannot write {path!r} ({where!r} is not writable)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,6 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-pair", help="write a tiny random target + assistant + tokenizer (smoke tests)")
     t.add_argument("dir", help="output directory (gets target/ and assistant/)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--force", action="store_true", help="write into DIR even if it is not empty (its target/ and "
+                                                        "assistant/ model files are replaced)")
     t.add_argument("--debug", action="store_true", help="show tracebacks")
     t.set_defaults(func=cmd_tiny_pair)
 

@@ -29,6 +29,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
+from models.checkpoint_files import FileProblem, read_regular
+
 TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -37,13 +39,23 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing or unusable (the CLI reports it as bad input)."""
 
 
+def _read_text(path: str) -> str:
+    """A regular file's text (never blocking on a FIFO); TokenizerError naming the path otherwise."""
+    try:
+        return read_regular(path).decode("utf-8")
+    except FileProblem as e:
+        raise TokenizerError(str(e)) from None
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path!r} is not UTF-8 text ({e})") from None
+
+
 def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
+    """An optional JSON file: None when nothing is at `path`; whatever is there must be readable."""
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        d = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
         raise TokenizerError(f"cannot read {path}: {e}") from None
     return d if isinstance(d, dict) else None
 
@@ -73,9 +85,8 @@ def find_chat_template(model_dir: str, tokenizer_config: dict | None = None) -> 
     """The chat template of a model directory, or None: `chat_template.jinja`, then
     `chat_template.json`, then `tokenizer_config.json`'s `chat_template`."""
     path = os.path.join(model_dir, "chat_template.jinja")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+    if os.path.lexists(path):
+        return _read_text(path)
     d = _read_json(os.path.join(model_dir, "chat_template.json"))
     if d and isinstance(d.get("chat_template"), str):
         return d["chat_template"]
@@ -98,11 +109,11 @@ def _find_tokenizer_file(model_dir: str) -> str:
     """model_dir/tokenizer.json; for a member of a pair directory (PAIR/target, PAIR/assistant)
     without one, the pair's shared PAIR/tokenizer.json."""
     path = os.path.join(model_dir, TOKENIZER_FILE)
-    if os.path.isfile(path):
+    if os.path.lexists(path):  # whatever is there: from_dir names it if it is not a readable file
         return path
     norm = os.path.normpath(os.path.abspath(model_dir))
     shared = os.path.join(os.path.dirname(norm), TOKENIZER_FILE)
-    if os.path.basename(norm) in PAIR_MEMBERS and os.path.isfile(shared):
+    if os.path.basename(norm) in PAIR_MEMBERS and os.path.lexists(shared):
         return shared
     return path
 
@@ -131,11 +142,12 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tok
 
         path = tokenizer_file or _find_tokenizer_file(model_dir)
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise TokenizerError(f"no {TOKENIZER_FILE} in {model_dir!r} (pass --tokenizer FILE)"
                                  if tokenizer_file is None else f"tokenizer file {path!r} does not exist")
+        text = _read_text(path)  # read here, regular files only: from_file would block on a FIFO
         try:
-            backend = _Tok.from_file(path)
+            backend = _Tok.from_str(text)
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise TokenizerError(f"{path!r} is not a tokenizers JSON file: {str(e).splitlines()[0]}") from None
         tc = _read_json(os.path.join(model_dir, "tokenizer_config.json")) or {}

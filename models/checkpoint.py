@@ -1,11 +1,12 @@
 """Loading HF / MLX safetensors checkpoints and saving the MLX quantized layout.
 
-A checkpoint is a directory with config.json and its weights: the files
-`model.safetensors.index.json` names when it exists, else every `model*.safetensors` (HF's and
-mlx-lm's names; other *.safetensors files beside them, e.g. an adapter, are not read). Every file is
-opened and every tensor name, shape and dtype checked from the shard headers before any tensor data
-is read (an empty, truncated or corrupt file, a missing shard or a bad index is a ValueError naming
-the file); then the tensors are read one at a time from the memory-mapped shards (no second full
+A checkpoint is a directory with config.json and its weights: the files its manifest lists (written
+by `save`), else those `model.safetensors.index.json` names, else every `model*.safetensors` (HF's
+and mlx-lm's names; other *.safetensors files beside them, e.g. an adapter, are not read). Which
+files, and opening only regular files, is models/checkpoint_files.py. Every file is opened and every
+tensor name, shape and dtype checked from the shard headers before any tensor data is read (an
+empty, truncated or corrupt file, a missing shard, a bad index, a FIFO, a file that cannot be read is
+a ValueError naming the file); then the tensors are read one at a time from the memory-mapped shards (no second full
 copy in host memory), cast, optionally quantized, and placed on the default device, where every
 float tensor is checked for NaN / inf (a ValueError naming the checkpoint keys).
 
@@ -16,12 +17,8 @@ config expects come from models.params.
 """
 from __future__ import annotations
 
-import fnmatch
-import json
 import math
 import os
-import secrets
-import shutil
 import sys
 import time
 from typing import Any
@@ -33,9 +30,10 @@ import numpy as np
 from pallas_kernels import DispatchConfig, QuantizedWeight, quantize
 from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_finite, describe_nonfinite
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from .assistant import Assistant
+from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, read_config, save_files,  # noqa: F401
+                               why_not)
 from .config import AssistantConfig, TargetConfig, check_fit
 from .layer_scan import is_stacked, stack_params, unstack_params
 from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, quant_spec, quantizable, quantize_params,
@@ -58,66 +56,29 @@ def _ignorable(name: str, cfg: TargetConfig) -> bool:
 
 
 # ---- reading -------------------------------------------------------------------------------------
-INDEX_FILE = "model.safetensors.index.json"
-WEIGHT_FILES = "model*.safetensors"  # the weight files of a checkpoint without an index (as mlx-lm reads)
-
-
-def _owned(fn: str) -> bool:
-    """The files that are the checkpoint: `save` replaces them, the loader reads them (no other file)."""
-    return fn in ("config.json", INDEX_FILE) or fnmatch.fnmatchcase(fn, WEIGHT_FILES)
-
-
 def _not_loadable(path: str, why: str) -> ValueError:
     return ValueError(f"checkpoint {path!r} is not loadable: {why}")
 
 
-def _read_config(path: str) -> dict:
-    cpath = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint path {path!r} is not a directory")
-    if not os.path.isfile(cpath):
-        raise ValueError(f"no config.json in {path!r}")
-    try:
-        with open(cpath, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise _not_loadable(path, f"config.json cannot be read ({e})") from None
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _not_loadable(path, f"config.json is not readable JSON ({e})") from None
+DTYPES = ("bfloat16", "float16", "float32")  # what the models compute in
 
 
-def _shards(path: str) -> list[str]:
-    """The weight files: those `model.safetensors.index.json` names when it exists, else every
-    `model*.safetensors` (other *.safetensors files, e.g. an adapter beside the model, are not read).
-    ValueError naming the file for an index that is not a JSON weight map or names missing files."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.lexists(index):
-        try:
-            with open(index, "rb") as f:
-                wmap = json.loads(f.read().decode("utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-            what = "has no 'weight_map'" if isinstance(e, (KeyError, TypeError)) else f"is not readable JSON ({e})"
-            raise _not_loadable(path, f"{INDEX_FILE} {what}") from None
-        if (not isinstance(wmap, dict) or not wmap
-                or not all(isinstance(v, str) and v and os.path.basename(v) == v for v in wmap.values())):
-            raise _not_loadable(path, f"{INDEX_FILE}'s weight_map must map tensor names to file names in the "
-                                      "directory")
-        files = sorted(set(wmap.values()))
-        missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
-        if missing:
-            raise _not_loadable(path, f"{INDEX_FILE} names weight file(s) {missing} that do not exist")
-        return [os.path.join(path, fn) for fn in files]
-    names = sorted(os.listdir(path))
-    files = [fn for fn in names if fnmatch.fnmatchcase(fn, WEIGHT_FILES)]
-    if not files:
-        others = [fn for fn in names if fn.endswith(".safetensors")]
-        if others:
-            raise ValueError(f"no {WEIGHT_FILES} files in {path!r} (the weights are model.safetensors or the "
-                             f"shards {INDEX_FILE} names; {others} are not read)")
-        raise ValueError(f"no *.safetensors files in {path!r}")
-    return [os.path.join(path, fn) for fn in files]
+def _model_dtype(dtype):
+    try:
+        d = None if dtype is None else jnp.dtype(dtype)
+    except (TypeError, ValueError):
+        d = None
+    if d is None or d.name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported: load in bfloat16, float16 or float32")
+    return d
+
+
+def _read(path: str) -> tuple[dict, list[str]]:
+    """(config.json, [weight files]) of checkpoint `path`, every file checked (checkpoint_files)."""
+    try:
+        return read_config(path)
+    except FileProblem as e:
+        raise _not_loadable(path, str(e)) from None
 
 
 def _open_shard(path: str, fn: str):
@@ -125,7 +86,7 @@ def _open_shard(path: str, fn: str):
     try:
         return safe_open(fn, framework="numpy")
     except OSError as e:
-        raise _not_loadable(path, f"{os.path.basename(fn)!r} cannot be read ({e})") from None
+        raise _not_loadable(path, why_not(e, fn)) from None
     except SafetensorError as e:
         empty = os.path.getsize(fn) == 0
         why = "is empty" if empty else f"is not a valid safetensors file (truncated or corrupt? {e})"
@@ -164,11 +125,11 @@ def _module_format(qcfg: dict | None, ckpt_module: str, name: str, n_words: int,
     return int(bits), int(gs)
 
 
-def _plan(path: str, shapes: dict, qcfg: dict | None, skip) -> tuple[dict, list, int]:
-    """Match every tensor of the shards to a param from the headers only. Returns
+def _plan(path: str, files: list[str], shapes: dict, qcfg: dict | None, skip) -> tuple[dict, list, int]:
+    """Match every tensor of the shards `files` to a param from the headers only. Returns
     (plan: name -> dict(kind, keys, bits, group_size), handles, total bytes)."""
     handles, where = [], {}
-    for fn in _shards(path):
+    for fn in files:
         h = _open_shard(path, fn)
         handles.append(h)
         for key in h.keys():
@@ -282,7 +243,7 @@ class _Progress:
             self.next = frac + 0.02
 
 
-def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label) -> dict:
+def _load_params(path, files, shapes, qcfg, skip, dtype, quantize_spec, progress, label) -> dict:
     """Read the planned tensors one at a time. Quantized tensors become QuantizedWeights in the
     kernels' layout (built from the file's MLX arrays), their scales and biases cast to `dtype`;
     float ones are cast to `dtype` and, under `quantize_spec`, quantized if they are linear weights
@@ -290,7 +251,7 @@ def _load_params(path, shapes, qcfg, skip, dtype, quantize_spec, progress, label
 
     Every float tensor is checked for NaN / inf as uploaded (after the cast to `dtype`): one fused
     reduction per tensor on device, gathered once at the end; ValueError names the checkpoint keys."""
-    plan, handles, total = _plan(path, shapes, qcfg, skip)
+    plan, handles, total = _plan(path, files, shapes, qcfg, skip)
     bits, gs = quant_spec(quantize_spec)
     prog = _Progress(total, label, progress)
     params, finite = {}, []  # (checkpoint key, the array as held in params, its layout transposed?, flag)
@@ -342,15 +303,17 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     MLX (quantized) checkpoint directory. `quantize={"bits": 4, "group_size": 64}` quantizes float
     linear/embedding weights on load (weights already quantized in the file are kept as they are).
     `matmul=None` resolves to `DispatchConfig.from_env()` here, once: the model then holds that
-    config and nothing later reads the environment."""
+    config and nothing later reads the environment. `dtype`: bfloat16, float16 or float32 (else
+    ValueError, before anything is read)."""
+    dtype = _model_dtype(dtype)
     matmul = DispatchConfig.from_env() if matmul is None else matmul
-    d = _read_config(path)
+    d, files = _read(path)
     cfg = TargetConfig.from_dict(d)
     if not cfg.cache_layers:
         raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
     shapes = target_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head")
-    params = _load_params(path, shapes, _quant_config(d), skip, dtype, quantize, progress, "load_target")
+    params = _load_params(path, files, shapes, _quant_config(d), skip, dtype, quantize, progress, "load_target")
     return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
 
 
@@ -358,15 +321,16 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
                    target=None, progress: bool | None = None) -> Assistant:
     """Load a gemma4_assistant / gemma4_unified_assistant checkpoint. With `target=` (a Target or a
     TargetConfig) the pairing is checked first (hidden size, vocabulary, head dims, KV heads).
-    `quantize` and `matmul` as for `load_target`."""
+    `dtype`, `quantize` and `matmul` as for `load_target`."""
+    dtype = _model_dtype(dtype)
     matmul = DispatchConfig.from_env() if matmul is None else matmul
-    d = _read_config(path)
+    d, files = _read(path)
     cfg = AssistantConfig.from_dict(d)
     if target is not None:
         check_fit(cfg, getattr(target, "config", target))
     shapes = assistant_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg.text) or (cfg.tie_word_embeddings and name == "lm_head")
-    params = _load_params(path, shapes, _quant_config(d), skip, dtype, quantize, progress, "load_assistant")
+    params = _load_params(path, files, shapes, _quant_config(d), skip, dtype, quantize, progress, "load_assistant")
     return Assistant(config=cfg, params=params, matmul=matmul)
 
 
@@ -385,16 +349,15 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
     style readers read it back.
 
     One shard is `model.safetensors`; more (over `shard_bytes` each) are
-    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`. The files are written and
-    fsynced in a temporary directory beside `path`, then renamed in: a new `path` is that one
-    directory renamed; into an existing one each file is renamed over its namesake, and the
-    checkpoint files of an earlier save that this one does not rewrite (`model*.safetensors`, the
-    index) are removed only after the new ones are in place. Other files in `path` (a tokenizer,
-    `adapter_lora.safetensors`, ...) are left alone. If anything fails (a write, disk full, a rename)
-    the directory is restored to what it was, so the previous checkpoint still loads, no temporary
-    directory is left, and the error is re-raised. (A crash of the process in the middle of the few
-    renames can leave a mix; the previous files are then in `.NAME.saving-*/old` beside `path`.)
-    ValueError if `path` exists and is not a directory."""
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; a manifest
+    (`jaxspec_manifest.json`) lists what the save wrote. Files get the umask's mode. The switch from
+    the previous checkpoint is one atomic rename (models/checkpoint_files.py): a crash at any point
+    leaves a directory that loads as the old or the new checkpoint, and the next save tidies up.
+    Only files the previous save wrote (its manifest's; without one, config.json, the index,
+    `model.safetensors`, `model-NNNNN-of-NNNNN.safetensors`) are replaced or deleted: other files and
+    directories stay. ValueError (before writing) if `path` is not a directory or a directory sits
+    where a checkpoint file goes; OSError for a failed write (ENOSPC when the disk is full), the
+    previous checkpoint intact."""
     cfg = model.config
     d = cfg.to_dict()
     formats: dict[str, tuple[int, int]] = {}
@@ -434,120 +397,7 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
         size += nbytes
     shards.append(cur)
 
-    path = os.path.realpath(os.fspath(path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"cannot save a checkpoint to {path!r}: it exists and is not a directory")
-    parent, base = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    work = _work_dir(parent, base)
-    keep_work = False  # set only when a failed swap could not be undone: `work` then holds the old files
-    try:
-        new = os.path.join(work, "new")
-        os.mkdir(new)
-        names = _write_checkpoint(new, shards, d)
-        if not os.path.isdir(path):  # a new directory: one rename
-            os.replace(new, path)
-            try:
-                _fsync_dir(parent)
-            except BaseException:
-                os.replace(path, new)  # a failed save leaves no checkpoint behind
-                raise
-        else:
-            _swap_in(path, new, os.path.join(work, "old"), names)
-    except _UndoFailed:
-        keep_work = True
-        raise
-    finally:
-        if not keep_work:
-            shutil.rmtree(work, ignore_errors=True)
-
-
-class _UndoFailed(OSError):
-    pass
-
-
-def _work_dir(parent: str, base: str) -> str:
-    """A fresh hidden directory beside the target (same filesystem, so its renames are atomic)."""
-    for _ in range(100):
-        work = os.path.join(parent, f".{base}.saving-{secrets.token_hex(4)}")
-        try:
-            os.mkdir(work)  # the umask's mode, unlike mkdtemp's 0700: `new` may become the checkpoint
-            return work
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temporary directory beside {os.path.join(parent, base)!r}")
-
-
-def _fsync_file(fn: str) -> None:
-    fd = os.open(fn, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    if os.name == "posix":  # directories cannot be opened for fsync elsewhere
-        _fsync_file(path)
-
-
-def _write_checkpoint(out: str, shards: list, d: dict) -> list[str]:
-    """Write the shards (+ index when there are several) and config.json into `out`, each file and
-    then the directory fsynced. Returns the file names, config.json last (the order they are swapped in)."""
-    names, weight_map = [], {}
-    for n, shard in enumerate(shards):
-        fn = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: np.asarray(jax.device_get(a)) for k, a in shard}, os.path.join(out, fn),
-                  metadata={"format": "mlx"})
-        _fsync_file(os.path.join(out, fn))
-        weight_map.update({k: fn for k, _ in shard})
-        names.append(fn)
-    docs = [(INDEX_FILE, {"metadata": {}, "weight_map": weight_map})] if len(shards) > 1 else []
-    for fn, doc in docs + [("config.json", d)]:
-        with open(os.path.join(out, fn), "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        names.append(fn)
-    _fsync_dir(out)
-    return names
-
-
-def _swap_in(path: str, new: str, old: str, names: list[str]) -> None:
-    """Rename the files `names` from `new` into `path`, each file of that name already there moved
-    into `old` first; then move the checkpoint files (`_owned`) of `path` that were not rewritten
-    (stale shards, an index) into `old` too. Other files of `path` are never touched. If anything
-    fails, every move is undone (old files back, new ones removed) and the error re-raised; if the
-    undoing fails too, the old files stay in `old` and the error names it."""
-    os.mkdir(old)
-    stale = sorted(fn for fn in os.listdir(path) if _owned(fn) and fn not in names)
-    moved, placed = [], []
-    try:
-        for fn in names:
-            if os.path.lexists(os.path.join(path, fn)):
-                os.replace(os.path.join(path, fn), os.path.join(old, fn))
-                moved.append(fn)
-            os.replace(os.path.join(new, fn), os.path.join(path, fn))
-            placed.append(fn)
-        for fn in stale:  # only now that the new files are in place
-            os.replace(os.path.join(path, fn), os.path.join(old, fn))
-            moved.append(fn)
-        _fsync_dir(path)
-    except BaseException as e:
-        try:
-            for fn in reversed(moved):
-                os.replace(os.path.join(old, fn), os.path.join(path, fn))
-            for fn in placed:
-                if fn not in moved:
-                    os.remove(os.path.join(path, fn))
-        except BaseException as undo:
-            raise _UndoFailed(f"saving to {path!r} failed ({e!r}) and restoring its previous files failed too "
-                              f"({undo!r}): the previous files are in {old!r}") from e
-        try:  # best effort: every previous file is back in place
-            _fsync_dir(path)
-        except OSError:
-            pass
-        raise
+    save_files(path, shards, d)
 
 
 def quantize_model(model, *, bits: int = 4, group_size: int = 64):

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from safetensors.numpy import save_file
 
 import models
-from models import layer_scan, presets
+from models import checkpoint_files, layer_scan, presets
 from models.config import FULL, SLIDING
 from models.params import LINEAR
 from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize
@@ -338,7 +339,10 @@ def test_eos_and_context_length_survive_save_and_load(tmp_path):
         models.TargetConfig.from_dict({**TDICT, "eos_token_id": "</s>"})
 
 
-# ---- atomic saves ----------------------------------------------------------------------------------
+# ---- atomic saves (the kill test is tests/test_checkpoint_kill.py) ---------------------------------
+MANIFEST = checkpoint_files.MANIFEST
+
+
 def snapshot(path):
     """{file name: bytes} of a directory (the whole state a failed save must leave as it was)."""
     return {f: (path / f).read_bytes() for f in sorted(os.listdir(path))}
@@ -367,9 +371,9 @@ def old_ckpt(tmp_path):
 def test_save_keeps_foreign_files_and_drops_stale_shards(old_ckpt, tmp_path):
     t, path = old_ckpt
     foreign = {f: (path / f).read_bytes() for f in ("adapter_lora.safetensors", "tokenizer.json")}
-    # the loader reads the index's files only: the adapter beside the model is not a shard
+    # the loader reads the manifest's files only: the adapter beside the model is not a shard
     assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t)
-    # fewer shards: the index names exactly the new ones, the old ones are gone
+    # fewer shards: the index and the manifest name exactly the new ones, the old ones are gone
     n_before = len([f for f in os.listdir(path) if f.startswith("model-")])
     t2 = float_target(seeded_int(1 << 30))
     models.save(t2, str(path), shard_bytes=256 << 10)
@@ -377,22 +381,23 @@ def test_save_keeps_foreign_files_and_drops_stale_shards(old_ckpt, tmp_path):
     assert 1 < len(shards) < n_before
     index = json.load(open(path / "model.safetensors.index.json"))
     assert sorted(set(index["weight_map"].values())) == shards
+    assert sorted(json.load(open(path / MANIFEST))["weights"]) == shards
     assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t2)
-    # one shard: no index is left pointing at old shards, and without an index the adapter is not read
+    # one shard: no index is left pointing at old shards
     t3 = float_target(seeded_int(1 << 30))
     models.save(t3, str(path))
-    assert sorted(os.listdir(path)) == ["adapter_lora.safetensors", "config.json", "model.safetensors",
+    assert sorted(os.listdir(path)) == ["adapter_lora.safetensors", "config.json", MANIFEST, "model.safetensors",
                                         "tokenizer.json"]
     assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t3)
     assert {f: (path / f).read_bytes() for f in foreign} == foreign
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing written beside it
 
 
 def test_save_into_a_new_directory_and_over_a_file(tmp_path):
     t = float_target(seeded_int(1 << 30))
     path = tmp_path / "a" / "b" / "ckpt"
     models.save(t, str(path))
-    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(path)) == ["config.json", MANIFEST, "model.safetensors"]
     assert sorted(os.listdir(path.parent)) == ["ckpt"]
     umask = os.umask(0o022)
     os.umask(umask)
@@ -433,21 +438,21 @@ REPLACE = os.replace
 
 
 @pytest.mark.parametrize("where", ["save_file 1", "save_file 3", "json.dump", "fsync 2", "os.replace 1",
-                                   "os.replace 2", "os.replace 3", "os.replace 5", "os.replace last",
-                                   "dir fsync after the renames"])
-def test_failed_save_leaves_the_old_checkpoint(old_ckpt, tmp_path, monkeypatch, where):
-    """Whatever fails (a write that fills the disk half way, config.json, an fsync, any rename of the
-    swap, the directory fsync after it), the directory is byte for byte what it was, the old checkpoint
-    loads exactly as before, the error is raised, and no temporary directory is left. The new save has
-    fewer shards with other names, so moving stale files aside is part of the swap."""
-    from models import checkpoint
+                                   "os.replace 2", "os.replace 4", "os.replace last", "dir fsync after the switch"])
+def test_failed_save_leaves_the_old_or_the_new_checkpoint(old_ckpt, tmp_path, monkeypatch, where):
+    """Whatever fails (a write that fills the disk half way, config.json, an fsync, any rename, the
+    directory fsync after the switch) the error is raised, and the directory holds the old checkpoint
+    byte for byte when it failed before the switch (the manifest's rename, os.replace 1), else the
+    new one as the loader reads it; the next save leaves no trace of the failed one and the foreign
+    files are intact. The new save has fewer shards with other names, so deleting stale files is
+    part of it."""
     t, path = old_ckpt
     before = snapshot(path)
     new = float_target(seeded_int(1 << 30))
     kind, _, arg = where.partition(" ")
     if kind == "save_file":
-        fake, _ = _nth_call_fails(int(arg), checkpoint.save_file, _half_written_then_disk_full)
-        monkeypatch.setattr(checkpoint, "save_file", fake)
+        fake, _ = _nth_call_fails(int(arg), safetensors.numpy.save_file, _half_written_then_disk_full)
+        monkeypatch.setattr(safetensors.numpy, "save_file", fake)
     elif kind == "json.dump":
         monkeypatch.setattr(json, "dump", _nth_call_fails(1, json.dump, _disk_full)[0])
     elif kind == "fsync":
@@ -460,44 +465,30 @@ def test_failed_save_leaves_the_old_checkpoint(old_ckpt, tmp_path, monkeypatch, 
             models.save(new, str(tmp_path / "probe"), shard_bytes=256 << 10)
             shutil.rmtree(tmp_path / "probe")
             arg = calls[0]
-            assert arg > 5
+            assert arg > 4
 
         def rename_fails(*_):
             raise OSError(errno.EIO, "injected rename failure")
         monkeypatch.setattr(os, "replace", _nth_call_fails(int(arg), REPLACE, rename_fails)[0])
     else:
-        real = checkpoint._fsync_dir
-        monkeypatch.setattr(checkpoint, "_fsync_dir", lambda p: _disk_full() if p == str(path) else real(p))
+        real = checkpoint_files._fsync_dir
+        monkeypatch.setattr(checkpoint_files, "_fsync_dir", lambda p: _disk_full() if p == str(path) else real(p))
     with pytest.raises(OSError, match="No space left|injected"):
         models.save(new, str(path), shard_bytes=256 << 10)
     monkeypatch.undo()
-    assert snapshot(path) == before
+    switched = json.load(open(path / MANIFEST)) != json.loads(before[MANIFEST])
+    assert switched == (kind == "os.replace" and arg != "1" or kind == "dir"), where
+    if not switched:
+        assert snapshot(path) == before
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t)
-
-
-def test_a_swap_that_cannot_be_undone_keeps_the_old_files(old_ckpt, tmp_path, monkeypatch):
-    """If the renames keep failing while the swap is undone, nothing is deleted: the error names the
-    directory beside the checkpoint that holds the previous files not back in place."""
-    t, path = old_ckpt
-    before = snapshot(path)
-    moved_aside = []
-
-    def replace(src, dst):  # every rename after the first previous file was moved aside fails
-        if moved_aside:
-            raise OSError(errno.EIO, "injected rename failure")
-        REPLACE(src, dst)
-        if os.path.dirname(src) == str(path):
-            moved_aside.append(src)
-    monkeypatch.setattr(os, "replace", replace)
-    with pytest.raises(OSError, match="restoring its previous files failed too") as e:
-        models.save(float_target(1), str(path), shard_bytes=256 << 10)
-    monkeypatch.undo()
-    work = [f for f in os.listdir(tmp_path) if f.startswith(".ckpt.saving-")]
-    assert len(work) == 1 and os.path.join(tmp_path, work[0], "old") in str(e.value)
-    old = tmp_path / work[0] / "old"
-    for f, data in before.items():  # every previous file is where it was or in `old`, intact
-        assert (path / f).exists() and (path / f).read_bytes() == data or (old / f).read_bytes() == data, f
+    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), new if switched else t)
+    t3 = float_target(seeded_int(1 << 30))
+    models.save(t3, str(path))
+    assert sorted(os.listdir(path)) == ["adapter_lora.safetensors", "config.json", MANIFEST, "model.safetensors",
+                                        "tokenizer.json"]
+    assert {f: (path / f).read_bytes() for f in ("adapter_lora.safetensors", "tokenizer.json")} == {
+        f: before[f] for f in ("adapter_lora.safetensors", "tokenizer.json")}
+    assert_same_params(models.load_target(str(path), dtype=jnp.float32, matmul=XLA), t3)
 
 
 # ---- unloadable files: ValueError naming the file, before any tensor is read --------------------------
@@ -528,6 +519,7 @@ def test_unloadable_files_are_named_before_reading_tensors(tmp_path, monkeypatch
     from models import checkpoint
     path = tmp_path / "c"
     models.save(float_target(seeded_int(1 << 30)), str(path), shard_bytes=64 << 10)
+    os.remove(path / MANIFEST)  # the index's rules, as for a checkpoint another tool wrote (manifests: below)
     shard = str(next(path.glob("model-00002-of-*.safetensors")))
     index = path / "model.safetensors.index.json"
     if case == "empty":
@@ -558,12 +550,29 @@ def test_unloadable_files_are_named_before_reading_tensors(tmp_path, monkeypatch
         models.load_target(str(path), matmul=XLA)
 
 
+def test_a_file_changed_after_the_save_is_named(float_ckpt, tmp_path):
+    """With a manifest the sizes it records are checked before anything is read; a bad manifest is
+    named and says how to load the directory without it."""
+    path = tmp_path / "c"
+    shutil.copytree(float_ckpt, path)
+    _truncate(path / "model.safetensors", lambda n: n - seeded_int(1, n // 2))
+    size = os.path.getsize(path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"not loadable: '.*model\.safetensors' has {size} bytes where {MANIFEST} "
+                                         r"records \d+: it changed after models.save wrote it"):
+        models.load_target(str(path), matmul=XLA)
+    (path / MANIFEST).write_text('{"files": ["config.json"]}')
+    with pytest.raises(ValueError, match=rf"{MANIFEST} is not a manifest models.save wrote \(remove it"):
+        models.load_target(str(path), matmul=XLA)
+
+
 def test_only_model_safetensors_are_weights(tmp_path):
     """Without an index the weights are model*.safetensors: an adapter beside them is not read, and a
     directory with only other *.safetensors files says so."""
     t = float_target(seeded_int(1 << 30))
     models.save(t, str(tmp_path / "t"))
     save_file({"model.norm.weight": np.zeros(64, np.float32)}, str(tmp_path / "t" / "adapter_lora.safetensors"))
+    assert_same_params(models.load_target(str(tmp_path / "t"), dtype=jnp.float32, matmul=XLA), t)
+    os.remove(tmp_path / "t" / MANIFEST)  # the rule of a checkpoint another tool wrote
     assert_same_params(models.load_target(str(tmp_path / "t"), dtype=jnp.float32, matmul=XLA), t)
     os.remove(tmp_path / "t" / "model.safetensors")
     with pytest.raises(ValueError, match=r"no model\*\.safetensors files in .*\['adapter_lora\.safetensors'\] are not read"):

@@ -1,0 +1,54 @@
+"""`jaxspec tiny-pair DIR` (issue 41, case 8): it never replaces what is in DIR without --force, and a
+DIR it cannot write is one line naming the path, exit status 2, found before any model is built."""
+import os
+
+import pytest
+
+from jaxspec import cli
+from models import presets
+
+
+@pytest.fixture
+def no_model_building(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was built before the output directory was checked")
+    monkeypatch.setattr(presets, "tiny_pair", refuse)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxspec: error: ") and len(err) < 400, err
+    return err
+
+
+def test_a_non_empty_dir_needs_force(tmp_path, capsys, no_model_building):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "tokenizer.json").write_text("mine")
+    assert cli.main(["tiny-pair", str(tmp_path)]) == 2
+    err = one_error_line(capsys)
+    assert f"'{tmp_path}' is not empty" in err and "--force" in err, err
+    assert (tmp_path / "target" / "tokenizer.json").read_text() == "mine"
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "unwritable"])
+def test_a_dir_that_cannot_be_written_is_named(tmp_path, capsys, no_model_building, case):
+    if case == "unwritable":
+        path = tmp_path / "ro" / "pair"
+        (tmp_path / "ro").mkdir()
+        (tmp_path / "ro").chmod(0o500)
+        if os.access(tmp_path / "ro", os.W_OK):
+            (tmp_path / "ro").chmod(0o700)
+            pytest.skip("this process ignores permission bits (root)")
+        expect = "permission denied"
+    else:
+        (tmp_path / "f").write_text("precious")
+        path = tmp_path / "f" if case == "a file" else tmp_path / "f" / "pair"
+        expect = "is not a directory"
+    try:
+        assert cli.main(["tiny-pair", str(path)]) == 2
+        err = one_error_line(capsys)
+    finally:
+        (tmp_path / "ro").chmod(0o700) if case == "unwritable" else None
+    assert f"'{path}'" in err or f"'{tmp_path / 'f'}'" in err, err
+    assert expect in err, err
+    assert case == "unwritable" or (tmp_path / "f").read_text() == "precious"
