@@ -32,9 +32,9 @@ from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_fini
 from safetensors import SafetensorError, safe_open
 
 from .assistant import Assistant
-from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, read_config, save_files,  # noqa: F401
-                               why_not)
-from .config import AssistantConfig, TargetConfig, check_fit
+from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, checkpoint_files,  # noqa: F401
+                               read_config, save_files, why_not)
+from .config import AssistantConfig, TargetConfig, check_fit, quantization_format
 from .layer_scan import is_stacked, stack_params, unstack_params
 from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, quant_spec, quantizable, quantize_params,
                      target_shapes)
@@ -73,10 +73,14 @@ def _model_dtype(dtype):
     return d
 
 
-def _read(path: str) -> tuple[dict, list[str]]:
-    """(config.json, [weight files]) of checkpoint `path`, every file checked (checkpoint_files)."""
+def _read(path: str, parse) -> tuple[dict, object, list[str]]:
+    """(config.json, parse(config.json), [weight files]) of checkpoint `path`, every file checked
+    (checkpoint_files). The config is parsed before the weight files are required: its errors are
+    the ones to fix first, and cost nothing to find."""
     try:
-        return read_config(path)
+        d, _ = read_config(path, complete=False)
+        cfg = parse(d)
+        return d, cfg, checkpoint_files(path)[1]
     except FileProblem as e:
         raise _not_loadable(path, str(e)) from None
 
@@ -91,22 +95,6 @@ def _open_shard(path: str, fn: str):
         empty = os.path.getsize(fn) == 0
         why = "is empty" if empty else f"is not a valid safetensors file (truncated or corrupt? {e})"
         raise _not_loadable(path, f"{os.path.basename(fn)!r} {why}") from None
-
-
-def _quant_config(d: dict) -> dict | None:
-    q = d.get("quantization")
-    if q is not None and not isinstance(q, dict):
-        raise ValueError(f"quantization must be a dict, got {q!r}")
-    if q is None:
-        q = d.get("quantization_config")
-        if q is not None and not isinstance(q, dict):
-            raise ValueError(f"quantization_config must be a dict, got {q!r}")
-        if q is not None and "bits" not in q:
-            raise NotImplementedError(f"quantization_config {q.get('quant_method', q)!r} is not the MLX affine "
-                                      "format (expected 'bits' and 'group_size')")
-    if q is not None and q.get("mode", "affine") != "affine":
-        raise NotImplementedError(f"quantization mode {q.get('mode')!r} is not supported (only 'affine')")
-    return q
 
 
 def _module_format(qcfg: dict | None, ckpt_module: str, name: str, n_words: int, n_groups: int, k: int):
@@ -307,13 +295,12 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     ValueError, before anything is read)."""
     dtype = _model_dtype(dtype)
     matmul = DispatchConfig.from_env() if matmul is None else matmul
-    d, files = _read(path)
-    cfg = TargetConfig.from_dict(d)
+    d, cfg, files = _read(path, TargetConfig.from_dict)
     if not cfg.cache_layers:
         raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
     shapes = target_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head")
-    params = _load_params(path, files, shapes, _quant_config(d), skip, dtype, quantize, progress, "load_target")
+    params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_target")
     return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
 
 
@@ -324,13 +311,12 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
     `dtype`, `quantize` and `matmul` as for `load_target`."""
     dtype = _model_dtype(dtype)
     matmul = DispatchConfig.from_env() if matmul is None else matmul
-    d, files = _read(path)
-    cfg = AssistantConfig.from_dict(d)
+    d, cfg, files = _read(path, AssistantConfig.from_dict)
     if target is not None:
         check_fit(cfg, getattr(target, "config", target))
     shapes = assistant_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg.text) or (cfg.tie_word_embeddings and name == "lm_head")
-    params = _load_params(path, files, shapes, _quant_config(d), skip, dtype, quantize, progress, "load_assistant")
+    params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_assistant")
     return Assistant(config=cfg, params=params, matmul=matmul)
 
 

@@ -620,7 +620,7 @@ def quantization_format(d: dict) -> dict | None:
     `bits`), checked as config is read: a dict whose `bits` / `group_size` (global, and in each
     per-module override dict) are supported integers and whose `mode` is "affine". None when absent.
     ValueError naming the field, the value and the allowed set; NotImplementedError for another
-    quantization method or mode. (checkpoint._quant_config's checks, one rule, short messages.)"""
+    quantization method or mode."""
     from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
     name, q = "quantization", d.get("quantization")

@@ -286,8 +286,8 @@ def test_assistant_config_fields_of_the_wrong_type_are_named(edit, msg):
 def test_quantization_config_of_the_wrong_type_is_named(float_ckpt, tmp_path):
     t = models.quantize_model(float_target(seeded_int(1 << 30)), bits=4, group_size=32)
     models.save(t, str(tmp_path / "q"))
-    for q, msg in ((dict(bits="4", group_size=32), r"'model\.\S+': bits must be an integer, got '4'"),
-                   ("4-bit", r"quantization must be a dict, got '4-bit'")):
+    for q, msg in ((dict(bits="4", group_size=32), r"'quantization\.bits'='4' must be one of"),
+                   ("4-bit", r"'quantization' must be a dict, got '4-bit'")):
         path = rewrite(tmp_path / "q", tmp_path / "q2", edit_config=lambda c: c.update(quantization=q))
         with pytest.raises(ValueError, match=msg):
             models.load_target(path)
