@@ -191,7 +191,8 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         if key not in tables:
             tables[key] = rope_tables(pos, cfg.rope(i), key[1], dt)
     # what every layer of this forward shares: shapes, positions, RoPE tables, the ring's plan
-    step = SimpleNamespace(b=b, t=t, start=start, pos=pos, slot_pos=slot_pos, tables=tables, cache=cache)
+    step = SimpleNamespace(b=b, t=t, t_real=t_real, start=start, pos=pos, slot_pos=slot_pos, tables=tables,
+                           cache=cache)
     if cache.pos is not None:
         step.cols, step.ring_short, step.ring_keys_pos = cols, ring_short, ring_keys_pos
     ks, vs = list(cache.k), list(cache.v)
@@ -328,10 +329,10 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
             vs[slot] = write_rows(vs[slot], v, step.start, index)
     window = cfg.sliding_window if cfg.is_sliding(i) else None
     if ring and not step.ring_short:
-        a = attention(q, *new_kv[slot], pos, step.ring_keys_pos, window, matmul=mm)
+        a = attention(q, *new_kv[slot], pos, step.ring_keys_pos, window, matmul=mm, rows=step.t_real)
     else:
         a = attention(q, _at(ks[slot], index), _at(vs[slot], index), pos,
-                      step.ring_keys_pos if ring else step.slot_pos, window, matmul=mm)
+                      step.ring_keys_pos if ring else step.slot_pos, window, matmul=mm, rows=step.t_real)
     o_proj, down = w.linear("self_attn.o_proj"), w.linear("mlp.down_proj")
     a = tp_shard.reduce_rows(target, linear(a, o_proj, mm), o_proj, nq * hd)
     h = h + rms_norm(a, w.vector("post_attention_layernorm"), eps)

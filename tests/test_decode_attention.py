@@ -12,6 +12,7 @@ import pytest
 from models.layers import dense_attention, visible
 from pallas_kernels.decode_attention import EMPTY, decode_attention
 from gpu_lowering import TRITON_CALL, lower_for_cuda
+from seeds import seeded_int
 
 INTERPRET = not any(d.platform == "gpu" for d in jax.devices())
 
@@ -217,3 +218,19 @@ def test_gpu_real_shapes(shape):
         for i in range(width):
             one = decode_attention(q[:, i:i + 1], k, v, q_pos[:, i:i + 1], k_pos, window)
             np.testing.assert_array_equal(out[:, i], np.asarray(one)[:, 0], err_msg=f"row {i} of {width}")
+
+
+@pytest.mark.parametrize("path", ["pallas", "xla"])
+def test_attention_of_the_real_rows_only(path):
+    """models.layers.attention(rows=r): a forward padded to the row bucket reads the cache for its r
+    real queries only; those rows are bitwise the padded call's, the pad rows zeros."""
+    from models.layers import attention
+    from pallas_kernels import DispatchConfig
+    mm = DispatchConfig(attention=path, interpret=INTERPRET if path == "pallas" else None)
+    seed = seeded_int(1 << 30)
+    q, k, v, q_pos, k_pos = _inputs(seed, 2, 8, 4, 2, 16, 70, jnp.float32, "global", None)
+    full = np.asarray(attention(q, k, v, q_pos, k_pos, None, matmul=mm))
+    for r in (1, 3):
+        got = np.asarray(attention(q, k, v, q_pos, k_pos, None, matmul=mm, rows=r))
+        np.testing.assert_array_equal(got[:, :r], full[:, :r], err_msg=f"{path}, rows={r}")
+        np.testing.assert_array_equal(got[:, r:], 0.0)
