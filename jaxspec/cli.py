@@ -814,7 +814,7 @@ def _guarded(fn, arg, debug: bool) -> int:
         if debug:
             traceback.print_exc()
         if isinstance(e, USER_ERRORS):
-            _err(f"error: {_one_line(e)}")
+            _err(f"error: {str(e) or type(e).__name__}")  # _err makes it one line, cut once
             return EXIT_USAGE
         if not debug:
             hint = " (rerun with --debug for the traceback)"  # kept whole: the message is cut instead
