@@ -146,7 +146,8 @@ _GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""), ("--top-k", "to
 _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30, ""),
                  ("--max-queue", "max_queue", 1, 100_000, ""),
                  ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
-                 ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, _K_WHY), ("--max-batch", "max_batch", 1, 1 << 12, ""))
+                 ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, _K_WHY),
+                 ("--max-batch", "max_batch", 1, 1 << 12, ""))
 
 
 def _check_ranges(args, ranges) -> None:

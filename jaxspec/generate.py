@@ -303,14 +303,15 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
                   draft: str = "sample", cache_size: int | None = None, logit_bias=(),
                   logprobs: int | None = None, mode: sampling.SamplingMode | None = None) -> Generator:
     """The jitted generation function for one static setting (cached: equal arguments return the
-    same Generator). block_size=1 is classic decoding (no assistant). max_new_tokens is the output
-    buffer and the largest per-row budget; smaller budgets and EOS/stop ids are runtime inputs.
+    same Generator). block_size: 1..MAX_BLOCK_SIZE, 1 is classic decoding (no assistant).
+    max_new_tokens is the output buffer and the largest per-row budget; smaller budgets and EOS/stop
+    ids are runtime inputs.
     temperature / top_k / top_p / logit_bias are the default per-row sampling values; what the
     program can do is `mode` (default: the least those values and `logprobs` need), so Generators
     that differ only in the values share their compiled programs.
     verify_pad: None (the target's `matmul.verify_pad`, read when the Generator runs), a bool or a
-    width. cache_size: KV positions per row (None: prompt width + max_new_tokens + verify width).
-    See Generator for the call signature."""
+    width (at most MAX_VERIFY_WIDTH). cache_size: KV positions per row (None: prompt width +
+    max_new_tokens + verify width). See Generator for the call signature."""
     check_block_size(block_size)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_verify_pad(verify_pad)
@@ -559,8 +560,8 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
              verify_pad=None, draft: str = "sample", cache_size: int | None = None,
              exactness_probe: bool = True, logit_bias=(), logprobs: int | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
-    `assistant` is given (block_size K: K-1 drafts + one K-wide verify per round), classically
-    otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
+    `assistant` is given (block_size K in 1..MAX_BLOCK_SIZE: K-1 drafts + one K-wide verify per
+    round), classically otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
     sampling with temperature / top_k / top_p.
 
     prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
