@@ -48,8 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import loop, sampling
-from .generate import (BUDGET_BUCKET, PROMPT_BUCKET, _check_logprobs, _default_stop_ids, _is_int, _round_up,
-                       effective_block_size, make_generate, stop_array)
+from .generate import (BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _check_logprobs,
+                       _default_stop_ids, _round_up, check_block_size, check_int, effective_block_size,
+                       make_generate, stop_array)
 
 # The programs an engine may run, cheapest first; the last covers every request (the state's layout).
 MODES = (sampling.SamplingMode(), sampling.SamplingMode(sample=True, bias=True), sampling.FULL_MODE)
@@ -117,10 +118,10 @@ class BatchEngine:
                  block_size: int = 4, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
                  rounds_per_step: int = 1, modes=MODES):
-        for name, v in (("slots", slots), ("max_new_tokens", max_new_tokens), ("block_size", block_size),
-                        ("rounds_per_step", rounds_per_step)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        check_int("slots", slots, 1)
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_block_size(block_size, target.config.max_position_embeddings)
+        check_int("rounds_per_step", rounds_per_step, 1, MAX_ROUNDS_PER_CHUNK)
         self.default = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if block_size > 1 and assistant is None:
             block_size = 1
@@ -202,9 +203,11 @@ class BatchEngine:
         copy into the slot are queued, and the next `step` queues its rounds before it reads the
         prefill's token, so admitting never drains the pipeline. Non-finite prefill logits
         (`loop.check_prefill`) come back as that step's event with `error` set."""
-        ids = [int(t) for t in prompt_ids] if _int_list(prompt_ids) else None
-        vocab = self.target.config.vocab_size
-        if not ids or min(ids) < 0 or max(ids) >= vocab:
+        rows = _as_batch(prompt_ids)  # generate's rule: a sequence of ints or a 1-D int array
+        if len(rows) != 1:
+            raise ValueError(f"prompt_ids must be one request's token ids, got {len(rows)} rows")
+        ids, vocab = rows[0], self.target.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt_ids must be a non-empty list of token ids in [0, {vocab})")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
                 not self.fits(len(ids), max_new_tokens):
@@ -296,6 +299,3 @@ class BatchEngine:
             self.owner[slot] = None
             self.fresh.pop(slot, None)
 
-
-def _int_list(x) -> bool:
-    return isinstance(x, (list, tuple, np.ndarray)) and all(_is_int(t) for t in x)

@@ -31,25 +31,151 @@ import traceback
 import warnings
 
 from . import compile_cache
+from .generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+MAX_MESSAGE = 400  # characters of one error / warning line; longer ones are cut with a marker
 
 
 class UsageError(Exception):
     """Bad input: reported as one line, exit status 2."""
 
 
+# What a user can fix (their input, their files, their environment): one line, exit status 2.
+# Everything else is a bug: exit status 1 ("internal error"). The library raises ValueError (and
+# its subclasses, e.g. TokenizerError) or NotImplementedError for what it refuses; the CLI turns
+# what it finds itself (closed stdout, an unusable JAX_PLATFORMS, ...) into UsageError at the source.
+USER_ERRORS = (UsageError, ValueError, NotImplementedError)
+
+
 def _err(msg: str) -> None:
-    print(f"jaxspec: {msg}", file=sys.stderr, flush=True)
+    _note(_one_line(f"jaxspec: {msg}"))
 
 
 def _note(msg: str, end: str = "\n") -> None:
-    print(msg, file=sys.stderr, end=end, flush=True)
+    """Progress and notes go to stderr only: with stderr closed (`2>&-`, sys.stderr is None)
+    print(file=None) would write them into stdout, among the generated text; they are dropped."""
+    if sys.stderr is None:
+        return
+    try:
+        print(msg, file=sys.stderr, end=end, flush=True)
+    except (OSError, ValueError):  # stderr gone (a closed pipe): nobody reads the notes
+        pass
 
 
-def _one_line(e: BaseException) -> str:
-    s = " ".join(str(e).split())
-    return s or type(e).__name__
+def _one_line(e: BaseException | str, limit: int = MAX_MESSAGE) -> str:
+    """The message as one line of at most `limit` characters (whitespace runs collapsed, a longer
+    one cut with a marker saying how much was left out)."""
+    s = " ".join(str(e).split()) or type(e).__name__
+    if len(s) > limit:
+        keep = limit - 40  # room for the marker (at most 38 characters)
+        s = f"{s[:keep]} ... [{len(s) - keep} more characters]"
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# The process's edges: standard streams, the JAX backend, flag ranges
+
+
+def _reserve_std_fds() -> None:
+    """Put /dev/null on a closed fd 0, 1 or 2. Else the next file opened (a weight file, a compile
+    cache entry) takes that number, and whatever writes to "stderr" below Python (XLA's logs) writes
+    into it. Python's own sys.stdout / sys.stderr stay None for a closed stream (see _note)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                nul = os.open(os.devnull, os.O_RDWR)
+                if nul != fd:
+                    os.dup2(nul, fd)
+                    os.close(nul)
+            except OSError:
+                pass
+
+
+def _check_stdout() -> None:
+    """UsageError when stdout cannot take the output (closed: `>&-`, or opened read-only), found
+    before anything is loaded rather than after the whole generation."""
+    out = sys.stdout
+    if out is None:
+        raise UsageError("stdout is closed: the generated text has nowhere to go (redirect it to a file or "
+                         "/dev/null)")
+    try:
+        fd = out.fileno()
+    except (OSError, ValueError, AttributeError):  # not a real file (e.g. captured in a test)
+        return
+    try:
+        import fcntl
+
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except (ImportError, OSError):  # no fcntl (Windows), or a descriptor closed under us
+        try:
+            os.fstat(fd)
+            return
+        except OSError:
+            raise UsageError("stdout is closed: the generated text has nowhere to go") from None
+    if mode == os.O_RDONLY:
+        raise UsageError("stdout is open read-only: the generated text cannot be written (redirect it to a file)")
+
+
+def _check_backend() -> None:
+    """UsageError (one line, naming JAX_PLATFORMS when it is set) when JAX cannot start a backend,
+    e.g. JAX_PLATFORMS=cuda on a machine without the CUDA plugin (JAX raises a bare AssertionError)."""
+    import jax
+
+    try:
+        jax.devices()
+    except Exception as e:
+        detail = " ".join(str(e).split())
+        want = os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME")
+        if want:
+            raise UsageError(f"JAX_PLATFORMS={want!r}: JAX cannot start {want!r} on this machine ("
+                             f"{detail or 'no plugin for it is installed'}); install its jax plugin (e.g. pip "
+                             "install 'jaxspec[cuda12]') or unset JAX_PLATFORMS") from None
+        raise UsageError(f"JAX cannot start a backend on this machine: {detail or type(e).__name__}") from None
+
+
+# Integer flags' ranges, checked up front by _check_ranges (argparse only checks they are integers:
+# its own range errors print the whole usage). (flag, attribute, lowest, highest or None, why)
+_K_WHY = f" (K: at most the kernels' {MAX_BLOCK_SIZE}-row window)"
+_GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""), ("--top-k", "top_k", 1, 2**31 - 1, ""),
+                    ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, _K_WHY),
+                    ("--stream-rounds", "stream_rounds", 1, MAX_ROUNDS_PER_CHUNK, ""),
+                    ("--devices", "devices", 1, None, ""))
+_SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30, ""),
+                 ("--max-queue", "max_queue", 1, 100_000, ""),
+                 ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
+                 ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, _K_WHY),
+                 ("--max-batch", "max_batch", 1, 1 << 12, ""))
+
+
+def _check_ranges(args, ranges) -> None:
+    for flag, attr, lo, hi, why in ranges:
+        v = getattr(args, attr)
+        if v is not None and (v < lo or (hi is not None and v > hi)):
+            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise UsageError(f"{flag} {v}: expected an integer {rng}{why}")
+
+
+def _check_cache_flag(args) -> None:
+    """An unsafe --compile-cache DIR (compile_cache.checked_dir) is bad input, found before anything
+    is loaded; a missing one is created later (0700), when the cache is turned on."""
+    if args.compile_cache is not None and not args.no_compile_cache:
+        try:
+            compile_cache.checked_dir(os.path.expanduser(args.compile_cache), create=False)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--compile-cache: {_one_line(e)}") from None
+
+
+def _check_block_size(args, tcfg) -> None:
+    """K against the model's context, from its config (before loading)."""
+    from .generate import check_block_size
+
+    try:
+        check_block_size(args.block_size, tcfg.max_position_embeddings)
+    except ValueError as e:
+        raise UsageError(f"--block-size: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +286,10 @@ def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
                          "split over all of them (make only the ones to use visible, e.g. CUDA_VISIBLE_DEVICES)")
     if args.no_compile_cache:
         compile_cache.disable_default()
-    cache_dir = None if args.no_compile_cache else compile_cache.enable(args.compile_cache)
+    with warnings.catch_warnings(record=True) as caught:  # an unsafe default cache: one line, not Python's two
+        warnings.simplefilter("always")
+        cache_dir = None if args.no_compile_cache else compile_cache.enable(args.compile_cache)
+    _flush_warnings(caught)
     matmul = _matmul_config(args.backend)
     target = _load("target", model_dir, dtype=dtype, matmul=matmul)
     assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
@@ -355,6 +484,9 @@ def cmd_generate(args) -> int:
     from .sampling import validate_sampling, validate_seed
     from .tokenizer import TokenizerError, load_tokenizer
 
+    _check_stdout()
+    _check_ranges(args, _GENERATE_RANGES)
+    _check_cache_flag(args)
     try:
         validate_sampling(args.temperature, args.top_k, args.top_p)
         validate_seed(args.seed)
@@ -365,6 +497,7 @@ def cmd_generate(args) -> int:
         raise UsageError("empty prompt")
     model_dir, assistant_dir = _resolve_dirs(args)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
+    _check_block_size(args, tcfg)
 
     try:
         tok = load_tokenizer(model_dir, args.tokenizer)
@@ -393,6 +526,7 @@ def cmd_generate(args) -> int:
     stop = () if args.ignore_eos else tok.eos_token_ids
 
     dtype = _dtype(args)
+    _check_backend()
     _check_memory(tcfg, len(ids), max_tokens, args.block_size if assistant_dir else 1, dtype,
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
@@ -458,17 +592,20 @@ def cmd_serve(args) -> int:
     if missing:
         raise UsageError(f"jaxspec serve needs {' and '.join(missing)}: pip install 'jaxspec[serve]'")
     _check_serve_flags(args)  # before importing the server (JAX) or loading anything: found in a second
+    _check_cache_flag(args)
     from . import server
     from .tokenizer import TokenizerError, load_tokenizer
 
     origins = tuple(args.allow_origin or ())
     api_key = args.api_key or None  # "" (e.g. JAXSPEC_API_KEY= ) means no key
     model_dir, assistant_dir = _resolve_dirs(args)
-    _parse_configs(model_dir, assistant_dir)
+    tcfg, _ = _parse_configs(model_dir, assistant_dir)
+    _check_block_size(args, tcfg)
     try:
         tok = load_tokenizer(model_dir, args.tokenizer)
     except TokenizerError as e:
         raise UsageError(str(e)) from None
+    _check_backend()
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, _dtype(args))
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
@@ -490,19 +627,11 @@ def cmd_serve(args) -> int:
 _ORIGIN = re.compile(r"^(\*|[a-zA-Z][a-zA-Z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^\s/:?#\[\]@]+)(:\d{1,5})?)$")
 
 
-# The serve flags' ranges: (flag, attribute, lowest, highest)
-_SERVE_RANGES = (("--port", "port", 1, 65535), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30),
-                 ("--max-queue", "max_queue", 1, 100_000), ("--rounds-per-chunk", "rounds_per_chunk", 1, 64))
-
-
 def _check_serve_flags(args) -> None:
     """UsageError (one line) for a serve flag out of range, a malformed --allow-origin, or an
     address that cannot be listened on. Checked here rather than by argparse, whose errors print
     the whole usage."""
-    for flag, attr, lo, hi in _SERVE_RANGES:
-        v = getattr(args, attr)
-        if not lo <= v <= hi:
-            raise UsageError(f"{flag} {v}: expected an integer in {lo}..{hi}")
+    _check_ranges(args, _SERVE_RANGES)
     for o in args.allow_origin or ():
         if not _ORIGIN.match(o):
             raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port], "
@@ -580,16 +709,6 @@ def _check_output_dir(path: str, force: bool) -> None:
 # main
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding (Gemma 4 + MTP assistant) in JAX.")
     p.add_argument("--version", action="version", version=f"jaxspec {_version()}")
@@ -608,30 +727,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (one user turn)")
-    g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
+    g.add_argument("--max-tokens", type=int, default=128, metavar="N",
                    help="new tokens at most (default 128); lowered to fit the model's context "
                         "(max_position_embeddings); more than the KV cache can hold in the device's memory "
                         "is exit status 2")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    g.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    g.add_argument("--top-k", type=int, default=None, metavar="K")
     g.add_argument("--top-p", type=float, default=None, metavar="P")
     g.add_argument("--seed", type=int, default=0, metavar="S",
                    help="sampling seed, an integer in [0, 2**64) (default 0)")
-    g.add_argument("--block-size", type=_positive_int, default=4, metavar="K",
-                   help="verify width K: K-1 drafts + 1 per round (default 4; 1 decodes classically)")
+    g.add_argument("--block-size", type=int, default=4, metavar="K",
+                   help=f"verify width K, 1..{MAX_BLOCK_SIZE}: K-1 drafts + 1 per round (default 4; 1 decodes "
+                        "classically)")
     g.add_argument("--verify-pad", choices=("on", "off"), default=None,
                    help="pad the verify to the tiled matmul path (default: the dispatch config's verify_pad, "
                         "i.e. $JAXSPEC_MTP_VERIFY_PAD, else off)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS / end-of-turn tokens")
     g.add_argument("--stream", action="store_true", help="print tokens as rounds complete")
-    g.add_argument("--stream-rounds", type=_positive_int, default=1, metavar="R",
-                   help="rounds per streamed chunk (default 1)")
+    g.add_argument("--stream-rounds", type=int, default=1, metavar="R",
+                   help=f"rounds per streamed chunk, 1..{MAX_ROUNDS_PER_CHUNK} (default 1)")
     g.add_argument("--compare", action="store_true", help="also run classic decoding and report the speedup")
     g.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto",
                    help="quantized matmul: Pallas kernels (GPU default) or XLA dequantize+dot (CPU default)")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
                    help="activation / scale dtype (default bfloat16)")
-    g.add_argument("--devices", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--devices", type=int, default=None, metavar="N",
                    help="split the models over this process's N devices (tensor parallel, models.shard; N > 1 "
                         "must be all of them); the xla backend splits the matmuls, the Pallas kernels still "
                         "gather their weights")
@@ -668,15 +788,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body, 1024..1 GiB (default 1048576 = 1 MiB); larger is HTTP 413")
     v.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond the running batch, 1..100000 (default 64); more get HTTP 429")
-    v.add_argument("--block-size", type=_positive_int, default=4, metavar="K",
-                   help="verify width K (default 4; 1 decodes classically)")
-    v.add_argument("--max-batch", type=_positive_int, default=4, metavar="N",
+    v.add_argument("--block-size", type=int, default=4, metavar="K",
+                   help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
+    v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window)")
     v.add_argument("--rounds-per-chunk", type=int, default=4, metavar="R",
-                   help="decode rounds between two reads of the new tokens and two admissions, 1..64 (default 4; "
-                        "1 suits a large model: on the H200 the 12B streams 6%% faster with half the time to first "
-                        "token)")
+                   help=f"decode rounds between two reads of the new tokens and two admissions, "
+                        f"1..{MAX_ROUNDS_PER_CHUNK} (default 4; 1 suits a large model: on the H200 the 12B streams "
+                        "6%% faster with half the time to first token)")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")
@@ -705,37 +825,43 @@ def _version() -> str:
 
 
 def _guarded(fn, arg, debug: bool) -> int:
+    """Run a command; map what escapes it by one rule: USER_ERRORS -> one line, exit 2; any other
+    exception is a bug -> "internal error", exit 1; Ctrl-C -> 130; stdout closed by its reader
+    (`| head`) -> quiet exit 0, as other Unix tools."""
     try:
         return fn(arg)
-    except UsageError as e:
-        if debug:
-            traceback.print_exc()
-        _err(f"error: {_one_line(e)}")
-        return EXIT_USAGE
     except KeyboardInterrupt:
         _err("interrupted")
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `jaxspec generate ... | head`
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
+    except BrokenPipeError:
+        _silence_stdout()
         return EXIT_OK
-    except (ValueError, NotImplementedError) as e:  # input the library refused (sampling, budgets, ...)
-        if debug:
-            traceback.print_exc()
-        _err(f"error: {_one_line(e)}")
-        return EXIT_USAGE
     except Exception as e:
         if debug:
             traceback.print_exc()
-            return EXIT_ERROR
-        _err(f"internal error: {type(e).__name__}: {_one_line(e)[:500]} (rerun with --debug for the traceback)")
+        if isinstance(e, USER_ERRORS):
+            _err(f"error: {str(e) or type(e).__name__}")  # _err makes it one line, cut once
+            return EXIT_USAGE
+        if not debug:
+            hint = " (rerun with --debug for the traceback)"  # kept whole: the message is cut instead
+            _err(f"internal error: {type(e).__name__}: {_one_line(e, MAX_MESSAGE - 100)}{hint}")
         return EXIT_ERROR
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null: the interpreter's last flush of what stdout still buffers would
+    otherwise raise BrokenPipeError again at exit ("Exception ignored ...", exit status 120)."""
+    try:
+        nul = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nul, sys.stdout.fileno())
+        os.close(nul)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _reserve_std_fds()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -8,6 +8,11 @@ probe), for the Python API as for the CLI. Opt out before that with `disable_def
 e.g. $JAX_COMPILATION_CACHE_DIR) wins and keeps its settings. generate's own programs are also kept
 whole in its `jaxspec-programs` folder (`jaxspec.programs`), so that a new process skips their tracing too.
 
+What the cache holds is loaded as code (pickles, executables), so a directory someone else can write
+is never used: one not owned by this user, or writable by its group or by others. An explicit
+directory (`enable(path)`, the CLI's --compile-cache) that is unsafe is a ValueError; the default one
+is created 0700 and, if found unsafe, skipped with a warning (everything runs without the cache).
+
     with CompileLog() as log:
         jaxspec.generate(...)
     log.programs   # [(name, trace s, lower s, compile s, load s), ...] for each program built
@@ -16,23 +21,78 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
+import warnings
 
 DEFAULT_DIR = os.path.join("~", ".cache", "jaxspec", "jax")
 _auto = {"on": True, "done": False}
+_warned: set = set()  # unsafe directories already warned about (once each per process)
+
+
+def checked_dir(path: str, create: bool = True) -> str:
+    """`path` if it is safe to load compiled programs from: a directory owned by this user and not
+    writable by its group or others. Missing: created 0700 (parents as the umask says), or with
+    create=False returned as it is (nothing to load yet). ValueError (one line, naming the path and
+    what is wrong) otherwise; OSError when it cannot be created."""
+    if not os.path.exists(path):
+        if create:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+    st = os.stat(path)
+    why = None
+    if not stat.S_ISDIR(st.st_mode):
+        why = "it is not a directory"
+    elif hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        why = f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+        why = f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    if why:
+        raise ValueError(f"compile cache directory {path!r} is unsafe: {why}; its files are loaded as code, so use a "
+                         f"directory only you can write (e.g. chmod go-w, or another directory)")
+    return path
+
+
+def _safe_or_none(path: str) -> str | None:
+    """`checked_dir(path)`, or None with a warning (once per directory) when it is unsafe or cannot
+    be made: for directories the user did not name here (the default, JAX's own setting)."""
+    try:
+        return checked_dir(path)
+    except ValueError as e:
+        if path not in _warned:
+            _warned.add(path)
+            warnings.warn(f"jaxspec: running without the on-disk compile cache: {e}", RuntimeWarning, stacklevel=3)
+    except OSError:  # e.g. a read-only home
+        pass
+    return None
+
+
+def default_dir() -> str | None:
+    """DEFAULT_DIR, created 0700 if missing; None (with a RuntimeWarning, once) when it is unsafe
+    (`checked_dir`) or cannot be created."""
+    return _safe_or_none(os.path.expanduser(DEFAULT_DIR))
 
 
 def enable(path: str | None = None) -> str | None:
     """Keep compiled programs in JAX's persistent compilation cache in `path` (default DEFAULT_DIR).
     A directory already set in JAX's configuration wins and is left with its settings. Returns the
-    directory in use, or None when the cache cannot be turned on (e.g. a read-only home: then
-    everything runs without it)."""
+    directory in use, or None when the cache cannot be turned on (e.g. a read-only home, or an
+    unsafe default or JAX directory, see `checked_dir`: then everything runs without it).
+    ValueError for an explicit `path` that is unsafe."""
     import jax  # here, not at the top: the CLI imports this module before it needs JAX
 
     if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    path = os.path.expanduser(DEFAULT_DIR if path is None else path)
+        return _safe_or_none(jax.config.jax_compilation_cache_dir)
+    if path is None:
+        path = default_dir()
+        if path is None:
+            return None
+    else:
+        try:
+            path = checked_dir(os.path.expanduser(path))
+        except OSError:
+            return None
     try:
-        os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -55,7 +115,8 @@ def ensure_default() -> str | None:
     if _auto["on"] and not _auto["done"]:
         _auto["done"] = True
         return enable()
-    return jax.config.jax_compilation_cache_dir or None
+    configured = jax.config.jax_compilation_cache_dir
+    return _safe_or_none(configured) if configured else None  # checked each time: programs load from it
 
 
 # ---- what a call compiled -----------------------------------------------------------------------

@@ -3,6 +3,7 @@ jitted function behind it).
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import time
@@ -24,6 +25,45 @@ from . import verify
 # Prompts are right-padded to whole row tiles (the prefill's matmul rows; fewer recompiles).
 PROMPT_BUCKET = ROW_TILE
 BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
+
+# The knobs' bounds, one per kind, checked by `check_int` wherever the knob is accepted (generate,
+# make_generate, streaming, BatchEngine, the server, the CLI before it loads anything).
+# K: a verify of more rows than the kernels' row window (ROW_TILE, the multirow GEMV's tile) is no
+# longer one weight read, so it cannot pay; past it K only multiplies compile time (K = 1000 ran
+# the exactness probe's 1000 steps and compiled for minutes, deaf to Ctrl-C).
+MAX_BLOCK_SIZE = ROW_TILE
+# Rounds per streamed chunk / server step: a chunk is one program of exactly that many rounds, and
+# past 64 the first tokens wait for the whole chunk (a million rounds never finished).
+MAX_ROUNDS_PER_CHUNK = 64
+# An explicit verify_pad width: padding exists to reach the tiled GEMM (past ROW_TILE rows); more
+# than four row tiles (the GEMM's default 64-row tile) only adds work.
+MAX_VERIFY_WIDTH = 4 * ROW_TILE
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    """`value` as an int; ValueError naming `name` and the range unless it is an integer (Python
+    or numpy, not a bool) in lo..hi (hi None: no upper bound)."""
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        rng = f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}"
+        why = {"block_size": f" (K: at most the kernels' {ROW_TILE}-row window)"}.get(name, "")
+        raise ValueError(f"{name} must be {rng}{why}, got {value!r}"[:300])
+    return int(value)
+
+
+def check_block_size(block_size, context: int | None = None) -> int:
+    """K in 1..MAX_BLOCK_SIZE, and no wider than the model's context when it has one."""
+    k = check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+    if context is not None and k > context:
+        raise ValueError(f"block_size={k} is wider than the model's context of {context} tokens")
+    return k
+
+
+def check_verify_pad(verify_pad):
+    """None, a bool, or a pad width in 0..MAX_VERIFY_WIDTH (0: no padding)."""
+    if verify_pad is None or isinstance(verify_pad, (bool, np.bool_)):
+        return verify_pad
+    return check_int("verify_pad", verify_pad, 0, MAX_VERIFY_WIDTH) if _is_int(verify_pad) else \
+        verify.resolve_verify_pad(verify_pad, None)  # its own message for other types
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,18 +303,18 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
                   draft: str = "sample", cache_size: int | None = None, logit_bias=(),
                   logprobs: int | None = None, mode: sampling.SamplingMode | None = None) -> Generator:
     """The jitted generation function for one static setting (cached: equal arguments return the
-    same Generator). block_size=1 is classic decoding (no assistant). max_new_tokens is the output
-    buffer and the largest per-row budget; smaller budgets and EOS/stop ids are runtime inputs.
+    same Generator). block_size: 1..MAX_BLOCK_SIZE, 1 is classic decoding (no assistant).
+    max_new_tokens is the output buffer and the largest per-row budget; smaller budgets and EOS/stop
+    ids are runtime inputs.
     temperature / top_k / top_p / logit_bias are the default per-row sampling values; what the
     program can do is `mode` (default: the least those values and `logprobs` need), so Generators
     that differ only in the values share their compiled programs.
     verify_pad: None (the target's `matmul.verify_pad`, read when the Generator runs), a bool or a
-    width. cache_size: KV positions per row (None: prompt width + max_new_tokens + verify width).
-    See Generator for the call signature."""
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    width (at most MAX_VERIFY_WIDTH). cache_size: KV positions per row (None: prompt width +
+    max_new_tokens + verify width). See Generator for the call signature."""
+    check_block_size(block_size)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_verify_pad(verify_pad)
     sampling.validate_sampling(temperature, top_k, top_p, draft)
     params = sampling.SamplingParams(temperature=float(temperature), top_k=None if top_k is None else int(top_k),
                                      top_p=None if top_p is None else float(top_p), draft=draft,
@@ -304,35 +344,32 @@ def _check_logprobs(logprobs) -> int | None:
 
 
 def _as_batch(prompt_ids) -> list[list[int]]:
-    """One sequence of ints, or a list of them -> a list of rows."""
+    """One sequence of ints, or a sequence of them, or a 1-D / 2-D integer array -> a list of rows.
+    Anything else (None, a dict, a set, a generator, text) is a ValueError naming prompt_ids:
+    a mapping would otherwise pass as its keys."""
     if isinstance(prompt_ids, (str, bytes)):
         raise ValueError("prompt_ids must be token ids (ints), not text: tokenize first")
     if isinstance(prompt_ids, (np.ndarray, jax.Array)):
         arr = np.asarray(prompt_ids)
-        if arr.ndim == 1:
-            prompt_ids = [arr.tolist()]
-        elif arr.ndim == 2:
-            prompt_ids = arr.tolist()
-        else:
+        if arr.ndim not in (1, 2):
             raise ValueError(f"prompt_ids array must be 1-D or 2-D, got shape {arr.shape}")
+        prompt_ids = [arr.tolist()] if arr.ndim == 1 else arr.tolist()
     else:
-        try:
-            prompt_ids = list(prompt_ids)
-        except TypeError:
-            raise ValueError(f"prompt_ids must be a sequence of ints or a list of them, got "
-                             f"{type(prompt_ids).__name__}") from None
+        if not _is_sequence(prompt_ids):
+            raise ValueError(f"prompt_ids must be a sequence of ints or a sequence of them, got "
+                             f"{type(prompt_ids).__name__}")
         if len(prompt_ids) == 0:
-            raise ValueError("empty prompt: prompt_ids has no tokens")
+            raise ValueError("empty prompt: prompt_ids has no token ids")
         if not any(_is_sequence(t) for t in prompt_ids):  # one sequence (its items checked below)
             prompt_ids = [prompt_ids]
     rows = []
     for i, row in enumerate(prompt_ids):
         if not _is_sequence(row):
-            raise ValueError(f"prompt row {i} is not a sequence of ints: {row!r}")
+            raise ValueError(f"prompt row {i} is not a sequence of ints: {row!r}"[:300])
         row = list(row.tolist() if isinstance(row, (np.ndarray, jax.Array)) else row)
         bad = [t for t in row if not _is_int(t)]
         if bad:
-            raise ValueError(f"prompt row {i} has non-integer token ids, e.g. {bad[0]!r}")
+            raise ValueError(f"prompt row {i} has non-integer token ids, e.g. {bad[0]!r}"[:300])
         if len(row) == 0:
             raise ValueError(f"empty prompt: row {i} has no tokens")
         rows.append([int(t) for t in row])
@@ -342,11 +379,20 @@ def _as_batch(prompt_ids) -> list[list[int]]:
 
 
 def _is_sequence(t) -> bool:
-    return hasattr(t, "__iter__") and not isinstance(t, (str, bytes)) and getattr(t, "ndim", 1) != 0
+    """A list, tuple, range or other Sequence, or an array of rank >= 1; not text, not a mapping,
+    set or iterator (unordered, or consumed by reading)."""
+    if isinstance(t, (np.ndarray, jax.Array)):
+        return t.ndim >= 1
+    return isinstance(t, collections.abc.Sequence) and not isinstance(t, (str, bytes))
 
 
 def _is_int(t) -> bool:
     return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _check_target(target) -> None:
+    if not hasattr(target, "config") or not hasattr(target.config, "vocab_size"):
+        raise ValueError(f"target must be a models.Target, got {type(target).__name__}")
 
 
 def _default_stop_ids(target) -> tuple[int, ...]:
@@ -362,13 +408,11 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
                     logprobs=None):
     """Every check that can fail, on the host, before anything is compiled or run. Returns
     (resolved verify_pad, stop ids, capacity, padded prompt width)."""
-    if not hasattr(target, "config") or not hasattr(target.config, "vocab_size"):
-        raise ValueError(f"target must be a models.Target, got {type(target).__name__}")
+    _check_target(target)
     vocab = int(target.config.vocab_size)
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_block_size(block_size, getattr(target.config, "max_position_embeddings", None))
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_verify_pad(verify_pad)
     sampling.validate_seed(seed)
     sampling.validate_sampling(temperature, top_k, top_p, draft)
     _check_logprobs(logprobs)
@@ -476,6 +520,7 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
     compiled), then every program the call needs compiled at once (`programs.compile_all`), the
     exactness probe (T = 0), the Generator and its input arrays. `rounds_per_chunk`: streaming's
     plan (its fixed-round decode program instead of the decode loop)."""
+    _check_target(target)  # first: the default stop ids below read its config
     rows = _as_batch(prompt_ids)
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
@@ -515,8 +560,8 @@ def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, b
              verify_pad=None, draft: str = "sample", cache_size: int | None = None,
              exactness_probe: bool = True, logit_bias=(), logprobs: int | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
-    `assistant` is given (block_size K: K-1 drafts + one K-wide verify per round), classically
-    otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
+    `assistant` is given (block_size K in 1..MAX_BLOCK_SIZE: K-1 drafts + one K-wide verify per
+    round), classically otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
     sampling with temperature / top_k / top_p.
 
     prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from . import compile_cache, sampling, streaming
 from .batching import BatchEngine
 from .serve_guard import Guard, error_json
-from .generate import BUDGET_BUCKET
+from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
 from .tokenizer import IncrementalDecoder, TokenizerError
 
 BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests run alone)
@@ -128,7 +128,6 @@ class _Text:
 
 # ---- validation ------------------------------------------------------------------------------
 MAX_STOP_CHARS = 256        # per stop string
-MAX_ROUNDS_PER_CHUNK = 64   # rounds between two reads of the tokens (and two admissions)
 
 # Fields a request may carry; the values that change nothing are accepted for the others
 # (`_NEUTRAL`); anything else is a 400 naming the field, never silently ignored.
@@ -218,10 +217,10 @@ class Server:
 
     def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
                  rounds_per_chunk: int = 4, max_batch: int = 4, max_queue: int = 64):
-        for name, v, hi in (("max_batch", max_batch, 1 << 12), ("rounds_per_chunk", rounds_per_chunk,
-                                                                 MAX_ROUNDS_PER_CHUNK), ("max_queue", max_queue, 1 << 20)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
-                raise ValueError(f"{name} must be an integer in [1, {hi}], got {v!r}")
+        check_int("max_batch", max_batch, 1, 1 << 12)
+        check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
+        check_int("max_queue", max_queue, 1, 1 << 20)
+        check_block_size(block_size, target.config.max_position_embeddings)
         self.target, self.assistant, self.tok = target, assistant, tokenizer
         self.model_name, self.block_size, self.rounds_per_chunk = model_name, block_size, rounds_per_chunk
         self.max_batch, self.max_queue = max_batch, max_queue

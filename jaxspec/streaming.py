@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 
-from .generate import GenerationResult, plan
+from .generate import MAX_ROUNDS_PER_CHUNK, GenerationResult, check_int, plan
 from .loop import Snapshot, check_prefill, snapshot
 
 
@@ -51,9 +51,8 @@ def stream_generate(target, prompt_ids, *, assistant=None, max_new_tokens: int =
     errors raise here, as does the exactness probe's fallback (it runs here); the prefill and
     decode compile on the first `next()`. The first chunk holds the first token (from prefill),
     then one chunk per `rounds_per_chunk` rounds; the last has `done=True` and `result`. Stopping
-    the iteration early abandons the generation."""
-    if isinstance(rounds_per_chunk, bool) or not isinstance(rounds_per_chunk, int) or rounds_per_chunk < 1:
-        raise ValueError(f"rounds_per_chunk must be an integer >= 1, got {rounds_per_chunk!r}")
+    the iteration early abandons the generation. `rounds_per_chunk`: 1..MAX_ROUNDS_PER_CHUNK (64)."""
+    rounds_per_chunk = check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
     p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
                stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,

@@ -213,9 +213,18 @@ def load_tokenizer(model_dir: str, tokenizer_file: str | None = None) -> Tokeniz
     return Tokenizer.from_dir(model_dir, tokenizer_file)
 
 
+# A chat template comes with the model's files: untrusted code, rendered in Jinja's sandbox and within
+# these limits, so that a runaway or hostile one fails fast (TokenizerError naming the limit) instead
+# of hanging the generation. A real chat template runs a few dozen lines per message.
+TEMPLATE_MAX_STEPS = 1_000_000   # template lines executed (Python line events in the compiled template)
+TEMPLATE_MAX_CHARS = 1 << 24     # characters rendered, and the size of any string / list one +, * builds
+TEMPLATE_MAX_SECONDS = 10.0      # wall clock
+
+
 def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
                          **variables) -> str:
-    """Render a Jinja2 chat template in a sandbox (as HF transformers does)."""
+    """Render a Jinja2 chat template in a sandbox (as HF transformers does), within
+    TEMPLATE_MAX_STEPS / TEMPLATE_MAX_CHARS / TEMPLATE_MAX_SECONDS (TokenizerError past one)."""
     try:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -229,16 +238,89 @@ def render_chat_template(template: str, messages: list[dict], *, add_generation_
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    class Env(ImmutableSandboxedEnvironment):
+        # the one-line ways to build a huge value ("x" * 10**10, 10 ** 10**9, s + s doubling)
+        intercepted_binops = frozenset({"*", "**", "+"})
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 **variables)
+        compiled = env.from_string(template)
+        pieces, size = [], 0
+        with _TemplateBudget():
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           **variables):
+                size += len(piece)
+                if size > TEMPLATE_MAX_CHARS:
+                    raise TokenizerError(f"chat template error: its output passed {TEMPLATE_MAX_CHARS:,} characters "
+                                         "(TEMPLATE_MAX_CHARS)")
+                pieces.append(piece)
+        return "".join(pieces)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"chat template error: {e}") from None
+
+
+def _check_binop(operator, left, right) -> None:
+    """TokenizerError before a +, * or ** whose result would pass TEMPLATE_MAX_CHARS (strings, lists)
+    or 65,536 bits (integers)."""
+    seq = (str, list, tuple)
+    if operator == "*" and isinstance(left, int) and isinstance(right, seq):
+        left, right = right, left
+    if operator == "*" and isinstance(left, seq) and isinstance(right, int):
+        size = len(left) * right
+    elif operator == "+" and isinstance(left, seq) and isinstance(right, seq):
+        size = len(left) + len(right)
+    elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+          and right * abs(left).bit_length() > 1 << 16):
+        raise TokenizerError(f"chat template error: {left} ** {right} is past the template's 65,536-bit integer "
+                             "limit")
+    else:
+        return
+    if size > TEMPLATE_MAX_CHARS:
+        raise TokenizerError(f"chat template error: a {operator} would build {size:,} items, past "
+                             f"{TEMPLATE_MAX_CHARS:,} (TEMPLATE_MAX_CHARS)")
+
+
+class _TemplateBudget:
+    """Counts the lines the compiled template runs (sys.settrace on this thread; Jinja compiles a
+    template to Python code named "<template>", everything else is left untraced) and raises
+    TokenizerError past TEMPLATE_MAX_STEPS lines or TEMPLATE_MAX_SECONDS. The previous tracer (a
+    debugger, coverage) is restored after."""
+
+    def __enter__(self):
+        import sys
+        import time
+
+        self._clock = time.monotonic
+        self.steps, self.deadline = 0, self._clock() + TEMPLATE_MAX_SECONDS
+        self.previous = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.settrace(self.previous)
+
+    def _call(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename == "<template>" else None
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.steps += 1
+            if self.steps > TEMPLATE_MAX_STEPS:
+                raise TokenizerError(f"chat template error: it ran past {TEMPLATE_MAX_STEPS:,} steps "
+                                     "(TEMPLATE_MAX_STEPS): a runaway loop?")
+            if not self.steps % 256 and self._clock() > self.deadline:
+                raise TokenizerError(f"chat template error: it ran past {TEMPLATE_MAX_SECONDS:g} s "
+                                     "(TEMPLATE_MAX_SECONDS)")
+        return self._line
 
 
 class IncrementalDecoder:

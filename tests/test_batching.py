@@ -89,9 +89,15 @@ def test_bad_input_is_refused_before_compute():
         engine.admit([3, 4], 9)
     with pytest.raises(ValueError, match="does not fit"):
         engine.admit(list(range(2, 30)), 8)
+    with pytest.raises(ValueError, match="got dict"):  # generate's rule: its keys are no prompt
+        engine.admit({3: 0, 4: 0}, 4)
     engine.admit([3, 4], 4)
     with pytest.raises(ValueError, match="slots are taken"):
         engine.admit([3, 4], 4)
+    for bad in (-1, 1, True):  # -1 once cancelled the last slot (Python's negative index)
+        with pytest.raises(ValueError, match=r"slot must be an integer in \[0, 1\)"):
+            engine.cancel(bad)
+    assert engine.live == 1
     with pytest.raises(ValueError, match="capacity"):
         BatchEngine(TARGET, None, slots=1, max_new_tokens=40, capacity=32)
     with pytest.raises(ValueError, match="slots"):

@@ -3,12 +3,15 @@ call of the same shapes), the on-disk cache the Python API turns on by default (
 served from it) and its opt-out. The default is checked in subprocesses with HOME in a temp dir."""
 import json
 import os
+import stat
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import jaxspec
+from jaxspec import compile_cache
 from jaxspec.compile_cache import CompileLog
 from models import presets
 
@@ -33,6 +36,7 @@ def test_generate_compiles_each_named_program_once():
 _CHILD = """
 import json, sys
 import numpy as np
+import pytest
 import jaxspec
 from jaxspec import compile_cache
 from models import presets
@@ -59,6 +63,7 @@ def test_default_on_disk_cache_serves_a_new_process_and_opt_out(tmp_path):
     assert not cache.exists() and off["hits"] == 0
     cold = _child(tmp_path / "home", "on")
     assert cache.is_dir() and any(cache.iterdir())
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700  # its files are loaded as code: only its user writes
     programs = cache / "jaxspec-programs"
     assert sorted(p.name.split("-")[0] for p in programs.iterdir()) == ["decode", "prefill"]
     assert not cold["loaded"] and {"prefill", "decode"} <= set(cold["names"])
@@ -74,3 +79,30 @@ def test_default_on_disk_cache_serves_a_new_process_and_opt_out(tmp_path):
     # from what `rebuilt` started from (no whole programs, JAX's cache warm) and runs as it did
     assert not any(programs.iterdir())
     assert warm["tokens"] == rebuilt["tokens"] == cold["tokens"] == off["tokens"]
+
+
+def test_cache_directories_others_can_write_are_refused(tmp_path, monkeypatch):
+    """Cached programs are unpickled and run: a directory another user (or the group) can write
+    could plant one. An explicit one is a ValueError; the default is made 0700, and skipped with a
+    warning when found unsafe."""
+    d = tmp_path / "cache"
+    d.mkdir()
+    for mode, who in ((0o777, "others"), (0o770, "its group"), (0o702, "others")):
+        d.chmod(mode)
+        with pytest.raises(ValueError, match=rf"{d}.* is unsafe: it is writable by {who} \(mode 0{mode:o}\)"):
+            compile_cache.checked_dir(str(d))
+    d.chmod(0o755)
+    assert compile_cache.checked_dir(str(d)) == str(d)
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(d, 4242, 4242)
+        with pytest.raises(ValueError, match="is owned by uid 4242, not by this user"):
+            compile_cache.checked_dir(str(d))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="it is not a directory"):
+        compile_cache.checked_dir(str(tmp_path / "file"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    default = os.path.expanduser(compile_cache.DEFAULT_DIR)
+    assert compile_cache.default_dir() == default and stat.S_IMODE(os.stat(default).st_mode) == 0o700
+    os.chmod(default, 0o777)
+    with pytest.warns(RuntimeWarning, match="running without the on-disk compile cache: .* is unsafe"):
+        assert compile_cache.default_dir() is None

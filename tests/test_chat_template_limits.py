@@ -1,0 +1,105 @@
+"""Chat templates render within limits (issue 41): a template comes with the model's files, and one
+with nested 100,000-step loops hung generation. Now a step limit, an output-size limit, a size limit
+on +, * and ** and a wall-clock limit end it with a TokenizerError naming the limit, while a real
+chat template renders exactly as Jinja's plain sandbox renders it."""
+import sys
+import threading
+import time
+
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from jaxspec import tokenizer
+from jaxspec.tokenizer import TokenizerError, render_chat_template
+from seeds import seeded_rng
+
+# A Gemma-style chat template, written for this test: an optional system turn folded into the first
+# user turn, alternating roles checked, "assistant" renamed "model", text parts of list contents.
+GEMMA_STYLE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set first_prefix = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('roles must alternate user/assistant') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_prefix if loop.first else '') }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- else -%}
+        {%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endfor -%}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"""
+
+
+def conversation(turns: int):
+    rng = seeded_rng()
+    words = ["".join(rng.choice(list("abcdefghij \n"), int(rng.integers(1, 12)))) for _ in range(400)]
+    text = lambda: " ".join(rng.choice(words, int(rng.integers(3, 60))))  # noqa: E731
+    msgs = [{"role": "system", "content": text()}]
+    for i in range(turns):
+        content = text() if i % 3 else [{"type": "text", "text": text()}, {"type": "image"}]
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+    return msgs
+
+
+def plain_render(template, messages, **variables):
+    """The reference: Jinja's sandbox without jaxspec's limits."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **variables)
+
+
+def test_a_real_template_renders_unchanged():
+    before = sys.gettrace()
+    msgs = conversation(301)
+    want = plain_render(GEMMA_STYLE, msgs, bos_token="<bos>")
+    t0 = time.perf_counter()
+    got = render_chat_template(GEMMA_STYLE, msgs, bos_token="<bos>")
+    assert got == want and got.count("<start_of_turn>model\n") == 151
+    assert time.perf_counter() - t0 < 2.0  # 300 turns: milliseconds (the limits cost ~2x on this)
+    assert sys.gettrace() is before  # the tracer in place before (a debugger, coverage) is back
+
+
+def rendered_in_time(template, seconds=30.0):
+    """render_chat_template(template) in a thread: (finished in time, its exception or None). A
+    template that hangs leaves the thread behind instead of hanging the test."""
+    out = {}
+
+    def run():
+        try:
+            render_chat_template(template, [])
+        except Exception as e:
+            out["error"] = e
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), out.get("error")
+
+
+@pytest.mark.parametrize("template,limit", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "TEMPLATE_MAX_STEPS"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "TEMPLATE_MAX_CHARS"),
+    ("{{ 'x' * 10 ** 10 }}", "TEMPLATE_MAX_CHARS"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "TEMPLATE_MAX_CHARS"),
+    ("{{ 7 ** 100000 }}", "65,536-bit"),
+], ids=["nested loops", "output", "repeat", "doubling", "power"])
+def test_runaway_templates_end_with_the_limit_named(template, limit):
+    finished, error = rendered_in_time(template)
+    assert finished, "the template is still running"
+    assert isinstance(error, TokenizerError) and limit in str(error), error
+
+
+def test_wall_clock_limit(monkeypatch):
+    monkeypatch.setattr(tokenizer, "TEMPLATE_MAX_SECONDS", 0.3)
+    t0 = time.perf_counter()
+    finished, error = rendered_in_time("{% for i in range(100000) %}{{ range(20000) | sum }}{% endfor %}")
+    assert finished and isinstance(error, TokenizerError) and "TEMPLATE_MAX_SECONDS" in str(error), error
+    assert time.perf_counter() - t0 < 3.0
