@@ -72,29 +72,39 @@ def why_not(e: OSError, path: str) -> str:
     return f"cannot read {path!r}: {e.strerror or e}"
 
 
-def stat_regular(path: str) -> os.stat_result:
-    """os.stat of `path` (symlinks followed), which must be a regular file; FileProblem otherwise."""
+def _stat(path: str) -> os.stat_result:
     try:
-        st = os.stat(path)
+        return os.stat(path)
     except OSError as e:
         raise FileProblem(why_not(e, path)) from None
+
+
+def stat_regular(path: str) -> os.stat_result:
+    """os.stat of `path` (symlinks followed), which must be a regular file; FileProblem otherwise."""
+    st = _stat(path)
     if not stat.S_ISREG(st.st_mode):
         raise FileProblem(f"{path!r} is {_kind(st.st_mode)}, not a regular file")
     return st
 
 
-def read_regular(path: str) -> bytes:
-    """The bytes of regular file `path`. Checked by stat first, then opened non-blocking and checked
-    again on the open descriptor (a FIFO swapped in between cannot block either)."""
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of regular file `path`: checked by stat first, then opened
+    non-blocking and checked again on the descriptor (a FIFO swapped in between cannot block)."""
     stat_regular(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise FileProblem(why_not(e, path)) from None
-    with open(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise FileProblem(f"{path!r} is {_kind(mode)}, not a regular file")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FileProblem(f"{path!r} is {_kind(mode)}, not a regular file")
+    return fd
+
+
+def read_regular(path: str) -> bytes:
+    """The bytes of regular file `path` (opened only if it is one: `_open_regular`)."""
+    with open(_open_regular(path), "rb") as f:
         try:
             return f.read()
         except OSError as e:
@@ -103,10 +113,7 @@ def read_regular(path: str) -> bytes:
 
 def list_dir(path: str) -> list[str]:
     """The sorted entries of directory `path`; FileProblem if it is not a readable directory."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise FileProblem(why_not(e, path)) from None
+    st = _stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise FileProblem(f"{path!r} is {_kind(st.st_mode)}, not a directory")
     try:
@@ -118,18 +125,11 @@ def list_dir(path: str) -> list[str]:
 def probe_regular(path: str) -> os.stat_result:
     """`stat_regular`, then an open (non-blocking) and close: a file that cannot be read is named
     here, not by the reader that opens it later (safetensors reports EACCES as "No such file")."""
-    stat_regular(path)
+    fd = _open_regular(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise FileProblem(why_not(e, path)) from None
-    try:
-        st = os.fstat(fd)
+        return os.fstat(fd)
     finally:
         os.close(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise FileProblem(f"{path!r} is {_kind(st.st_mode)}, not a regular file")
-    return st
 
 
 def _json(data: bytes, fn: str):
