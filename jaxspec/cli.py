@@ -21,7 +21,6 @@ benchmark is `python benchmarks/speculative_bench.py` in a source checkout.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -233,10 +232,11 @@ def default_pair_dirs(path: str | None = None) -> tuple[str, str] | None:
 
 
 def _dir_bytes(path: str) -> int:
-    """Bytes of the weight files the loader reads (models.checkpoint.WEIGHT_FILES)."""
-    from models.checkpoint import WEIGHT_FILES
+    """Bytes of the weight files the loader reads (the manifest's, the index's or model*.safetensors:
+    models.checkpoint_files.checkpoint_files; other files in the directory are not counted)."""
+    from models.checkpoint_files import checkpoint_files
 
-    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, WEIGHT_FILES)))
+    return sum(os.path.getsize(f) for f in checkpoint_files(path, complete=False)[1])
 
 
 def _fmt_bytes(n: int) -> str:

@@ -165,3 +165,19 @@ def test_a_dtype_the_models_cannot_run_in_is_refused_before_reading(tmp_path, lo
     """Refused at the call: the path does not even exist, and the error is about the dtype."""
     with pytest.raises(ValueError, match=rf"dtype={dtype!r} is not supported: load in bfloat16, float16 or float32"):
         load(str(tmp_path / "nowhere"), dtype=dtype)
+
+
+def test_cli_memory_estimate_counts_only_the_files_the_loader_reads(ckpt):
+    """The CLI's weight-bytes estimate: the index's files only (a foreign model*.safetensors beside
+    an index is not read, so not counted); a symlink loop among them is a named ValueError."""
+    big = int(seeded_rng().integers(5000, 9000))
+    save_file({"x": np.zeros(big, np.float32)}, str(ckpt / "model_old_version.safetensors"))
+    assert cli._dir_bytes(str(ckpt)) == os.path.getsize(ckpt / "model.safetensors") + os.path.getsize(
+        ckpt / "model_old_version.safetensors")  # no index: model*.safetensors, as the loader reads
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight":
+                                                                                  "model.safetensors"}}))
+    assert cli._dir_bytes(str(ckpt)) == os.path.getsize(ckpt / "model.safetensors")
+    os.remove(ckpt / "model.safetensors")
+    os.symlink("model.safetensors", ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match="symlink loop"):
+        cli._dir_bytes(str(ckpt))
