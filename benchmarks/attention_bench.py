@@ -30,9 +30,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import environment_line, median_time, write_report  # noqa: E402
-from models import layers  # noqa: E402
-from pallas_kernels.decode_attention import decode_attention  # noqa: E402
-from pallas_kernels.flash_attention import flash_attention  # noqa: E402
+from pallas_kernels.decode_attention import decode_attention, dense_attention, visible  # noqa: E402
+from pallas_kernels.flash_attention import blocked_attention, flash_attention  # noqa: E402
 
 EMPTY = int(np.iinfo(np.int32).max)
 KINDS = {  # name: (query heads, kv heads, head dim, window)
@@ -94,7 +93,7 @@ def bench_decode(args, rows):
                 def many(attn):
                     return jax.jit(lambda q, kvs, qp, kp: [attn(q, k_, v_, qp, kp) for k_, v_ in kvs])
 
-                dense = lambda q, k_, v_, qp, kp: layers.dense_attention(q, k_, v_, layers.visible(qp, kp, w))  # noqa: E731
+                dense = lambda q, k_, v_, qp, kp: dense_attention(q, k_, v_, visible(qp, kp, w))  # noqa: E731
                 ref = jax.jit(dense)(q, k, v, qp, kp)
                 variants = [("xla dense", dense)] + [
                     (f"pallas {tu or 'defaults'}", functools.partial(
@@ -121,7 +120,7 @@ def bench_prefill(args, rows):
             pos = jnp.arange(n, dtype=jnp.int32)[None]
             pairs = sum(min(i + 1, window or n) for i in range(n))
             flops = 4 * pairs * hq * d
-            ref_fn = jax.jit(lambda q, k, v, p: layers.blocked_attention(q, k, v, p, p, window))
+            ref_fn = jax.jit(lambda q, k, v, p: blocked_attention(q, k, v, p, p, window))
             variants = [(f"pallas {tu or 'defaults'}", jax.jit(functools.partial(
                 lambda q, k, v, p, tu: flash_attention(q, k, v, p, p, window, **tu).reshape(q.shape[0], q.shape[1], -1),
                 tu=tu))) for tu in args.flash_tunings]

@@ -11,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (EMPTY, ROW_TILE, DispatchConfig, Layer, attention_head_dim_ok, einsum_f32,
-                            quantized_matmul, quantized_matmul_many)
-from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels import (ROW_TILE, DispatchConfig, Layer, attention_head_dim_ok, quantized_matmul,
+                            quantized_matmul_many)
+# the attention kernels and, beside each, its XLA counterpart (the reference, and the CPU path)
+from pallas_kernels.decode_attention import decode_attention, dense_attention, visible  # noqa: F401
+from pallas_kernels.flash_attention import blocked_attention, flash_attention
 
 from .config import RopeConfig
-
-_NEG = float(np.finfo(np.float32).min)  # finite: a fully masked (padding) row stays NaN-free
 
 
 def linear(x: jax.Array, w, matmul: DispatchConfig) -> jax.Array:
@@ -123,96 +122,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     if t <= ROW_TILE:
         return dense_attention(q, k, v, visible(q_pos, k_pos, window))
     return blocked_attention(q, k, v, q_pos, k_pos, window, q_block=q_block, k_block=k_block)
-
-
-def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
-    """`[B, T, C]` bool: k_pos `[B, C]` visible to q_pos `[B, T]` (causal, and within the window)."""
-    kp, qp = k_pos[:, None, :], q_pos[:, :, None]
-    m = kp <= qp
-    if window is not None:
-        m = m & (kp > qp - window)
-    return m
-
-
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Scaled-by-1.0 GQA attention over all C keys at once (the reference, and the short path).
-
-    q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, mask bool `[B, T, C]` (True = visible).
-    Returns `[B, T, Hq * D]` in q's dtype. Scores and softmax in float32; the probabilities are cast
-    to v's dtype before the weighted sum (as HF does).
-
-    Row invariance: a block of T < ROW_TILE queries is padded to ROW_TILE (pad rows repeat the last
-    row's mask and are dropped), so a [B, 1] decode step and a [B, K] verify run the same dot
-    shapes (XLA picks kernels and fusions per shape) and each real row gets the same result.
-    """
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    if t < ROW_TILE:
-        pad = ROW_TILE - t
-        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)), mode="edge")
-    tp = q.shape[1]
-    qg = q.reshape(b, tp, hkv, hq // hkv, d)
-    s = einsum_f32("btkgd,bckd->bkgtc", qg, k.astype(q.dtype))
-    s = jnp.where(mask[:, None, None, :, :], s, _NEG)
-    s = s - jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s)
-    p = p / jnp.sum(p, axis=-1, keepdims=True)
-    o = einsum_f32("bkgtc,bckd->btkgd", p.astype(v.dtype), v)
-    return o[:, :t].reshape(b, t, hq * d).astype(q.dtype)
-
-
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-                      window: int | None = None, *, q_block: int = 256, k_block: int = 512) -> jax.Array:
-    """`attention` without the `[T, C]` score matrix: query blocks (lax.map) x key blocks (lax.scan)
-    with an online softmax in float32; masks per block from the positions; a key block no query of
-    the block can see is skipped (lax.cond). Same math as `dense_attention` (the unnormalised
-    probabilities are cast to v's dtype, so bf16 results agree to bf16 rounding, float32 to float32
-    rounding). Temporary memory O(B * Hq * q_block * (k_block + D))."""
-    b, t, hq, d = q.shape
-    c, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    bq, bk = min(q_block, t), min(k_block, c)
-    nq, nk = -(-t // bq), -(-c // bk)
-    qp = jnp.pad(q, ((0, 0), (0, nq * bq - t), (0, 0), (0, 0)))
-    qpos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, nq * bq - t)), mode="edge")
-    kp = jnp.pad(k.astype(q.dtype), ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
-    vp = jnp.pad(v, ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
-    kpos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, nk * bk - c)), constant_values=EMPTY)
-    qs = jnp.moveaxis(qp.reshape(b, nq, bq, hkv, g, d), 1, 0)
-    qps = jnp.moveaxis(qpos.reshape(b, nq, bq), 1, 0)
-    ks = jnp.moveaxis(kp.reshape(b, nk, bk, hkv, d), 1, 0)
-    vs = jnp.moveaxis(vp.reshape(b, nk, bk, hkv, d), 1, 0)
-    kps = jnp.moveaxis(kpos.reshape(b, nk, bk), 1, 0)
-
-    def one_query_block(args):
-        qi, qpi = args  # [B, bq, Hkv, G, D], [B, bq]
-
-        def key_block(carry, xs):
-            kk, vv, kpi = xs
-            mask = visible(qpi, kpi, window)  # [B, bq, bk]
-
-            def update(carry):
-                m, l, acc = carry
-                s = einsum_f32("btkgd,bckd->bkgtc", qi, kk)
-                s = jnp.where(mask[:, None, None], s, _NEG)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                corr = jnp.exp(m - m_new)
-                p = jnp.exp(s - m_new[..., None])
-                l = l * corr + jnp.sum(p, axis=-1)
-                pv = einsum_f32("bkgtc,bckd->bkgtd", p.astype(vv.dtype), vv)
-                return m_new, l, acc * corr[..., None] + pv
-
-            return jax.lax.cond(jnp.any(mask), update, lambda c_: c_, carry), None
-
-        init = (jnp.full((b, hkv, g, bq), _NEG, jnp.float32), jnp.zeros((b, hkv, g, bq), jnp.float32),
-                jnp.zeros((b, hkv, g, bq, d), jnp.float32))
-        (_, l, acc), _ = jax.lax.scan(key_block, init, (ks, vs, kps))
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that sees nothing (padding) gives 0
-        return jnp.moveaxis(o, 3, 1).astype(q.dtype)  # [B, bq, Hkv, G, D]
-
-    out = jax.lax.map(one_query_block, (qs, qps))  # [nq, B, bq, Hkv, G, D]
-    return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, hq * d)[:, :t]
 
 
 def scale_of(value: float, dtype) -> jax.Array:

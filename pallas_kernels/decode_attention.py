@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .config import EMPTY, ROW_TILE, attention_head_dim_ok
 from .stack import Layer, with_layer
+from .xla import einsum_f32
 
 _NEG = float(np.finfo(np.float32).min)  # finite running-max sentinel: exp(_NEG - _NEG) = 1, no NaN
 _TARGET_PROGRAMS = 128                  # Hkv * splits: about one wave of the H200's 132 SMs
@@ -221,3 +222,41 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
         name=f"decode_attention_combine_d{d}",
     )(m, l, acc)
     return out[:, :, :n_rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+
+
+# ---- the XLA counterpart: the reference, and the short-block path without kernels ---------------
+def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """`[B, T, C]` bool: k_pos `[B, C]` visible to q_pos `[B, T]` (causal, and within the window)."""
+    kp, qp = k_pos[:, None, :], q_pos[:, :, None]
+    m = kp <= qp
+    if window is not None:
+        m = m & (kp > qp - window)
+    return m
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Scaled-by-1.0 GQA attention over all C keys at once (the reference, and the short path).
+
+    q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, mask bool `[B, T, C]` (True = visible).
+    Returns `[B, T, Hq * D]` in q's dtype. Scores and softmax in float32; the probabilities are cast
+    to v's dtype before the weighted sum (as HF does).
+
+    Row invariance: a block of T < ROW_TILE queries is padded to ROW_TILE (pad rows repeat the last
+    row's mask and are dropped), so a [B, 1] decode step and a [B, K] verify run the same dot
+    shapes (XLA picks kernels and fusions per shape) and each real row gets the same result.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    if t < ROW_TILE:
+        pad = ROW_TILE - t
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)), mode="edge")
+    tp = q.shape[1]
+    qg = q.reshape(b, tp, hkv, hq // hkv, d)
+    s = einsum_f32("btkgd,bckd->bkgtc", qg, k.astype(q.dtype))
+    s = jnp.where(mask[:, None, None, :, :], s, _NEG)
+    s = s - jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    o = einsum_f32("bkgtc,bckd->btkgd", p.astype(v.dtype), v)
+    return o[:, :t].reshape(b, t, hq * d).astype(q.dtype)

@@ -7,7 +7,7 @@ window, `k_pos[c] > q_pos[t] - window` (`cache.EMPTY` hides a slot). Scale 1.0, 
 softmax in float32, unnormalised probabilities cast to v's dtype before P @ V, float32 accumulation;
 a query that sees no key gives 0.
 
-Why: the XLA fallback (`layers.blocked_attention`) runs thousands of small sequential steps per
+Why: the XLA fallback (`blocked_attention`, below) runs thousands of small sequential steps per
 layer at long prompts, and cuDNN refuses head_dim 512 (the 12B's global layers).
 
 The block range: the wrapper reduces the positions (cheap XLA) to, per (row, query block), the range
@@ -28,7 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .config import EMPTY, attention_head_dim_ok
+from .decode_attention import visible
 from .stack import Layer, with_layer
+from .xla import einsum_f32
 
 _NEG = float(np.finfo(np.float32).min)  # finite: a fully masked row never makes inf - inf
 
@@ -170,3 +172,57 @@ def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, layer=N
         name=f"flash_attention_d{d}_q{block_q}_k{block_k}",
     )(*([Layer(k_st, layer).operand()] if stacked else []), q, k_st, v_st, qpos, kpos, lo, hi)
     return out[:, :t]
+
+
+# ---- the XLA counterpart: a prefill without kernels (and the kernel's reference at long prompts) ----
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                      window: int | None = None, *, q_block: int = 256, k_block: int = 512) -> jax.Array:
+    """`attention` without the `[T, C]` score matrix: query blocks (lax.map) x key blocks (lax.scan)
+    with an online softmax in float32; masks per block from the positions; a key block no query of
+    the block can see is skipped (lax.cond). Same math as `dense_attention` (the unnormalised
+    probabilities are cast to v's dtype, so bf16 results agree to bf16 rounding, float32 to float32
+    rounding). Temporary memory O(B * Hq * q_block * (k_block + D))."""
+    b, t, hq, d = q.shape
+    c, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    bq, bk = min(q_block, t), min(k_block, c)
+    nq, nk = -(-t // bq), -(-c // bk)
+    qp = jnp.pad(q, ((0, 0), (0, nq * bq - t), (0, 0), (0, 0)))
+    qpos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, nq * bq - t)), mode="edge")
+    kp = jnp.pad(k.astype(q.dtype), ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
+    vp = jnp.pad(v, ((0, 0), (0, nk * bk - c), (0, 0), (0, 0)))
+    kpos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, nk * bk - c)), constant_values=EMPTY)
+    qs = jnp.moveaxis(qp.reshape(b, nq, bq, hkv, g, d), 1, 0)
+    qps = jnp.moveaxis(qpos.reshape(b, nq, bq), 1, 0)
+    ks = jnp.moveaxis(kp.reshape(b, nk, bk, hkv, d), 1, 0)
+    vs = jnp.moveaxis(vp.reshape(b, nk, bk, hkv, d), 1, 0)
+    kps = jnp.moveaxis(kpos.reshape(b, nk, bk), 1, 0)
+
+    def one_query_block(args):
+        qi, qpi = args  # [B, bq, Hkv, G, D], [B, bq]
+
+        def key_block(carry, xs):
+            kk, vv, kpi = xs
+            mask = visible(qpi, kpi, window)  # [B, bq, bk]
+
+            def update(carry):
+                m, l, acc = carry
+                s = einsum_f32("btkgd,bckd->bkgtc", qi, kk)
+                s = jnp.where(mask[:, None, None], s, _NEG)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                corr = jnp.exp(m - m_new)
+                p = jnp.exp(s - m_new[..., None])
+                l = l * corr + jnp.sum(p, axis=-1)
+                pv = einsum_f32("bkgtc,bckd->bkgtd", p.astype(vv.dtype), vv)
+                return m_new, l, acc * corr[..., None] + pv
+
+            return jax.lax.cond(jnp.any(mask), update, lambda c_: c_, carry), None
+
+        init = (jnp.full((b, hkv, g, bq), _NEG, jnp.float32), jnp.zeros((b, hkv, g, bq), jnp.float32),
+                jnp.zeros((b, hkv, g, bq, d), jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(key_block, init, (ks, vs, kps))
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that sees nothing (padding) gives 0
+        return jnp.moveaxis(o, 3, 1).astype(q.dtype)  # [B, bq, Hkv, G, D]
+
+    out = jax.lax.map(one_query_block, (qs, qps))  # [nq, B, bq, Hkv, G, D]
+    return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, hq * d)[:, :t]

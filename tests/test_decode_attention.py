@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers import dense_attention, visible
-from pallas_kernels.decode_attention import EMPTY, decode_attention
+from pallas_kernels.decode_attention import EMPTY, decode_attention, dense_attention, visible
 from gpu_lowering import TRITON_CALL, lower_for_cuda
 from seeds import seeded_int
 

@@ -1,6 +1,6 @@
-"""pallas_kernels.flash_attention against models.layers.dense_attention and a float64 reference
-(CPU: interpret mode, small shapes), its lowering to Triton at the real shapes, and (GPU only) the
-compiled kernel at the real shapes."""
+"""pallas_kernels.flash_attention against dense_attention (the XLA reference beside decode_attention)
+and a float64 reference (CPU: interpret mode, small shapes), its lowering to Triton at the real
+shapes, and (GPU only) the compiled kernel at the real shapes."""
 import functools
 
 import jax
@@ -10,7 +10,7 @@ import pytest
 
 from gpu_lowering import TRITON_CALL, lower_for_cuda
 from models.cache import EMPTY
-from models.layers import dense_attention, visible
+from pallas_kernels.decode_attention import dense_attention, visible
 from pallas_kernels.flash_attention import EMPTY as KERNEL_EMPTY
 from pallas_kernels.flash_attention import block_ranges, flash_attention
 
