@@ -30,7 +30,7 @@ import traceback
 import warnings
 
 from . import compile_cache
-from .generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
+from .generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_MESSAGE = 400  # characters of one error / warning line; longer ones are cut with a marker
@@ -137,15 +137,14 @@ def _check_backend() -> None:
 
 # Integer flags' ranges, checked up front by _check_ranges (argparse only checks they are integers:
 # its own range errors print the whole usage). (flag, attribute, lowest, highest or None, why)
-_K_WHY = f" (K: at most the kernels' {MAX_BLOCK_SIZE}-row window)"
 _GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""), ("--top-k", "top_k", 1, 2**31 - 1, ""),
-                    ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, _K_WHY),
+                    ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                     ("--stream-rounds", "stream_rounds", 1, MAX_ROUNDS_PER_CHUNK, ""),
                     ("--devices", "devices", 1, None, ""))
 _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30, ""),
                  ("--max-queue", "max_queue", 1, 100_000, ""),
                  ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
-                 ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, _K_WHY),
+                 ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                  ("--max-batch", "max_batch", 1, 1 << 12, ""))
 
 
@@ -169,8 +168,6 @@ def _check_cache_flag(args) -> None:
 
 def _check_block_size(args, tcfg) -> None:
     """K against the model's context, from its config (before loading)."""
-    from .generate import check_block_size
-
     try:
         check_block_size(args.block_size, tcfg.max_position_embeddings)
     except ValueError as e:

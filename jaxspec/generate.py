@@ -21,6 +21,7 @@ from . import loop
 from . import programs
 from . import sampling
 from . import verify
+from .verify import MAX_VERIFY_WIDTH  # noqa: F401  (the knobs' bounds are named here)
 
 # Prompts are right-padded to whole row tiles (the prefill's matmul rows; fewer recompiles).
 PROMPT_BUCKET = ROW_TILE
@@ -35,35 +36,24 @@ MAX_BLOCK_SIZE = ROW_TILE
 # Rounds per streamed chunk / server step: a chunk is one program of exactly that many rounds, and
 # past 64 the first tokens wait for the whole chunk (a million rounds never finished).
 MAX_ROUNDS_PER_CHUNK = 64
-# An explicit verify_pad width: padding exists to reach the tiled GEMM (past ROW_TILE rows); more
-# than four row tiles (the GEMM's default 64-row tile) only adds work.
-MAX_VERIFY_WIDTH = 4 * ROW_TILE
+BLOCK_SIZE_WHY = f" (K: at most the kernels' {MAX_BLOCK_SIZE}-row window)"  # said with K's range
 
 
-def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
-    """`value` as an int; ValueError naming `name` and the range unless it is an integer (Python
-    or numpy, not a bool) in lo..hi (hi None: no upper bound)."""
+def check_int(name: str, value, lo: int, hi: int | None = None, why: str = "") -> int:
+    """`value` as an int; ValueError naming `name` and the range (then `why`) unless it is an
+    integer (Python or numpy, not a bool) in lo..hi (hi None: no upper bound)."""
     if not _is_int(value) or value < lo or (hi is not None and value > hi):
         rng = f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}"
-        why = {"block_size": f" (K: at most the kernels' {ROW_TILE}-row window)"}.get(name, "")
         raise ValueError(f"{name} must be {rng}{why}, got {value!r}"[:300])
     return int(value)
 
 
 def check_block_size(block_size, context: int | None = None) -> int:
     """K in 1..MAX_BLOCK_SIZE, and no wider than the model's context when it has one."""
-    k = check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+    k = check_int("block_size", block_size, 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY)
     if context is not None and k > context:
         raise ValueError(f"block_size={k} is wider than the model's context of {context} tokens")
     return k
-
-
-def check_verify_pad(verify_pad):
-    """None, a bool, or a pad width in 0..MAX_VERIFY_WIDTH (0: no padding)."""
-    if verify_pad is None or isinstance(verify_pad, (bool, np.bool_)):
-        return verify_pad
-    return check_int("verify_pad", verify_pad, 0, MAX_VERIFY_WIDTH) if _is_int(verify_pad) else \
-        verify.resolve_verify_pad(verify_pad, None)  # its own message for other types
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,7 +304,6 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature
     max_new_tokens + verify width). See Generator for the call signature."""
     check_block_size(block_size)
     check_int("max_new_tokens", max_new_tokens, 1)
-    check_verify_pad(verify_pad)
     sampling.validate_sampling(temperature, top_k, top_p, draft)
     params = sampling.SamplingParams(temperature=float(temperature), top_k=None if top_k is None else int(top_k),
                                      top_p=None if top_p is None else float(top_p), draft=draft,
@@ -412,7 +401,7 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
     vocab = int(target.config.vocab_size)
     check_block_size(block_size, getattr(target.config, "max_position_embeddings", None))
     check_int("max_new_tokens", max_new_tokens, 1)
-    check_verify_pad(verify_pad)
+    verify.resolve_verify_pad(verify_pad, None)  # its range now: resolved with the model's config below
     sampling.validate_seed(seed)
     sampling.validate_sampling(temperature, top_k, top_p, draft)
     _check_logprobs(logprobs)

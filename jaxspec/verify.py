@@ -16,24 +16,27 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from pallas_kernels import DispatchConfig, select_path
+from pallas_kernels import ROW_TILE, DispatchConfig, select_path
 
 from . import programs
 
 PAD_TOKEN = 0
+# An explicit verify_pad width: padding exists to reach the tiled GEMM (past ROW_TILE rows); more
+# than four row tiles (the GEMM's default 64-row tile) only adds work.
+MAX_VERIFY_WIDTH = 4 * ROW_TILE
 
 
 def resolve_verify_pad(verify_pad, matmul: DispatchConfig | None) -> bool | int:
     """None -> the target's `matmul.verify_pad` (resolved from the environment once, when the model
     was loaded). True: pad to the qmm threshold; an int: pad to that width (must be >= block_size,
-    checked by the caller); False/0: no padding."""
+    checked by the caller, at most MAX_VERIFY_WIDTH); False/0: no padding."""
     if verify_pad is None:
         return bool((DispatchConfig() if matmul is None else matmul).verify_pad)
     if isinstance(verify_pad, (bool, np.bool_)):
         return bool(verify_pad)
     if isinstance(verify_pad, (int, np.integer)):
-        if verify_pad < 0:
-            raise ValueError(f"verify_pad={verify_pad}: a pad width must be >= 0")
+        if not 0 <= verify_pad <= MAX_VERIFY_WIDTH:
+            raise ValueError(f"verify_pad must be an integer in 0..{MAX_VERIFY_WIDTH}, got {verify_pad!r}")
         return int(verify_pad) if verify_pad > 0 else False
     raise ValueError(f"verify_pad must be None, a bool or an int width, got {verify_pad!r}")
 
