@@ -270,10 +270,10 @@ class TargetConfig:
             sliding_window=_int(d, "sliding_window", get("sliding_window")),
             rope_sliding=ropes[SLIDING],
             rope_full=ropes[FULL],
-            rms_norm_eps=_float("rms_norm_eps", get("rms_norm_eps")),
+            rms_norm_eps=_number("rms_norm_eps", get("rms_norm_eps")),
             hidden_activation=_choice("hidden_activation", get("hidden_activation") or d.get("hidden_act")
                                       or "gelu_pytorch_tanh", ACTIVATIONS),
-            final_logit_softcapping=None if softcap is None else _float("final_logit_softcapping", softcap),
+            final_logit_softcapping=None if softcap is None else _number("final_logit_softcapping", softcap),
             tie_word_embeddings=_bool("tie_word_embeddings", get("tie_word_embeddings")),
             attention_k_eq_v=k_eq_v,
             num_kv_shared_layers=_int(d, "num_kv_shared_layers", get("num_kv_shared_layers")),
@@ -333,7 +333,7 @@ class TargetConfig:
         for f in dataclasses.fields(self):  # every numeric field against its range, sizes first
             if f.name in FIELD_RANGES:
                 v = getattr(self, f.name)
-                if not (v is None and f.name in ("final_logit_softcapping", "max_position_embeddings")):
+                if not (v is None and f.name in _NULL_MEANS):  # the optional fields
                     _number(f.name, v)
         for name in ("rope_sliding", "rope_full"):
             if not isinstance(getattr(self, name), RopeConfig):
@@ -568,10 +568,6 @@ def _number(path: str, v, key: str | None = None):
 
 def _int(d, key, default):
     return _number(key, d.get(key, default))
-
-
-def _float(key, v) -> float:
-    return _number(key, v)
 
 
 def _choice(path: str, v, options: tuple[str, ...]) -> str:
