@@ -16,6 +16,11 @@ The block range: the wrapper reduces the positions (cheap XLA) to, per (row, que
 smallest minus the window. Each program loops over that range only (the exact per-element mask is
 applied inside), so a causal prompt costs ~T^2/2 and a sliding-window one ~T*W, whatever the key
 layout (slot = position, a ring, or old ring ++ new block); no per-block test over all of C.
+
+d_split: d_split programs share one (head, query block). Each computes the whole q.k over D (the same
+scores and softmax state, bit for bit) but only its D / d_split columns of P @ V and of the output:
+a d_split times smaller float32 accumulator and V tile, for one more q.k per extra program. At D = 512
+that frees the registers and shared memory for 128-row query tiles.
 """
 from __future__ import annotations
 
@@ -34,14 +39,15 @@ from .xla import einsum_f32
 
 _NEG = float(np.finfo(np.float32).min)  # finite: a fully masked row never makes inf - inf
 
-# H200 defaults per head dim: (block_q, block_k, num_warps, num_stages). The float32 acc tile
-# (block_q x D) lives in registers: 128 KB of it at most (128 of a thread's 255 registers); the q
-# tile and num_stages K and V tiles sit in shared memory (228 KB). Measured (bf16, causal / window
-# 1024, JAX 0.11.2): D = 256 (128, 64, 8, 2) 272 TFLOP/s at 8K against 153 for (64, 64, 8, 2);
-# D = 512 (32, 32, 4, 2) 175 TFLOP/s at 8K and 32K, (64, 64, 8, 1) 183 at 8K but 164 at 32K,
-# (128, 32, 8, 2) over shared memory. D = 128 (128, 64, 8, 3) 254, D = 64 (64, 64, 4, 3) 169 (causal 8K).
-_DEFAULTS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3),
-             256: (128, 64, 8, 2), 512: (32, 32, 4, 2)}
+# H200 defaults per head dim: (block_q, block_k, num_warps, num_stages, d_split). The float32 acc
+# tile (block_q x D / d_split) lives in registers: 128 KB of it at most (128 of a thread's 255
+# registers); the q tile and num_stages K and V tiles sit in shared memory (228 KB). Measured (bf16,
+# causal / window 1024, JAX 0.11.2): D = 256 (128, 64, 8, 2) 272 TFLOP/s at 8K against 153 for
+# (64, 64, 8, 2); D = 512 (128, 64, 8, 1) with d_split 2 221 / 208 TFLOP/s at 8K / 32K against 169 /
+# 175 unsplit (32, 32, 4, 2); d_split 4 was 0.55-0.77x (docs/benchmark_results/flash-d512-h200-2026-12-03.md).
+# D = 128 (128, 64, 8, 3) 254, D = 64 (64, 64, 4, 3) 169 (causal 8K).
+_DEFAULTS = {16: (64, 64, 4, 3, 1), 32: (64, 64, 4, 3, 1), 64: (64, 64, 4, 3, 1), 128: (128, 64, 8, 3, 1),
+             256: (128, 64, 8, 2, 1), 512: (128, 64, 8, 1, 2)}
 
 
 def _pow2(n: int) -> bool:
@@ -68,10 +74,13 @@ def block_ranges(q_pos, k_pos, window, block_q: int, block_k: int):
 
 
 def _kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lo_ref, hi_ref, o_ref, *, t, c, groups, window,
-            block_q, block_k, nq):
-    h, b = pl.program_id(0), pl.program_id(2)
+            block_q, block_k, nq, d_split):
+    a, b = pl.program_id(0), pl.program_id(2)
+    h, part = divmod(a, d_split) if d_split > 1 else (a, 0)  # head-major, its D parts adjacent
     qb = nq - 1 - pl.program_id(1)  # causal: the costliest (last) query blocks start first
     hk = h // groups
+    dd = q_ref.shape[-1] // d_split
+    cols = slice(None) if d_split == 1 else pl.ds(part * dd, dd)  # this program's columns of V and out
     q0 = qb * block_q
     q_ok = (q0 + jnp.arange(block_q)) < t
     q = pltriton.load(q_ref.at[b, pl.ds(q0, block_q), h, :], mask=q_ok[:, None], other=0)
@@ -85,7 +94,7 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lo_ref, hi_ref, o_ref, *, t
         kv_ok = ((k0 + jnp.arange(block_k)) < c)[:, None]  # tails load as 0: never NaN in P @ V
         kp = pltriton.load(kpos_ref.at[b, pl.ds(k0, block_k)])
         k = pltriton.load(k_ref.at[b, pl.ds(k0, block_k), hk, :], mask=kv_ok, other=0)
-        v = pltriton.load(v_ref.at[b, pl.ds(k0, block_k), hk, :], mask=kv_ok, other=0)
+        v = pltriton.load(v_ref.at[b, pl.ds(k0, block_k), hk, cols], mask=kv_ok, other=0)
         s = pltriton.dot(q, k.astype(q.dtype), trans_b=True, precision=q_prec)  # [bq, bk] float32
         vis = kp[None, :] <= qp[:, None]
         if window is not None:
@@ -98,22 +107,23 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, lo_ref, hi_ref, o_ref, *, t
         acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=v_prec)
         return m_new, l, acc
 
-    d = q.shape[-1]
     init = (jnp.full((block_q,), _NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32),
-            jnp.zeros((block_q, d), jnp.float32))
+            jnp.zeros((block_q, dd), jnp.float32))
     _, l, acc = jax.lax.fori_loop(lo_ref[b, qb], hi_ref[b, qb], step, init)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a query that sees nothing gives 0
-    pltriton.store(o_ref.at[b, pl.ds(q0, block_q), h, :], out.astype(o_ref.dtype), mask=q_ok[:, None])
+    pltriton.store(o_ref.at[b, pl.ds(q0, block_q), h, cols], out.astype(o_ref.dtype), mask=q_ok[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_k", "num_warps", "num_stages", "d_split",
+                                             "interpret"))
 def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, layer=None, block_q: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                    interpret: bool = False) -> jax.Array:
+                    d_split: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of q `[B, T, Hq, D]` over k, v `[B, C, Hkv, D]` with the position mask (module
     docstring); q_pos int `[B, T]`, k_pos int `[B, C]`. Returns `[B, T, Hq, D]` in q's dtype. Tuning
-    arguments left None take the H200 defaults for D (`_DEFAULTS`). `layer` (an int scalar): k and v
-    are stacks `[L, B, C, Hkv, D]` and layer `layer` of each is read in place."""
+    arguments (d_split: module docstring) left None take the H200 defaults for D (`_DEFAULTS`).
+    `layer` (an int scalar): k and v are stacks `[L, B, C, Hkv, D]` and layer `layer` of each is read
+    in place."""
     k_st, v_st = k, v
     if layer is not None:
         k, v = Layer(k, layer), Layer(v, layer)
@@ -139,14 +149,19 @@ def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, layer=N
             raise ValueError(f"{name} must be an integer array of shape {shape}, got {x.dtype}{list(x.shape)}")
     if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
-    dq, dk, dw, ds = _DEFAULTS[min(d, 512)]
+    dq, dk, dw, ds, dsplit = _DEFAULTS[min(d, 512)]
     block_q, block_k = block_q or dq, block_k or dk
     num_warps, num_stages = num_warps or dw, num_stages or ds
+    d_split = dsplit if d_split is None else d_split
     for name, x in (("block_q", block_q), ("block_k", block_k)):
         if not _pow2(x) or x < 16:
             raise ValueError(f"{name}={x} must be a power of two >= 16 (Triton's dot)")
     if num_warps < 1 or num_stages < 1:
         raise ValueError(f"num_warps={num_warps} and num_stages={num_stages} must be >= 1")
+    if not _pow2(d_split):
+        raise ValueError(f"d_split={d_split} must be a power of two")
+    if d // d_split < 16:
+        raise ValueError(f"d_split={d_split}: head_dim / d_split = {d}/{d_split} must be >= 16 (Triton's dot)")
 
     nq, nk = pl.cdiv(t, block_q), pl.cdiv(c, block_k)
     # Positions padded to whole blocks: pad queries repeat the last position (they widen no range),
@@ -162,14 +177,14 @@ def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, layer=N
         t_out = nq * block_q
     stacked = layer is not None
     kernel = functools.partial(with_layer(_kernel, stacked, (1, 2)), t=t, c=c, groups=hq // hkv, window=window, block_q=block_q,
-                               block_k=block_k, nq=nq)
+                               block_k=block_k, nq=nq, d_split=d_split)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, t_out, hq, d), q.dtype),
-        grid=(hq, nq, b),  # heads fastest: the heads of one kv group read the same K/V tiles from L2
+        grid=(hq * d_split, nq, b),  # a head's parts, then a kv group's heads, adjacent: same tiles from L2
         interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"flash_attention_d{d}_q{block_q}_k{block_k}",
+        name=f"flash_attention_d{d}_q{block_q}_k{block_k}" + (f"_dsplit{d_split}" if d_split > 1 else ""),
     )(*([Layer(k_st, layer).operand()] if stacked else []), q, k_st, v_st, qpos, kpos, lo, hi)
     return out[:, :t]
 

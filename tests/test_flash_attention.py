@@ -13,6 +13,7 @@ from models.cache import EMPTY
 from pallas_kernels.decode_attention import dense_attention, visible
 from pallas_kernels.flash_attention import EMPTY as KERNEL_EMPTY
 from pallas_kernels.flash_attention import block_ranges, flash_attention
+from seeds import seeded_int
 
 
 def _inputs(seed, b, t, c, hq, hkv, d, dtype):
@@ -88,6 +89,48 @@ def test_matches_dense_and_float64_on_ragged_rows(case, dtype):
     real = [t] + [max(1, t - 17 * i) for i in range(1, b)]
     q_pos, k_pos = _ragged_positions(b, t, c, starts, real)
     _check(seed, q, k, v, q_pos, k_pos, window, block_q=bq, block_k=bk)
+
+
+SPLITS = [  # (b, t, c, hq, hkv, d, window, d_split, block_q, block_k): GQA, causal and windowed
+    (2, 40, 70, 4, 1, 512, None, 2, 16, 32),
+    (1, 40, 40, 4, 2, 512, 24, 4, 32, 16),
+    (2, 50, 80, 4, 2, 64, None, 4, 16, 16),
+    (2, 50, 80, 4, 1, 32, 20, 2, 32, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", SPLITS, ids=[f"d{c[5]}-split{c[7]}" for c in SPLITS])
+def test_d_split_matches_dense_and_float64(case, dtype):
+    """d_split programs per (head, query block), each writing D / d_split output columns: the same
+    attention on ragged rows (EMPTY slots, padded queries, partial tiles)."""
+    b, t, c, hq, hkv, d, window, d_split, bq, bk = case
+    seed = seeded_int(1 << 30)
+    q, k, v = _inputs(seed, b, t, c, hq, hkv, d, dtype)
+    q = (q.astype(jnp.float32) * d ** -0.5).astype(dtype)  # scores ~ N(0, 1): many keys weigh in
+    q_pos, k_pos = _ragged_positions(b, t, c, [c - t] + [3] * (b - 1), [t] + [t - 9] * (b - 1))
+    _check(seed, q, k, v, q_pos, k_pos, window, d_split=d_split, block_q=bq, block_k=bk)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_d_split_1_is_the_default_below_head_dim_512(d):
+    """Head dims other than 512 keep the unsplit kernel: their defaults give bitwise d_split=1's."""
+    seed = seeded_int(1 << 30)
+    q, k, v = _inputs(seed, 1, 40, 40, 2, 1, d, jnp.bfloat16)
+    pos = jnp.arange(40, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(np.asarray(flash_attention(q, k, v, pos, pos, interpret=True)),
+                                  np.asarray(flash_attention(q, k, v, pos, pos, d_split=1, interpret=True)))
+
+
+@pytest.mark.parametrize("d,d_split,match", [
+    (64, 3, "power of two"), (64, 0, "power of two"), (16, 2, "head_dim / d_split"), (512, 64, "head_dim / d_split"),
+])
+def test_bad_d_split_raises(d, d_split, match):
+    q = jnp.ones((1, 8, 2, d), jnp.float32)
+    k = jnp.ones((1, 8, 1, d), jnp.float32)
+    pos = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match=f"d_split={d_split}.*{match}"):
+        flash_attention(q, k, k, pos, pos, d_split=d_split, interpret=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -170,6 +213,19 @@ def test_lowers_to_triton_at_real_shapes(hq, hkv, d, window):
     args = (jnp.zeros((1, t, hq, d), jnp.bfloat16), jnp.zeros((1, t, hkv, d), jnp.bfloat16),
             jnp.zeros((1, t, hkv, d), jnp.bfloat16), jnp.zeros((1, t), jnp.int32), jnp.zeros((1, t), jnp.int32))
     assert TRITON_CALL in lower_for_cuda(functools.partial(flash_attention, window=window), *args)
+
+
+def test_global_layer_default_lowers_split_in_d():
+    """At the 12B's global shape the default is two programs per (head, query block), each with half
+    of D's output columns; also when reading a layer of a stacked cache in place (the layer scan)."""
+    t, hq, d = 2048, 16, 512
+    q, kv = jax.ShapeDtypeStruct((1, t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, t, 1, d), jnp.bfloat16)
+    stack, pos = jax.ShapeDtypeStruct((8, 1, t, 1, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, t), jnp.int32)
+    stacked = lambda q, k, v, qp, kp, i: flash_attention(q, k, v, qp, kp, layer=i)  # noqa: E731
+    for text in (lower_for_cuda(flash_attention, q, kv, kv, pos, pos),
+                 lower_for_cuda(stacked, q, stack, stack, pos, pos, jax.ShapeDtypeStruct((), jnp.int32))):
+        assert TRITON_CALL in text and "flash_attention_d512_q128_k64_dsplit2" in text
+        assert f"grid_x = {2 * hq} " in text
 
 
 @pytest.mark.gpu
