@@ -9,10 +9,9 @@ i's arithmetic is identical whether it is computed alone or among up to ROW_TILE
 greedy speculative decoding depends on that.
 
 16-bit codes come from the magic conversion (`pattern | code` reads as `offset + code`; the offset
-folds into the bias), two codes per 32-bit register, kept in that pair order along K (each program
-loads x's columns in the same order, `kpairs_columns`), so the tile goes from registers to the MMA
-without a trip through shared memory. Float32 dots (tests, float32 models) convert codes with
-int->float.
+folds into the bias), two codes per 32-bit register, kept in that pair order along K (x is
+reordered to match by `kpairs_order`), so the tile goes from registers to the MMA without a trip
+through shared memory. Float32 dots (tests, float32 models) convert codes with int->float.
 """
 from __future__ import annotations
 
@@ -24,21 +23,23 @@ from jax.experimental.pallas import triton as pltriton
 from .unpack import code_pairs, interleave, load_words, magic_offset, pairs_in_k_order
 
 
-def kpairs_columns(group_size: int, bits: int) -> jax.Array:
-    """`[group_size]` int32: the input (within a group) at each position of unpack.pairs_in_k_order,
-    i.e. x's inputs reordered from [word, half, j] to [j, word, half] (code pair j, codes j and
-    j + half of every word, is one run of 2*words). The body gathers x's columns in this order as it
-    loads them: a reordered copy of x made by the wrapper cost an XLA launch per GEMV."""
-    wpg, half = group_size * bits // 32, 16 // bits
-    p = jnp.arange(group_size, dtype=jnp.int32)
-    word, h, j = (p // 2) % wpg, p % 2, p // (2 * wpg)
-    return word * (2 * half) + h * half + j
+def uses_kpairs(dot_dtype, bits: int) -> bool:
+    """Whether the body reads x in `kpairs_order` (16-bit dots whose codes fit the magic conversion)."""
+    return magic_offset(dot_dtype, bits) is not None
+
+
+def kpairs_order(x2: jax.Array, group_size: int, bits: int) -> jax.Array:
+    """x's inputs reordered within each group from [word, half, j] to [j, word, half], the order of
+    unpack.pairs_in_k_order: code pair j (codes j and j + half of every word) is one run of 2*words."""
+    wpg = group_size * bits // 32
+    rows, k = x2.shape
+    return x2.reshape(rows, k // group_size, wpg, 2, -1).transpose(0, 1, 4, 2, 3).reshape(rows, k)
 
 
 def group_sums(x2: jax.Array, group_size: int) -> jax.Array:
     """`[K/g, rows]` float32 sums of each group of x's inputs, by halving adds in a fixed order
     (elementwise, so a row's sums never depend on the other rows, where XLA's reduce may choose its
-    order by shape)."""
+    order by shape). Taken of the x the kernel reads (kpairs_order'd where it is)."""
     if group_size & (group_size - 1):
         raise ValueError(f"group_sums halves groups: group_size={group_size} must be a power of two")
     rows, k = x2.shape
@@ -60,9 +61,6 @@ def gemv_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, t
     row_ok = (m0 + jnp.arange(t.block_m)) < rows
     col_ok = (n0 + jnp.arange(t.block_n)) < n
     x_mask = jnp.broadcast_to(row_ok[:, None], (t.block_m, group_size))
-    x_rows = (m0 + jnp.arange(t.block_m))[:, None]
-    x_cols = (kpairs_columns(group_size, bits) if magic_offset(dot_dtype, bits) is not None
-              else jnp.arange(group_size))[None, :]
     one_ok = jnp.ones((1,), jnp.bool_)
     magic = magic_offset(dot_dtype, bits)
     code_mask = jnp.uint32(2**bits - 1)
@@ -77,7 +75,7 @@ def gemv_body(x_ref, w_ref, s_ref, b_ref, o_ref, *, rows, n, bits, group_size, t
         # scales and biases first, both loads issued before either convert
         s, b = (pltriton.load(ref.at[g, pl.ds(n0, t.block_n)], mask=col_ok, other=0) for ref in (s_ref, b_ref))
         s, b = s.astype(jnp.float32), b.astype(jnp.float32)
-        x = pltriton.load(x_ref.at[x_rows, g * group_size + x_cols], mask=x_mask, other=0)
+        x = pltriton.load(x_ref.at[pl.ds(m0, t.block_m), pl.ds(g * group_size, group_size)], mask=x_mask, other=0)
         w = load_words(w_ref, n0, t.block_n, g, 1, col_ok, one_ok).reshape(t.block_n, -1)
         d = pltriton.dot(codes(w), x.astype(dot_dtype), trans_b=True, precision=precision)  # [block_n, block_m]
         if magic is not None:  # x . (offset + q) = x . q + offset * sum(x): the bias absorbs it

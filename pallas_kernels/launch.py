@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .config import ROW_TILE, DispatchConfig
-from .gemv import gemv_body, group_sums
+from .gemv import gemv_body, group_sums, kpairs_order, uses_kpairs
 from .qmm import qmm_body
 from .quant import TILE_ROWS, QuantizedWeight
 from .stack import with_layer
@@ -218,6 +218,8 @@ def _launch(body, x2: jax.Array, qws: tuple[QuantizedWeight, ...], tiling: Tilin
     out_ns = [s.shape[-1] for _, s, _ in arrays] if interpret else ns
     with_sums = False
     if body is gemv_body:
+        if uses_kpairs(dt, first.bits):
+            x2 = kpairs_order(x2, first.group_size, first.bits)
         if tiling.xsum == "input":  # [K/g, rows (padded)] sums, read by _through_weights
             arrays = [(group_sums(x2, first.group_size),)] + arrays
             with_sums = True

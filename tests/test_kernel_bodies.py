@@ -43,20 +43,6 @@ def test_gemv_body_matches_float64_and_keeps_rows_invariant(dtype, tol, bits, gr
     np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32)), np.asarray(y[3:4].astype(jnp.float32)))
 
 
-def test_gemv_reads_x_as_given():
-    """The GEMV gathers x's columns in its code-pair order as it loads them (gemv.kpairs_columns):
-    lowered for CUDA, one 4-bit matmul is the Triton call and the split-K fold, with no reordered
-    copy of x (an XLA transpose launch per GEMV, ~1.3 us each, ~130 per 12B decode step)."""
-    from gpu_lowering import TRITON_CALL, lower_for_cuda
-    from pallas_kernels import QuantizedWeight
-    w = jax.ShapeDtypeStruct((4096 // 64, 3840 // 64, 64, 8), jnp.uint32)
-    s = jax.ShapeDtypeStruct((3840 // 64, 4096), jnp.bfloat16)
-    x = jax.ShapeDtypeStruct((3, 3840), jnp.bfloat16)
-    text = lower_for_cuda(lambda x, w, s, b: quantized_matmul(x, QuantizedWeight(w, s, b, 4, 64),
-                                                               config=DispatchConfig(interpret=False)), x, w, s, s)
-    assert TRITON_CALL in text and "stablehlo.transpose" not in text
-
-
 def test_gemv_group_sums_from_the_wrapper():
     """Tiling.xsum="input" (each group's sum(x) summed once by the wrapper, gemv.group_sums) against
     float64 through a two-weight launch over 3 row tiles (the sums' row offset), with rows bitwise the
