@@ -149,10 +149,9 @@ def flash_attention(q, k, v, q_pos, k_pos, window: int | None = None, *, layer=N
             raise ValueError(f"{name} must be an integer array of shape {shape}, got {x.dtype}{list(x.shape)}")
     if window is not None and (not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
-    dq, dk, dw, ds, dsplit = _DEFAULTS[min(d, 512)]
-    block_q, block_k = block_q or dq, block_k or dk
-    num_warps, num_stages = num_warps or dw, num_stages or ds
-    d_split = dsplit if d_split is None else d_split
+    given = (block_q, block_k, num_warps, num_stages, d_split)
+    block_q, block_k, num_warps, num_stages, d_split = (  # only None takes the default: 0 is refused below
+        default if g is None else g for g, default in zip(given, _DEFAULTS[min(d, 512)]))
     for name, x in (("block_q", block_q), ("block_k", block_k)):
         if not _pow2(x) or x < 16:
             raise ValueError(f"{name}={x} must be a power of two >= 16 (Triton's dot)")

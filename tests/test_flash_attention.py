@@ -190,6 +190,8 @@ def test_block_ranges_cost_triangle_and_band():
     (dict(k_pos_dtype=jnp.float32), "k_pos"),
     (dict(window=0), "window"),
     (dict(block_q=24), "block_q"),
+    (dict(block_q=0), "block_q=0"),
+    (dict(num_warps=0), "num_warps=0"),
     (dict(v_len=9), "v has shape"),
 ])
 def test_bad_inputs_raise(change, match):
@@ -201,7 +203,7 @@ def test_bad_inputs_raise(change, match):
     k_pos = jnp.zeros((2, 10), change.get("k_pos_dtype", jnp.int32))
     with pytest.raises(ValueError, match=match):
         flash_attention(q, k, v, q_pos, k_pos, change.get("window"), block_q=change.get("block_q"),
-                        interpret=True)
+                        num_warps=change.get("num_warps"), interpret=True)
 
 
 REAL = [(16, 8, 256, 1024), (16, 1, 512, None)]  # the 12B: sliding layers, global layers
