@@ -30,8 +30,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import environment_line, median_time, write_report  # noqa: E402
-from pallas_kernels.decode_attention import decode_attention, dense_attention, visible  # noqa: E402
-from pallas_kernels.flash_attention import blocked_attention, flash_attention  # noqa: E402
+from jaxspec.kernels.decode_attention import decode_attention, dense_attention, visible  # noqa: E402
+from jaxspec.kernels.flash_attention import blocked_attention, flash_attention  # noqa: E402
 
 EMPTY = int(np.iinfo(np.int32).max)
 KINDS = {  # name: (query heads, kv heads, head dim, window)

@@ -36,10 +36,10 @@ def child(args) -> dict:
     import jax
     import numpy as np
 
-    import models
+    from jaxspec import models
     from harness import Q4, random_pair
     from jaxspec import compile_cache, generate
-    from pallas_kernels import DispatchConfig
+    from jaxspec.kernels import DispatchConfig
 
     matmul = DispatchConfig.from_env(**({"backend": args.backend} if args.backend else {}))
 

@@ -28,9 +28,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import models  # noqa: E402
+from jaxspec import models  # noqa: E402
 from harness import environment_line, random_pair, write_report  # noqa: E402
-from pallas_kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels import DispatchConfig  # noqa: E402
 
 from jaxspec.generate import plan  # noqa: E402
 

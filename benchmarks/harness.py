@@ -134,8 +134,8 @@ def random_pair(target: str, assistant: str | None = None, *, layers: int = 0, m
     """(target, assistant or None) with random weights. target: a preset name, or "tiny" (no context
     limit; `layers` of Gemma 4's pattern, any number); a preset keeps its first `layers` layers
     (`truncate_layers`). assistant: a preset name, "tiny" (one that fits the target) or None."""
-    import models
-    from models import presets
+    from jaxspec import models
+    from jaxspec.models import presets
 
     key = jax.random.key(seed)
     if target == "tiny":
@@ -163,7 +163,7 @@ def split_pair(target, assistant, devices: int):
     """(target, assistant) split over the process's devices with `models.shard` when devices > 1."""
     if devices <= 1:
         return target, assistant
-    import models
+    from jaxspec import models
     import numpy as np
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))

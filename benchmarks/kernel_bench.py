@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import empty_call_seconds, empty_call_with_seconds, environment, hbm_bandwidth, median_time  # noqa: E402
-from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
-from pallas_kernels.launch import Tiling, gemv, gemv_tiling, qmm, qmm_dense, qmm_tiling  # noqa: E402
+from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
+from jaxspec.kernels.launch import Tiling, gemv, gemv_tiling, qmm, qmm_dense, qmm_tiling  # noqa: E402
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
 EXTRA_SHAPES = [(256, 512)]  # a small shape for a quick run anywhere (CPU: Pallas interpret mode)

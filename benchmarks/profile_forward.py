@@ -34,7 +34,7 @@ from harness import devices_error, environment, median_time, no_command_buffers,
 from speculative_bench import (draft_loop, forward_loop, load_pair, resolve_default_pair,  # noqa: E402
                                weight_bytes_per_token)
 
-from pallas_kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels import DispatchConfig  # noqa: E402
 
 # Kernel-name patterns, first match wins. pallas_kernels.launch names its kernels q{bits}gemv_m*_n*
 # (qmv, multirow) and q{bits}qmm_m*_n* (the tiled GEMM), with _x{count} for several weights in one

@@ -42,13 +42,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import environment, environment_line, random_pair, write_report  # noqa: E402
 
-import models  # noqa: E402
+from jaxspec import models  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
 from jaxspec import sampling  # noqa: E402
 from jaxspec.batching import BatchEngine  # noqa: E402
 from jaxspec.serve_guard import Guard  # noqa: E402
 from jaxspec.tokenizer import load_tokenizer  # noqa: E402
-from pallas_kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels import DispatchConfig  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:

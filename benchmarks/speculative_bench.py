@@ -37,10 +37,10 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import models  # noqa: E402
+from jaxspec import models  # noqa: E402
 from harness import (Q4, devices_error, environment, hbm_bandwidth, median_time, random_pair,  # noqa: E402
                      split_pair)
-from pallas_kernels import DispatchConfig, QuantizedWeight  # noqa: E402
+from jaxspec.kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402

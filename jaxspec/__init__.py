@@ -4,7 +4,8 @@
     result.tokens, result.stats
 
 `make_generate(...)` returns the jitted function behind `generate` for reuse;
-`jaxspec.streaming.stream_generate` yields the tokens as rounds complete.
+`jaxspec.streaming.stream_generate` yields the tokens as rounds complete. The model families are
+`jaxspec.models`, the quantized-matmul and attention kernels `jaxspec.kernels`.
 """
 from .generate import GenerationResult, GenerationStats, Generator, generate, make_generate
 from .sampling import SamplingParams

@@ -182,7 +182,7 @@ def _read_config(path: str, role: str) -> dict:
     """config.json of a model directory, read up front (before the tokenizer, the context check
     and loading), and every file the loader will open checked to be a readable regular file (a
     FIFO, a symlink loop, no permission: named here); their contents are the loader's to check."""
-    from models.checkpoint_files import read_config
+    from jaxspec.models.checkpoint_files import read_config
 
     if not os.path.lexists(path):
         raise UsageError(f"{role} directory {path!r} does not exist")
@@ -195,7 +195,7 @@ def _read_config(path: str, role: str) -> dict:
 def _parse_configs(model_dir: str, assistant_dir: str | None):
     """(TargetConfig, AssistantConfig or None), parsed by models and the pairing checked, from the
     config files alone (nothing is loaded)."""
-    import models
+    from jaxspec import models
 
     try:
         tcfg = models.TargetConfig.from_dict(_read_config(model_dir, "model"))
@@ -231,7 +231,7 @@ def default_pair_dirs(path: str | None = None) -> tuple[str, str] | None:
 def _dir_bytes(path: str) -> int:
     """Bytes of the weight files the loader reads (the manifest's, the index's or model*.safetensors:
     models.checkpoint_files.checkpoint_files; other files in the directory are not counted)."""
-    from models.checkpoint_files import checkpoint_files
+    from jaxspec.models.checkpoint_files import checkpoint_files
 
     return sum(os.path.getsize(f) for f in checkpoint_files(path, complete=False)[1])
 
@@ -244,7 +244,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _load(kind: str, path: str, **kw):
-    import models
+    from jaxspec import models
 
     size = _dir_bytes(path)
     big = size > (1 << 30)
@@ -275,7 +275,7 @@ def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
     --compile-cache / --no-compile-cache say, then both models loaded on --backend's config."""
     import jax
 
-    import models
+    from jaxspec import models
 
     devices = getattr(args, "devices", None)
     if devices is not None and devices > 1 and devices != jax.device_count():
@@ -305,7 +305,7 @@ def _matmul_config(choice: str):
     dequantize + dot elsewhere; the environment's dispatch knobs (DispatchConfig.from_env) apply."""
     import jax
 
-    from pallas_kernels import DispatchConfig
+    from jaxspec.kernels import DispatchConfig
 
     on_gpu = jax.default_backend() == "gpu"
     if choice == "auto":
@@ -353,7 +353,7 @@ def device_memory() -> tuple[int, str] | None:
 def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, dtype, weight_bytes: int) -> None:
     """UsageError when the KV cache of this run (models.cache_bytes: what init_cache allocates) and
     the weights cannot fit the device's memory."""
-    import models
+    from jaxspec import models
 
     capacity = cache_capacity(prompt_len, max_tokens, block_size)
     cache = models.cache_bytes(tcfg, 1, capacity, dtype)
@@ -660,7 +660,7 @@ def _check_listen(host: str, port: int) -> None:
 
 def cmd_tiny_pair(args) -> int:
     """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's."""
-    import models
+    from jaxspec import models
 
     from .tokenizer import DEMO_CORPUS, train_byte_bpe
 
@@ -680,7 +680,7 @@ def cmd_tiny_pair(args) -> int:
 
 def _check_output_dir(path: str, force: bool) -> None:
     """An output directory that exists empty (or anything, with `force`), or can be created."""
-    from models.checkpoint_files import why_not
+    from jaxspec.models.checkpoint_files import why_not
 
     try:
         if os.path.isdir(path):

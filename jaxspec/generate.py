@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
-from pallas_kernels import ROW_TILE
+from jaxspec import models
+from jaxspec.kernels import ROW_TILE
 
 from . import compile_cache
 from . import loop

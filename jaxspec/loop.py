@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-import models
+from jaxspec import models
 from . import sampling
 from . import verify
 

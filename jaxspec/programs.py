@@ -31,7 +31,6 @@ from . import compile_cache
 _MEMO: dict = {}
 _thread = threading.local()  # per compile thread: whether JAX's persistent cache served its compile
 _listening: list[bool] = []
-_PACKAGES = ("jaxspec", "models", "pallas_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +116,16 @@ def directory() -> str | None:
 @functools.cache
 def _sources_hash() -> str:
     h = hashlib.sha256()
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for pkg in _PACKAGES:
-        for dirpath, dirnames, files in sorted(os.walk(os.path.join(here, pkg))):
-            dirnames.sort()
-            for f in sorted(f for f in files if f.endswith(".py")):
-                path = os.path.join(dirpath, f)
-                h.update(os.path.relpath(path, here).encode())
-                with open(path, "rb") as fh:
-                    h.update(fh.read())
+    here = os.path.dirname(os.path.abspath(__file__))
+    # followlinks: in a source checkout jaxspec/models and jaxspec/kernels link to models/ and
+    # pallas_kernels/; in a wheel they are real folders. Either way they are part of the hash.
+    for dirpath, dirnames, files in sorted(os.walk(here, followlinks=True)):
+        dirnames.sort()
+        for f in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, f)
+            h.update(os.path.relpath(path, here).encode())
+            with open(path, "rb") as fh:
+                h.update(fh.read())
     return h.hexdigest()
 
 

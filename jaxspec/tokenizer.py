@@ -29,7 +29,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from models.checkpoint_files import FileProblem, read_regular
+from jaxspec.models.checkpoint_files import FileProblem, read_regular
 
 TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")

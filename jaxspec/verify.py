@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
-from pallas_kernels import ROW_TILE, DispatchConfig, select_path
+from jaxspec import models
+from jaxspec.kernels import ROW_TILE, DispatchConfig, select_path
 
 from . import programs
 

@@ -13,7 +13,7 @@ See docs/models.md for the design and the draft position convention.
 """
 from . import presets
 from .assistant import Assistant, assistant_stack, centroid_logits, draft_step, make_assistant, visible_keys
-from pallas_kernels import ROW_TILE
+from jaxspec.kernels import ROW_TILE
 
 from .cache import EMPTY, KVCache, cache_bytes, init_cache, ring_size
 from .checkpoint import load_assistant, load_target, quantize_model, save

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from pallas_kernels import DispatchConfig
+from jaxspec.kernels import DispatchConfig
 
 from .cache import KVCache
 from .config import SLIDING, AssistantConfig, check_fit

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels import EMPTY, ROW_TILE  # EMPTY: the position of a slot nothing was written to
+from jaxspec.kernels import EMPTY, ROW_TILE  # EMPTY: the position of a slot nothing was written to
 
 from .config import TargetConfig
 from .layer_scan import cache_entries, stacked_entries

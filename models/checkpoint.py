@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import DispatchConfig, QuantizedWeight, quantize
-from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_finite, describe_nonfinite
+from jaxspec.kernels import DispatchConfig, QuantizedWeight, quantize
+from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_finite, describe_nonfinite
 from safetensors import SafetensorError, safe_open
 
 from .assistant import Assistant

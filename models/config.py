@@ -617,7 +617,7 @@ def quantization_format(d: dict) -> dict | None:
     per-module override dict) are supported integers and whose `mode` is "affine". None when absent.
     ValueError naming the field, the value and the allowed set; NotImplementedError for another
     quantization method or mode."""
-    from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+    from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
     name, q = "quantization", d.get("quantization")
     if q is None:

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (ROW_TILE, DispatchConfig, Layer, attention_head_dim_ok, quantized_matmul,
+from jaxspec.kernels import (ROW_TILE, DispatchConfig, Layer, attention_head_dim_ok, quantized_matmul,
                             quantized_matmul_many)
 # the attention kernels and, beside each, its XLA counterpart (the reference, and the CPU path)
-from pallas_kernels.decode_attention import decode_attention, dense_attention, visible  # noqa: F401
-from pallas_kernels.flash_attention import blocked_attention, flash_attention
+from jaxspec.kernels.decode_attention import decode_attention, dense_attention, visible  # noqa: F401
+from jaxspec.kernels.flash_attention import blocked_attention, flash_attention
 
 from .config import RopeConfig
 

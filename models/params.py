@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels import QuantizedWeight, quantize
-from pallas_kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from jaxspec.kernels import QuantizedWeight, quantize
+from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
 from .config import AssistantConfig, TargetConfig
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import DispatchConfig, QuantizedWeight
+from jaxspec.kernels import DispatchConfig, QuantizedWeight
 
 from .assistant import Assistant, make_assistant
 from .config import FULL, SLIDING, AssistantConfig, TargetConfig

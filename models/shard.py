@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_kernels import QuantizedWeight, take_rows
-from pallas_kernels.quant import TILE_ROWS
+from jaxspec.kernels import QuantizedWeight, take_rows
+from jaxspec.kernels.quant import TILE_ROWS
 
 from .layer_scan import cache_entries
 

@@ -14,10 +14,10 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from pallas_kernels import (DispatchConfig, Layer, QuantizedWeight, attention_head_dim_ok, quantized_matmul_parts,
+from jaxspec.kernels import (DispatchConfig, Layer, QuantizedWeight, attention_head_dim_ok, quantized_matmul_parts,
                             take_rows)
-from pallas_kernels.attention_inputs import attention_inputs
-from pallas_kernels.stack import take
+from jaxspec.kernels.attention_inputs import attention_inputs
+from jaxspec.kernels.stack import take
 
 from .cache import EMPTY, KVCache, init_cache, ring_cols, write_cols, write_rows
 from .config import TargetConfig

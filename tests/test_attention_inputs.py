@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_lowering import TRITON_CALL, lower_for_cuda
-from pallas_kernels.attention_inputs import attention_inputs, attention_inputs_reference
+from jaxspec.kernels.attention_inputs import attention_inputs, attention_inputs_reference
 
 INTERPRET = not any(d.platform == "gpu" for d in jax.devices())
 EPS = 1e-6
@@ -202,11 +202,11 @@ def test_model_on_the_kernel_matches_the_xla_path():
     """A scanned tiny target (hidden 256, 4-bit g32: the q/k/v GEMV splits K in two; a K = V global
     layer) on the Pallas GEMV and attention kernels against the XLA path: prefill, a decode step and a
     verify agree to float32 rounding; the verify is bitwise the kernel path's own decode steps."""
-    import models
-    from models import presets
-    from models.config import TargetConfig
-    from pallas_kernels import DispatchConfig
-    from pallas_kernels.launch import gemv_tiling
+    from jaxspec import models
+    from jaxspec.models import presets
+    from jaxspec.models.config import TargetConfig
+    from jaxspec.kernels import DispatchConfig
+    from jaxspec.kernels.launch import gemv_tiling
 
     cfg = TargetConfig.from_dict(presets.tiny_target_dict(
         hidden_size=256, num_hidden_layers=4, layer_types=presets.layer_pattern(4, 2), attention_k_eq_v=True))

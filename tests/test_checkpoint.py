@@ -12,11 +12,11 @@ import pytest
 import safetensors.numpy
 from safetensors.numpy import save_file
 
-import models
-from models import checkpoint_files, layer_scan, presets
-from models.config import FULL, SLIDING
-from models.params import LINEAR
-from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize, quantize
+from jaxspec import models
+from jaxspec.models import checkpoint_files, layer_scan, presets
+from jaxspec.models.config import FULL, SLIDING
+from jaxspec.models.params import LINEAR
+from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize, quantize
 from seeds import seeded_int, seeded_rng
 
 mx = pytest.importorskip("mlx.core")
@@ -516,7 +516,7 @@ def _corrupt_header(fn):
     ("config not JSON", r"config\.json is not readable JSON"),
 ])
 def test_unloadable_files_are_named_before_reading_tensors(tmp_path, monkeypatch, case, msg):
-    from models import checkpoint
+    from jaxspec.models import checkpoint
     path = tmp_path / "c"
     models.save(float_target(seeded_int(1 << 30)), str(path), shard_bytes=64 << 10)
     os.remove(path / MANIFEST)  # the index's rules, as for a checkpoint another tool wrote (manifests: below)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import models
+from jaxspec import models
 from jaxspec import cli
 from jaxspec.tokenizer import Tokenizer, TokenizerError, train_byte_bpe
-from models import presets
+from jaxspec.models import presets
 from seeds import seeded_rng
 
 TDICT = presets.tiny_target_dict()

@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import checkpoint_files
+from jaxspec.models import checkpoint_files
 from seeds import seeded_rng
 
 RUNS = 50

@@ -12,9 +12,9 @@ import safetensors.numpy
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-import models
-from models import checkpoint, layer_scan, presets
-from pallas_kernels import DispatchConfig
+from jaxspec import models
+from jaxspec.models import checkpoint, layer_scan, presets
+from jaxspec.kernels import DispatchConfig
 from seeds import seeded_int, seeded_rng
 
 XLA = DispatchConfig(backend="xla")

@@ -270,7 +270,7 @@ def test_unreadable_weights(capsys, tmp_path, pair, damage):
 def test_loader_errors_on_a_line_of_their_own(capsys, tmp_path, pair, monkeypatch):
     """Whatever the loader raises ends the progress line first: its ValueError (bad input, naming
     the file) is exit 2; anything else, e.g. an error the loader should have mapped, exit 1."""
-    import models
+    from jaxspec import models
     t = tmp_path / "t"
     shutil.copytree(pair[0], t)
 

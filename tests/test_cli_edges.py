@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec import cli
 from jaxspec.tokenizer import DEMO_CORPUS, TokenizerError, train_byte_bpe
-from models import presets
+from jaxspec.models import presets
 from seeds import seeded_rng
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from jaxspec import cli
-from models import presets
+from jaxspec.models import presets
 
 
 @pytest.fixture

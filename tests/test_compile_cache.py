@@ -13,7 +13,7 @@ import pytest
 import jaxspec
 from jaxspec import compile_cache
 from jaxspec.compile_cache import CompileLog
-from models import presets
+from jaxspec.models import presets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 import jaxspec
 from jaxspec import compile_cache
-from models import presets
+from jaxspec.models import presets
 if sys.argv[1] == "off":
     compile_cache.disable_default()
 t, _ = presets.tiny_pair(6)

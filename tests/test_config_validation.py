@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-import models
-from models import presets
-from models.config import FULL, SLIDING
+from jaxspec import models
+from jaxspec.models import presets
+from jaxspec.models.config import FULL, SLIDING
 from seeds import seeded_rng
 
 S, F = SLIDING, FULL

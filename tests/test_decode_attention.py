@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import EMPTY, decode_attention, dense_attention, visible
+from jaxspec.kernels.decode_attention import EMPTY, decode_attention, dense_attention, visible
 from gpu_lowering import TRITON_CALL, lower_for_cuda
 from seeds import seeded_int
 
@@ -223,8 +223,8 @@ def test_gpu_real_shapes(shape):
 def test_attention_of_the_real_rows_only(path):
     """models.layers.attention(rows=r): a forward padded to the row bucket reads the cache for its r
     real queries only; those rows are bitwise the padded call's, the pad rows zeros."""
-    from models.layers import attention
-    from pallas_kernels import DispatchConfig
+    from jaxspec.models.layers import attention
+    from jaxspec.kernels import DispatchConfig
     mm = DispatchConfig(attention=path, interpret=INTERPRET if path == "pallas" else None)
     seed = seeded_int(1 << 30)
     q, k, v, q_pos, k_pos = _inputs(seed, 2, 8, 4, 2, 16, 70, jnp.float32, "global", None)

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxspec
-import models
-from models import layer_scan
+from jaxspec import models
+from jaxspec.models import layer_scan
 from jaxspec import default_pair as dp
-from pallas_kernels import DispatchConfig, QuantizedWeight
+from jaxspec.kernels import DispatchConfig, QuantizedWeight
 from seeds import seeded_int, seeded_rng
 
 XLA = DispatchConfig(backend="xla")

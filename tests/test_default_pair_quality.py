@@ -84,7 +84,7 @@ def test_fitting_leaves_room_for_the_completion():
 
 def test_the_shipped_pair_scores():
     from jaxspec.default_pair import load_default_pair
-    from pallas_kernels import DispatchConfig
+    from jaxspec.kernels import DispatchConfig
 
     target, _, tok = load_default_pair(matmul=DispatchConfig(backend="xla"))
     prompts = [dict(file="x.py", line=1, text="def add(a, b):"), dict(file="x.py", line=5, text="def main():")]

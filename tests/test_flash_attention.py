@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from gpu_lowering import TRITON_CALL, lower_for_cuda
-from models.cache import EMPTY
-from pallas_kernels.decode_attention import dense_attention, visible
-from pallas_kernels.flash_attention import EMPTY as KERNEL_EMPTY
-from pallas_kernels.flash_attention import block_ranges, flash_attention
+from jaxspec.models.cache import EMPTY
+from jaxspec.kernels.decode_attention import dense_attention, visible
+from jaxspec.kernels.flash_attention import EMPTY as KERNEL_EMPTY
+from jaxspec.kernels.flash_attention import block_ranges, flash_attention
 from seeds import seeded_int
 
 

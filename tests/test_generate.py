@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 
 import jaxspec
-import models
+from jaxspec import models
 import importlib
 G = importlib.import_module("jaxspec.generate")
 from jaxspec import loop
 from jaxspec import programs
 from jaxspec import streaming
 from jaxspec import verify
-from models import presets
-from pallas_kernels import DispatchConfig
+from jaxspec.models import presets
+from jaxspec.kernels import DispatchConfig
 
 XLA = DispatchConfig(backend="xla")
 BUDGET = 32
@@ -533,7 +533,7 @@ def test_verify_width():
     assert verify.verify_width(1, 1, True, mm) == 1  # classic: nothing to pad
     for b in (1, 2, 3, 5):
         w = verify.verify_width(3, b, True, mm)
-        from pallas_kernels import select_path
+        from jaxspec.kernels import select_path
         assert select_path(w * b, mm) == "qmm" and (w == 3 or select_path((w - 1) * b, mm) != "qmm")
 
 

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import kernel_bench as kb  # noqa: E402
 import kernel_report as kr  # noqa: E402
-from pallas_kernels.launch import gemv_tiling, qmm_tiling  # noqa: E402
+from jaxspec.kernels.launch import gemv_tiling, qmm_tiling  # noqa: E402
 
 
 def test_sweep_and_tiles_phases_and_report(tmp_path):

@@ -7,9 +7,9 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul
-from pallas_kernels import launch
-from pallas_kernels.launch import Tiling, qmm_tiling
+from jaxspec.kernels import DispatchConfig, dequantize, quantize, quantized_matmul
+from jaxspec.kernels import launch
+from jaxspec.kernels.launch import Tiling, qmm_tiling
 from seeds import seeded_rng
 
 
@@ -47,7 +47,7 @@ def test_gemv_group_sums_from_the_wrapper():
     """Tiling.xsum="input" (each group's sum(x) summed once by the wrapper, gemv.group_sums) against
     float64 through a two-weight launch over 3 row tiles (the sums' row offset), with rows bitwise the
     same alone as among others; bad values rejected."""
-    from pallas_kernels.gemv import group_sums
+    from jaxspec.kernels.gemv import group_sums
     rng = seeded_rng()
     (qa, wa), (qb, wb) = _case(rng, 40, 192, jnp.bfloat16), _case(rng, 24, 192, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((40, 192)), jnp.bfloat16)

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (ROW_TILE, DispatchConfig, dequantize, einsum_f32, quantize, quantized_matmul,
+from jaxspec.kernels import (ROW_TILE, DispatchConfig, dequantize, einsum_f32, quantize, quantized_matmul,
                             quantized_matmul_many, quantized_matmul_parts, select_path)
-from pallas_kernels import launch
+from jaxspec.kernels import launch
 from seeds import seeded_rng
 
 # Scaled-down Gemma shapes with non-power-of-two N and K (3840 -> 192, 2816 -> 176, 1536 -> 96 ...).
@@ -65,7 +65,7 @@ def test_magic_code_conversion_is_exact(dtype, bits):
     """The GEMV's conversion: (pattern | code) read as a float must be offset + code exactly, for
     every code; where the codes do not fit the mantissa there must be no pattern."""
     import ml_dtypes
-    from pallas_kernels.unpack import magic_offset
+    from jaxspec.kernels.unpack import magic_offset
     got = magic_offset(dtype, bits)
     np_dtype = {jnp.bfloat16: ml_dtypes.bfloat16, jnp.float16: np.float16, jnp.float32: np.float32}[dtype]
     mantissa = {jnp.bfloat16: 7, jnp.float16: 10, jnp.float32: 23}[dtype]

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import DispatchConfig, dequantize, quantize, quantized_matmul, quantized_matmul_many
-from pallas_kernels import launch
+from jaxspec.kernels import DispatchConfig, dequantize, quantize, quantized_matmul, quantized_matmul_many
+from jaxspec.kernels import launch
 from seeds import seeded_int, seeded_rng
 
 pytestmark = pytest.mark.gpu

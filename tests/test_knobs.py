@@ -15,8 +15,8 @@ import jaxspec
 from jaxspec import cli, sampling, streaming
 from jaxspec.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, MAX_VERIFY_WIDTH
 from jaxspec.batching import BatchEngine
-import models
-from models import presets
+from jaxspec import models
+from jaxspec.models import presets
 from seeds import seeded_rng
 
 CONTEXT = 256

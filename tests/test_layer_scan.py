@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from jaxspec import models
 from gpu_lowering import TRITON_CALL, lower_for_cuda
-from models import layer_scan, presets
-from models.config import FULL, SLIDING, TargetConfig
-from pallas_kernels import DispatchConfig, Layer, quantize, quantized_matmul_many
-from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.launch import gemv, gemv_tiling
-from pallas_kernels.stack import take
+from jaxspec.models import layer_scan, presets
+from jaxspec.models.config import FULL, SLIDING, TargetConfig
+from jaxspec.kernels import DispatchConfig, Layer, quantize, quantized_matmul_many
+from jaxspec.kernels.decode_attention import decode_attention
+from jaxspec.kernels.flash_attention import flash_attention
+from jaxspec.kernels.launch import gemv, gemv_tiling
+from jaxspec.kernels.stack import take
 
 INTERPRET = DispatchConfig(backend="pallas", interpret=True)
 
@@ -104,7 +104,7 @@ def test_stacked_kernels_lower_for_cuda():
     w = jax.ShapeDtypeStruct((n_layers, 4096 // 64, h // 64, 64, 8), jnp.uint32)
     s = jax.ShapeDtypeStruct((n_layers, h // 64, 4096), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((1, h), jnp.bfloat16)
-    from pallas_kernels import QuantizedWeight
+    from jaxspec.kernels import QuantizedWeight
 
     def qkv(x, w, s, b, i):
         qw = QuantizedWeight(w, s, b, 4, 64)

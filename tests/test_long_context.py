@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import jaxspec
-import models
-from models import layer_scan
-from models import layers, presets
-from models.config import FULL, SLIDING
-from pallas_kernels import ROW_TILE, DispatchConfig
+from jaxspec import models
+from jaxspec.models import layer_scan
+from jaxspec.models import layers, presets
+from jaxspec.models.config import FULL, SLIDING
+from jaxspec.kernels import ROW_TILE, DispatchConfig
 
 XLA = DispatchConfig(backend="xla")
 S, F = SLIDING, FULL

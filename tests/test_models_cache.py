@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
-from models import presets
-from models.config import FULL, SLIDING
-from pallas_kernels import DispatchConfig
+from jaxspec import models
+from jaxspec.models import presets
+from jaxspec.models.config import FULL, SLIDING
+from jaxspec.kernels import DispatchConfig
 
 XLA = DispatchConfig(backend="xla")
 S, F = SLIDING, FULL

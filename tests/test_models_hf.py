@@ -8,12 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", minversion="5.24")
 
-import models  # noqa: E402
-from models import presets  # noqa: E402
-from models.config import FULL, SLIDING  # noqa: E402
+from jaxspec import models  # noqa: E402
+from jaxspec.models import presets  # noqa: E402
+from jaxspec.models.config import FULL, SLIDING  # noqa: E402
 from hf_models import hf_assistant, hf_target  # noqa: E402
-from pallas_kernels import DispatchConfig  # noqa: E402
-from pallas_kernels.stack import take  # noqa: E402
+from jaxspec.kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels.stack import take  # noqa: E402
 
 XLA = DispatchConfig(backend="xla")
 S, F = SLIDING, FULL

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
-from models import layer_scan, presets
-from models.params import LINEAR
-from pallas_kernels import DispatchConfig, QuantizedWeight
+from jaxspec import models
+from jaxspec.models import layer_scan, presets
+from jaxspec.models.params import LINEAR
+from jaxspec.kernels import DispatchConfig, QuantizedWeight
 
 Q4 = {"bits": 4, "group_size": 64}
 

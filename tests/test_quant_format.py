@@ -5,7 +5,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import QuantizedWeight, dequantize, quantize, take_rows
+from jaxspec.kernels import QuantizedWeight, dequantize, quantize, take_rows
 from seeds import seeded_rng
 
 MLX_DTYPES = {jnp.float32: mx.float32, jnp.float16: mx.float16, jnp.bfloat16: mx.bfloat16}
@@ -153,7 +153,7 @@ def test_quantize_refuses_non_finite_weights(dtype, bad):
 def test_quantize_says_bits_and_group_size_must_be_integers(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         quantize(jnp.ones((4, 128)), **kwargs)
-    from models.params import quant_spec  # the quantize= argument of the loaders and random_model
+    from jaxspec.models.params import quant_spec  # the quantize= argument of the loaders and random_model
     with pytest.raises(ValueError, match=msg):
         quant_spec(kwargs)
     qw = quantize(jnp.ones((4, 128)), bits=np.int64(8), group_size=np.int32(32))  # numpy integers are integers

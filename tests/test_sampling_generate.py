@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-import models
+from jaxspec import models
 from jaxspec import programs
 from jaxspec import sampling
 from test_generate import make_pair

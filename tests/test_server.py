@@ -251,11 +251,11 @@ def test_chat_completions_equal_the_cli(chat_pair):
 def test_a_failing_admission_ends_that_request_only(monkeypatch, chat_pair):
     """In-process scheduler (no HTTP), on the tiny pair: a prefill that fails with an internal error
     ends its request with a 500 error event, a refused one with a 400, and the next request is served."""
-    import models
+    from jaxspec import models
     from jaxspec.batching import BatchEngine
     from jaxspec.server import Server
     from jaxspec.tokenizer import load_tokenizer
-    from pallas_kernels import DispatchConfig
+    from jaxspec.kernels import DispatchConfig
 
     xla = DispatchConfig(backend="xla")
     target = models.load_target(chat_pair[0], matmul=xla)

@@ -132,9 +132,9 @@ def test_an_oversized_body_is_413_while_health_answers(server):
 
 def _load(pair):
     """The server's models in process (the CLI's CPU choices: xla backend, bfloat16) and tokenizer."""
-    import models
+    from jaxspec import models
     from jaxspec.tokenizer import load_tokenizer
-    from pallas_kernels import DispatchConfig
+    from jaxspec.kernels import DispatchConfig
 
     xla = DispatchConfig(backend="xla")
     return (models.load_target(pair[0], matmul=xla), models.load_assistant(pair[1], matmul=xla),
@@ -148,7 +148,7 @@ def test_logprobs_are_the_targets_log_softmax(server, pair):
     import jax.numpy as jnp
 
     import jaxspec
-    import models
+    from jaxspec import models
 
     target, _, tok = _load(pair)
     prompt = tok.encode(PROMPTS[0])
@@ -223,7 +223,7 @@ def test_a_non_streaming_client_that_goes_away_is_cancelled(server, pair):
 
 def test_a_full_queue_is_429_with_retry_after():
     """In process: with --max-queue 2 and two requests waiting, the next is refused before it queues."""
-    import models
+    from jaxspec import models
     from jaxspec.server import ApiError, Job, Server
     from jaxspec.tokenizer import DEMO_CORPUS, train_byte_bpe
     from jaxspec import sampling

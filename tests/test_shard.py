@@ -19,9 +19,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = r'''
 import json, os, sys
 import jax, jax.numpy as jnp, numpy as np
-import jaxspec, models
-from models import presets
-from pallas_kernels import DispatchConfig
+import jaxspec
+from jaxspec import models
+from jaxspec.models import presets
+from jaxspec.kernels import DispatchConfig
 
 g = jax.device_count()
 xla = DispatchConfig(backend="xla")
@@ -143,8 +144,8 @@ def test_shard_refuses_a_missing_axis():
     import jax
     import numpy as np
 
-    import models
-    from models import presets
+    from jaxspec import models
+    from jaxspec.models import presets
 
     t = presets.random_model(models.TargetConfig.from_dict(presets.tiny_target_dict()), jax.random.key(0))
     with pytest.raises(ValueError, match="no axis 'tp'"):
@@ -184,8 +185,8 @@ def test_sharded_kernels_on_several_gpus():
     import numpy as np
 
     import jaxspec
-    import models
-    from models import presets
+    from jaxspec import models
+    from jaxspec.models import presets
 
     if jax.device_count() < 2:
         pytest.skip("needs 2 or more GPUs")

@@ -115,9 +115,9 @@ def test_draft_loop_chains_draft_steps():
     """draft_loop's program equals models.draft_step chained by hand: each step's argmax is the next token."""
     import jax
     import jax.numpy as jnp
-    import models
+    from jaxspec import models
     from harness import random_pair
-    from pallas_kernels import DispatchConfig
+    from jaxspec.kernels import DispatchConfig
     target, assistant = random_pair("tiny", "tiny", matmul=DispatchConfig(backend="xla"), seed=3, dtype=jnp.float32)
     run, args = sb.draft_loop(assistant, target, 2, steps=3)
     tok, h = run(*args)

@@ -68,7 +68,7 @@ def load_default_pair(dtype=None, *, matmul=None, path: str | None = None):
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
-    import models
+    from jaxspec import models
 
     path = _resolve(path)
     _require(path)

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import jax
 
-    from pallas_kernels import DispatchConfig
+    from jaxspec.kernels import DispatchConfig
 
     from . import load_default_pair
 

@@ -67,13 +67,13 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
 import jaxspec
-import models
+from jaxspec import models
 from jaxspec.loop import DRAFT_POSITION_OFFSET
-from models import layer_scan
-from models.config import FULL, SLIDING
-from models.layers import linear
-from models.params import LINEAR
-from pallas_kernels import DispatchConfig, QuantizedWeight, dequantize
+from jaxspec.models import layer_scan
+from jaxspec.models.config import FULL, SLIDING
+from jaxspec.models.layers import linear
+from jaxspec.models.params import LINEAR
+from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize
 
 from . import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair, quality
 from . import corpus as corpus_mod
