@@ -308,8 +308,7 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     names = ["q_proj"] + ([] if cfg.kv_shared(i) else ["k_proj"] if cfg.k_eq_v(i) else ["k_proj", "v_proj"])
     projections = [w.linear("self_attn." + name) for name in names]
     ring = cache.is_ring(slot)
-    # (the fused kernel norms v: a family with raw v takes the XLA ops)
-    if mm.attention_kernels and attention_head_dim_ok(hd) and not (ring and not step.ring_short) and cfg.value_norm:
+    if mm.attention_kernels and attention_head_dim_ok(hd) and not (ring and not step.ring_short):
         # one kernel from the projection's split-K partials to q and the cache's new K/V
         q, *kv = quantized_matmul_parts(x, projections, config=mm)
         k_parts, v_parts = (kv + [None, None])[:2]
@@ -317,7 +316,7 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
         q, k_new, v_new = attention_inputs(
             q, k_parts, v_parts, q_scale, k_scale if kv else None, cos, sin,
             *((ks[slot], vs[slot], cols) if kv else (None, None, None)), eps=eps, layer=index,
-            interpret=mm.interpret_mode)
+            interpret=mm.interpret_mode, norm_v=cfg.value_norm)
         if kv:
             ks[slot], vs[slot] = k_new, v_new
         kv = []

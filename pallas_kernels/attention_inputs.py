@@ -5,8 +5,8 @@
 
 Per row and head: the partials summed in split order (as `launch.fold_splits`) and rounded to the
 activation dtype, RMSNorm over the head dim (float32, times the head's scale), rotate-half RoPE on
-q and k; k and v (v: RMSNorm without scale, from its own partials or, with `v_parts=None`, from k's)
-written into the cache at column `cols[b, t]` in place (a column outside the buffer is dropped).
+q and k; k and v (v: RMSNorm without scale, or as projected with `norm_v=False` (Gemma 3); from its
+own partials or, with `v_parts=None`, from k's) written into the cache at column `cols[b, t]` in place (a column outside the buffer is dropped).
 
 Why: done by XLA this is a fusion per projection, a transpose and one scatter per cache: six small
 kernels per layer of a decode step, each mostly launch latency (docs/benchmark_results/
@@ -55,7 +55,7 @@ def _rope(lo, hi, cos_ref, sin_ref, row, half):
     return lo * c_lo - hi * s_lo, hi * c_hi + lo * s_hi
 
 
-def _kernel(*refs, hq, hkv, t, capacity, d, eps, has_kv, own_v):
+def _kernel(*refs, hq, hkv, t, capacity, d, eps, has_kv, own_v, norm_v):
     """Operands: cos, sin, q_scale, q_parts, then with K/V: k_scale, k_parts, [v_parts], cols and
     the two caches (aliased to the last two outputs, never read); outputs: q, then the caches."""
     half = d // 2
@@ -92,14 +92,15 @@ def _kernel(*refs, hq, hkv, t, capacity, d, eps, has_kv, own_v):
         j = head - hq
         lo, hi = load(k_ref, j * d)
         store(kc_ref, (*at, j), *_rope(*_norm(lo, hi, ks_ref, d, eps, dtype), cos_ref, sin_ref, row, half), mask=ok)
-        if not own_v:  # v is k's projection, normed without a scale
-            store(vc_ref, (*at, j), *_norm(lo, hi, None, d, eps, dtype), mask=ok)
+        if not own_v:  # v is k's projection, normed without a scale (or not at all)
+            store(vc_ref, (*at, j), *(_norm(lo, hi, None, d, eps, dtype) if norm_v else (lo, hi)), mask=ok)
 
     if own_v:
         @pl.when(head >= hq + hkv)
         def _():
             j = head - hq - hkv
-            store(vc_ref, (*at, j), *_norm(*load(v_ref, j * d), None, d, eps, dtype), mask=ok)
+            v = load(v_ref, j * d)
+            store(vc_ref, (*at, j), *(_norm(*v, None, d, eps, dtype) if norm_v else v), mask=ok)
 
 
 def _check(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_cache, v_cache, cols, layer):
@@ -133,9 +134,9 @@ def _check(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_cache, v_cac
         raise ValueError(f"cols must be int32 [B, T] = {(b, t)}, got {cols.dtype} {cols.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "norm_v"))
 def attention_inputs(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_cache, v_cache, cols, *,
-                     eps: float, layer=None, num_warps: int = 1, interpret: bool = False):
+                     eps: float, layer=None, num_warps: int = 1, interpret: bool = False, norm_v: bool = True):
     """q `[B, T, Hq, D]` and the caches with this block's K and V written, from split-K partials.
 
     q_parts `[S, B, T, Hq*D]`, k_parts / v_parts `[S', B, T, Hkv*D]` (any float dtype; S may differ
@@ -145,6 +146,7 @@ def attention_inputs(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_ca
     RMSNorm scales; cos, sin `[B, T, D]`: the RoPE tables at each token's position (activation dtype).
     k_cache, v_cache `[B, C, Hkv, D]` (with `layer`: stacks `[L, B, C, Hkv, D]`, that layer written
     in place); cols int32 `[B, T]`: the column each token's K/V goes to, dropped outside [0, C).
+    `norm_v=False`: v is written as projected (rounded to cos's dtype), not RMSNormed.
     Returns (q, k_cache, v_cache); the caches are None without k_parts."""
     _check(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_cache, v_cache, cols, layer)
     _, b, t, _ = q_parts.shape
@@ -168,7 +170,7 @@ def attention_inputs(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_ca
         layered = (len(operands) + 1, len(operands) + 2)  # the caches' outputs, counted after the index
     kernel = functools.partial(with_layer(_kernel, stacked, layered), hq=hq, hkv=hkv, t=t,
                                capacity=k_cache.shape[-3] if has_kv else 0,  # [(L,) B, C, Hkv, D]
-                               d=d, eps=eps, has_kv=has_kv, own_v=own_v)
+                               d=d, eps=eps, has_kv=has_kv, own_v=own_v, norm_v=norm_v)
     outs = pl.pallas_call(
         kernel, out_shape=tuple(out_shape), grid=(r, hq + hkv * (1 + own_v)),
         input_output_aliases=aliases, interpret=interpret,
@@ -180,7 +182,7 @@ def attention_inputs(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_ca
 
 
 def attention_inputs_reference(q_parts, k_parts, v_parts, q_scale, k_scale, cos, sin, k_cache, v_cache, cols, *,
-                               eps: float, layer=None):
+                               eps: float, layer=None, norm_v: bool = True):
     """`attention_inputs` in plain jnp (the reference the kernel is tested against)."""
     dtype, d = cos.dtype, cos.shape[-1]
     b, t = cos.shape[:2]
@@ -206,7 +208,8 @@ def attention_inputs_reference(q_parts, k_parts, v_parts, q_scale, k_scale, cos,
         return q, None, None
     k_raw = fold(k_parts)
     k = rope(norm(k_raw, k_scale))
-    v = norm(k_raw if v_parts is None else fold(v_parts), None)
+    v_raw = k_raw if v_parts is None else fold(v_parts)
+    v = norm(v_raw, None) if norm_v else v_raw
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     c = k_cache.shape[-3]
     cols = jnp.where((cols >= 0) & (cols < c), cols, c)  # a scatter would wrap a negative column

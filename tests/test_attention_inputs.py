@@ -37,7 +37,7 @@ def _inputs(seed, *, s=3, b=2, t=3, hq=4, hkv=2, d=32, c=11, dtype=jnp.bfloat16,
     return qp, kp, vp, qs, ks, cos, sin, kc, vc, jnp.asarray(cols)
 
 
-def _float64(qp, kp, vp, qs, ks, cos, sin, kc, vc, cols, layer=None):
+def _float64(qp, kp, vp, qs, ks, cos, sin, kc, vc, cols, layer=None, norm_v=True):
     """The float64 math on the rounded projections (fold, norm, RoPE), caches written in numpy."""
     d = cos.shape[-1]
     dt = cos.dtype
@@ -55,7 +55,8 @@ def _float64(qp, kp, vp, qs, ks, cos, sin, kc, vc, cols, layer=None):
 
     q = rope(norm(fold(qp), qs))
     kr = fold(kp)
-    k, v = rope(norm(kr, ks)), norm(kr if vp is None else fold(vp), None)
+    v_raw = kr if vp is None else fold(vp)
+    k, v = rope(norm(kr, ks)), norm(v_raw, None) if norm_v else v_raw.reshape(*v_raw.shape[:2], -1, d)
     kc, vc = c64(kc), c64(vc)
     for bi in range(cols.shape[0]):
         for ti in range(cols.shape[1]):
@@ -106,6 +107,21 @@ def test_matches_reference_and_float64(case):
                 written[(bi, col) if stack is None else (stack - 1, bi, col)] = True
     untouched = ~written
     np.testing.assert_array_equal(np.asarray(jnp.asarray(got[1], jnp.float32))[untouched], kc_old[untouched])
+
+
+@pytest.mark.parametrize("own_v", [True, False])
+def test_raw_v(own_v):
+    """norm_v=False (Gemma 3: no v norm): v is written as projected, k and q as before."""
+    args = _inputs(11 + own_v, own_v=own_v, stack=2 if own_v else None, dtype=jnp.float32)
+    layer = jnp.int32(1) if own_v else None
+    got = _run(args, layer, norm_v=False)
+    ref = attention_inputs_reference(*args, eps=EPS, layer=layer, norm_v=False)
+    want = _float64(*args, layer=1 if own_v else None, norm_v=False)
+    for g, r, w in zip(got, ref, want):
+        _close(g, w, jnp.float32)
+        _close(g, np.asarray(r, np.float64), jnp.float32)
+    normed = _run(args, layer)[2]
+    assert not np.allclose(np.asarray(normed), np.asarray(got[2]))  # the flag changes v
 
 
 def test_q_only():
