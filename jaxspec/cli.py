@@ -750,6 +750,7 @@ def cmd_convert(args) -> int:
     if src is None:
         raise UsageError(f"{args.src!r} is not a GGUF file, a directory holding one, or a known model name "
                          f"({', '.join(sorted(gguf.KNOWN))})")
+    _read_config(src, "GGUF model")  # the header, metadata and tensor table checked before "loading ..."
     _check_output_dir(args.out, args.force, "convert")
     quantize = None
     if args.quantize is not None:
