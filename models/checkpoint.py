@@ -452,7 +452,7 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
         d["architectures"] = ["Gemma4UnifiedAssistantForCausalLM" if cfg.model_type.startswith("gemma4_unified")
                               else "Gemma4AssistantForCausalLM"]
     else:
-        d["architectures"] = ["Gemma4ForCausalLM"]
+        d["architectures"] = [cfg.family.architecture]
     shards, cur, size = [], [], 0
     for key, arr in tensors:
         nbytes = int(np.prod(arr.shape)) * jnp.dtype(arr.dtype).itemsize
