@@ -40,8 +40,9 @@ class Target:
 
     @property
     def dtype(self):
-        """The activation dtype: the embedding's (a QuantizedWeight's dtype is its scales')."""
-        return self.params["embed_tokens"].dtype
+        """The activation dtype: the final norm's, a float vector always held in the load dtype (not
+        the embedding's: a QuantizedWeight's dtype is its scales', float32 in an exact GGUF load)."""
+        return self.params["norm"].dtype
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return logits(self, ids)
