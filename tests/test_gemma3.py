@@ -94,6 +94,31 @@ def test_prefill_and_decode_match_hf(case):
     assert np.array_equal(steps.argmax(-1), ref[:, PREFILL:].argmax(-1))
 
 
+def test_kernels_match_xla_path():
+    """The Pallas path (interpret mode on the CPU): prefill on flash_attention, decode steps on the
+    fused q/k/v kernel (`attention_inputs`, norm_v=False: Gemma 3's raw v) and decode_attention,
+    4-bit weights; logits and the cache's K/V as the XLA path gives them."""
+    cfg = models.TargetConfig.from_dict(dict(CONFIGS["base"], model_type="gemma3_text"))
+    params = presets.random_params(models.target_shapes(cfg), jax.random.key(seeded_rng().integers(1 << 30)),
+                                   dtype=jnp.float32, quantize={"bits": 4, "group_size": 32})
+    ids = jnp.asarray(seeded_rng().integers(0, cfg.vocab_size, (1, PREFILL + 2)), jnp.int32)
+    outs = []
+    for mm in (XLA, DispatchConfig(backend="pallas", interpret=True)):
+        t = models.make_target(cfg, params, mm)
+        cache = models.init_cache(cfg, 1, CAPACITY, jnp.float32)
+        fwd = jax.jit(models.forward)
+        lp, _, cache = fwd(t, ids[:, :PREFILL], cache)
+        steps = []
+        for i in range(PREFILL, PREFILL + 2):
+            ld, _, cache = fwd(t, ids[:, i:i + 1], cache)
+            steps.append(ld)
+        outs.append((lp, *steps, cache))
+    for a, b in zip(outs[0][:3], outs[1][:3]):
+        assert rel_err(b, a) < TOL
+    for a, b in zip(outs[0][3].k + outs[0][3].v, outs[1][3].k + outs[1][3].v):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
 def test_save_load_roundtrip(case, tmp_path):
     """`save` writes a gemma3_text checkpoint (HF names, Gemma3ForCausalLM) that loads back equal."""
     models.save(case["target"], str(tmp_path))
