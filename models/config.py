@@ -124,16 +124,15 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A model family: the `model_type`s (and GGUF architectures) it reads, how it parses a
-    config.json dict into a TargetConfig and writes one back, and the HF class a saved checkpoint
-    names. The registry of families is models/families.py."""
+    """A model family: the `model_type`s it reads, how it parses a config.json dict into a
+    TargetConfig and writes one back, and the HF class a saved checkpoint names. The registry of
+    families is models/families.py."""
 
     name: str
     model_types: tuple[str, ...]     # config.json model_type values (text configs and their wrappers)
     parse: Any                       # dict -> TargetConfig
     to_dict: Any                     # TargetConfig -> config.json dict
     architecture: str                # `architectures` of a saved checkpoint
-    gguf_architectures: tuple[str, ...] = ()  # GGUF `general.architecture` values
 
 
 @dataclasses.dataclass(frozen=True)

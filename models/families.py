@@ -1,4 +1,4 @@
-"""The model families jaxspec computes, keyed by `model_type` (and GGUF `general.architecture`).
+"""The model families jaxspec computes, keyed by config.json's `model_type`.
 
 Each family is one module holding what is its own: which config.json `model_type`s it reads, its
 parser into the shared `TargetConfig` (whose family fields say how models/target.py computes it:
@@ -6,7 +6,9 @@ the RMSNorm offset, the attention scale, whether v is normed, whether layers car
 config.json writer and the HF class a saved checkpoint names. Everything else (the KV cache and
 its rings, the layer scan, the attention and matmul kernels, `models.forward`) is shared.
 
-A third family: its module, with a `FAMILY`, plus one line in FAMILIES below.
+A third family: its module, with a `FAMILY`, plus one line in FAMILIES below. (A GGUF reaches its
+family through the config.json dict models/gguf.py makes of it, whose model_type is the HF one:
+GGUF `gemma3` -> `gemma3_text`; reading another GGUF architecture is a line in gguf.ARCHITECTURES.)
 """
 from __future__ import annotations
 
@@ -34,11 +36,3 @@ def family_of(model_type) -> Family:
                          "models.load_assistant / AssistantConfig.from_dict")
     raise ValueError(f"unsupported model_type={_short(model_type)}: expected one of {target_types()} for a target")
 
-
-def family_of_gguf(architecture) -> Family:
-    """The family of a GGUF file's `general.architecture`; ValueError naming the known ones otherwise."""
-    for f in FAMILIES:
-        if isinstance(architecture, str) and architecture in f.gguf_architectures:
-            return f
-    known = tuple(a for f in FAMILIES for a in f.gguf_architectures)
-    raise ValueError(f"unsupported GGUF architecture={_short(architecture)}: expected one of {known}")

@@ -1,4 +1,5 @@
-"""Gemma 3 (text): `gemma3_text`, the text part of `gemma3` (its `text_config`), GGUF `gemma3`.
+"""Gemma 3 (text): `gemma3_text`, the text part of `gemma3` (its `text_config`); a GGUF `gemma3`
+reaches it as the gemma3_text dict models/gguf.py makes of the file.
 
 Computed as transformers 5.25 computes it (models/gemma3/modeling_gemma3.py); what differs from
 Gemma 4, all carried by the parsed TargetConfig's family fields:
@@ -163,4 +164,4 @@ def to_dict(cfg: TargetConfig) -> dict[str, Any]:
 
 
 FAMILY = Family(name="gemma3", model_types=(TEXT_TYPE, WRAPPER_TYPE), parse=parse, to_dict=to_dict,
-                architecture="Gemma3ForCausalLM", gguf_architectures=("gemma3",))
+                architecture="Gemma3ForCausalLM")
