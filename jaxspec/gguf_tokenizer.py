@@ -207,6 +207,7 @@ def build_backend(v: GGUFVocab):
 def tokenizer_from_gguf(path: str, reader=None) -> Tokenizer:
     """jaxspec's Tokenizer for the GGUF at `path`: its special tokens, its stop ids (EOS, plus the
     end-of-turn tokens the file names) and its chat template, if it has one."""
+    path = os.fspath(path)
     v = read_vocab(path, reader)
     names = {"bos_token": v.bos_id, "eos_token": v.eos_id, "pad_token": v.pad_id, "unk_token": v.unk_id}
     special = {k: v.tokens[i] for k, i in names.items() if i is not None}

@@ -146,6 +146,8 @@ class Tokenizer:
         `model_dir`. Raises TokenizerError when there is no usable tokenizer file."""
         from tokenizers import Tokenizer as _Tok
 
+        model_dir = os.fspath(model_dir)  # a pathlib.Path too
+        tokenizer_file = None if tokenizer_file is None else os.fspath(tokenizer_file)
         gguf = _gguf_source(model_dir, tokenizer_file)
         if gguf is not None:
             from jaxspec.gguf_tokenizer import tokenizer_from_gguf

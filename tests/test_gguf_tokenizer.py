@@ -77,7 +77,7 @@ def _stdlib_prose() -> list[str]:
 
 def _numbers(rng) -> list[str]:
     forms = (lambda: str(int(rng.integers(0, 10 ** int(rng.integers(1, 19))))),
-             lambda: f"{rng.normal() * 10 ** rng.integers(-3, 9):.{rng.integers(0, 8)}f}",
+             lambda: f"{rng.normal() * 10.0 ** int(rng.integers(-3, 9)):.{rng.integers(0, 8)}f}",
              lambda: f"{rng.normal():.3e}",
              lambda: f"{int(rng.integers(0, 10**9)):,}",
              lambda: hex(int(rng.integers(0, 2**62))),
@@ -111,8 +111,8 @@ def _random_unicode(rng, n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def lines():
     rng = seeded_rng()
-    out = _stdlib_code() + _stdlib_prose() + _numbers(rng) + _special_looking(rng) + _random_unicode(rng, 300)
-    assert len(out) >= 1000 and len(set(out)) >= 950, (len(out), len(set(out)))
+    out = _stdlib_code() + _stdlib_prose() + _numbers(rng) + _special_looking(rng) + _random_unicode(rng, 350)
+    assert len(set(out)) >= 1000, (len(out), len(set(out)))
     return out
 
 
@@ -151,7 +151,7 @@ def _differences(ours, ref, texts):
     return bad
 
 
-def test_gemma3_ids_and_decodes_equal_transformers(ours, reference, lines):
+def test_gemma3_ids_and_decodes_equal_transformers(lines, ours, reference):
     bad = _differences(ours, reference, lines)
     assert not bad, f"{len(bad)} of {len(lines)} lines differ; first: " + "; ".join(f"{t!r}: {d}" for t, d in bad[:3])
     # what the file says about special tokens and stops, and BOS prepended
@@ -227,7 +227,9 @@ def _random_vocab(rng):
     in a random order: the order is the merge ranking."""
     pieces = set()
     while len(pieces) < 120:
-        pieces.add("".join(rng.choice(list(ALPHABET), int(rng.integers(2, 6)))))
+        p = "".join(rng.choice(list(ALPHABET), int(rng.integers(2, 6))))
+        if p.strip(SPACE):  # the runs of U+2581 are the space tokens of HEAD
+            pieces.add(p)
     pieces = list(ALPHABET) + [p for p in rng.permutation(sorted(pieces))]
     tokens = HEAD + [f"<0x{b:02X}>" for b in range(256)] + pieces
     return tokens, HEAD_TYPES + [BYTE] * 256 + [NORMAL] * len(pieces)
