@@ -15,11 +15,14 @@ How the SentencePiece vocabulary becomes a BPE model:
   space becomes U+2581 ("\u2581"), the character the pieces spell spaces with. The file spells its
   pieces made only of spaces ("  ", "   ", ...) with real spaces; they are respelled with U+2581,
   or they could never match.
-* SentencePiece BPE merges, at each step, the adjacent pair whose joined piece ranks best. The
+* SentencePiece BPE merges, at each step, the adjacent pair whose joined piece scores best. The
   file lists no merges, so they are rebuilt from the vocabulary: every way to cut a piece into two
   pieces that are both in the vocabulary is a merge, ranked by the joined piece's place in the file
-  (earlier first, as transformers ranks Gemma's: its scores do not follow the merge order), and,
-  for one piece, the longer left part first.
+  (earlier first, as transformers ranks Gemma's), and, for one piece, the longer left part first.
+  For Gemma 3's ordinary pieces the place and the score give the same order (score = 463 or 494
+  minus the id), but the space runs score -1000, like every user-defined piece: SentencePiece and
+  llama.cpp match those whole, which ranking them by place reproduces ("    Several" is "▁▁▁▁"
+  "Several"; by score it would be "▁▁▁" "▁Several").
 * Characters no piece covers become their UTF-8 bytes, the `<0xNN>` pieces (byte fallback);
   decoding turns those back into bytes and U+2581 back into spaces.
 * Control pieces (`<bos>`, `<start_of_turn>`, `<unusedN>`) are special added tokens and
@@ -78,10 +81,17 @@ def _open_reader(path: str):
     if not os.path.isfile(path):
         raise TokenizerError(f"GGUF file {path!r} does not exist or is not a regular file")
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise TokenizerError(f"cannot read GGUF file {path!r}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise TokenizerError(f"{path!r} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
         return gguf.GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError, IndexError, ... on a damaged file
+    except Exception as e:  # GGUFReader raises ValueError, IndexError, ... past the end of a cut file
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TokenizerError(f"{path!r} is not a readable GGUF file: {msg}") from None
+        raise TokenizerError(f"{path!r} is a truncated or corrupted GGUF file (gguf.GGUFReader: {msg})") from None
 
 
 def read_vocab(path: str, reader=None) -> GGUFVocab:

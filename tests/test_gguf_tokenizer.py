@@ -202,14 +202,16 @@ ALPHABET = "abcde" + SPACE + "é中"
 
 
 def _write_gguf(path, tokens=None, types=None, arch="gemma3", model="llama", add_eos=None, template=None,
-                eot=None):
+                eot=None, bos=2, scores=None):
     w = gguf.GGUFWriter(str(path), arch=arch)
     if model is not None:
         w.add_tokenizer_model(model)
         w.add_token_list(tokens)
-        w.add_token_scores([-1000.0 if t != NORMAL else 0.0 for t in types])
+        if scores is None:  # as Gemma's: ordinary pieces by place, the others -1000
+            scores = [-1000.0 if t != NORMAL else -float(i) for i, t in enumerate(types)]
+        w.add_token_scores(scores)
         w.add_token_types(types)
-        w.add_bos_token_id(2), w.add_eos_token_id(1), w.add_unk_token_id(3), w.add_pad_token_id(0)
+        w.add_bos_token_id(bos), w.add_eos_token_id(1), w.add_unk_token_id(3), w.add_pad_token_id(0)
         w.add_add_bos_token(True)
         if add_eos is not None:
             w.add_add_eos_token(add_eos)
@@ -280,8 +282,12 @@ def test_bad_gguf_tokenizers_give_one_line(tmp_path):
         "none.gguf": (lambda p: _write_gguf(p, model=None), "has no tokenizer in its metadata"),
         "bpe.gguf": (lambda p: _write_gguf(p, tokens, types, model="gpt2"), "unsupported tokenizer.ggml.model 'gpt2'"),
         "llama.gguf": (lambda p: _write_gguf(p, tokens, types, arch="llama"), "architecture 'llama' is not supported"),
-        "trunc.gguf": (lambda p: p.write_bytes(open(good, "rb").read()[:3000]), "is not a readable GGUF file"),
-        "text.gguf": (lambda p: p.write_text("not a gguf at all\n"), "is not a readable GGUF file"),
+        "scores.gguf": (lambda p: _write_gguf(p, tokens, types, scores=[0.0] * 7),
+                        "tokenizer.ggml.scores is missing or does not have one entry per token"),
+        "bos.gguf": (lambda p: _write_gguf(p, tokens, types, bos=len(tokens)),
+                     f"tokenizer.ggml.bos_token_id = {len(tokens)} is not a token id"),
+        "trunc.gguf": (lambda p: p.write_bytes(open(good, "rb").read()[:3000]), "is a truncated or corrupted GGUF"),
+        "text.gguf": (lambda p: p.write_text("not a gguf at all\n"), "is not a GGUF file"),
         "missing.gguf": (lambda p: None, "does not exist"),
     }
     for name, (make, message) in cases.items():
