@@ -47,8 +47,9 @@ from jaxspec.tokenizer import Tokenizer, TokenizerError
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # Architectures whose SentencePiece vocabulary this module rebuilds: Gemma's conventions (no
-# prefix space, merges ranked by place in the file) are not another family's.
-SUPPORTED_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# prefix space, merges ranked by place in the file) are not another family's. transformers builds
+# Gemma 1 and 2 files the same way, but jaxspec runs neither and no such file was checked here.
+SUPPORTED_ARCHITECTURES = ("gemma3",)
 SUPPORTED_MODELS = ("llama",)  # tokenizer.ggml.model: SentencePiece; "gpt2" (byte-level BPE) etc. are not handled
 SPACE = "\u2581"
 

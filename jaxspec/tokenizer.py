@@ -34,7 +34,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from jaxspec.models.checkpoint_files import FileProblem, read_regular
+from jaxspec.models.checkpoint_files import FileProblem, list_dir, read_regular
 
 TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -267,7 +267,10 @@ def _gguf_source(model_dir: str, tokenizer_file: str | None) -> str | None:
         return model_dir
     if not os.path.isdir(model_dir) or os.path.lexists(_find_tokenizer_file(model_dir)):
         return None
-    found = sorted(n for n in os.listdir(model_dir) if is_gguf(n))
+    try:
+        found = [n for n in list_dir(model_dir) if is_gguf(n)]
+    except FileProblem as e:
+        raise TokenizerError(str(e)) from None
     if len(found) > 1:
         raise TokenizerError(f"{model_dir!r} holds {len(found)} GGUF files ({', '.join(found)}) and no "
                              f"{TOKENIZER_FILE}: name one")
