@@ -22,7 +22,7 @@ from seeds import seeded_rng
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from jaxspec.gguf_tokenizer import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED  # noqa: E402
+from jaxspec.gguf_tokenizer import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED, tokenizer_from_gguf  # noqa: E402
 from jaxspec.tokenizer import IncrementalDecoder, TokenizerError, load_tokenizer  # noqa: E402
 
 
@@ -124,8 +124,16 @@ def gemma_file():
 
 
 @pytest.fixture(scope="module")
-def ours(gemma_file):
-    return load_tokenizer(gemma_file)
+def gemma_reader(gemma_file):
+    """The file's gguf.GGUFReader: ~14 CPU-seconds to open, half this module's time; a session
+    fixture in conftest.py could share it with the weights' tests."""
+    return gguf.GGUFReader(gemma_file)
+
+
+@pytest.fixture(scope="module")
+def ours(gemma_file, gemma_reader):
+    # load_tokenizer(gemma_file) is this with a reader of its own (tested on the tiny files below)
+    return tokenizer_from_gguf(gemma_file, reader=gemma_reader)
 
 
 @pytest.fixture(scope="module")
