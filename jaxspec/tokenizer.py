@@ -19,6 +19,11 @@ The files read from the directory, all optional except tokenizer.json:
 A pair directory (`PAIR/target`, `PAIR/assistant`, as the embedded default pair is laid out) may
 keep one `PAIR/tokenizer.json` for both: it is used when the member directory has none.
 
+A GGUF file (`load_tokenizer("model.gguf")`, or a directory holding one and no tokenizer.json)
+carries its tokenizer in its metadata: jaxspec.gguf_tokenizer rebuilds it. `Tokenizer.save(dir)`
+writes any tokenizer as tokenizer.json + tokenizer_config.json, so a converted checkpoint
+directory needs no GGUF to tokenize.
+
 Chat templates are Jinja2 (a base dependency) and are
 rendered in a sandbox, the way HF transformers renders them (`messages`, `add_generation_prompt`,
 the special tokens, `raise_exception`, `strftime_now`, the `tojson` filter).
@@ -29,7 +34,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from jaxspec.models.checkpoint_files import FileProblem, read_regular
+from jaxspec.models.checkpoint_files import FileProblem, list_dir, read_regular
 
 TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -141,6 +146,13 @@ class Tokenizer:
         `model_dir`. Raises TokenizerError when there is no usable tokenizer file."""
         from tokenizers import Tokenizer as _Tok
 
+        model_dir = os.fspath(model_dir)  # a pathlib.Path too
+        tokenizer_file = None if tokenizer_file is None else os.fspath(tokenizer_file)
+        gguf = _gguf_source(model_dir, tokenizer_file)
+        if gguf is not None:
+            from jaxspec.gguf_tokenizer import tokenizer_from_gguf
+
+            return tokenizer_from_gguf(gguf)
         path = tokenizer_file or _find_tokenizer_file(model_dir)
         if not os.path.lexists(path):
             raise TokenizerError(f"no {TOKENIZER_FILE} in {model_dir!r} (pass --tokenizer FILE)"
@@ -191,6 +203,9 @@ class Tokenizer:
         template. The result normally starts with the BOS token: encode it with
         `add_special_tokens=False`."""
         if self.chat_template is None:
+            if is_gguf(self.source or ""):
+                raise TokenizerError(f"{self.source} has no chat template (no tokenizer.chat_template in its "
+                                     "metadata; a base model?): prompt it with plain text, without --chat")
             raise TokenizerError("this model directory has no chat template (chat_template.jinja, "
                                  "chat_template.json or tokenizer_config.json's chat_template)")
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
@@ -203,14 +218,63 @@ class Tokenizer:
             messages = [{"role": "user", "content": messages}]
         return self.encode(self.apply_chat_template(messages, **kw), add_special_tokens=False)
 
+    # ---- saving ----------------------------------------------------------------------------
+    def save(self, directory: str) -> list[str]:
+        """Write `directory/tokenizer.json` and `directory/tokenizer_config.json` (the special
+        tokens and the chat template, if any), each whole or not at all, so that
+        `load_tokenizer(directory)` gives this tokenizer back. Stop ids other than the EOS token's
+        are the model config's to list (config.json's `eos_token_id`). Returns the paths written."""
+        os.makedirs(directory, exist_ok=True)
+        config = dict(self.special_tokens)
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        written = []
+        for name, text in ((TOKENIZER_FILE, self.backend.to_str()),
+                           ("tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")):
+            path = os.path.join(directory, name)
+            tmp = f"{path}.tmp{os.getpid()}"
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, path)
+            finally:
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+            written.append(path)
+        return written
+
     def __repr__(self) -> str:
         return (f"Tokenizer({self.source or 'in memory'}, vocab={self.vocab_size}, "
                 f"eos={list(self.eos_token_ids)}, chat_template={'yes' if self.chat_template else 'no'})")
 
 
 def load_tokenizer(model_dir: str, tokenizer_file: str | None = None) -> Tokenizer:
-    """`Tokenizer.from_dir(model_dir, tokenizer_file)`."""
+    """`Tokenizer.from_dir(model_dir, tokenizer_file)`; `model_dir` (or `tokenizer_file`) may be
+    a GGUF file, and a directory with no tokenizer.json may hold one."""
     return Tokenizer.from_dir(model_dir, tokenizer_file)
+
+
+def is_gguf(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def _gguf_source(model_dir: str, tokenizer_file: str | None) -> str | None:
+    """The GGUF file to read the tokenizer from, or None for tokenizer.json: `tokenizer_file` or
+    `model_dir` naming a .gguf file, or a directory with no tokenizer.json holding one .gguf."""
+    if tokenizer_file is not None:
+        return tokenizer_file if is_gguf(tokenizer_file) else None
+    if is_gguf(model_dir) and not os.path.isdir(model_dir):
+        return model_dir
+    if not os.path.isdir(model_dir) or os.path.lexists(_find_tokenizer_file(model_dir)):
+        return None
+    try:
+        found = [n for n in list_dir(model_dir) if is_gguf(n)]
+    except FileProblem as e:
+        raise TokenizerError(str(e)) from None
+    if len(found) > 1:
+        raise TokenizerError(f"{model_dir!r} holds {len(found)} GGUF files ({', '.join(found)}) and no "
+                             f"{TOKENIZER_FILE}: name one")
+    return os.path.join(model_dir, found[0]) if found else None
 
 
 # A chat template comes with the model's files: untrusted code, rendered in Jinja's sandbox and within
