@@ -486,7 +486,11 @@ def by_name(name: str) -> str:
     except ImportError:
         raise ValueError(f"model {name!r} is not installed: pip install {package}  (or pip install -e '.[gemma3]' "
                          "in a jaxspec checkout)") from None
-    return os.fspath(mod.assemble())
+    try:
+        return os.fspath(mod.assemble())
+    except Exception as e:  # a full disk, a part that fails its checksum: the package's own words, one line
+        raise ValueError(f"model {name!r}: {package} could not assemble its file: "
+                         f"{' '.join(str(e).split()) or type(e).__name__}") from None
 
 
 def source(path) -> str | None:
