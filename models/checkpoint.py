@@ -319,8 +319,8 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
 
 
 def _target_config(d: dict):
-    """The one place a GGUF's config.json dict becomes the model's config (the family registry's
-    entry point once model families other than Gemma 4 exist)."""
+    """A GGUF's config.json dict as the model's config: TargetConfig.from_dict, which picks the
+    family by model_type (models/families.py)."""
     return TargetConfig.from_dict(d)
 
 
