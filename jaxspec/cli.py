@@ -4,6 +4,7 @@
     jaxspec generate "Hello" --model DIR --assistant DIR --stream
     jaxspec generate "Why is the sky blue?" --model DIR --assistant DIR --chat --temperature 0.7 --top-p 0.95
     jaxspec tiny-pair DIR                                               # a tiny random pair (smoke tests)
+    jaxspec convert gemma-3-270m DIR                                    # a GGUF as a checkpoint directory
 
 `generate` prints the generated text on stdout, then one stats line (decode tokens/s, acceptance,
 mean accepted length, speedup over classic decoding with --compare). Progress, the compile notice
@@ -182,8 +183,15 @@ def _read_config(path: str, role: str) -> dict:
     """config.json of a model directory, read up front (before the tokenizer, the context check
     and loading), and every file the loader will open checked to be a readable regular file (a
     FIFO, a symlink loop, no permission: named here); their contents are the loader's to check."""
+    from jaxspec.models import gguf
     from jaxspec.models.checkpoint_files import read_config
 
+    try:
+        src = gguf.source(path)
+        if src is not None:  # a GGUF: its config from the header (no tensor is read)
+            return gguf.plan(src)[3]
+    except ValueError as e:
+        raise UsageError(f"{path!r} is not a usable {role}: {_one_line(e)}") from None
     if not os.path.lexists(path):
         raise UsageError(f"{role} directory {path!r} does not exist")
     try:
@@ -231,8 +239,12 @@ def default_pair_dirs(path: str | None = None) -> tuple[str, str] | None:
 def _dir_bytes(path: str) -> int:
     """Bytes of the weight files the loader reads (the manifest's, the index's or model*.safetensors:
     models.checkpoint_files.checkpoint_files; other files in the directory are not counted)."""
+    from jaxspec.models import gguf
     from jaxspec.models.checkpoint_files import checkpoint_files
 
+    src = gguf.source(path)
+    if src is not None:
+        return os.path.getsize(src)
     return sum(os.path.getsize(f) for f in checkpoint_files(path, complete=False)[1])
 
 
@@ -398,6 +410,19 @@ def _utf8_checked(text: str, where: str) -> str:
     return text
 
 
+def _by_name(model: str) -> str:
+    """A model known by name (`--model gemma-3-270m`) as its installed package's GGUF file; any other
+    value as it is. The package missing: one line naming the pip install (exit 2)."""
+    from jaxspec.models import gguf
+
+    if model in gguf.KNOWN and not os.path.lexists(model):
+        try:
+            return gguf.by_name(model)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return model
+
+
 def _resolve_dirs(args) -> tuple[str, str | None]:
     if args.model is None:
         if args.assistant is not None:
@@ -414,7 +439,7 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
     elif args.pair is not None:
         raise UsageError("--pair and --model exclude each other")
     else:
-        model_dir, assistant_dir = args.model, args.assistant
+        model_dir, assistant_dir = _by_name(args.model), args.assistant
     if args.no_assistant:
         assistant_dir = None
     return model_dir, assistant_dir
@@ -678,14 +703,14 @@ def cmd_tiny_pair(args) -> int:
     return EXIT_OK
 
 
-def _check_output_dir(path: str, force: bool) -> None:
+def _check_output_dir(path: str, force: bool, command: str = "tiny-pair") -> None:
     """An output directory that exists empty (or anything, with `force`), or can be created."""
     from jaxspec.models.checkpoint_files import why_not
 
     try:
         if os.path.isdir(path):
             if os.listdir(path) and not force:
-                raise UsageError(f"{path!r} is not empty: tiny-pair would replace the model files in it; pass "
+                raise UsageError(f"{path!r} is not empty: {command} would replace the model files in it; pass "
                                  "--force to write there anyway")
             where = path
         elif os.path.lexists(path):
@@ -700,6 +725,58 @@ def _check_output_dir(path: str, force: bool) -> None:
         raise UsageError(why_not(e, path)) from None
     if not os.access(where, os.W_OK | os.X_OK):
         raise UsageError(f"permission denied: cannot write {path!r} ({where!r} is not writable)")
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+
+
+def cmd_convert(args) -> int:
+    """A GGUF (file, directory holding one, or a model name) written as a jaxspec checkpoint directory
+    (models.save: config.json + safetensors, float32 scales kept exact) plus its tokenizer, so later
+    loads read safetensors and skip the GGUF decoding. Loaded in float32, so that the directory
+    loads, at any dtype, exactly as the GGUF does."""
+    import jax.numpy as jnp
+
+    from jaxspec import models
+    from jaxspec.kernels import DispatchConfig
+    from jaxspec.models import gguf
+
+    src_name = _by_name(args.src)
+    try:
+        src = gguf.source(src_name)
+    except ValueError as e:
+        raise UsageError(_one_line(e)) from None
+    if src is None:
+        raise UsageError(f"{args.src!r} is not a GGUF file, a directory holding one, or a known model name "
+                         f"({', '.join(sorted(gguf.KNOWN))})")
+    _read_config(src, "GGUF model")  # the header, metadata and tensor table checked before "loading ..."
+    _check_output_dir(args.out, args.force, "convert")
+    quantize = None
+    if args.quantize is not None:
+        bits, gs = (int(v) for v in re.fullmatch(r"(\d+)bit-g(\d+)", args.quantize).groups())
+        quantize = {"bits": bits, "group_size": gs}
+    target = _load("target", src, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
+    try:
+        models.save(target, args.out)
+        tok_note = _save_gguf_tokenizer(src, args.out)
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out!r}: {e.strerror or _one_line(e)}"
+                         + (f" ({e.filename!r})" if e.filename else "")) from None
+    print(f"wrote {args.out}{tok_note}\ntry: jaxspec generate \"The capital of France is\" --model {args.out} "
+          "--no-assistant")
+    return EXIT_OK
+
+
+def _save_gguf_tokenizer(src: str, out: str) -> str:
+    """The GGUF's tokenizer saved into `out` (tokenizer.json, tokenizer_config.json): the tokenizer
+    module reads it from the GGUF metadata. Returns a note for the summary line."""
+    from jaxspec.gguf_tokenizer import tokenizer_from_gguf
+    from jaxspec.models import gguf
+
+    meta = gguf.plan(src)[1]  # jaxspec's parse of the metadata: seconds, where GGUFReader takes tens
+    tokenizer_from_gguf(src, reader=gguf.MetadataReader(meta)).save(out)
+    return " (with its tokenizer)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,6 +886,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "assistant/ model files are replaced)")
     t.add_argument("--debug", action="store_true", help="show tracebacks")
     t.set_defaults(func=cmd_tiny_pair)
+
+    c = sub.add_parser("convert", help="write a GGUF model as a jaxspec checkpoint directory",
+                       description="Read a GGUF (a .gguf file, a directory holding one, or a model name such as "
+                                   "gemma-3-270m) and write it as a jaxspec checkpoint directory (config.json, "
+                                   "safetensors, tokenizer): the exact weights, which later loads read directly.")
+    c.add_argument("src", help="the .gguf file, a directory holding one, or a model name (gemma-3-270m)")
+    c.add_argument("out", help="output directory")
+    c.add_argument("--quantize", choices=("4bit-g64", "4bit-g32", "8bit-g64"), default=None,
+                   help="requantize every linear weight to this format (default: the exact mapping of the "
+                        "GGUF's own types)")
+    c.add_argument("--force", action="store_true", help="write into OUT even if it is not empty")
+    c.add_argument("--debug", action="store_true", help="show tracebacks")
+    c.set_defaults(func=cmd_convert)
 
     return p
 

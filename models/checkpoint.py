@@ -28,16 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, quantize
-from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_finite, describe_nonfinite
+from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_finite, dequantize, describe_nonfinite
 from safetensors import SafetensorError, safe_open
 
+from . import gguf
 from .assistant import Assistant
 from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, checkpoint_files,  # noqa: F401
                                read_config, save_files, why_not)
 from .config import AssistantConfig, TargetConfig, check_fit, quantization_format
 from .layer_scan import is_stacked, stack_params, unstack_params
-from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, quant_spec, quantizable, quantize_params,
-                     target_shapes)
+from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, check_params, quant_spec, quantizable,
+                     quantize_params, target_shapes)
 from .target import Target
 
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.", "language_model.", "")
@@ -231,9 +232,17 @@ class _Progress:
             self.next = frac + 0.02
 
 
+def _scale_dtype(a, dtype):
+    """Quantization scales / biases in the model dtype, except float32 ones, which stay float32: a
+    GGUF's scales (d * sc, up to 17 significant bits) are exact only there, and the kernels compute
+    in float32 whatever the stored dtype (models.gguf; `jaxspec convert` writes them so)."""
+    return a if a.dtype == jnp.float32 else a.astype(dtype)
+
+
 def _load_params(path, files, shapes, qcfg, skip, dtype, quantize_spec, progress, label) -> dict:
     """Read the planned tensors one at a time. Quantized tensors become QuantizedWeights in the
-    kernels' layout (built from the file's MLX arrays), their scales and biases cast to `dtype`;
+    kernels' layout (built from the file's MLX arrays), their scales and biases cast to `dtype`
+    unless float32 (`_scale_dtype`);
     float ones are cast to `dtype` and, under `quantize_spec`, quantized if they are linear weights
     whose K is a whole number of groups; integer buffers become int32.
 
@@ -252,8 +261,7 @@ def _load_params(path, files, shapes, qcfg, skip, dtype, quantize_spec, progress
         if entry["kind"] == "quantized":
             (wk, wh), (sk, sh), (bk, bh) = entry["keys"]
             w = jnp.asarray(wh.get_tensor(wk))
-            s = jnp.asarray(sh.get_tensor(sk)).astype(dtype)
-            b = jnp.asarray(bh.get_tensor(bk)).astype(dtype)
+            s, b = (_scale_dtype(jnp.asarray(h.get_tensor(key)), dtype) for key, h in ((sk, sh), (bk, bh)))
             params[name] = qw = QuantizedWeight.from_mlx(w, s, b, entry["bits"], entry["group_size"])
             check(sk, qw.scales, True)  # [K/g, N] in memory, [N, K/g] in the file
             check(bk, qw.biases, True)
@@ -292,9 +300,15 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     linear/embedding weights on load (weights already quantized in the file are kept as they are).
     `matmul=None` resolves to `DispatchConfig.from_env()` here, once: the model then holds that
     config and nothing later reads the environment. `dtype`: bfloat16, float16 or float32 (else
-    ValueError, before anything is read)."""
+    ValueError, before anything is read).
+
+    A GGUF loads too: `path` a .gguf file, a directory holding one (and no config.json), or a model
+    name such as "gemma-3-270m" (its pip package's file): see `load_gguf_target`."""
     dtype = _model_dtype(dtype)
     matmul = DispatchConfig.from_env() if matmul is None else matmul
+    src = gguf.source(path)
+    if src is not None:
+        return load_gguf_target(src, dtype=dtype, quantize=quantize, matmul=matmul)
     d, cfg, files = _read(path, TargetConfig.from_dict)
     if not cfg.cache_layers:
         raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
@@ -302,6 +316,72 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     skip = lambda name: _ignorable(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_target")
     return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+
+
+def _target_config(d: dict):
+    """A GGUF's config.json dict as the model's config: TargetConfig.from_dict, which picks the
+    family by model_type (models/families.py)."""
+    return TargetConfig.from_dict(d)
+
+
+def load_gguf_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None) -> Target:
+    """A target from a GGUF (models.gguf.read_gguf: `path` a .gguf file, a directory holding one, or a
+    known model's name). The default is the exact load: GGUF's Q8_0 / Q5_0 / Q4_K become the kernels'
+    8-bit / 8-bit / 4-bit group-32 format with float32 scales and biases, Q6_K and the float tensors
+    float arrays in `dtype` (exact at float32). `quantize={"bits": b, "group_size": g}` requantizes
+    every linear/embedding weight (the exact weights cast to `dtype`, then `quantize`), e.g. the
+    all-4-bit group-64 form. The config is parsed, and every tensor's name, type and shape checked,
+    before any tensor is decoded."""
+    dtype = _model_dtype(dtype)
+    matmul = DispatchConfig.from_env() if matmul is None else matmul
+    bits, gs = quant_spec(quantize)
+    holder = {}
+
+    def check(d):  # runs on the config before any tensor is decoded
+        holder["cfg"] = cfg = _target_config(d)
+        if not cfg.cache_layers:
+            raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
+
+    ck = gguf.read_gguf(path, check=check)
+    cfg = holder["cfg"]
+    params = _gguf_params(ck, target_shapes(cfg), dtype, bits, gs)
+    return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+
+
+def _gguf_params(ck, shapes, dtype, bits: int, gs: int) -> dict:
+    """A GGUF's HF-named tensors as a model's params (checked against `shapes`): float ones in
+    `dtype`, QuantizedWeights as read, or every linear weight requantized when `bits`."""
+    params, finite = {}, []
+    for hf, w in ck.tensors.items():
+        name = hf[len("model."):] if hf.startswith("model.") else hf
+        name = name[: -len(".weight")] if name.endswith(".weight") else name
+        kind = shapes.get(name, (None, None))[1]
+        if bits and kind == LINEAR:
+            dense = dequantize(w, jnp.float32) if isinstance(w, QuantizedWeight) else jnp.asarray(w)
+            dense = dense.astype(dtype)
+            if quantizable(dense.shape, kind, gs):
+                try:
+                    w = quantize(dense, bits=bits, group_size=gs)
+                except ValueError as e:
+                    raise _not_loadable(ck.path, f"tensor {hf!r}: {e}") from None
+            else:
+                w = dense
+        elif isinstance(w, QuantizedWeight):
+            finite += [(hf + " (scales)", w.scales), (hf + " (biases)", w.biases)]
+        else:
+            w = jnp.asarray(w).astype(dtype)
+            finite.append((hf, w))
+        params[name] = w
+    ok = np.asarray(jax.device_get(jnp.stack([all_finite(a) for _, a in finite]))) if finite else []
+    bad = [(key, a) for (key, a), good in zip(finite, ok) if not good]
+    if bad:
+        raise _not_loadable(ck.path, f"{len(bad)} tensor(s) hold NaN or inf values: "
+                                     + "; ".join(f"{key!r} ({describe_nonfinite(a)})" for key, a in bad[:8]))
+    try:
+        check_params(params, shapes, "target")
+    except ValueError as e:
+        raise _not_loadable(ck.path, str(e)) from None
+    return params
 
 
 def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None,
@@ -372,7 +452,7 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
         d["architectures"] = ["Gemma4UnifiedAssistantForCausalLM" if cfg.model_type.startswith("gemma4_unified")
                               else "Gemma4AssistantForCausalLM"]
     else:
-        d["architectures"] = ["Gemma4ForCausalLM"]
+        d["architectures"] = [cfg.family.architecture]
     shards, cur, size = [], [], 0
     for key, arr in tensors:
         nbytes = int(np.prod(arr.shape)) * jnp.dtype(arr.dtype).itemsize

@@ -1,7 +1,11 @@
 """Model configs parsed from config.json dicts: frozen and hashable, so they ride as static pytree fields.
 
-Every field is read from the dict; a field that is absent takes the HF transformers 5.24 default of
-the config class named by `model_type` (mlx-lm's defaults differ, which is why nothing is assumed).
+Which family parses a dict is decided by its `model_type` (models/families.py: Gemma 4 here, Gemma 3
+in models/gemma3.py); every family parses into the one `TargetConfig`, whose family fields
+(`norm_offset`, `query_pre_attn_scalar`, `value_norm`, `layer_scalar`) say how the shared forward
+computes it. Every field is read from the dict; a field that is absent takes the HF transformers
+5.24 default of the config class named by `model_type` (mlx-lm's defaults differ, which is why
+nothing is assumed).
 Every numeric field has a range (FIELD_RANGES) checked as it is parsed, and again when a config is
 built directly: a bad value is one short ValueError line naming the field, the value and the range,
 before any weight is read or anything compiles.
@@ -20,7 +24,8 @@ LAYER_TYPES = (SLIDING, FULL)
 TARGET_TYPES = ("gemma4_text", "gemma4_unified_text")
 MULTIMODAL_TYPES = ("gemma4", "gemma4_unified")
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
-ROPE_TYPES = ("default", "proportional")
+ROPE_TYPES = ("default", "proportional", "linear")
+_GEMMA4_ROPE_TYPES = ("default", "proportional")
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
 
 # HF 5.24 defaults of Gemma4TextConfig; Gemma4UnifiedTextConfig overrides a few and has no PLE/MoE.
@@ -95,9 +100,12 @@ FIELD_RANGES: dict[str, Range] = {
     "rope_theta": Range(1.0, 1e12, integer=False),
     "partial_rotary_factor": Range(0.0, 1.0, integer=False, lo_open=True),
     "factor": Range(1e-3, 1e6, integer=False),
+    "query_pre_attn_scalar": Range(1e-6, 1e12, integer=False),  # null / absent: attention scale 1.0
+    "norm_offset": Range(0.0, 1.0, integer=False),
 }
 MAX_EOS_IDS = 1024
-_NULL_MEANS = {"final_logit_softcapping": "no cap", "max_position_embeddings": "not given"}  # optional fields
+_NULL_MEANS = {"final_logit_softcapping": "no cap", "max_position_embeddings": "not given",
+               "query_pre_attn_scalar": "attention scale 1.0"}  # optional fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +123,23 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family: the `model_type`s (and GGUF architectures) it reads, how it parses a
+    config.json dict into a TargetConfig and writes one back, and the HF class a saved checkpoint
+    names. The registry of families is models/families.py."""
+
+    name: str
+    model_types: tuple[str, ...]     # config.json model_type values (text configs and their wrappers)
+    parse: Any                       # dict -> TargetConfig
+    to_dict: Any                     # TargetConfig -> config.json dict
+    architecture: str                # `architectures` of a saved checkpoint
+    gguf_architectures: tuple[str, ...] = ()  # GGUF `general.architecture` values
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A Gemma 4 text stack (dense). Per-layer head_dim / kv heads are resolved into tuples."""
+    """A decoder-only text stack (dense) of a registered family. Per-layer head_dim / kv heads are
+    resolved into tuples. The last four fields are the family's numerics (defaults: Gemma 4's)."""
 
     vocab_size: int
     hidden_size: int
@@ -143,6 +166,10 @@ class TargetConfig:
     model_type: str = "gemma4_text"
     eos_token_ids: tuple[int, ...] = ()          # generate() stops on these by default
     max_position_embeddings: int | None = None   # the context the model was trained for
+    norm_offset: float = 0.0                     # every RMSNorm scales by (norm_offset + w)
+    query_pre_attn_scalar: float | None = None   # attention scale query_pre_attn_scalar**-0.5 (None: 1.0)
+    value_norm: bool = True                      # v is RMSNorm'd without a scale (else left as projected)
+    layer_scalar: bool = True                    # each layer's output times its `layer_scalar` buffer
 
     def __post_init__(self):
         self.validate()
@@ -150,10 +177,30 @@ class TargetConfig:
     # ---- parsing -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
-        """Parse a config.json dict: gemma4_text / gemma4_unified_text, or gemma4 / gemma4_unified
-        (their `text_config`). Raises ValueError for other model types, NotImplementedError for MoE."""
+        """Parse a config.json dict of any registered family (models/families.py): Gemma 4
+        (gemma4_text / gemma4_unified_text, or gemma4 / gemma4_unified: their `text_config`), Gemma 3
+        (gemma3_text, or gemma3's `text_config`). Raises ValueError for other model types,
+        NotImplementedError for features not implemented (MoE, ...)."""
         if not isinstance(d, dict):
             raise ValueError(f"config must be a dict, got {type(d).__name__}")
+        from .families import family_of  # the registry imports the family modules, which import this one
+
+        return family_of(d.get("model_type")).parse(d)
+
+    @property
+    def family(self) -> Family:
+        from .families import family_of
+
+        return family_of(self.model_type)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax (HF: `query_pre_attn_scalar**-0.5`, or 1.0)."""
+        return 1.0 if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
+    @classmethod
+    def _from_gemma4_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+        """Gemma 4's parser (models/gemma4.py registers it)."""
         mt = d.get("model_type")
         if mt in MULTIMODAL_TYPES:
             text = d.get("text_config")
@@ -167,13 +214,7 @@ class TargetConfig:
                 if text.get(key) is None and d.get(key) is not None:
                     text[key] = d[key]
             return cls._from_text_dict(text, outer_type=mt)
-        if mt in TARGET_TYPES:
-            return cls._from_text_dict(d, outer_type=mt)
-        if mt in ASSISTANT_TYPES:
-            raise ValueError(f"model_type={mt!r} is an assistant (drafter) config: load it with "
-                             "models.load_assistant / AssistantConfig.from_dict")
-        raise ValueError(f"unsupported model_type={_short(mt)}: expected one of "
-                         f"{TARGET_TYPES + MULTIMODAL_TYPES} for a target")
+        return cls._from_text_dict(d, outer_type=mt)  # one of TARGET_TYPES (families.family_of checked)
 
     @classmethod
     def _from_text_dict(cls, d: dict[str, Any], outer_type: str) -> "TargetConfig":
@@ -287,6 +328,10 @@ class TargetConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """A config.json dict of this config's family that `from_dict` parses back to it."""
+        return self.family.to_dict(self)
+
+    def _gemma4_dict(self) -> dict[str, Any]:
         """A gemma4_text-style config.json dict that both HF (per_layer_config) and readers of
         global_head_dim / num_global_key_value_heads parse back to this config."""
         full = [i for i, t in enumerate(self.layer_types) if t == FULL]
@@ -339,6 +384,9 @@ class TargetConfig:
             if not isinstance(getattr(self, name), RopeConfig):
                 raise ValueError(f"{name} must be a RopeConfig, got {_short(getattr(self, name))}")
         _eos_ids(self.eos_token_ids, self.vocab_size)
+        for name in ("value_norm", "layer_scalar"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {_short(getattr(self, name))}")
         n = self.num_hidden_layers
         for name in ("layer_types", "layer_head_dims", "layer_kv_heads"):
             if len(getattr(self, name)) != n:
@@ -601,7 +649,7 @@ def _rope(layer_type: str, p: dict) -> RopeConfig:
     where = f"rope_parameters.{layer_type}"
     if not isinstance(p, dict):
         raise ValueError(f"{where} must be a dict, got {_short(p)}")
-    rt = _choice(f"{where}.rope_type", p.get("rope_type", p.get("type", "default")), ROPE_TYPES)
+    rt = _choice(f"{where}.rope_type", p.get("rope_type", p.get("type", "default")), _GEMMA4_ROPE_TYPES)
     if "rope_theta" not in p:
         raise ValueError(f"{where} has no rope_theta")
     prop = rt == "proportional"  # only "proportional" reads these two
@@ -644,6 +692,8 @@ def quantization_format(d: dict) -> dict | None:
 
 def _rope_dict(r: RopeConfig) -> dict:
     d = {"rope_type": r.rope_type, "rope_theta": r.theta}
+    if r.rope_type == "linear":
+        d["factor"] = r.factor
     if r.rope_type == "proportional":
         d["partial_rotary_factor"] = r.partial_rotary_factor
         if r.factor != 1.0:

@@ -47,10 +47,12 @@ def activation(x: jax.Array, name: str) -> jax.Array:
 def inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """Float32 inverse frequencies `[head_dim // 2]`. "proportional" rotates only the first
     `partial_rotary_factor * head_dim / 2` pairs, with exponents over the full head_dim; the
-    rest get frequency 0 (cos 1, sin 0), i.e. pass through."""
-    if rope.rope_type == "default":
+    rest get frequency 0 (cos 1, sin 0), i.e. pass through. "linear" divides the default's
+    frequencies by `factor` (HF's linear scaling)."""
+    if rope.rope_type in ("default", "linear"):
         exps = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        return (1.0 / (np.float32(rope.theta) ** exps)).astype(np.float32)
+        out = (1.0 / (np.float32(rope.theta) ** exps)).astype(np.float32)
+        return out if rope.rope_type == "default" else (out / np.float32(rope.factor)).astype(np.float32)
     n_rot = int(rope.partial_rotary_factor * head_dim // 2)
     exps = np.arange(0, 2 * n_rot, 2, dtype=np.float32) / np.float32(head_dim)
     rot = (1.0 / (np.float32(rope.theta) ** exps)).astype(np.float32)

@@ -44,7 +44,8 @@ def _stack_shapes(cfg: TargetConfig, q_only: bool) -> Shapes:
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             out[pre + norm] = ((h,), VECTOR)
-        out[pre + "layer_scalar"] = ((1,), VECTOR)
+        if cfg.layer_scalar:
+            out[pre + "layer_scalar"] = ((1,), VECTOR)
         out[pre + "self_attn.q_proj"] = ((nq * hd, h), LINEAR)
         out[pre + "self_attn.q_norm"] = ((hd,), VECTOR)
         out[pre + "self_attn.o_proj"] = ((h, nq * hd), LINEAR)

