@@ -32,9 +32,9 @@ How the SentencePiece vocabulary becomes a BPE model:
 * BOS is prepended when `tokenizer.ggml.add_bos_token` says so (or says nothing), EOS appended
   when `add_eos_token` does.
 
-Reading the metadata uses the `gguf` package's `GGUFReader`, which parses every element of every
-array: about 20 s on one CPU core for Gemma's 262,144 pieces. Pass a reader already open on the
-file (`reader=`) to share that cost with the weights' loader; `jaxspec convert` pays it once.
+The metadata is read by the weights' own GGUF parser (`models.gguf.read_metadata`, about a second;
+`gguf.GGUFReader` parses every array element, ~20 s for Gemma's 262,144 pieces). `reader=` takes
+anything shaped like a GGUFReader (`.fields[key].contents()`), e.g. `models.gguf.MetadataReader`.
 """
 from __future__ import annotations
 
@@ -75,24 +75,11 @@ class GGUFVocab:
 
 
 def _open_reader(path: str):
+    from jaxspec.models import gguf as gguf_file
     try:
-        import gguf
-    except ImportError:
-        raise TokenizerError("reading a GGUF file needs the gguf package: pip install gguf") from None
-    if not os.path.isfile(path):
-        raise TokenizerError(f"GGUF file {path!r} does not exist or is not a regular file")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise TokenizerError(f"cannot read GGUF file {path!r}: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise TokenizerError(f"{path!r} is not a GGUF file (it does not start with the bytes 'GGUF')")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError, IndexError, ... past the end of a cut file
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TokenizerError(f"{path!r} is a truncated or corrupted GGUF file (gguf.GGUFReader: {msg})") from None
+        return gguf_file.MetadataReader(gguf_file.read_metadata(path))
+    except ValueError as e:  # the parser names the file and what is missing, cut or corrupt
+        raise TokenizerError(str(e)) from None
 
 
 def read_vocab(path: str, reader=None) -> GGUFVocab:

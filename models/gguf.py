@@ -536,6 +536,12 @@ def _map(path: str):
         raise FileProblem(why_not(e, path)) from None
 
 
+def read_metadata(path: str) -> dict:
+    """The GGUF's key/value metadata alone (the tokenizer's source; ~1 s where gguf.GGUFReader parses
+    every array element for tens of seconds). ValueError naming the file for a cut or corrupt one."""
+    return _parse(_map(path), path)[0]
+
+
 def plan(path: str) -> tuple[Any, dict, list[TensorInfo], dict, dict]:
     """Everything short of decoding: (the memory map, metadata, tensor table, config, {GGUF name:
     (HF name, shape)}), every problem a ValueError naming the file."""
