@@ -303,6 +303,10 @@ def render_chat_template(template: str, messages: list[dict], *, add_generation_
     except RecursionError as e:  # the template's own error (e.g. a macro calling itself), not jaxspec's
         raise TokenizerError(f"chat template error: {_recursing(e.__traceback__)} recurses past Python's "
                              f"limit ({sys.getrecursionlimit():,} calls deep)") from None
+    except TokenizerError:
+        raise
+    except Exception as e:  # e.g. center(1.5): a TypeError of the template's own code, not a jaxspec bug
+        raise TokenizerError(f"chat template error: {type(e).__name__}: {e}") from None
 
 
 def _check_binop(operator, left, right) -> None:

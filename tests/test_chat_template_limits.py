@@ -115,6 +115,8 @@ def test_a_recursive_macro_is_a_template_error_naming_it(capsys):
     assert cli._guarded(lambda _: render_chat_template(template, []), None, False) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "error: chat template error: macro 'spiral'" in err and "internal error" not in err, err
+    finished, error = rendered_in_time("{{ 'x' | center(1.5) }}")  # Python's TypeError: the template's error too
+    assert finished and isinstance(error, TokenizerError) and "TypeError" in str(error), repr(error)
 
 
 @pytest.mark.parametrize("expr", [
