@@ -115,5 +115,5 @@ def _fsync_tree(path: str) -> None:
     for dirpath, _, files in os.walk(path):
         for f in files:
             if stat.S_ISREG(os.lstat(os.path.join(dirpath, f)).st_mode):
-                _fsync(os.path.join(dirpath, f)) if os.name == "posix" else None
+                _fsync(os.path.join(dirpath, f))
         _fsync(dirpath)
