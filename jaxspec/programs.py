@@ -170,14 +170,14 @@ def _load(program: Program, sig: tuple, path: str | None) -> bool:
     t0 = time.perf_counter()
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            # Checked again on what is open (directory() checked the folder and its files): a file
+            # someone else could have written is never unpickled, nor deleted (compiled over instead).
+            if compile_cache.unsafe_file(f.fileno()) is not None:
+                return False
+            blob = f.read()
     except OSError:
         return False
-    with open(fd, "rb") as f:
-        # Checked again on what is open (directory() checked the folder and its files): a file
-        # someone else could have written is never unpickled, nor deleted (compiled over instead).
-        if compile_cache.unsafe_file(f.fileno()) is not None:
-            return False
-        blob = f.read()
     try:
         payload, in_tree, out_tree = pickle.loads(blob)
         _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
@@ -201,7 +201,9 @@ def _save(path: str | None, compiled: jax.stages.Compiled) -> None:
         blob = pickle.dumps(serialize_executable.serialize(compiled))
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # only this user writes (or enters) it
         tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        if os.path.lexists(tmp):  # left by a killed process: a new file, so that it gets the mode below
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with open(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)  # whole or not at all: another process may be reading
