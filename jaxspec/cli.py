@@ -686,16 +686,21 @@ def _check_listen(host: str, port: int) -> None:
 def cmd_tiny_pair(args) -> int:
     """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's."""
     from jaxspec import models
+    from jaxspec.models import pair_files
 
     from .tokenizer import DEMO_CORPUS, train_byte_bpe
 
     _check_output_dir(args.dir, args.force)  # before building anything
     target, assistant = models.presets.tiny_pair(seed=args.seed)
     tdir, adir = os.path.join(args.dir, "target"), os.path.join(args.dir, "assistant")
-    try:
-        models.save(target, tdir)
-        models.save(assistant, adir)
-        train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size).save(os.path.join(tdir, "tokenizer.json"))
+    def write(folder):
+        models.save(target, os.path.join(folder, "target"))
+        models.save(assistant, os.path.join(folder, "assistant"))
+        tok = train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size)
+        tok.save(os.path.join(folder, "target", "tokenizer.json"))
+
+    try:  # all three written first, then switched at once: a crash leaves the old pair or the new one
+        pair_files.save_pair(args.dir, write)
     except OSError as e:  # e.g. a full disk: the path and the reason, not a traceback
         raise UsageError(f"cannot write the tiny pair to {args.dir!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None

@@ -109,8 +109,8 @@ def clear() -> None:
 def directory() -> str | None:
     """Where whole programs are kept: `jaxspec-programs` in JAX's compilation cache directory, when
     jaxspec's on-disk cache is on (`compile_cache.ensure_default`); else None."""
-    root = compile_cache.ensure_default()
-    return os.path.join(root, "jaxspec-programs") if root else None
+    root = compile_cache.ensure_default()  # checked there, with this folder and its files (checked_dir)
+    return os.path.join(root, compile_cache.PROGRAMS) if root else None
 
 
 @functools.cache
@@ -169,8 +169,17 @@ def _load(program: Program, sig: tuple, path: str | None) -> bool:
 
     t0 = time.perf_counter()
     try:
-        with open(path, "rb") as f:
-            payload, in_tree, out_tree = pickle.load(f)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            # Checked again on what is open (directory() checked the folder and its files): a file
+            # someone else could have written is never unpickled, nor deleted (compiled over instead).
+            if compile_cache.unsafe_file(f.fileno()) is not None:
+                return False
+            blob = f.read()
+    except OSError:
+        return False
+    try:
+        payload, in_tree, out_tree = pickle.loads(blob)
         _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                execution_devices=_execution_devices(program))
     except Exception:  # a damaged or foreign file: drop it and compile instead
@@ -190,9 +199,12 @@ def _save(path: str | None, compiled: jax.stages.Compiled) -> None:
 
     try:
         blob = pickle.dumps(serialize_executable.serialize(compiled))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # only this user writes (or enters) it
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
+        if os.path.lexists(tmp):  # left by a killed process: a new file, so that it gets the mode below
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)  # whole or not at all: another process may be reading
     except Exception:  # e.g. an executable this backend cannot serialize, a read-only disk

@@ -52,3 +52,25 @@ def test_a_dir_that_cannot_be_written_is_named(tmp_path, capsys, no_model_buildi
     assert f"'{path}'" in err or f"'{tmp_path / 'f'}'" in err, err
     assert expect in err, err
     assert case == "unwritable" or (tmp_path / "f").read_text() == "precious"
+
+
+def test_force_switches_the_whole_pair_at_once(tmp_path, capsys):
+    """--force over a pair written before (real directories, a file of the user's in one): the new
+    pair is written whole beside it and switched by one link (issue 51; the kill test is in
+    test_checkpoint_kill.py); the user's file is kept, moved with the old directory."""
+    import json
+
+    from jaxspec.models import checkpoint_files
+
+    for name in ("target", "assistant"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"old": true}')
+    (tmp_path / "target" / "notes.txt").write_text("mine")
+    assert cli.main(["tiny-pair", str(tmp_path), "--force", "--seed", "3"]) == 0
+    for name in ("target", "assistant"):
+        assert os.readlink(tmp_path / name) == os.path.join(".pair", name)
+        config, weights = checkpoint_files.read_config(str(tmp_path / name))
+        assert "old" not in config and weights
+    assert json.loads((tmp_path / "target" / "tokenizer.json").read_text())["model"]["vocab"]
+    kept = [p for p in tmp_path.glob(".pair-*/target/notes.txt")]
+    assert [p.read_text() for p in kept] == ["mine"]
