@@ -30,6 +30,7 @@ import traceback
 import warnings
 
 from . import compile_cache
+from .serve_guard import ACCEPT_BACKLOG
 from .generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -674,7 +675,9 @@ def _check_bind(args) -> None:
                          "$JAXSPEC_API_KEY), or pass --insecure-no-key to serve anyone who can reach it")
 
 
-FD_RESERVE = 128  # file descriptors the server keeps for itself (model files, JAX, logs) beside its connections
+# File descriptors kept beside --max-connections: the server's own (model files, JAX, logs: ~70 on
+# CPU) and the connections asyncio accepts in batches before the cap closes them.
+FD_RESERVE = 128 + 3 * ACCEPT_BACKLOG
 DEFAULT_MAX_CONNECTIONS = 512
 
 
@@ -691,7 +694,7 @@ def _max_connections(args) -> int:
         return DEFAULT_MAX_CONNECTIONS if room is None else min(DEFAULT_MAX_CONNECTIONS, room)
     if room is not None and args.max_connections > room:
         raise UsageError(f"--max-connections {args.max_connections} does not fit the open-file limit of {limit} "
-                         f"(ulimit -n; {FD_RESERVE} are kept for the server): at most {max(room, 0)}, or raise "
+                         f"(ulimit -n; {FD_RESERVE} are kept for the server and connections being accepted): at most {max(room, 0)}, or raise "
                          "ulimit -n")
     return args.max_connections
 

@@ -23,7 +23,9 @@ dropped, at most DROP_BURST lines per DROP_WINDOW_S seconds (the rest are counte
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import errno
 import hmac
 import ipaddress
 import json
@@ -269,6 +271,10 @@ class Guard:
 
 # ---- connections ---------------------------------------------------------------------------------
 DROP_BURST, DROP_WINDOW_S = 20, 10.0
+# The listen backlog, which is also how many connections asyncio accepts in one go before any of
+# them reaches `connection_made` (where the cap applies): up to a few batches of them are open
+# past the cap for a moment, so the fd limit must leave room for them (cli.FD_RESERVE).
+ACCEPT_BACKLOG = 64
 _log = logging.getLogger("uvicorn.error")  # uvicorn's own log: configured by uvicorn, on stderr
 
 
@@ -282,20 +288,39 @@ class _DropLog:
     def __call__(self, client, why: str) -> None:
         now = time.monotonic()
         if now - self.start >= DROP_WINDOW_S:
-            if self.skipped:
-                _log.warning("jaxspec: %d more clients were dropped (not logged: at most %d lines per %g s)",
-                             self.skipped, DROP_BURST, DROP_WINDOW_S)
-            self.start, self.count, self.skipped = now, 0, 0
+            self._flush()
+            self.start, self.count = now, 0
         if self.count < DROP_BURST:
             self.count += 1
             who = f"{client[0]}:{client[1]}" if client else "a client"
             _log.warning("jaxspec: dropped %s: %s", who, why)
-        else:
-            self.skipped += 1
+            return
+        if not self.skipped:  # the count is logged when the window ends, even if no drop follows
+            try:
+                asyncio.get_running_loop().call_later(self.start + DROP_WINDOW_S - now, self._flush)
+            except RuntimeError:  # no loop in this thread: the next drop logs it
+                pass
+        self.skipped += 1
+
+    def _flush(self) -> None:
+        if self.skipped:
+            _log.warning("jaxspec: %d more clients were dropped (not logged: at most %d lines per %g s)",
+                         self.skipped, DROP_BURST, DROP_WINDOW_S)
+            self.skipped = 0
 
 
 log_drop = _DropLog()
 DROPPED = "jaxspec.dropped"  # set in a request's ASGI scope once its drop is logged
+
+
+def quiet_accept_errors(loop, context) -> None:
+    """An asyncio exception handler: running out of descriptors (or memory) while accepting is one
+    rate-limited line, not a traceback a second (asyncio pauses accepting for a second and retries)."""
+    exc = context.get("exception")
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+        log_drop(None, f"{context.get('message', 'accept failed')}: {exc.strerror}")
+        return
+    loop.default_exception_handler(context)
 
 
 def fd_limit() -> int | None:

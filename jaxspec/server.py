@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import math
 import random
 import threading
 import time
 import uuid
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,7 +43,7 @@ from .serve_guard import Guard, error_json
 from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
 from .tokenizer import IncrementalDecoder, TokenizerError
 
-BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests run alone)
+BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests: refused after the warm-up)
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
 LARGE_BODY = 64 << 10  # a body past this many bytes (or of unknown length) is a large one
 MAX_LARGE_BODIES = 4   # large bodies read and parsed at once; more wait (unread: the client's TCP window)
@@ -274,8 +274,8 @@ class Server:
         self.served = 0
         self.compiles = compile_cache.CompileLog().__enter__()  # programs built (/health), emptied by warm_up
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
-        # Text past context x this many bytes cannot fit: refused before the tokenizer sees it (a 1 MB
-        # prompt held the tokenizing thread, and with it the GIL, for a quarter second).
+        # Text past context x this many bytes cannot fit: refused before the tokenizer sees it (64
+        # concurrent 1 MB prompts, all tokenized, froze /health for 14.8 s: issue 51).
         self.token_bytes = max_token_bytes(tokenizer)
         self.slot_room = None  # after warm_up: prompt length -> the largest budget a slot takes
         threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
@@ -710,15 +710,16 @@ def serve(server: Server, host: str, port: int, announce=None, *, api_key: str |
     protocol = serve_guard.http_protocol(max_connections=max_connections, idle_timeout=idle_timeout,
                                          header_timeout=header_timeout, body_timeout=body_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=protocol,
-                            timeout_keep_alive=idle_timeout)
+                            timeout_keep_alive=idle_timeout, backlog=serve_guard.ACCEPT_BACKLOG)
     srv = uvicorn.Server(config)
-    if announce is not None:
-        async def started():
-            while not srv.started:
-                await asyncio.sleep(0.05)
+
+    async def started():
+        while not srv.started:
+            await asyncio.sleep(0.05)
+        if announce is not None:
             announce()
-        async def main():
-            await asyncio.gather(srv.serve(), started())
-        asyncio.run(main())
-    else:
-        srv.run()
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(serve_guard.quiet_accept_errors)
+        await asyncio.gather(srv.serve(), started())
+    asyncio.run(main())
