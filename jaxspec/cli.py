@@ -703,6 +703,9 @@ def _max_connections(args) -> int:
 _ORIGIN = re.compile(r"^(\*|[a-zA-Z][a-zA-Z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^\s/:?#\[\]@]+)(:\d{1,5})?)$")
 
 
+_HOST_NAME = re.compile(r"^([A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_][A-Za-z0-9_-]{0,62})*\.?|[0-9a-fA-F:.]+)$")
+
+
 def _check_serve_flags(args) -> None:
     """UsageError (one line) for a serve flag out of range, a malformed --allow-origin, or an
     address that cannot be listened on. Checked here rather than by argparse, whose errors print
@@ -713,6 +716,10 @@ def _check_serve_flags(args) -> None:
         if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
             raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port] with a port in 1..65535, "
                              "e.g. http://localhost:3000")
+    for h in args.allowed_host or ():
+        if not _HOST_NAME.match(h):
+            raise UsageError(f"--allowed-host {h!r}: expected a host name or address as a Host header names it, "
+                             "without a scheme or port (e.g. api.example.com)")
     for flag, v in (("--idle-timeout", args.idle_timeout), ("--header-timeout", args.header_timeout),
                     ("--body-timeout", args.body_timeout)):
         if not 0 < v <= 3600:  # also NaN

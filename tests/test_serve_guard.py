@@ -404,6 +404,11 @@ def test_serve_bad_origin(capsys, no_loading, origin):
     assert "--allow-origin" in serve_fails(capsys, "--allow-origin", origin)
 
 
+@pytest.mark.parametrize("name", ["api.example:443", "http://api.example", "a b", ""])
+def test_serve_bad_allowed_host(capsys, no_loading, name):
+    assert "--allowed-host" in serve_fails(capsys, "--allowed-host", name)
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_a_wildcard_bind_needs_a_key(capsys, no_loading, monkeypatch, host):
     monkeypatch.delenv("JAXSPEC_API_KEY", raising=False)
