@@ -190,8 +190,12 @@ class BatchEngine:
 
     def fits(self, n_prompt: int, max_new_tokens: int) -> bool:
         """Whether a request of this prompt length and budget fits a slot's cache and the budget."""
-        return (1 <= max_new_tokens <= self.max_new_tokens
-                and n_prompt + max_new_tokens - 1 + self.gen.spec.width(self.slots, self.target.matmul) <= self.capacity)
+        return 1 <= max_new_tokens <= self.room(n_prompt)
+
+    def room(self, n_prompt: int) -> int:
+        """The largest budget a request of this prompt length fits a slot with (0: none does)."""
+        width = self.gen.spec.width(self.slots, self.target.matmul)
+        return max(0, min(self.max_new_tokens, self.capacity + 1 - n_prompt - width))
 
     def admit(self, prompt_ids, max_new_tokens: int, seed: int | None = None, owner: object = True,
               params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:

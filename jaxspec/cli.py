@@ -31,6 +31,7 @@ import traceback
 import warnings
 
 from . import compile_cache
+from .serve_guard import ACCEPT_BACKLOG
 from .generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -146,7 +147,8 @@ _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_bod
                  ("--max-queue", "max_queue", 1, 100_000, ""),
                  ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
                  ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
-                 ("--max-batch", "max_batch", 1, 1 << 12, ""))
+                 ("--max-batch", "max_batch", 1, 1 << 12, ""),
+                 ("--max-connections", "max_connections", 1, 1 << 20, ""))
 
 
 def _check_ranges(args, ranges) -> None:
@@ -619,7 +621,8 @@ def cmd_serve(args) -> int:
     from .tokenizer import TokenizerError, load_tokenizer
 
     origins = tuple(args.allow_origin or ())
-    api_key = args.api_key or None  # "" (e.g. JAXSPEC_API_KEY= ) means no key
+    api_key, _ = _api_key(args)
+    max_connections = _max_connections(args)
     model_dir, assistant_dir = _resolve_dirs(args)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
     _check_block_size(args, tcfg)
@@ -628,7 +631,10 @@ def cmd_serve(args) -> int:
     except TokenizerError as e:
         raise UsageError(str(e)) from None
     _check_backend()
-    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, _dtype(args))
+    dtype = _dtype(args)
+    _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir else 1, dtype,
+                        _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
+    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype)
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
@@ -641,12 +647,88 @@ def cmd_serve(args) -> int:
     server.serve(srv, args.host, args.port,
                  announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
                                         f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; {guard})"),
-                 api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes)
+                 api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes,
+                 allowed_hosts=tuple(args.allowed_host or ()), max_connections=max_connections,
+                 idle_timeout=args.idle_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
     return EXIT_OK
+
+
+def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int) -> None:
+    """UsageError when --max-batch slots cannot fit the device's memory: their KV caches
+    (models.cache_bytes at the server's slot capacity) and their verify logits (float32, about three
+    copies: the target's, the drafts', the probabilities) plus the weights."""
+    from jaxspec import models
+
+    from .server import BATCH_CONTEXT
+
+    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
+    cache = models.cache_bytes(tcfg, max_batch, capacity, dtype)
+    logits = 3 * 4 * max_batch * (block_size + 1) * tcfg.vocab_size
+    mem = device_memory()
+    if mem is None:
+        return
+    limit, what = mem
+    if cache + logits + weight_bytes > limit:
+        raise UsageError(f"--max-batch {max_batch} needs a KV cache of {_fmt_bytes(cache)} ({max_batch} slots x "
+                         f"{capacity} positions) and about {_fmt_bytes(logits)} of logits plus {_fmt_bytes(weight_bytes)} "
+                         f"of weights, more than the {_fmt_bytes(limit)} of {what}: lower --max-batch")
+
+
+def _api_key(args) -> tuple[str | None, str]:
+    """(the key or None, where it came from). An empty one (e.g. `JAXSPEC_API_KEY=`) means none;
+    one with whitespace, a control or a non-ASCII character is refused, not stripped: a header
+    line cannot carry it, so it would answer 401 to every client (a key file read with its newline)."""
+    key, source = args.api_key, "--api-key"
+    if key is None:
+        key, source = os.environ.get("JAXSPEC_API_KEY"), "$JAXSPEC_API_KEY"
+    if not key:
+        return None, source
+    bad = next((i for i, c in enumerate(key) if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise UsageError(f"{source} holds {key[bad]!r} at character {bad}: an API key must be printable ASCII without "
+                         "spaces (a trailing newline or carriage return included)")
+    return key, source
+
+
+def _check_bind(args) -> None:
+    """A wildcard address (0.0.0.0, ::) listens on every interface: refused without an API key
+    unless --insecure-no-key says so."""
+    from .serve_guard import is_wildcard
+
+    if is_wildcard(args.host) and _api_key(args)[0] is None and not args.insecure_no_key:
+        raise UsageError(f"--host {args.host} listens on every interface: give an API key (--api-key KEY or "
+                         "$JAXSPEC_API_KEY), or pass --insecure-no-key to serve anyone who can reach it")
+
+
+# File descriptors kept beside --max-connections: the server's own (model files, JAX, logs: ~70 on
+# CPU) and the connections asyncio accepts in batches before the cap closes them.
+FD_RESERVE = 128 + 3 * ACCEPT_BACKLOG
+DEFAULT_MAX_CONNECTIONS = 512
+
+
+def _max_connections(args) -> int:
+    """--max-connections, or the default, checked against the open-file limit: at the cap,
+    accepting a connection must still find a descriptor."""
+    from .serve_guard import fd_limit
+
+    limit = fd_limit()
+    room = None if limit is None else limit - FD_RESERVE
+    if args.max_connections is None:
+        if room is not None and room < 1:
+            raise UsageError(f"the open-file limit of {limit} (ulimit -n) leaves no room for connections: raise it")
+        return DEFAULT_MAX_CONNECTIONS if room is None else min(DEFAULT_MAX_CONNECTIONS, room)
+    if room is not None and args.max_connections > room:
+        raise UsageError(f"--max-connections {args.max_connections} does not fit the open-file limit of {limit} "
+                         f"(ulimit -n; {FD_RESERVE} are kept for the server and connections being accepted): at most {max(room, 0)}, or raise "
+                         "ulimit -n")
+    return args.max_connections
 
 
 # "*" or scheme://host[:port] (a browser's Origin header: no path, no trailing slash)
 _ORIGIN = re.compile(r"^(\*|[a-zA-Z][a-zA-Z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^\s/:?#\[\]@]+)(:\d{1,5})?)$")
+
+
+_HOST_NAME = re.compile(r"^([A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_][A-Za-z0-9_-]{0,62})*\.?|[0-9a-fA-F:.]+)$")
 
 
 def _check_serve_flags(args) -> None:
@@ -655,9 +737,21 @@ def _check_serve_flags(args) -> None:
     the whole usage."""
     _check_ranges(args, _SERVE_RANGES)
     for o in args.allow_origin or ():
-        if not _ORIGIN.match(o):
-            raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port], "
+        m = _ORIGIN.match(o)
+        if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
+            raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port] with a port in 1..65535, "
                              "e.g. http://localhost:3000")
+    for h in args.allowed_host or ():
+        if not _HOST_NAME.match(h):
+            raise UsageError(f"--allowed-host {h!r}: expected a host name or address as a Host header names it, "
+                             "without a scheme or port (e.g. api.example.com)")
+    for flag, v in (("--idle-timeout", args.idle_timeout), ("--header-timeout", args.header_timeout),
+                    ("--body-timeout", args.body_timeout)):
+        if not 0 < v <= 3600:  # also NaN
+            raise UsageError(f"{flag} {v}: expected seconds in (0, 3600]")
+    _api_key(args)
+    _check_bind(args)
+    _max_connections(args)
     _check_listen(args.host, args.port)
 
 
@@ -855,11 +949,27 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "name, or jaxspec-default-pair)")
     v.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; on a loopback address only requests naming "
-                        "localhost in their Host header are served)")
+                        "localhost in their Host header are served; a wildcard 0.0.0.0 or :: needs an API key)")
     v.add_argument("--port", type=int, default=8000, help="TCP port, 1..65535 (default 8000)")
-    v.add_argument("--api-key", metavar="KEY", default=os.environ.get("JAXSPEC_API_KEY"),
+    v.add_argument("--api-key", metavar="KEY", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/... (default: $JAXSPEC_API_KEY, else no key; "
-                        "an empty KEY means none); the environment variable keeps it out of the process list")
+                        "an empty KEY means none; printable ASCII without spaces); the environment variable keeps "
+                        "it out of the process list")
+    v.add_argument("--insecure-no-key", action="store_true",
+                   help="allow a wildcard --host (0.0.0.0, ::) without an API key")
+    v.add_argument("--allowed-host", metavar="NAME", action="append",
+                   help="a Host header name to serve besides localhost and the machine's own names and addresses "
+                        "(e.g. the name a proxy forwards); repeatable")
+    v.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}, or fewer under a low ulimit -n; "
+                        f"at most the open-file limit - {FD_RESERVE}); at the cap the longest idle one is closed, "
+                        "else the new one is answered 503")
+    v.add_argument("--idle-timeout", type=float, default=5.0, metavar="S",
+                   help="close a connection idle this long, before or between requests (default 5)")
+    v.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers take longer to arrive (default 10)")
+    v.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="close a connection whose request body takes longer to arrive (default 60)")
     v.add_argument("--allow-origin", metavar="ORIGIN", action="append",
                    help="let web pages of ORIGIN (scheme://host[:port], or '*' for any) call the server; "
                         "repeatable (default: no cross-origin requests)")

@@ -197,7 +197,8 @@ def test_chat_needs_a_chat_template(server):
                                               messages=[{"role": "user", "content": "hi"}])
 
 
-@pytest.mark.parametrize("max_tokens", [120, 200], ids=["batched", "alone"])  # 200: past a slot's budget (128)
+# (A budget past a slot's, which ran alone, is refused after the warm-up: tests/test_server_limits.py.)
+@pytest.mark.parametrize("max_tokens", [120], ids=["batched"])
 def test_a_client_that_disconnects_is_dropped(server, max_tokens):
     before = server.health()["dropped"]
     body = json.dumps({"prompt": PROMPTS[2], "max_tokens": max_tokens, "stream": True}).encode()
