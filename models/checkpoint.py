@@ -290,11 +290,12 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     """Load a Gemma 4 target (gemma4_text, or the text part of gemma4 / gemma4_unified) from an HF or
     MLX (quantized) checkpoint directory. `quantize={"bits": 4, "group_size": 64}` quantizes float
     linear/embedding weights on load (weights already quantized in the file are kept as they are).
-    `matmul=None` resolves to `DispatchConfig.from_env()` here, once: the model then holds that
-    config and nothing later reads the environment. `dtype`: bfloat16, float16 or float32 (else
+    `matmul=None` resolves to `DispatchConfig.from_env(backend="auto")` here, once (XLA's dense dot
+    on a CPU, the Pallas kernels on a GPU; pass `matmul=DispatchConfig.from_env(backend="pallas")`
+    to run the kernels anyway): the model then holds that config and nothing later reads the environment. `dtype`: bfloat16, float16 or float32 (else
     ValueError, before anything is read)."""
     dtype = _model_dtype(dtype)
-    matmul = DispatchConfig.from_env() if matmul is None else matmul
+    matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
     d, cfg, files = _read(path, TargetConfig.from_dict)
     if not cfg.cache_layers:
         raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
@@ -310,7 +311,7 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
     TargetConfig) the pairing is checked first (hidden size, vocabulary, head dims, KV heads).
     `dtype`, `quantize` and `matmul` as for `load_target`."""
     dtype = _model_dtype(dtype)
-    matmul = DispatchConfig.from_env() if matmul is None else matmul
+    matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
     d, cfg, files = _read(path, AssistantConfig.from_dict)
     if target is not None:
         check_fit(cfg, getattr(target, "config", target))
