@@ -561,7 +561,7 @@ def cmd_generate(args) -> int:
     # Compiling is announced by the library (programs.compile_all's log lines, shown by
     # _library_notes): when it starts, or that the programs came from the on-disk cache, and how long.
     _note(f"jaxspec: running the {'speculative' if speculative else 'classic'} decode loop"
-          + ("" if cache_dir else " (no on-disk compile cache: every run compiles)"))
+          + (f" (later runs reuse the on-disk compile cache in {cache_dir})" if cache_dir else ""))
     show = not args.json
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -686,8 +686,9 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def cmd_tiny_pair(args) -> int:
-    """models.presets.tiny_pair saved in the default pair's layout (DIR/target, DIR/assistant and one
-    shared DIR/tokenizer.json, a toy tokenizer), so `--pair DIR` and `--model DIR/target` both read it."""
+    """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's
+    and the same file as the pair's shared DIR/tokenizer.json (the default pair's layout), so both
+    `--model DIR/target --assistant DIR/assistant` and `--pair DIR` run it."""
     from jaxspec import models
 
     from .tokenizer import DEMO_CORPUS, train_byte_bpe
@@ -698,7 +699,9 @@ def cmd_tiny_pair(args) -> int:
     try:
         models.save(target, tdir)
         models.save(assistant, adir)
-        train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size).save(os.path.join(args.dir, "tokenizer.json"))
+        tok = train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size)
+        for where in (tdir, args.dir):  # a complete model directory, and the pair's layout for --pair
+            tok.save(os.path.join(where, "tokenizer.json"))
     except OSError as e:  # e.g. a full disk: the path and the reason, not a traceback
         raise UsageError(f"cannot write the tiny pair to {args.dir!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None

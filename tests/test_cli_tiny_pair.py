@@ -58,7 +58,7 @@ def test_a_dir_that_cannot_be_written_is_named(tmp_path, capsys, no_model_buildi
 
 
 def test_tiny_pair_then_generate_with_pair(tmp_path, capsys):
-    """`jaxspec tiny-pair DIR` writes the default pair's layout (one shared DIR/tokenizer.json), so
+    """`jaxspec tiny-pair DIR` also writes the default pair's layout (a shared DIR/tokenizer.json), so
     `jaxspec generate hi --pair DIR` runs, as the command's own hint says (issue 50: it exited 2,
     "lacks tokenizer.json"); its tokens are jaxspec.generate's on presets.tiny_pair, tokenized alike,
     and both ran the XLA matmul path (the loaders' and the CLI's rule on a CPU)."""
@@ -81,8 +81,10 @@ def test_tiny_pair_then_generate_with_pair(tmp_path, capsys):
     start = err.index(f"jaxspec: compiling {names} (the first run for these shapes can take a while) ...")
     assert any(re.fullmatch(rf"jaxspec: compiled {re.escape(names)} in \d+\.\d s", line) for line in err[start + 1:]), err
     assert not logging.getLogger("jaxspec").handlers  # the CLI's handler is gone again
-    tok = load_tokenizer(os.path.join(d, "target"))  # the shared DIR/tokenizer.json
-    assert tok.source == os.path.join(d, "tokenizer.json")
+    with open(os.path.join(d, "tokenizer.json"), "rb") as shared, open(os.path.join(d, "target", "tokenizer.json"),
+                                                                       "rb") as own:
+        assert shared.read() == own.read()  # the pair's shared file, and the target directory's own
+    tok = load_tokenizer(os.path.join(d, "target"))
     target, assistant = presets.tiny_pair(seed=0)  # what tiny-pair saved (4-bit: saved and loaded exactly)
     ref = jaxspec.generate(target, [tok.encode("hi")], assistant=assistant, max_new_tokens=6,
                            eos_token_ids=tok.eos_token_ids)
