@@ -22,7 +22,9 @@ benchmark is `python benchmarks/speculative_bench.py` in a source checkout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import re
 import sys
@@ -62,6 +64,32 @@ def _note(msg: str, end: str = "\n") -> None:
         print(msg, file=sys.stderr, end=end, flush=True)
     except (OSError, ValueError):  # stderr gone (a closed pipe): nobody reads the notes
         pass
+
+
+class _NoteHandler(logging.Handler):
+    """The library's log records as notes on stderr ("jaxspec: compiling 3 programs ...")."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            _note(_one_line(f"jaxspec: {record.getMessage()}"))
+        except Exception:  # a malformed record: never the reason a command fails
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _library_notes():
+    """While a command runs, show the library's INFO lines (`logging`, logger "jaxspec": when
+    compiling starts and how long it took, the batch engine's warm-up) on stderr; the library
+    itself stays silent unless its user configures logging."""
+    logger = logging.getLogger("jaxspec")
+    handler, level = _NoteHandler(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _one_line(e: BaseException | str, limit: int = MAX_MESSAGE) -> str:
@@ -133,7 +161,7 @@ def _check_backend() -> None:
         if want:
             raise UsageError(f"JAX_PLATFORMS={want!r}: JAX cannot start {want!r} on this machine ("
                              f"{detail or 'no plugin for it is installed'}); install its jax plugin (e.g. pip "
-                             "install 'jaxspec[cuda12]') or unset JAX_PLATFORMS") from None
+                             "install -e '.[cuda12]' in the jaxspec checkout) or unset JAX_PLATFORMS") from None
         raise UsageError(f"JAX cannot start a backend on this machine: {detail or type(e).__name__}") from None
 
 
@@ -316,18 +344,14 @@ def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
 
 def _matmul_config(choice: str):
     """The dispatch config for --backend: auto is the Pallas kernels on a GPU and XLA's
-    dequantize + dot elsewhere; the environment's dispatch knobs (DispatchConfig.from_env) apply."""
-    import jax
+    dequantize + dot elsewhere (kernels.resolve_backend, as the Python loaders); the environment's
+    dispatch knobs (DispatchConfig.from_env) apply."""
+    from jaxspec.kernels import DispatchConfig, resolve_backend
 
-    from jaxspec.kernels import DispatchConfig
-
-    on_gpu = jax.default_backend() == "gpu"
-    if choice == "auto":
-        choice = "pallas" if on_gpu else "xla"
-    elif choice == "pallas" and not on_gpu:
+    if choice == "pallas" and resolve_backend("auto") != "pallas":
         _note("jaxspec: note: no GPU: the Pallas kernels run in interpret mode (very slow); "
               "--backend xla is the fast choice on CPU")
-    return DispatchConfig.from_env(backend=choice)
+    return DispatchConfig.from_env(backend=choice)  # "auto": resolve_backend, the loaders' rule too
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,10 +585,10 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=max_tokens, block_size=args.block_size, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=stop, verify_pad=verify_pad)
     speculative = assistant is not None and args.block_size > 1  # block size 1 decodes classically
-    mode = "speculative decode loop" if speculative else "classic decode loop"
-    _note(f"compiling the {mode} (the first run for these shapes can take a while"
-          + ("; later runs reuse the on-disk compile cache) ..." if cache_dir else ") ..."))
-
+    # Compiling is announced by the library (programs.compile_all's log lines, shown by
+    # _library_notes): when it starts, or that the programs came from the on-disk cache, and how long.
+    _note(f"jaxspec: running the {'speculative' if speculative else 'classic'} decode loop"
+          + (f" (later runs reuse the on-disk compile cache in {cache_dir})" if cache_dir else ""))
     show = not args.json
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -614,7 +638,8 @@ def cmd_serve(args) -> int:
 
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise UsageError(f"jaxspec serve needs {' and '.join(missing)}: pip install 'jaxspec[serve]'")
+        raise UsageError(f"jaxspec serve needs {' and '.join(missing)}: pip install -e '.[serve]' "
+                         "(in the jaxspec checkout)")
     _check_serve_flags(args)  # before importing the server (JAX) or loading anything: found in a second
     _check_cache_flag(args)
     from . import server
@@ -639,14 +664,16 @@ def cmd_serve(args) -> int:
                                else os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
                         max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue)
-    if not args.no_warmup:
-        _note("compiling the first programs (a new shape compiles on its first request) ...", end="")
-        _note(f" {srv.warm_up():.1f} s")
+    if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
+        _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
+        _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
+    # /v1/chat/completions only for a model that can chat (without a template the server refuses it)
+    endpoints = "/v1/completions" + (", /v1/chat/completions" if tok.has_chat_template else "")
     guard = ("API key required" if api_key else "no API key") + (
         f", CORS for {', '.join(origins)}" if origins else "")  # never the key itself
     server.serve(srv, args.host, args.port,
                  announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
-                                        f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; {guard})"),
+                                        f"(OpenAI-compatible: {endpoints}; {guard})"),
                  api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes,
                  allowed_hosts=tuple(args.allowed_host or ()), max_connections=max_connections,
                  idle_timeout=args.idle_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
@@ -778,7 +805,9 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def cmd_tiny_pair(args) -> int:
-    """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's."""
+    """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's
+    and the same file as the pair's shared DIR/tokenizer.json (the default pair's layout), so both
+    `--model DIR/target --assistant DIR/assistant` and `--pair DIR` run it."""
     from jaxspec import models
     from jaxspec.models import pair_files
 
@@ -787,18 +816,20 @@ def cmd_tiny_pair(args) -> int:
     _check_output_dir(args.dir, args.force)  # before building anything
     target, assistant = models.presets.tiny_pair(seed=args.seed)
     tdir, adir = os.path.join(args.dir, "target"), os.path.join(args.dir, "assistant")
+
     def write(folder):
         models.save(target, os.path.join(folder, "target"))
         models.save(assistant, os.path.join(folder, "assistant"))
         tok = train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size)
-        tok.save(os.path.join(folder, "target", "tokenizer.json"))
+        for where in (os.path.join(folder, "target"), folder):  # a complete model directory, and the
+            tok.save(os.path.join(where, "tokenizer.json"))     # pair's shared one for --pair DIR
 
-    try:  # all three written first, then switched at once: a crash leaves the old pair or the new one
+    try:  # everything written first, then switched at once: a crash leaves the old pair or the new one
         pair_files.save_pair(args.dir, write)
     except OSError as e:  # e.g. a full disk: the path and the reason, not a traceback
         raise UsageError(f"cannot write the tiny pair to {args.dir!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None
-    print(f"wrote {tdir} and {adir}\ntry: jaxspec generate \"def f(x):\" --model {tdir} --assistant {adir}")
+    print(f"wrote {tdir}, {adir} and their tokenizer.json\ntry: jaxspec generate \"def f(x):\" --pair {args.dir}")
     return EXIT_OK
 
 
@@ -998,7 +1029,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("dir", help="output directory (gets target/ and assistant/)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--force", action="store_true", help="write into DIR even if it is not empty (its target/ and "
-                                                        "assistant/ model files are replaced)")
+                                                        "assistant/ model files and tokenizer.json are replaced)")
     t.add_argument("--debug", action="store_true", help="show tracebacks")
     t.set_defaults(func=cmd_tiny_pair)
 
@@ -1072,7 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return _guarded(args.func, args, getattr(args, "debug", False))
+    with _library_notes():
+        return _guarded(args.func, args, getattr(args, "debug", False))
 
 
 if __name__ == "__main__":

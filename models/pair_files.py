@@ -2,8 +2,8 @@
 crash at any point leaves the old pair or the new one, never a new target beside an old assistant
 or a half-written tokenizer. No JAX here (a test's child process runs `save_pair` without it).
 
-Layout: `DIR/target` and `DIR/assistant` are symbolic links to `.pair/target` and `.pair/assistant`,
-and `DIR/.pair` links to the folder `.pair-<token>` holding the current pair. A save writes
+Layout: `DIR/target`, `DIR/assistant` and `DIR/tokenizer.json` (the pair's shared tokenizer, read by
+`--pair DIR`) are symbolic links to the same names under `.pair`, and `DIR/.pair` links to the folder `.pair-<token>` holding the current pair. A save writes
 everything into a new `.pair-<token>` (invisible until the switch), fsyncs it, and switches with one
 atomic rename of a new `.pair` link; then deletes the pair folders it made before (each marked with
 MARK; a folder without it is never deleted). A DIR whose `target` / `assistant` are real
@@ -20,7 +20,7 @@ import shutil
 import stat
 from typing import Callable
 
-MODELS = ("target", "assistant")
+LINKED = ("target", "assistant", "tokenizer.json")  # the pair's entries, each a link through LINK
 LINK = ".pair"
 MARK = ".jaxspec-pair"  # in each pair folder save_pair made: only those are deleted later
 _FOLDER = re.compile(r"\.pair-[0-9a-f]{16}\Z")
@@ -28,7 +28,7 @@ _FOLDER = re.compile(r"\.pair-[0-9a-f]{16}\Z")
 
 def save_pair(path: str, write: Callable[[str], None]) -> None:
     """Write a pair into directory `path` (created if missing) by `write(folder)`, which must fill
-    `folder/target` and `folder/assistant`; switch to it atomically (module docstring). Anything
+    `folder/target`, `folder/assistant` and `folder/tokenizer.json`; switch to it atomically (module docstring). Anything
     `write` raises leaves `path` as it was (its folder removed)."""
     os.makedirs(path, exist_ok=True)
     new = _folder(path, marked=True)
@@ -60,11 +60,11 @@ def _switch(path: str, target: str) -> None:
 
 
 def _adopt(path: str) -> None:
-    """Make `path/target` and `path/assistant` the links through `.pair`. Real entries under those
-    names move into one new unmarked pair folder (kept: they may hold more than a pair), which
+    """Make `path/target`, `path/assistant` and `path/tokenizer.json` the links through `.pair`. Real
+    entries under those names move into one new unmarked pair folder (kept: they may hold more than a pair), which
     `.pair` then names; links to anywhere else are replaced (their targets untouched)."""
     found = {}
-    for name in MODELS:
+    for name in LINKED:
         try:
             found[name] = os.lstat(os.path.join(path, name)).st_mode
         except FileNotFoundError:
@@ -72,11 +72,11 @@ def _adopt(path: str) -> None:
     real = [n for n, mode in found.items() if not stat.S_ISLNK(mode)]
     if real:
         old = _folder(path, marked=False)
-        for name in ("assistant", "target"):  # a crash between leaves one missing, not a mismatch
+        for name in ("tokenizer.json", "assistant", "target"):  # a crash between leaves one missing, not a mismatch
             if name in real:
                 os.rename(os.path.join(path, name), os.path.join(old, name))
         _switch(path, os.path.basename(old))
-    for name in MODELS:
+    for name in LINKED:
         want = os.path.join(LINK, name)
         p = os.path.join(path, name)
         if os.path.islink(p) and os.readlink(p) == want:
