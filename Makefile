@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv venv-dev clean
+.PHONY: demo test notebook venv venv-dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,11 +18,22 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(VENV)/.installed $@
 
+$(VENV)/.installed-notebook: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[notebook]'
+	touch $(VENV)/.installed $@
+
 venv: $(VENV)/.installed
 venv-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed
 	$(BIN)/jaxspec generate "def is_prime(n):" --max-tokens 64 --compare
+
+# Executes docs/notebooks/quickstart.ipynb (nbclient, this venv's python3 kernel) into a copy beside it.
+NOTEBOOK := docs/notebooks/quickstart.ipynb
+notebook: $(VENV)/.installed-notebook
+	$(BIN)/python -c "import nbclient, nbformat; nb = nbformat.read('$(NOTEBOOK)', 4); \
+	nbclient.NotebookClient(nb, timeout=900, kernel_name='python3').execute(); \
+	nbformat.write(nb, '$(NOTEBOOK:.ipynb=.out.ipynb)'); print('wrote $(NOTEBOOK:.ipynb=.out.ipynb)')"
 
 # Two workers (CI has 2 cores), each taking whole files so a file's fixtures are built once.
 JOBS ?= 2

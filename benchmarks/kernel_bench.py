@@ -40,8 +40,32 @@ from jaxspec.kernels.launch import Tiling, gemv, gemv_tiling, qmm, qmm_dense, qm
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
 EXTRA_SHAPES = [(256, 512)]  # a small shape for a quick run anywhere (CPU: Pallas interpret mode)
+# Gemma 3 270M: q, k/v, o, gate/up, down, the tied head (K = width 640)
+SHAPES_270M = [(1024, 640), (256, 640), (640, 1024), (2048, 640), (640, 2048), (262144, 640)]
 ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512]
-GROUP = 64
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """The weights' quantization: bits, group size, and the scales' dtype (None: the activations'; the
+    exact GGUF mappings keep float32 scales, e.g. Gemma 3 270M's Q8_0/Q5_0 as 8-bit g32)."""
+    bits: int = 4
+    group: int = 64
+    scale_dtype: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Format":
+        """BITS/GROUP or BITS/GROUP/f32, e.g. 4/64, 8/32/f32."""
+        parts = text.split("/")
+        if (len(parts) not in (2, 3) or not all(p.isascii() and p.isdigit() for p in parts[:2])
+                or (len(parts) == 3 and parts[2] != "f32")):
+            raise ValueError(f"--format {text!r}: expected BITS/GROUP or BITS/GROUP/f32, e.g. 4/64 or 8/32/f32")
+        return cls(int(parts[0]), int(parts[1]), "float32" if len(parts) == 3 else None)
+
+    def __str__(self):
+        return f"{self.bits}/{self.group}" + ("/f32" if self.scale_dtype else "")
+
+
+FMT = Format()  # main() sets it from --format
 START = time.time()
 SET_BYTES = 4 << 30  # weight bytes per timed call, spread over distinct sets (>> 60 MB L2)
 DEFAULT = DispatchConfig()
@@ -49,12 +73,13 @@ INTERPRET = jax.default_backend() != "gpu"  # explicit launches: Pallas interpre
 
 
 def random_qweight(key, n, k, dtype=jnp.bfloat16):
-    """Random 4-bit g64 codes with scales and biases of a trained layer's size, from MLX's layout."""
+    """Random codes in FMT with scales and biases of a trained layer's size, from MLX's layout."""
     k1, k2, k3 = jax.random.split(key, 3)
-    words = jax.random.bits(k1, (n, k // 8), jnp.uint32)
-    scales = (jax.random.uniform(k2, (n, k // GROUP), jnp.float32, 0.5, 1.5) * 0.01).astype(dtype)
-    biases = (jax.random.normal(k3, (n, k // GROUP), jnp.float32) * 0.05).astype(dtype)
-    return QuantizedWeight.from_mlx(words, scales, biases, 4, GROUP)
+    words = jax.random.bits(k1, (n, k * FMT.bits // 32), jnp.uint32)
+    dtype = FMT.scale_dtype or dtype
+    scales = (jax.random.uniform(k2, (n, k // FMT.group), jnp.float32, 0.5, 1.5) * 0.01).astype(dtype)
+    biases = (jax.random.normal(k3, (n, k // FMT.group), jnp.float32) * 0.05).astype(dtype)
+    return QuantizedWeight.from_mlx(words, scales, biases, FMT.bits, FMT.group)
 
 
 def weight_sets(key, n, k, count):
@@ -73,7 +98,9 @@ def activations(key, seed, shape, count):
 
 
 def qbytes(n, k):
-    return n * k // 2 + 2 * 2 * n * (k // GROUP)
+    """Bytes a quantized matmul reads: the codes plus a scale and a bias per group."""
+    scale_bytes = 4 if FMT.scale_dtype else 2
+    return n * k * FMT.bits // 8 + 2 * scale_bytes * n * (k // FMT.group)
 
 
 def n_sets_for(bytes_per_set, cap=32):
@@ -211,7 +238,7 @@ def gemv_sweep(T, key, quick, only=None, names=None):
             return
         nsets = n_sets_for(qbytes(n, k))
         ws = weight_sets(key, n, k, nsets)
-        default = gemv_tiling((n, k), GROUP)
+        default = gemv_tiling((n, k), FMT.group)
         for rows in ((1, 8) if (n, k) in SHAPES[:2] else (1,)):
             xs = activations(key, 1000, (rows, k), nsets)
             for name, v in variants.items():
@@ -220,7 +247,7 @@ def gemv_sweep(T, key, quick, only=None, names=None):
                 v = dict(v)
                 mult = v.pop("split_mult", 1)
                 tiling = dataclasses.replace(default, **v,
-                                             split_k=max(1, min(int(default.split_k * mult), k // GROUP)))
+                                             split_k=max(1, min(int(default.split_k * mult), k // FMT.group)))
                 T.measure(dict(phase="sweep", n=n, k=k, rows=rows, variant=name, tiling=tiling_dict(tiling),
                                floor_us=qbytes(n, k) / T.bw * 1e6),
                           lambda x, w, tl=tiling: gemv(x, (w,), tl, interpret=INTERPRET)[0], xs, ws)
@@ -244,7 +271,7 @@ def tiles_phase(T, key, quick, rows_list=None, names=None, shapes=None):
         row_counts = rows_list or ((64, 512) if quick else (16, 64, 128, 512))
         for rows in row_counts:
             xs = activations(key, 3000, (rows, k), nq)
-            base = qmm_tiling(rows, (n, k), GROUP, DEFAULT)
+            base = qmm_tiling(rows, (n, k), FMT.group, DEFAULT)
             for name, v in QMM_VARIANTS.items():
                 if names and name not in names:
                     continue
@@ -316,12 +343,20 @@ def main(argv=None):
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after start past which no new measurement starts (then the summary)")
     ap.add_argument("--commit", default=None, help="the commit to name in the results (default: git rev-parse)")
+    ap.add_argument("--format", default="4/64", help="the weights: BITS/GROUP[/f32] (f32: float32 scales and "
+                                                     "biases, as the exact GGUF loads keep them), e.g. 8/32/f32")
     args = ap.parse_args(argv)
+    global FMT
+    try:
+        FMT = Format.parse(args.format)
+    except ValueError as e:
+        ap.error(str(e))
     def shapes(flag, text):
         out = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
-        unknown = [s for s in out if s not in SHAPES + EXTRA_SHAPES]
+        known = SHAPES + EXTRA_SHAPES + SHAPES_270M
+        unknown = [s for s in out if s not in known]
         if unknown:
-            ap.error(f"{flag} {unknown}: not among the benchmark shapes {SHAPES + EXTRA_SHAPES}")
+            ap.error(f"{flag} {unknown}: not among the benchmark shapes {known}")
         return out
 
     only = shapes("--shapes", args.shapes) if args.shapes else None
@@ -338,7 +373,7 @@ def main(argv=None):
     T = Timer(path, bw)
     if args.deadline:
         T.deadline = START + args.deadline
-    T.record(phase="env", **env, hbm_tbps=bw / 1e12, empty_call_us=T.empty * 1e6, argv=sys.argv)
+    T.record(phase="env", **env, format=str(FMT), hbm_tbps=bw / 1e12, empty_call_us=T.empty * 1e6, argv=sys.argv)
     print(env, f"HBM {bw / 1e12:.2f} TB/s, empty call {T.empty * 1e6:.0f} us", flush=True)
     key = jax.random.key(0)
     run = {"check": lambda: check_phase(T, key, check_shapes),

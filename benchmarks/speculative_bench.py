@@ -257,12 +257,22 @@ def run_forward(args, target, assistant, out, deadline):
     return t1
 
 
+def _progress(items, what):
+    """A progress bar on stderr (tqdm, when installed) over a sweep of several items, e.g. the 20
+    prompts of --each-prompt; the items unchanged otherwise (the result lines stay on stdout)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=what, leave=False, disable=len(items) < 2)
+
+
 def gen_stats(target, assistant, sets, k, args, pad):
     """Decode every batch of `sets` (median decode time over --repeats after --warmup each) and sum
     them: (the tokens of each batch, the summed statistics). Rates are over the sums (acceptance =
     accepted / drafted; per-round means weighted by each batch's active row-rounds)."""
     tokens, stats, decode_s = [], [], 0.0
-    for rows in sets:
+    for rows in _progress(sets, f"{'classic' if k == 1 else f'K={k}'} prompts"):
         res, times = None, []
         for _ in range(args.warmup + args.repeats):
             res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
@@ -410,26 +420,53 @@ def write_report(path, meta, rows):
         lines.append("")
     open(os.path.join(path, "speculative.md"), "w").write("\n".join(lines))
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for mr in (True, False):
-            pts = sorted((r["width"], r["cost"]) for r in fw if r["run"] == "forward" and r["multirow"] == mr
-                         and not r.get("padded") and r["batch"] == rows[0].get("batch", 1))
-            if pts:
-                axes[0].plot(*zip(*pts), "o-", label=f"multirow {'on' if mr else 'off'}")
-        axes[0].plot([1, 8], [1, 8], ":", color="gray", label="K forwards")
-        axes[0].set_xlabel("verify width K"), axes[0].set_ylabel("cost in classic forwards"), axes[0].legend()
-        axes[0].set_title("verify forward cost")
-        if sc:
-            axes[1].plot([r["batch"] for r in sc], [r["tokens_per_s"] for r in sc], "o-")
-            axes[1].set_xscale("log", base=2), axes[1].set_xlabel("batch"), axes[1].set_ylabel("aggregate tok/s")
-            axes[1].set_title("classic batched decode")
-        fig.tight_layout()
-        fig.savefig(os.path.join(path, "speculative.png"), dpi=110)
+        fig = plot_figure(rows)
+        if fig is not None:
+            fig.savefig(os.path.join(path, "speculative.png"), dpi=110)
     except Exception as e:  # the plot is a convenience; the tables are the result
         print(f"plot skipped: {e}")
+
+
+def plot_figure(rows):
+    """The report's figure: one panel per kind of run that has rows (verify forward cost, the decode
+    loop's speedup by K, batched classic decode), so no panel is left empty (a `--runs loop` run,
+    e.g. `--target default --each-prompt`, used to get a blank second panel). None without rows
+    to plot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = rows[0].get("batch", 1) if rows else 1
+    fw = {mr: sorted((r["width"], r["cost"]) for r in rows if r["run"] == "forward" and r["multirow"] == mr
+                     and not r.get("padded") and r["batch"] == batch) for mr in (True, False)}
+    lp = [r for r in rows if r["run"] == "loop" and r["mode"] == "speculative"]
+    sc = [r for r in rows if r["run"] == "scaling"]
+    panels = [name for name, has in (("forward", any(fw.values())), ("loop", lp), ("scaling", sc)) if has]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        if name == "forward":
+            for mr, pts in fw.items():
+                if pts:
+                    ax.plot(*zip(*pts), "o-", label=f"multirow {'on' if mr else 'off'}")
+            ax.plot([1, 8], [1, 8], ":", color="gray", label="K forwards")
+            ax.set_xlabel("verify width K"), ax.set_ylabel("cost in classic forwards"), ax.legend()
+            ax.set_title("verify forward cost")
+        elif name == "loop":
+            series = sorted({(r["multirow"], r["batch"]) for r in lp})
+            for mr, b in series:
+                pts = sorted((r["k"], r["speedup"]) for r in lp if (r["multirow"], r["batch"]) == (mr, b))
+                ax.plot(*zip(*pts), "o-", label=f"B={b}, multirow {'on' if mr else 'off'}")
+            ax.axhline(1.0, ls=":", color="gray", label="classic")
+            ax.set_xlabel("K (drafts + 1)"), ax.set_ylabel("decode speedup over classic"), ax.legend()
+            ax.set_title("speculative decode loop")
+        else:
+            ax.plot([r["batch"] for r in sc], [r["tokens_per_s"] for r in sc], "o-")
+            ax.set_xscale("log", base=2), ax.set_xlabel("batch"), ax.set_ylabel("aggregate tok/s")
+            ax.set_title("classic batched decode")
+    fig.tight_layout()
+    return fig
 
 
 def build_parser():

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +53,8 @@ from . import loop, sampling
 from .generate import (BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _check_logprobs,
                        _default_stop_ids, _round_up, check_block_size, check_int, effective_block_size,
                        make_generate, stop_array)
+
+log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
 # The programs an engine may run, cheapest first; the last covers every request (the state's layout).
 MODES = (sampling.SamplingMode(), sampling.SamplingMode(sample=True, bias=True), sampling.FULL_MODE)
@@ -182,16 +186,25 @@ class BatchEngine:
 
     def warm_up(self) -> None:
         """Compile every program the engine may run (each step's ladder and the prefill of a
-        PROMPT_BUCKET-token prompt), so no request waits for a compile."""
+        PROMPT_BUCKET-token prompt), so no request waits for a compile. Logs (INFO, logger
+        jaxspec.batching) when it starts and how long it took."""
+        t0 = time.perf_counter()
+        log.info("batch engine warm-up: %d step programs and a prefill (%d slots, K=%d) ...", len(self.modes),
+                 self.slots, self.block_size)
         for i in range(len(self.modes)):
             self.decode(i)
         prompt, lengths, key, limit, stop, rows = self.gen.inputs([[0]], max_new_tokens=1, eos_token_ids=self.eos)
         self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop, rows)
+        log.info("batch engine warm-up took %.1f s", time.perf_counter() - t0)
 
     def fits(self, n_prompt: int, max_new_tokens: int) -> bool:
         """Whether a request of this prompt length and budget fits a slot's cache and the budget."""
-        return (1 <= max_new_tokens <= self.max_new_tokens
-                and n_prompt + max_new_tokens - 1 + self.gen.spec.width(self.slots, self.target.matmul) <= self.capacity)
+        return 1 <= max_new_tokens <= self.room(n_prompt)
+
+    def room(self, n_prompt: int) -> int:
+        """The largest budget a request of this prompt length fits a slot with (0: none does)."""
+        width = self.gen.spec.width(self.slots, self.target.matmul)
+        return max(0, min(self.max_new_tokens, self.capacity + 1 - n_prompt - width))
 
     def admit(self, prompt_ids, max_new_tokens: int, seed: int | None = None, owner: object = True,
               params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:

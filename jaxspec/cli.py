@@ -22,7 +22,9 @@ benchmark is `python benchmarks/speculative_bench.py` in a source checkout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import re
 import sys
@@ -31,6 +33,7 @@ import traceback
 import warnings
 
 from . import compile_cache
+from .serve_guard import ACCEPT_BACKLOG
 from .generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -61,6 +64,32 @@ def _note(msg: str, end: str = "\n") -> None:
         print(msg, file=sys.stderr, end=end, flush=True)
     except (OSError, ValueError):  # stderr gone (a closed pipe): nobody reads the notes
         pass
+
+
+class _NoteHandler(logging.Handler):
+    """The library's log records as notes on stderr ("jaxspec: compiling 3 programs ...")."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            _note(_one_line(f"jaxspec: {record.getMessage()}"))
+        except Exception:  # a malformed record: never the reason a command fails
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _library_notes():
+    """While a command runs, show the library's INFO lines (`logging`, logger "jaxspec": when
+    compiling starts and how long it took, the batch engine's warm-up) on stderr; the library
+    itself stays silent unless its user configures logging."""
+    logger = logging.getLogger("jaxspec")
+    handler, level = _NoteHandler(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _one_line(e: BaseException | str, limit: int = MAX_MESSAGE) -> str:
@@ -132,7 +161,7 @@ def _check_backend() -> None:
         if want:
             raise UsageError(f"JAX_PLATFORMS={want!r}: JAX cannot start {want!r} on this machine ("
                              f"{detail or 'no plugin for it is installed'}); install its jax plugin (e.g. pip "
-                             "install 'jaxspec[cuda12]') or unset JAX_PLATFORMS") from None
+                             "install -e '.[cuda12]' in the jaxspec checkout) or unset JAX_PLATFORMS") from None
         raise UsageError(f"JAX cannot start a backend on this machine: {detail or type(e).__name__}") from None
 
 
@@ -146,7 +175,8 @@ _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_bod
                  ("--max-queue", "max_queue", 1, 100_000, ""),
                  ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
                  ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
-                 ("--max-batch", "max_batch", 1, 1 << 12, ""))
+                 ("--max-batch", "max_batch", 1, 1 << 12, ""),
+                 ("--max-connections", "max_connections", 1, 1 << 20, ""))
 
 
 def _check_ranges(args, ranges) -> None:
@@ -314,18 +344,14 @@ def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
 
 def _matmul_config(choice: str):
     """The dispatch config for --backend: auto is the Pallas kernels on a GPU and XLA's
-    dequantize + dot elsewhere; the environment's dispatch knobs (DispatchConfig.from_env) apply."""
-    import jax
+    dequantize + dot elsewhere (kernels.resolve_backend, as the Python loaders); the environment's
+    dispatch knobs (DispatchConfig.from_env) apply."""
+    from jaxspec.kernels import DispatchConfig, resolve_backend
 
-    from jaxspec.kernels import DispatchConfig
-
-    on_gpu = jax.default_backend() == "gpu"
-    if choice == "auto":
-        choice = "pallas" if on_gpu else "xla"
-    elif choice == "pallas" and not on_gpu:
+    if choice == "pallas" and resolve_backend("auto") != "pallas":
         _note("jaxspec: note: no GPU: the Pallas kernels run in interpret mode (very slow); "
               "--backend xla is the fast choice on CPU")
-    return DispatchConfig.from_env(backend=choice)
+    return DispatchConfig.from_env(backend=choice)  # "auto": resolve_backend, the loaders' rule too
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,10 +585,10 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=max_tokens, block_size=args.block_size, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=stop, verify_pad=verify_pad)
     speculative = assistant is not None and args.block_size > 1  # block size 1 decodes classically
-    mode = "speculative decode loop" if speculative else "classic decode loop"
-    _note(f"compiling the {mode} (the first run for these shapes can take a while"
-          + ("; later runs reuse the on-disk compile cache) ..." if cache_dir else ") ..."))
-
+    # Compiling is announced by the library (programs.compile_all's log lines, shown by
+    # _library_notes): when it starts, or that the programs came from the on-disk cache, and how long.
+    _note(f"jaxspec: running the {'speculative' if speculative else 'classic'} decode loop"
+          + (f" (later runs reuse the on-disk compile cache in {cache_dir})" if cache_dir else ""))
     show = not args.json
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -612,14 +638,16 @@ def cmd_serve(args) -> int:
 
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise UsageError(f"jaxspec serve needs {' and '.join(missing)}: pip install 'jaxspec[serve]'")
+        raise UsageError(f"jaxspec serve needs {' and '.join(missing)}: pip install -e '.[serve]' "
+                         "(in the jaxspec checkout)")
     _check_serve_flags(args)  # before importing the server (JAX) or loading anything: found in a second
     _check_cache_flag(args)
     from . import server
     from .tokenizer import TokenizerError, load_tokenizer
 
     origins = tuple(args.allow_origin or ())
-    api_key = args.api_key or None  # "" (e.g. JAXSPEC_API_KEY= ) means no key
+    api_key, _ = _api_key(args)
+    max_connections = _max_connections(args)
     model_dir, assistant_dir = _resolve_dirs(args)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
     _check_block_size(args, tcfg)
@@ -628,25 +656,106 @@ def cmd_serve(args) -> int:
     except TokenizerError as e:
         raise UsageError(str(e)) from None
     _check_backend()
-    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, _dtype(args))
+    dtype = _dtype(args)
+    _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir else 1, dtype,
+                        _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
+    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype)
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
                                else os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
                         max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue)
-    if not args.no_warmup:
-        _note("compiling the first programs (a new shape compiles on its first request) ...", end="")
-        _note(f" {srv.warm_up():.1f} s")
+    if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
+        _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
+        _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
+    # /v1/chat/completions only for a model that can chat (without a template the server refuses it)
+    endpoints = "/v1/completions" + (", /v1/chat/completions" if tok.has_chat_template else "")
     guard = ("API key required" if api_key else "no API key") + (
         f", CORS for {', '.join(origins)}" if origins else "")  # never the key itself
     server.serve(srv, args.host, args.port,
                  announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
-                                        f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; {guard})"),
-                 api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes)
+                                        f"(OpenAI-compatible: {endpoints}; {guard})"),
+                 api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes,
+                 allowed_hosts=tuple(args.allowed_host or ()), max_connections=max_connections,
+                 idle_timeout=args.idle_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout)
     return EXIT_OK
+
+
+def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int) -> None:
+    """UsageError when --max-batch slots cannot fit the device's memory: their KV caches
+    (models.cache_bytes at the server's slot capacity) and their verify logits (float32, about three
+    copies: the target's, the drafts', the probabilities) plus the weights."""
+    from jaxspec import models
+
+    from .server import BATCH_CONTEXT
+
+    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
+    cache = models.cache_bytes(tcfg, max_batch, capacity, dtype)
+    logits = 3 * 4 * max_batch * (block_size + 1) * tcfg.vocab_size
+    mem = device_memory()
+    if mem is None:
+        return
+    limit, what = mem
+    if cache + logits + weight_bytes > limit:
+        raise UsageError(f"--max-batch {max_batch} needs a KV cache of {_fmt_bytes(cache)} ({max_batch} slots x "
+                         f"{capacity} positions) and about {_fmt_bytes(logits)} of logits plus {_fmt_bytes(weight_bytes)} "
+                         f"of weights, more than the {_fmt_bytes(limit)} of {what}: lower --max-batch")
+
+
+def _api_key(args) -> tuple[str | None, str]:
+    """(the key or None, where it came from). An empty one (e.g. `JAXSPEC_API_KEY=`) means none;
+    one with whitespace, a control or a non-ASCII character is refused, not stripped: a header
+    line cannot carry it, so it would answer 401 to every client (a key file read with its newline)."""
+    key, source = args.api_key, "--api-key"
+    if key is None:
+        key, source = os.environ.get("JAXSPEC_API_KEY"), "$JAXSPEC_API_KEY"
+    if not key:
+        return None, source
+    bad = next((i for i, c in enumerate(key) if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise UsageError(f"{source} holds {key[bad]!r} at character {bad}: an API key must be printable ASCII without "
+                         "spaces (a trailing newline or carriage return included)")
+    return key, source
+
+
+def _check_bind(args) -> None:
+    """A wildcard address (0.0.0.0, ::) listens on every interface: refused without an API key
+    unless --insecure-no-key says so."""
+    from .serve_guard import is_wildcard
+
+    if is_wildcard(args.host) and _api_key(args)[0] is None and not args.insecure_no_key:
+        raise UsageError(f"--host {args.host} listens on every interface: give an API key (--api-key KEY or "
+                         "$JAXSPEC_API_KEY), or pass --insecure-no-key to serve anyone who can reach it")
+
+
+# File descriptors kept beside --max-connections: the server's own (model files, JAX, logs: ~70 on
+# CPU) and the connections asyncio accepts in batches before the cap closes them.
+FD_RESERVE = 128 + 3 * ACCEPT_BACKLOG
+DEFAULT_MAX_CONNECTIONS = 512
+
+
+def _max_connections(args) -> int:
+    """--max-connections, or the default, checked against the open-file limit: at the cap,
+    accepting a connection must still find a descriptor."""
+    from .serve_guard import fd_limit
+
+    limit = fd_limit()
+    room = None if limit is None else limit - FD_RESERVE
+    if args.max_connections is None:
+        if room is not None and room < 1:
+            raise UsageError(f"the open-file limit of {limit} (ulimit -n) leaves no room for connections: raise it")
+        return DEFAULT_MAX_CONNECTIONS if room is None else min(DEFAULT_MAX_CONNECTIONS, room)
+    if room is not None and args.max_connections > room:
+        raise UsageError(f"--max-connections {args.max_connections} does not fit the open-file limit of {limit} "
+                         f"(ulimit -n; {FD_RESERVE} are kept for the server and connections being accepted): at most {max(room, 0)}, or raise "
+                         "ulimit -n")
+    return args.max_connections
 
 
 # "*" or scheme://host[:port] (a browser's Origin header: no path, no trailing slash)
 _ORIGIN = re.compile(r"^(\*|[a-zA-Z][a-zA-Z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^\s/:?#\[\]@]+)(:\d{1,5})?)$")
+
+
+_HOST_NAME = re.compile(r"^([A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_][A-Za-z0-9_-]{0,62})*\.?|[0-9a-fA-F:.]+)$")
 
 
 def _check_serve_flags(args) -> None:
@@ -655,9 +764,21 @@ def _check_serve_flags(args) -> None:
     the whole usage."""
     _check_ranges(args, _SERVE_RANGES)
     for o in args.allow_origin or ():
-        if not _ORIGIN.match(o):
-            raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port], "
+        m = _ORIGIN.match(o)
+        if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
+            raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port] with a port in 1..65535, "
                              "e.g. http://localhost:3000")
+    for h in args.allowed_host or ():
+        if not _HOST_NAME.match(h):
+            raise UsageError(f"--allowed-host {h!r}: expected a host name or address as a Host header names it, "
+                             "without a scheme or port (e.g. api.example.com)")
+    for flag, v in (("--idle-timeout", args.idle_timeout), ("--header-timeout", args.header_timeout),
+                    ("--body-timeout", args.body_timeout)):
+        if not 0 < v <= 3600:  # also NaN
+            raise UsageError(f"{flag} {v}: expected seconds in (0, 3600]")
+    _api_key(args)
+    _check_bind(args)
+    _max_connections(args)
     _check_listen(args.host, args.port)
 
 
@@ -684,22 +805,31 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def cmd_tiny_pair(args) -> int:
-    """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's."""
+    """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's
+    and the same file as the pair's shared DIR/tokenizer.json (the default pair's layout), so both
+    `--model DIR/target --assistant DIR/assistant` and `--pair DIR` run it."""
     from jaxspec import models
+    from jaxspec.models import pair_files
 
     from .tokenizer import DEMO_CORPUS, train_byte_bpe
 
     _check_output_dir(args.dir, args.force)  # before building anything
     target, assistant = models.presets.tiny_pair(seed=args.seed)
     tdir, adir = os.path.join(args.dir, "target"), os.path.join(args.dir, "assistant")
-    try:
-        models.save(target, tdir)
-        models.save(assistant, adir)
-        train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size).save(os.path.join(tdir, "tokenizer.json"))
+
+    def write(folder):
+        models.save(target, os.path.join(folder, "target"))
+        models.save(assistant, os.path.join(folder, "assistant"))
+        tok = train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size)
+        for where in (os.path.join(folder, "target"), folder):  # a complete model directory, and the
+            tok.save(os.path.join(where, "tokenizer.json"))     # pair's shared one for --pair DIR
+
+    try:  # everything written first, then switched at once: a crash leaves the old pair or the new one
+        pair_files.save_pair(args.dir, write)
     except OSError as e:  # e.g. a full disk: the path and the reason, not a traceback
         raise UsageError(f"cannot write the tiny pair to {args.dir!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None
-    print(f"wrote {tdir} and {adir}\ntry: jaxspec generate \"def f(x):\" --model {tdir} --assistant {adir}")
+    print(f"wrote {tdir}, {adir} and their tokenizer.json\ntry: jaxspec generate \"def f(x):\" --pair {args.dir}")
     return EXIT_OK
 
 
@@ -771,13 +901,11 @@ def cmd_convert(args) -> int:
 def _save_gguf_tokenizer(src: str, out: str) -> str:
     """The GGUF's tokenizer saved into `out` (tokenizer.json, tokenizer_config.json): the tokenizer
     module reads it from the GGUF metadata. Returns a note for the summary line."""
-    from .tokenizer import Tokenizer, load_tokenizer
+    from jaxspec.gguf_tokenizer import tokenizer_from_gguf
+    from jaxspec.models import gguf
 
-    if not hasattr(Tokenizer, "save"):  # a jaxspec whose tokenizer cannot read GGUF metadata yet
-        _note(f"jaxspec: note: no tokenizer written to {out!r}: this jaxspec cannot build a tokenizer from GGUF "
-              "metadata (pass --tokenizer FILE when generating)")
-        return " (no tokenizer)"
-    load_tokenizer(src).save(out)
+    meta = gguf.plan(src)[1]  # jaxspec's parse of the metadata: seconds, where GGUFReader takes tens
+    tokenizer_from_gguf(src, reader=gguf.MetadataReader(meta)).save(out)
     return " (with its tokenizer)"
 
 
@@ -852,11 +980,27 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "name, or jaxspec-default-pair)")
     v.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; on a loopback address only requests naming "
-                        "localhost in their Host header are served)")
+                        "localhost in their Host header are served; a wildcard 0.0.0.0 or :: needs an API key)")
     v.add_argument("--port", type=int, default=8000, help="TCP port, 1..65535 (default 8000)")
-    v.add_argument("--api-key", metavar="KEY", default=os.environ.get("JAXSPEC_API_KEY"),
+    v.add_argument("--api-key", metavar="KEY", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/... (default: $JAXSPEC_API_KEY, else no key; "
-                        "an empty KEY means none); the environment variable keeps it out of the process list")
+                        "an empty KEY means none; printable ASCII without spaces); the environment variable keeps "
+                        "it out of the process list")
+    v.add_argument("--insecure-no-key", action="store_true",
+                   help="allow a wildcard --host (0.0.0.0, ::) without an API key")
+    v.add_argument("--allowed-host", metavar="NAME", action="append",
+                   help="a Host header name to serve besides localhost and the machine's own names and addresses "
+                        "(e.g. the name a proxy forwards); repeatable")
+    v.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}, or fewer under a low ulimit -n; "
+                        f"at most the open-file limit - {FD_RESERVE}); at the cap the longest idle one is closed, "
+                        "else the new one is answered 503")
+    v.add_argument("--idle-timeout", type=float, default=5.0, metavar="S",
+                   help="close a connection idle this long, before or between requests (default 5)")
+    v.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers take longer to arrive (default 10)")
+    v.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="close a connection whose request body takes longer to arrive (default 60)")
     v.add_argument("--allow-origin", metavar="ORIGIN", action="append",
                    help="let web pages of ORIGIN (scheme://host[:port], or '*' for any) call the server; "
                         "repeatable (default: no cross-origin requests)")
@@ -885,7 +1029,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("dir", help="output directory (gets target/ and assistant/)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--force", action="store_true", help="write into DIR even if it is not empty (its target/ and "
-                                                        "assistant/ model files are replaced)")
+                                                        "assistant/ model files and tokenizer.json are replaced)")
     t.add_argument("--debug", action="store_true", help="show tracebacks")
     t.set_defaults(func=cmd_tiny_pair)
 
@@ -959,7 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return _guarded(args.func, args, getattr(args, "debug", False))
+    with _library_notes():
+        return _guarded(args.func, args, getattr(args, "debug", False))
 
 
 if __name__ == "__main__":

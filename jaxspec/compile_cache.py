@@ -8,10 +8,14 @@ probe), for the Python API as for the CLI. Opt out before that with `disable_def
 e.g. $JAX_COMPILATION_CACHE_DIR) wins and keeps its settings. generate's own programs are also kept
 whole in its `jaxspec-programs` folder (`jaxspec.programs`), so that a new process skips their tracing too.
 
-What the cache holds is loaded as code (pickles, executables), so a directory someone else can write
-is never used: one not owned by this user, or writable by its group or by others. An explicit
-directory (`enable(path)`, the CLI's --compile-cache) that is unsafe is a ValueError; the default one
-is created 0700 and, if found unsafe, skipped with a warning (everything runs without the cache).
+What the cache holds is loaded as code (pickles, executables), so a directory someone else could have
+written to is never used (`checked_dir`): the directory, jaxspec's `jaxspec-programs` folder in it
+and every file either reads must be owned by this user and not writable by its group or by others
+(JAX's own files may be, when nobody else can enter the directory: JAX writes them with the umask's
+mode), and a directory others can enter is refused while the umask would let JAX write files they
+could change. jaxspec creates its directories 0700 and its program files 0600. An explicit directory
+(`enable(path)`, the CLI's --compile-cache) that is unsafe is a ValueError; the default one is created
+0700 and, if found unsafe, skipped with a warning (everything runs without the cache).
 
     with CompileLog() as log:
         jaxspec.generate(...)
@@ -29,28 +33,96 @@ _auto = {"on": True, "done": False}
 _warned: set = set()  # unsafe directories already warned about (once each per process)
 
 
+PROGRAMS = "jaxspec-programs"  # generate's whole programs (jaxspec.programs), inside the cache directory
+_JAX_SUFFIX = "-cache"  # the files JAX's persistent cache reads: <key>-cache
+
+
 def checked_dir(path: str, create: bool = True) -> str:
     """`path` if it is safe to load compiled programs from: a directory owned by this user and not
-    writable by its group or others. Missing: created 0700 (parents as the umask says), or with
-    create=False returned as it is (nothing to load yet). ValueError (one line, naming the path and
-    what is wrong) otherwise; OSError when it cannot be created."""
+    writable by its group or others, with a `jaxspec-programs` folder (if any) and files in both
+    that pass the same test (JAX's `*-cache` files may be writable by others when nobody else can
+    enter `path`), and not enterable by others while the umask would let JAX write files they can
+    change. Missing: created 0700 (parents as the umask says), or with create=False returned as it
+    is (nothing to load yet). ValueError (one line, naming the path and what is wrong) otherwise;
+    OSError when it cannot be created."""
     if not os.path.exists(path):
         if create:
             os.makedirs(path, mode=0o700, exist_ok=True)
         return path
     st = os.stat(path)
-    why = None
-    if not stat.S_ISDIR(st.st_mode):
-        why = "it is not a directory"
-    elif hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        why = f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        who = "others" if st.st_mode & stat.S_IWOTH else "its group"
-        why = f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    where, why = path, (_unsafe(st, "a directory") if stat.S_ISDIR(st.st_mode) else "it is not a directory")
+    if why is None and st.st_mode & 0o011 and _umask() & 0o022 != 0o022:
+        why = (f"others can enter it (mode {stat.S_IMODE(st.st_mode):04o}) and the umask ({_umask():04o}) makes JAX "
+               "write cache files they can change (chmod 700 it, or use umask 022)")
+    if why is None:
+        where, why = _unsafe_entry(path, private=not st.st_mode & 0o011)
     if why:
-        raise ValueError(f"compile cache directory {path!r} is unsafe: {why}; its files are loaded as code, so use a "
-                         f"directory only you can write (e.g. chmod go-w, or another directory)")
+        what = "directory" if where == path else "entry"
+        raise ValueError(f"compile cache {what} {where!r} is unsafe: {why}; what the cache holds is loaded as code, "
+                         f"so use a directory only you can write (e.g. chmod go-w, or another directory)")
     return path
+
+
+def _unsafe(st: os.stat_result, kind: str) -> str | None:
+    """Why a file or directory (its lstat) could hold what someone else wrote; None if it cannot."""
+    is_kind = stat.S_ISDIR if kind == "a directory" else stat.S_ISREG
+    if not is_kind(st.st_mode):
+        return "it is a symbolic link" if stat.S_ISLNK(st.st_mode) else f"it is not {kind}"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+        return f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _unsafe_entry(path: str, private: bool) -> tuple[str, str | None]:
+    """(the first entry of cache directory `path` that could hold what someone else wrote, why), or
+    (path, None): the files JAX reads there, the programs folder and every file in it. `private`:
+    nobody else can enter `path`, so JAX's files (written with the umask's mode) are out of reach."""
+    def check(entry: os.DirEntry, kind: str, strict: bool) -> tuple[str, str | None]:
+        st = entry.stat(follow_symlinks=False)
+        why = _unsafe(st, kind)
+        if why and not strict and why.startswith("it is writable by"):
+            why = None
+        return entry.path, why
+
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.name == PROGRAMS:
+                where, why = check(entry, "a directory", strict=True)
+                if why:
+                    return where, why
+                with os.scandir(entry.path) as files:  # jaxspec writes only files here, 0600
+                    for f in files:
+                        where, why = check(f, "a regular file", strict=True)
+                        if why:
+                            return where, why
+            elif entry.name.endswith(_JAX_SUFFIX):
+                where, why = check(entry, "a regular file", strict=not private)
+                if why:
+                    return where, why
+    return path, None
+
+
+def _umask() -> int:
+    """This process's umask (Linux reports it without changing it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (a brief window for other threads)
+    os.umask(mask)
+    return mask
+
+
+def unsafe_file(fd: int) -> str | None:
+    """Why the open file `fd` (a program about to be unpickled) could hold what someone else wrote:
+    not a regular file, not this user's, writable by its group or others; None when it is safe."""
+    return _unsafe(os.fstat(fd), "a regular file")
 
 
 def _safe_or_none(path: str) -> str | None:

@@ -79,6 +79,7 @@ class GenerationStats:
     decode_tokens_per_s: float     # new_tokens / decode_s
     fallback: str | None = None    # why speculative decoding was not used (or ran a smaller K) when asked for
     probe_logit_diff: float | None = None  # exactness probe: max |wide verify - single steps| logit
+    backend: str | None = None     # the target's matmul path: "xla", "pallas", "pallas (interpret mode)"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -470,6 +471,7 @@ class Plan:
     verify_width: int
     fallback: str | None
     probe_logit_diff: float | None
+    backend: str | None = None          # DispatchConfig.describe of the target's matmul
 
     def result(self, state, prefill_s: float, decode_s: float) -> GenerationResult:
         out, n_out, rounds, row_rounds, drafted, accepted, hist, lps = jax.device_get(
@@ -495,7 +497,7 @@ class Plan:
             accepted_hist=[int(x) for x in hist], new_tokens=new_tokens,
             prefill_s=prefill_s, decode_s=decode_s,
             decode_tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("inf"),
-            fallback=self.fallback, probe_logit_diff=self.probe_logit_diff)
+            fallback=self.fallback, probe_logit_diff=self.probe_logit_diff, backend=self.backend)
         return GenerationResult(tokens=tokens, stats=stats, logprobs=logprobs)
 
 
@@ -540,7 +542,8 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
     if k != asked:
         gen, inputs = generator(k)
     return Plan(gen=gen, drafter=assistant if k > 1 else None, inputs=inputs, batch=batch,
-                verify_width=gen.spec.width(batch, target.matmul), fallback=fallback, probe_logit_diff=diff)
+                verify_width=gen.spec.width(batch, target.matmul), fallback=fallback, probe_logit_diff=diff,
+                backend=getattr(getattr(target, "matmul", None), "describe", None))
 
 
 def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,

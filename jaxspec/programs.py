@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import pickle
 import threading
@@ -27,6 +28,10 @@ from typing import Any, Callable, Sequence
 import jax
 
 from . import compile_cache
+
+# One line when compiling starts and one with how long it took (INFO: silent unless the user
+# configures logging; the CLI and the server show them). Programs already in memory log nothing.
+log = logging.getLogger(__name__)
 
 _MEMO: dict = {}
 _thread = threading.local()  # per compile thread: whether JAX's persistent cache served its compile
@@ -64,13 +69,21 @@ def compile_all(programs: Sequence[Program]) -> list[jax.stages.Compiled]:
     are missing at once; the first in the list starts compiling first, so put the longest there)."""
     sigs = [p.signature() for p in programs]
     todo = {}  # signature -> (program, its path on disk or None)
+    t0, loaded = time.perf_counter(), []
     for p, sig in zip(programs, sigs):
         if sig in _MEMO or sig in todo:
             continue
         path = _path(p, sig)
-        if not _load(p, sig, path):
+        if _load(p, sig, path):
+            loaded.append(p.name)
+        else:
             todo[sig] = (p, path)
+    if loaded:
+        log.info("loaded %s from the on-disk cache in %.1f s", _names(loaded), time.perf_counter() - t0)
     if todo:
+        t0 = time.perf_counter()
+        names = _names([p.name for p, _ in todo.values()])
+        log.info("compiling %s (the first run for these shapes can take a while) ...", names)
         if not _listening:
             jax.monitoring.register_event_listener(_on_count)
             _listening.append(True)
@@ -81,7 +94,13 @@ def compile_all(programs: Sequence[Program]) -> list[jax.stages.Compiled]:
                 _MEMO[sig], from_jax_cache = future.result()
                 if not from_jax_cache:  # an executable JAX's cache loaded may not serialize whole
                     _save(path, _MEMO[sig])  # (on CPU it lost its code): keep only fresh compiles
+        log.info("compiled %s in %.1f s", names, time.perf_counter() - t0)
     return [_MEMO[s] for s in sigs]
+
+
+def _names(names: list[str]) -> str:
+    """"3 programs (generate, prefill, probe)" / "1 program (prefill)": what a log line names."""
+    return f"{len(names)} program{'s' if len(names) != 1 else ''} ({', '.join(names)})"
 
 
 def _compile(lowered) -> tuple[jax.stages.Compiled, bool]:
@@ -109,8 +128,8 @@ def clear() -> None:
 def directory() -> str | None:
     """Where whole programs are kept: `jaxspec-programs` in JAX's compilation cache directory, when
     jaxspec's on-disk cache is on (`compile_cache.ensure_default`); else None."""
-    root = compile_cache.ensure_default()
-    return os.path.join(root, "jaxspec-programs") if root else None
+    root = compile_cache.ensure_default()  # checked there, with this folder and its files (checked_dir)
+    return os.path.join(root, compile_cache.PROGRAMS) if root else None
 
 
 @functools.cache
@@ -169,8 +188,17 @@ def _load(program: Program, sig: tuple, path: str | None) -> bool:
 
     t0 = time.perf_counter()
     try:
-        with open(path, "rb") as f:
-            payload, in_tree, out_tree = pickle.load(f)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            # Checked again on what is open (directory() checked the folder and its files): a file
+            # someone else could have written is never unpickled, nor deleted (compiled over instead).
+            if compile_cache.unsafe_file(f.fileno()) is not None:
+                return False
+            blob = f.read()
+    except OSError:
+        return False
+    try:
+        payload, in_tree, out_tree = pickle.loads(blob)
         _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                execution_devices=_execution_devices(program))
     except Exception:  # a damaged or foreign file: drop it and compile instead
@@ -190,9 +218,12 @@ def _save(path: str | None, compiled: jax.stages.Compiled) -> None:
 
     try:
         blob = pickle.dumps(serialize_executable.serialize(compiled))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # only this user writes (or enters) it
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
+        if os.path.lexists(tmp):  # left by a killed process: a new file, so that it gets the mode below
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)  # whole or not at all: another process may be reading
     except Exception:  # e.g. an executable this backend cannot serialize, a read-only disk

@@ -275,7 +275,10 @@ def filter_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax
     p_sorted = jax.nn.softmax(s, axis=-1)
     mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
     top_p = _per_row(rows.top_p, nd)
-    keep = (mass_before < top_p) | (top_p >= 1.0)  # a prefix; index 0 always kept
+    # A prefix; index 0 always kept explicitly: a top_p below float32's normal range (down to 5e-324,
+    # 0 once converted, or flushed to 0 as a subnormal) would otherwise keep nothing, i.e. everything.
+    first = jnp.arange(vocab) == 0
+    keep = (mass_before < top_p) | (top_p >= 1.0) | first
     n_keep = jnp.sum(keep, axis=-1, keepdims=True)
     thr_p = jnp.take_along_axis(s, n_keep - 1, axis=-1)
     return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, neg_inf)

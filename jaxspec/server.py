@@ -7,8 +7,10 @@ Requests decode together, continuously batched (`jaxspec.batching.BatchEngine`):
 admits waiting requests into free slots between rounds (in arrival order), runs a round for every
 live slot, and retires finished ones. Every sampling setting shares the batch: temperature, top_p,
 top_k, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
-nothing. A request whose prompt and budget do not fit a slot runs alone
-(`streaming.stream_generate`) once the batch has drained. Either way its output is exactly what
+nothing. A request whose prompt and budget do not fit a slot is refused once the server has
+warmed up (a 400 naming the slot's limit: it would compile programs on the serving path while
+every other client waits); without the warm-up it runs alone (`streaming.stream_generate`) once
+the batch has drained. Either way its output is exactly what
 `jaxspec generate` gives it (greedy: the CLI's text; sampled: the same for the same seed on CPU;
 on a GPU the same distribution, see `jaxspec.batching`). Between
 rounds the worker reads the tokens, stops at a stop string, and drops a request whose client went
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import math
 import random
@@ -31,16 +34,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
-from . import compile_cache, sampling, streaming
+from . import compile_cache, sampling, serve_guard, streaming
 from .batching import BatchEngine
 from .serve_guard import Guard, error_json
 from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
 from .tokenizer import IncrementalDecoder, TokenizerError
 
-BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests run alone)
+BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests: refused after the warm-up)
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
+LARGE_BODY = 64 << 10  # a body past this many bytes (or of unknown length) is a large one
+MAX_LARGE_BODIES = 4   # large bodies read and parsed at once; more wait (unread: the client's TCP window)
 
 
 class ApiError(Exception):
@@ -186,7 +192,7 @@ def _logit_bias(body, vocab: int) -> tuple:
         raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
     pairs = []
     for k, v in bias.items():
-        t = int(k) if isinstance(k, str) and k.isdigit() and len(k) < 12 else -1
+        t = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12 else -1
         if not 0 <= t < vocab:
             raise ApiError(400, f"'logit_bias' keys must be token ids in [0, {vocab}), got {k[:40]!r}", "logit_bias")
         pairs.append((t, v))
@@ -194,6 +200,37 @@ def _logit_bias(body, vocab: int) -> tuple:
         return sampling.validate_bias(pairs)
     except ValueError as e:
         raise ApiError(400, f"'logit_bias': {e}", "logit_bias") from None
+
+
+def _check_text(body: dict) -> None:
+    """400 for a lone surrogate anywhere in the body (JSON's "\\ud800" escape parses to one): no text
+    holding one can be encoded as UTF-8, so the tokenizer (and the reply) would fail on it."""
+    todo = [(name, v) for name, v in body.items()]
+    while todo:
+        name, v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ApiError(400, f"'{name}' holds a lone surrogate U+{ord(v[e.start]):04X} at character {e.start}: "
+                                    "text must be valid Unicode (UTF-8 encodable)", name) from None
+        elif isinstance(v, dict):
+            todo += [(name, x) for x in v.values()] + [(name, k) for k in v]
+        elif isinstance(v, list):
+            todo += [(name, x) for x in v]
+
+
+def max_token_bytes(tok) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token stands for: the longest vocabulary entry
+    (byte-level and SentencePiece entries are at least as long as their text), doubled when the
+    tokenizer normalizes text first (a normalizer may shorten it). None when the vocabulary cannot
+    be read."""
+    try:
+        backend = tok.backend
+        longest = max(len(t.encode("utf-8", "replace")) for t in backend.get_vocab(with_added_tokens=True))
+        return max(1, longest) * (2 if backend.normalizer is not None else 1)
+    except Exception:  # a tokenizer without a readable vocabulary: no bound
+        return None
 
 
 def parse_body(raw: bytes):
@@ -237,6 +274,10 @@ class Server:
         self.served = 0
         self.compiles = compile_cache.CompileLog().__enter__()  # programs built (/health), emptied by warm_up
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
+        # Text past context x this many bytes cannot fit: refused before the tokenizer sees it (64
+        # concurrent 1 MB prompts, all tokenized, froze /health for 14.8 s: issue 51).
+        self.token_bytes = max_token_bytes(tokenizer)
+        self.slot_room = None  # after warm_up: prompt length -> the largest budget a slot takes
         threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
 
     @property
@@ -276,6 +317,7 @@ class Server:
         engine.step()  # the idle step after the last report
         engine.cancel(engine.admit(ids, budget, seed=0))
         self.compiles.programs.clear()
+        self.slot_room = engine.room  # from now on a request that fits no slot is refused
         return time.perf_counter() - t0
 
     # ---- requests -> jobs ------------------------------------------------------------------------
@@ -285,6 +327,7 @@ class Server:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         _check_fields(body, chat)
+        _check_text(body)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise ApiError(404, f"the model '{str(model)[:100]}' does not exist: this server serves "
@@ -317,7 +360,17 @@ class Server:
                                 f"{self.context} tokens", what, "context_length_exceeded")
         default = 256 if chat else 16  # completions: OpenAI's default; chat: a bounded stand-in for "the rest"
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(body, name, min(default, room or default), 1, room or 1 << 20, integer=True)
+        slot = None if self.slot_room is None else self.slot_room(len(ids))
+        if slot is not None and slot < 1:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens, more than a batch slot of this server holds "
+                                f"({self.batch_capacity} positions for prompt and output)", what, "exceeds_batch_slot")
+        default = min(default, room or default, slot or default)
+        max_tokens = _number(body, name, default, 1, room or 1 << 20, integer=True)
+        if slot is not None and max_tokens > slot:
+            # Running it alone would compile its programs while every other client waits.
+            raise ApiError(400, f"'{name}' {max_tokens} does not fit a batch slot of this server: with this "
+                                f"{len(ids)}-token prompt at most {slot} (at most {self.batch_tokens} new tokens "
+                                f"and {self.batch_capacity} positions per request)", name, "exceeds_batch_slot")
         if seed is None:  # as OpenAI: without a seed, sampling differs from call to call
             seed = random.getrandbits(63)
         return Job(ids=ids, max_tokens=max_tokens, stop=stop, params=params, seed=seed, logprobs=logprobs), stream
@@ -337,11 +390,23 @@ class Server:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (n or 0) if on else None
 
+    def _check_length(self, texts, what: str) -> None:
+        """400 for text more bytes long than a context-full of the longest tokens: it cannot fit, and
+        is refused without tokenizing it."""
+        if self.token_bytes is None or self.context is None:
+            return
+        n = sum(len(t.encode("utf-8")) for t in texts)
+        if n > self.context * self.token_bytes:
+            raise ApiError(400, f"the {what} is {n} bytes of text, more than the model's context of {self.context} "
+                                f"tokens can hold (a token stands for at most {self.token_bytes} bytes)", what,
+                           "context_length_exceeded")
+
     def _prompt_ids(self, body) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self._check_length([prompt], "prompt")
             return self.tok.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if min(prompt) < 0 or max(prompt) >= self.target.config.vocab_size:
@@ -356,6 +421,13 @@ class Server:
                 for m in messages)):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects with string "
                                 "content", "messages")
+        for i, m in enumerate(messages):
+            extra = sorted(set(m) - {"role", "content"})
+            if extra:  # a field the template never sees: dropping it would change the conversation silently
+                raise ApiError(400, f"'messages[{i}]' has {', '.join(repr(k[:40]) for k in extra[:5])}, which this "
+                                    "server does not use (only role and content)", "messages",
+                               "unsupported_parameter")
+        self._check_length([m["content"] for m in messages] + [m["role"] for m in messages], "messages")
         try:
             return self.tok.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
         except TokenizerError as e:
@@ -529,9 +601,20 @@ class Server:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                 "owned_by": "jaxspec"}]}
 
+        large = asyncio.Semaphore(MAX_LARGE_BODIES)
+
         async def handle(request: Request, chat: bool):
-            raw = await request.body()
-            job, stream = await asyncio.get_running_loop().run_in_executor(self.prep, self.job, raw, chat)
+            length = request.headers.get("content-length", "")
+            big = not length.isdigit() or int(length) > LARGE_BODY
+            async with large if big else contextlib.nullcontext():  # bodies in memory at once: bounded
+                try:
+                    raw = await request.body()
+                except ClientDisconnect:  # gone mid-body (or cut at --max-body-bytes): one line, no traceback
+                    if not request.scope.get(serve_guard.DROPPED):
+                        serve_guard.log_drop(request.client, "its request body ended early (it went away, or the "
+                                                             "body passed --max-body-bytes)")
+                    return Response(status_code=499)
+                job, stream = await asyncio.get_running_loop().run_in_executor(self.prep, self.job, raw, chat)
             head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                     "model": self.model_name}
             events = self.submit(job)
@@ -614,22 +697,29 @@ class Server:
 
 
 def serve(server: Server, host: str, port: int, announce=None, *, api_key: str | None = None,
-          allow_origins: tuple[str, ...] = (), max_body_bytes: int = 1 << 20) -> None:
+          allow_origins: tuple[str, ...] = (), max_body_bytes: int = 1 << 20, allowed_hosts: tuple[str, ...] = (),
+          max_connections: int = 512, idle_timeout: float = 5.0, header_timeout: float = 10.0,
+          body_timeout: float = 60.0) -> None:
     """Serve `server.app()` behind `serve_guard.Guard` (API key, Host check, CORS, content type,
-    body size) with uvicorn until interrupted."""
+    body size) with uvicorn until interrupted, its connections limited by
+    `serve_guard.http_protocol` (a cap, idle / header / body timeouts)."""
     import uvicorn
 
     app = Guard(server.app(), api_key=api_key, allow_origins=allow_origins, max_body_bytes=max_body_bytes,
-                bound_host=host)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+                bound_host=host, allowed_hosts=allowed_hosts)
+    protocol = serve_guard.http_protocol(max_connections=max_connections, idle_timeout=idle_timeout,
+                                         header_timeout=header_timeout, body_timeout=body_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=protocol,
+                            timeout_keep_alive=idle_timeout, backlog=serve_guard.ACCEPT_BACKLOG)
     srv = uvicorn.Server(config)
-    if announce is not None:
-        async def started():
-            while not srv.started:
-                await asyncio.sleep(0.05)
+
+    async def started():
+        while not srv.started:
+            await asyncio.sleep(0.05)
+        if announce is not None:
             announce()
-        async def main():
-            await asyncio.gather(srv.serve(), started())
-        asyncio.run(main())
-    else:
-        srv.run()
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(serve_guard.quiet_accept_errors)
+        await asyncio.gather(srv.serve(), started())
+    asyncio.run(main())

@@ -19,6 +19,11 @@ The files read from the directory, all optional except tokenizer.json:
 A pair directory (`PAIR/target`, `PAIR/assistant`, as the embedded default pair is laid out) may
 keep one `PAIR/tokenizer.json` for both: it is used when the member directory has none.
 
+A GGUF file (`load_tokenizer("model.gguf")`, or a directory holding one and no tokenizer.json)
+carries its tokenizer in its metadata: jaxspec.gguf_tokenizer rebuilds it. `Tokenizer.save(dir)`
+writes any tokenizer as tokenizer.json + tokenizer_config.json, so a converted checkpoint
+directory needs no GGUF to tokenize.
+
 Chat templates are Jinja2 (a base dependency) and are
 rendered in a sandbox, the way HF transformers renders them (`messages`, `add_generation_prompt`,
 the special tokens, `raise_exception`, `strftime_now`, the `tojson` filter).
@@ -29,7 +34,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from jaxspec.models.checkpoint_files import FileProblem, read_regular
+from jaxspec.models.checkpoint_files import FileProblem, list_dir, read_regular
 
 TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -141,6 +146,13 @@ class Tokenizer:
         `model_dir`. Raises TokenizerError when there is no usable tokenizer file."""
         from tokenizers import Tokenizer as _Tok
 
+        model_dir = os.fspath(model_dir)  # a pathlib.Path too
+        tokenizer_file = None if tokenizer_file is None else os.fspath(tokenizer_file)
+        gguf = _gguf_source(model_dir, tokenizer_file)
+        if gguf is not None:
+            from jaxspec.gguf_tokenizer import tokenizer_from_gguf
+
+            return tokenizer_from_gguf(gguf)
         path = tokenizer_file or _find_tokenizer_file(model_dir)
         if not os.path.lexists(path):
             raise TokenizerError(f"no {TOKENIZER_FILE} in {model_dir!r} (pass --tokenizer FILE)"
@@ -191,6 +203,9 @@ class Tokenizer:
         template. The result normally starts with the BOS token: encode it with
         `add_special_tokens=False`."""
         if self.chat_template is None:
+            if is_gguf(self.source or ""):
+                raise TokenizerError(f"{self.source} has no chat template (no tokenizer.chat_template in its "
+                                     "metadata; a base model?): prompt it with plain text, without --chat")
             raise TokenizerError("this model directory has no chat template (chat_template.jinja, "
                                  "chat_template.json or tokenizer_config.json's chat_template)")
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
@@ -203,14 +218,63 @@ class Tokenizer:
             messages = [{"role": "user", "content": messages}]
         return self.encode(self.apply_chat_template(messages, **kw), add_special_tokens=False)
 
+    # ---- saving ----------------------------------------------------------------------------
+    def save(self, directory: str) -> list[str]:
+        """Write `directory/tokenizer.json` and `directory/tokenizer_config.json` (the special
+        tokens and the chat template, if any), each whole or not at all, so that
+        `load_tokenizer(directory)` gives this tokenizer back. Stop ids other than the EOS token's
+        are the model config's to list (config.json's `eos_token_id`). Returns the paths written."""
+        os.makedirs(directory, exist_ok=True)
+        config = dict(self.special_tokens)
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        written = []
+        for name, text in ((TOKENIZER_FILE, self.backend.to_str()),
+                           ("tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")):
+            path = os.path.join(directory, name)
+            tmp = f"{path}.tmp{os.getpid()}"
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, path)
+            finally:
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+            written.append(path)
+        return written
+
     def __repr__(self) -> str:
         return (f"Tokenizer({self.source or 'in memory'}, vocab={self.vocab_size}, "
                 f"eos={list(self.eos_token_ids)}, chat_template={'yes' if self.chat_template else 'no'})")
 
 
 def load_tokenizer(model_dir: str, tokenizer_file: str | None = None) -> Tokenizer:
-    """`Tokenizer.from_dir(model_dir, tokenizer_file)`."""
+    """`Tokenizer.from_dir(model_dir, tokenizer_file)`; `model_dir` (or `tokenizer_file`) may be
+    a GGUF file, and a directory with no tokenizer.json may hold one."""
     return Tokenizer.from_dir(model_dir, tokenizer_file)
+
+
+def is_gguf(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def _gguf_source(model_dir: str, tokenizer_file: str | None) -> str | None:
+    """The GGUF file to read the tokenizer from, or None for tokenizer.json: `tokenizer_file` or
+    `model_dir` naming a .gguf file, or a directory with no tokenizer.json holding one .gguf."""
+    if tokenizer_file is not None:
+        return tokenizer_file if is_gguf(tokenizer_file) else None
+    if is_gguf(model_dir) and not os.path.isdir(model_dir):
+        return model_dir
+    if not os.path.isdir(model_dir) or os.path.lexists(_find_tokenizer_file(model_dir)):
+        return None
+    try:
+        found = [n for n in list_dir(model_dir) if is_gguf(n)]
+    except FileProblem as e:
+        raise TokenizerError(str(e)) from None
+    if len(found) > 1:
+        raise TokenizerError(f"{model_dir!r} holds {len(found)} GGUF files ({', '.join(found)}) and no "
+                             f"{TOKENIZER_FILE}: name one")
+    return os.path.join(model_dir, found[0]) if found else None
 
 
 # A chat template comes with the model's files: untrusted code, rendered in Jinja's sandbox and within
@@ -231,6 +295,7 @@ def render_chat_template(template: str, messages: list[dict], *, add_generation_
     except ImportError:
         raise TokenizerError("chat templates need jinja2: pip install jinja2") from None
     import datetime
+    import sys
 
     def raise_exception(message):
         raise TokenizerError(f"chat template error: {message}")
@@ -238,15 +303,50 @@ def render_chat_template(template: str, messages: list[dict], *, add_generation_
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+    class Codegen(jinja2.compiler.CodeGenerator):
+        def visit_Concat(self, node, frame):
+            # `a ~ b`: the parts go to checked_concat with the join Jinja would use (markup_join when
+            # autoescaping), which runs only once their sizes add up to within the limit
+            if frame.eval_ctx.volatile:
+                join = "(markup_join if context.eval_ctx.volatile else str_join)"
+            else:
+                join = "markup_join" if frame.eval_ctx.autoescape else "str_join"
+            self.write(f"environment.checked_concat({join}, (")
+            for part in node.nodes:
+                self.visit(part, frame)
+                self.write(", ")
+            self.write("))")
+
     class Env(ImmutableSandboxedEnvironment):
-        # the one-line ways to build a huge value ("x" * 10**10, 10 ** 10**9, s + s doubling)
-        intercepted_binops = frozenset({"*", "**", "+"})
+        # the one-line ways to build a huge value ("x" * 10**10, 10 ** 10**9, s + s doubling, "%9999999s" % x)
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        code_generator_class = Codegen
 
         def call_binop(self, context, operator, left, right):
             _check_binop(operator, left, right)
             return super().call_binop(context, operator, left, right)
 
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's convention)
+            args = _check_str_method(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value):
+            fmt = super().wrap_str_format(value)
+            if fmt is None:
+                return None
+
+            def checked(*args, **kwargs):
+                _check_widths(value.__self__, "{}", list(args) + list(kwargs.values()))
+                return fmt(*args, **kwargs)
+            return checked
+
+        def checked_concat(self, join, parts):
+            parts = [str(p) for p in parts]
+            _too_big(sum(map(len, parts)), "a ~")
+            return join(parts)
+
     env = Env(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    _checked_filters(env)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -264,6 +364,13 @@ def render_chat_template(template: str, messages: list[dict], *, add_generation_
         return "".join(pieces)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"chat template error: {e}") from None
+    except RecursionError as e:  # the template's own error (e.g. a macro calling itself), not jaxspec's
+        raise TokenizerError(f"chat template error: {_recursing(e.__traceback__)} recurses past Python's "
+                             f"limit ({sys.getrecursionlimit():,} calls deep)") from None
+    except TokenizerError:
+        raise
+    except Exception as e:  # e.g. center(1.5): a TypeError of the template's own code, not a jaxspec bug
+        raise TokenizerError(f"chat template error: {type(e).__name__}: {e}") from None
 
 
 def _check_binop(operator, left, right) -> None:
@@ -272,6 +379,10 @@ def _check_binop(operator, left, right) -> None:
     seq = (str, list, tuple)
     if operator == "*" and isinstance(left, int) and isinstance(right, seq):
         left, right = right, left
+    if operator == "%":
+        if isinstance(left, str):
+            _check_widths(left, "%", right if isinstance(right, tuple) else [right])
+        return
     if operator == "*" and isinstance(left, seq) and isinstance(right, int):
         size = len(left) * right
     elif operator == "+" and isinstance(left, seq) and isinstance(right, seq):
@@ -285,6 +396,112 @@ def _check_binop(operator, left, right) -> None:
     if size > TEMPLATE_MAX_CHARS:
         raise TokenizerError(f"chat template error: a {operator} would build {size:,} items, past "
                              f"{TEMPLATE_MAX_CHARS:,} (TEMPLATE_MAX_CHARS)")
+
+
+def _recursing(tb) -> str:
+    """What recursed, from a RecursionError's traceback: the macro Jinja was calling most often
+    ("macro 'name'"), else "the template"."""
+    from collections import Counter
+
+    from jinja2.runtime import Macro
+
+    names = Counter()
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if isinstance(me, Macro):
+            names[me.name] += 1
+        tb = tb.tb_next
+    return f"macro {names.most_common(1)[0][0]!r}" if names else "the template"
+
+
+def _too_big(size, what: str) -> None:
+    if size > TEMPLATE_MAX_CHARS:
+        raise TokenizerError(f"chat template error: {what} would build {size:,} characters, past "
+                             f"{TEMPLATE_MAX_CHARS:,} (TEMPLATE_MAX_CHARS)")
+
+
+def _number(x) -> float:
+    """A width or count argument as a number (0 when it is not one: Python refuses it later)."""
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else 0
+
+
+_WIDTH = {"%": r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?",  # %-10.3f, %*s (re caches them compiled)
+          "{}": r"\{[^{}:!]*(?:![rsa])?:(?:[^{}]?[<>=^])?[-+ ]?z?#?0?(\{[^{}]*\}|\d*)[,_]?(?:\.(\{[^{}]*\}|\d*))?"}
+
+
+def _check_widths(fmt: str, style: str, args) -> None:
+    """TokenizerError before formatting `fmt` (% or {} style) with a width or precision past
+    TEMPLATE_MAX_CHARS, written in it or taken from the arguments (`*`, `{}` inside a field)."""
+    import re
+
+    for m in re.finditer(_WIDTH[style], fmt):
+        for n in m.groups():
+            if n and n.isdigit():
+                _too_big(int(n), f"a format width of {int(n):,}")
+            elif n:  # from the arguments: the largest number among them bounds it
+                _too_big(max((_number(a) for a in args), default=0), "a format width from its arguments")
+
+
+def _check_str_method(fn, args, kwargs) -> tuple:
+    """TokenizerError before a str method called in a template builds a string past
+    TEMPLATE_MAX_CHARS (center / ljust / rjust / zfill widths, expandtabs, replace, join); returns
+    `args` (join's iterable as a list, so it is read once)."""
+    s, name = getattr(fn, "__self__", None), getattr(fn, "__name__", "")
+    if not isinstance(s, str) or not args:
+        return args
+    if name in ("center", "ljust", "rjust", "zfill"):
+        _too_big(_number(args[0]), f"{name}({args[0]!r})")
+    elif name == "expandtabs":
+        _too_big(len(s) * _number(args[0]), f"expandtabs({args[0]!r})")
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        n = s.count(args[0]) if args[0] else len(s) + 1
+        if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+            n = min(n, args[2])
+        _too_big(len(s) + n * max(len(args[1]) - len(args[0]), 0), "a replace")
+    elif name == "join":
+        items = list(args[0])
+        _too_big(len(s) * max(len(items) - 1, 0) + sum(len(x) for x in items if isinstance(x, str)), "a join")
+        args = (items,) + tuple(args[1:])
+    return args
+
+
+def _checked_filters(env) -> None:
+    """Jinja's filters that build a string from a size argument, checked before they run:
+    center, indent, format (widths), join and replace (the sizes they would join up to)."""
+    import jinja2
+
+    f = dict(env.filters)
+
+    def center(value, width=80):
+        _too_big(_number(width), f"center({width!r})")
+        return f["center"](value, width)
+
+    def indent(s, width=4, first=False, blank=False):
+        pad = len(width) if isinstance(width, str) else _number(width)
+        _too_big(len(str(s)) + pad * (str(s).count("\n") + 1), f"indent({width!r})")
+        return f["indent"](s, width, first, blank)
+
+    def format_(value, *args, **kwargs):
+        _check_widths(str(value), "%", list(args) + list(kwargs.values()))
+        return f["format"](value, *args, **kwargs)
+
+    @jinja2.pass_eval_context
+    def join(eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        if attribute is not None:
+            items = [env.getitem(x, attribute) for x in items]
+        _too_big(len(str(d)) * max(len(items) - 1, 0) + sum(len(str(x)) for x in items), "a join")
+        return f["join"](eval_ctx, items, d)
+
+    @jinja2.pass_eval_context
+    def replace(eval_ctx, s, old, new, count=None):
+        text, old, new = str(s), str(old), str(new)
+        n = text.count(old) if old else len(text) + 1
+        n = n if count is None or not isinstance(count, int) or count < 0 else min(n, count)
+        _too_big(len(text) + n * max(len(new) - len(old), 0), "a replace")
+        return f["replace"](eval_ctx, s, old, new, count)
+
+    env.filters.update(center=center, indent=indent, format=format_, join=join, replace=replace)
 
 
 class _TemplateBudget:

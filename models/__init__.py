@@ -6,8 +6,9 @@
     cache = cache.replace(lengths=new_lengths)                      # rollback
     d_logits, h_next = models.draft_step(assistant, target, cache, token, h_prev, position)
 
-Loaders and random_model resolve the matmul dispatch once (`DispatchConfig.from_env()` unless
-given `matmul=`); a Target/Assistant built directly holds `DispatchConfig()`. Imports run one way:
+Loaders and random_model resolve the matmul dispatch once (`DispatchConfig.from_env(backend="auto")`:
+XLA on a CPU, the Pallas kernels on a GPU, unless given `matmul=`); a Target/Assistant built directly
+holds `DispatchConfig()`. Imports run one way:
 checkpoint, presets -> assistant -> target -> layers, cache, params -> config (and pallas_kernels).
 See docs/models.md for the design and the draft position convention.
 """

@@ -298,14 +298,15 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     """Load a Gemma 4 target (gemma4_text, or the text part of gemma4 / gemma4_unified) from an HF or
     MLX (quantized) checkpoint directory. `quantize={"bits": 4, "group_size": 64}` quantizes float
     linear/embedding weights on load (weights already quantized in the file are kept as they are).
-    `matmul=None` resolves to `DispatchConfig.from_env()` here, once: the model then holds that
-    config and nothing later reads the environment. `dtype`: bfloat16, float16 or float32 (else
-    ValueError, before anything is read).
+    `matmul=None` resolves to `DispatchConfig.from_env(backend="auto")` here, once (XLA's dense dot
+    on a CPU, the Pallas kernels on a GPU; pass `matmul=DispatchConfig.from_env(backend="pallas")`
+    to run the kernels anyway): the model then holds that config and nothing later reads the
+    environment. `dtype`: bfloat16, float16 or float32 (else ValueError, before anything is read).
 
     A GGUF loads too: `path` a .gguf file, a directory holding one (and no config.json), or a model
     name such as "gemma-3-270m" (its pip package's file): see `load_gguf_target`."""
     dtype = _model_dtype(dtype)
-    matmul = DispatchConfig.from_env() if matmul is None else matmul
+    matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
     src = gguf.source(path)
     if src is not None:
         return load_gguf_target(src, dtype=dtype, quantize=quantize, matmul=matmul)
@@ -319,8 +320,8 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
 
 
 def _target_config(d: dict):
-    """The one place a GGUF's config.json dict becomes the model's config (the family registry's
-    entry point once model families other than Gemma 4 exist)."""
+    """A GGUF's config.json dict as the model's config: TargetConfig.from_dict, which picks the
+    family by model_type (models/families.py)."""
     return TargetConfig.from_dict(d)
 
 
@@ -333,7 +334,7 @@ def load_gguf_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Di
     all-4-bit group-64 form. The config is parsed, and every tensor's name, type and shape checked,
     before any tensor is decoded."""
     dtype = _model_dtype(dtype)
-    matmul = DispatchConfig.from_env() if matmul is None else matmul
+    matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
     bits, gs = quant_spec(quantize)
     holder = {}
 
@@ -390,7 +391,7 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
     TargetConfig) the pairing is checked first (hidden size, vocabulary, head dims, KV heads).
     `dtype`, `quantize` and `matmul` as for `load_target`."""
     dtype = _model_dtype(dtype)
-    matmul = DispatchConfig.from_env() if matmul is None else matmul
+    matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
     d, cfg, files = _read(path, AssistantConfig.from_dict)
     if target is not None:
         check_fit(cfg, getattr(target, "config", target))

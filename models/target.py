@@ -32,7 +32,7 @@ from . import shard as tp_shard
 class Target:
     """config and matmul are static (hashable) fields: a jitted function compiles once per pair.
     `matmul` is the dispatch every linear of the model uses; `DispatchConfig()` by default (it reads
-    no environment; `load_target` and `presets.random_model` resolve `DispatchConfig.from_env()`)."""
+    no environment; `load_target` and `presets.random_model` resolve `DispatchConfig.from_env(backend="auto")`)."""
     config: TargetConfig = struct.field(pytree_node=False)
     params: dict
     matmul: DispatchConfig = struct.field(pytree_node=False, default_factory=DispatchConfig)

@@ -15,11 +15,11 @@ result bitwise independent of the block width) and `flash_attention.flash_attent
 `Layer(stack, i)` passes layer i of a stacked weight (or KV cache) to any of these: the kernels read
 it in place (a model scanning its layers copies no weights). This package knows nothing about models.
 """
-from .config import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, select_path
+from .config import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, resolve_backend, select_path
 from .dispatch import quantized_matmul, quantized_matmul_many, quantized_matmul_parts
 from .quant import QuantizedWeight, dequantize, quantize, take_rows
 from .stack import Layer
 from .xla import einsum_f32
 
-__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "einsum_f32", "Layer", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
+__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "resolve_backend", "einsum_f32", "Layer", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
            "quantized_matmul_many", "quantized_matmul_parts", "select_path", "take_rows"]

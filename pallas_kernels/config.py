@@ -13,6 +13,7 @@ import os
 import jax
 
 BACKENDS = ("pallas", "xla")
+BACKEND_CHOICES = ("auto",) + BACKENDS  # what a user may ask for; "auto" is resolve_backend's rule
 ATTENTION = ("auto", "pallas", "xla")
 PATHS = ("qmv", "multirow", "qmm")
 
@@ -29,6 +30,18 @@ EMPTY = 2**31 - 1  # int32 max
 def attention_head_dim_ok(d: int) -> bool:
     """Whether the attention kernels tile head dim d: a power of two >= 16 (Triton's dot)."""
     return d >= 16 and not d & (d - 1)
+
+def resolve_backend(choice: str = "auto") -> str:
+    """The matmul backend for `choice`: "pallas" or "xla" as given; "auto" is the Pallas kernels
+    where JAX's default backend is a GPU (where they compile) and XLA's dequantize + dot elsewhere
+    (on a CPU the kernels could only run in Pallas' interpreter, ~8x slower). The one rule the
+    model loaders (matmul=None) and the CLI's --backend share."""
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if choice not in BACKENDS:
+        raise ValueError(f"backend={choice!r}: expected one of {BACKEND_CHOICES}")
+    return choice
+
 
 ENV = {  # variable -> DispatchConfig field
     "JAXSPEC_QMV_MULTIROW": "multirow",
@@ -93,8 +106,12 @@ class DispatchConfig:
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "DispatchConfig":
         """The defaults, then the JAXSPEC_* variables of `ENV` that are set (in `environ`, default
-        os.environ), then `overrides`. A malformed value raises ValueError naming the variable."""
+        os.environ), then `overrides`. A malformed value raises ValueError naming the variable.
+        `backend="auto"` resolves by `resolve_backend` (the model loaders pass it when not given a
+        config: XLA on a CPU, the Pallas kernels on a GPU)."""
         environ = os.environ if environ is None else environ
+        if overrides.get("backend") == "auto":
+            overrides["backend"] = resolve_backend("auto")
         fields = {}
         for var, field in ENV.items():
             raw = environ.get(var, "")
@@ -113,6 +130,14 @@ class DispatchConfig:
 
     def replace(self, **changes) -> "DispatchConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def describe(self) -> str:
+        """The matmul path in a word or two, as `GenerationStats.backend` reports it: "xla",
+        "pallas", or "pallas (interpret mode)" (the Pallas interpreter: no GPU, slow)."""
+        if self.backend == "xla":
+            return "xla"
+        return "pallas (interpret mode)" if self.interpret_mode else "pallas"
 
     @property
     def interpret_mode(self) -> bool:

@@ -103,3 +103,49 @@ def test_wall_clock_limit(monkeypatch):
     finished, error = rendered_in_time("{% for i in range(100000) %}{{ range(20000) | sum }}{% endfor %}")
     assert finished and isinstance(error, TokenizerError) and "TEMPLATE_MAX_SECONDS" in str(error), error
     assert time.perf_counter() - t0 < 3.0
+
+
+# ---- issue 51: recursion is the template's error; sizes are checked before the string is built ------
+def test_a_recursive_macro_is_a_template_error_naming_it(capsys):
+    template = "{% macro spiral(n) %}{{ spiral(n + 1) }}{% endmacro %}{{ spiral(0) }}"
+    finished, error = rendered_in_time(template)
+    assert finished and isinstance(error, TokenizerError), repr(error)
+    assert "macro 'spiral' recurses past Python's limit" in str(error), error
+    from jaxspec import cli
+    assert cli._guarded(lambda _: render_chat_template(template, []), None, False) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "error: chat template error: macro 'spiral'" in err and "internal error" not in err, err
+    finished, error = rendered_in_time("{{ 'x' | center(1.5) }}")  # Python's TypeError: the template's error too
+    assert finished and isinstance(error, TokenizerError) and "TypeError" in str(error), repr(error)
+
+
+@pytest.mark.parametrize("expr", [
+    "'x' | center(400000000)", "'x' | center(4e8)", "'x'.center(400000000)", "'x'.ljust(400000000)",
+    "'x'.zfill(400000000)", "'a\\tb'.expandtabs(300000000)", "'x' | indent(400000000, true)",
+    "'%400000000s' | format('x')", "'%400000000s' % 'x'", "'%*s' % (400000000, 'x')", "'%.400000000f' % 1.5",
+    "'{:>400000000}'.format('x')", "'{:0>400000000}'.format('x')", "'{:{}}'.format('x', 400000000)",
+    "(['x' * 10000000] * 10) | join", "(['a', 'b'] * 50000) | join('x' * 1000)", "'.'.join(['y' * 9000000] * 10)",
+    "('a' * 100000) | replace('a', 'b' * 1000)", "('a' * 100000).replace('a', 'b' * 1000)",
+    "a ~ a ~ a ~ a ~ a ~ a ~ a ~ a ~ a ~ a",
+], ids=lambda e: e[:40])
+def test_a_size_past_the_limit_is_refused_before_it_is_built(expr):
+    """Each builds ~90 Mi to 400 Mi characters: refused by the size it asks for (TEMPLATE_MAX_CHARS),
+    not after the string exists (the output check alone ran only after 1.76 GB were allocated)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        finished, error = rendered_in_time("{% set a = 'x' * 9000000 %}{{ " + expr + " }}")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert finished and isinstance(error, TokenizerError) and "TEMPLATE_MAX_CHARS" in str(error), repr(error)
+    assert peak < 80 << 20, f"{peak:,} bytes allocated before the refusal"
+
+
+def test_sizes_within_the_limit_render_as_jinja_renders_them():
+    rng = seeded_rng()
+    w = int(rng.integers(20, 60))
+    template = ("{{ 'ab' | center(W) }}|{{ 'ab'.ljust(W) }}|{{ '%-Ws|%.3f' % ('c', 1.25) }}|{{ '{:>W}'.format('d') }}|"
+                "{{ ['e', 'f'] | join('-') }}|{{ 'g\\th' | indent(3, true) }}|{{ 'ii' | replace('i', 'jk') }}|"
+                "{{ 'l' ~ 2 ~ 'm' }}|{{ '%*d' % (W, 7) }}|{{ '{:{}}'.format('n', W) }}").replace("W", str(w))
+    assert render_chat_template(template, []) == plain_render(template, [])

@@ -159,7 +159,7 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
 
 
 def test_loading_resolves_the_dispatch_env_once(tmp_path, monkeypatch):
-    """load_target / load_assistant / random_model read DispatchConfig.from_env() when matmul is not
+    """load_target / load_assistant / random_model read DispatchConfig.from_env(backend="auto") when matmul is not
     given, at load; a model built directly holds DispatchConfig() whatever the environment says, and
     row_bucket follows the model's own config."""
     t = float_target(7)
@@ -172,7 +172,7 @@ def test_loading_resolves_the_dispatch_env_once(tmp_path, monkeypatch):
     a2 = models.load_assistant(str(tmp_path / "a"), dtype=jnp.float32)
     r = presets.random_model(CFG, jax.random.PRNGKey(0), dtype=jnp.float32, quantize=None)
     for m in (t2, a2, r):
-        assert m.matmul == DispatchConfig.from_env() and m.matmul.multirow_max_rows == 4
+        assert m.matmul == DispatchConfig.from_env(backend="auto") and m.matmul.multirow_max_rows == 4
     assert models.row_bucket(t2, 1) == 4 and models.row_bucket(t2, 2) == 2
     direct = [models.Target(config=CFG, params=per_layer(t2)), models.make_target(CFG, per_layer(t2)),
               models.Assistant(config=acfg, params=a2.params), models.make_assistant(acfg, a2.params)]

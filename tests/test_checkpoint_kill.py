@@ -8,6 +8,7 @@ from whatever the kill left. One final save must leave no trace of the killed on
 
 Cheap by design: one helper process imports numpy, safetensors and models/checkpoint_files.py
 (not the models package: no JAX) once, and forks a child per save; the tensors are small."""
+import json
 import os
 import subprocess
 import sys
@@ -134,6 +135,120 @@ def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
         killed = sum("killed" in line for line in log)
         print(f"kill test: {killed} of {RUNS} saves killed; calibrated save {duration:.3f}s\n" + "\n".join(log))
         assert 0 < killed < RUNS, log  # the delays cover the whole save
+    finally:
+        helper.stdin.close()
+        helper.wait(timeout=30)
+
+
+# ---- issue 51: tiny-pair --force, killed anywhere, leaves the old pair or the new one -------------
+# The helper: reads "DIR VERSION K" lines; forks a child that writes a pair the way `tiny-pair` does
+# (models/pair_files.save_pair; target and assistant through save_files, then tokenizer.json in
+# pieces) and kills itself (SIGKILL) at its K-th step: a file operation (mkdir, rename, replace,
+# symlink, remove, fsync) or a tokenizer piece written. K=0: never; then it answers
+# "exit 0 STEPS". Every step is a kill point, in turn: no timing involved.
+PAIR_HELPER = r"""
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import checkpoint_files, pair_files
+
+steps = [0, 0]  # [taken, the one to die at]
+
+def step():
+    steps[0] += 1
+    if steps[0] == steps[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def counted(f):
+    def g(*a, **k):
+        step()
+        return f(*a, **k)
+    return g
+
+def write(folder, version):
+    rng = np.random.default_rng(int(version))
+    for name in ("target", "assistant"):
+        shard = [(f"model.w{j}", rng.standard_normal(64).astype(np.float32)) for j in range(3)]
+        checkpoint_files.save_files(os.path.join(folder, name), [shard], {"version": version})
+    text = json.dumps({"version": version, "model": {"vocab": {f"t{i}": i for i in range(3000)}}})
+    with open(os.path.join(folder, "target", "tokenizer.json"), "w") as f:
+        for i in range(0, len(text), 8192):
+            step()
+            f.write(text[i:i + 8192])
+            f.flush()
+
+for line in sys.stdin:
+    path, version, k = line.split()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            steps[1] = int(k)
+            for name in ("mkdir", "rename", "replace", "symlink", "remove", "fsync"):
+                setattr(os, name, counted(getattr(os, name)))
+            if sys.argv[2] == "pair":
+                pair_files.save_pair(path, lambda folder: write(folder, version))
+            else:  # as tiny-pair wrote before issue 51: each model, then the tokenizer, in place
+                write(path, version)
+            os.write(w, str(steps[0]).encode())
+            os._exit(0)
+        except BaseException as e:
+            print(repr(e), file=sys.stderr, flush=True)
+            os._exit(1)
+    os.close(w)
+    taken = os.read(r, 64).decode()
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    print("killed" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)} {taken}".strip(), flush=True)
+"""
+
+
+def read_pair(path):
+    """(target's version, assistant's, tokenizer.json's), each read as the loader finds the files;
+    the tokenizer must be whole JSON."""
+    t = checkpoint_files.read_config(str(path / "target"))[0]["version"]
+    a = checkpoint_files.read_config(str(path / "assistant"))[0]["version"]
+    tok = json.loads((path / "target" / "tokenizer.json").read_text())["version"]
+    return t, a, tok
+
+
+def test_a_killed_tiny_pair_leaves_the_old_or_the_new_pair(tmp_path, how="pair"):
+    """Killed at each of its steps in turn, then run whole: after each, the pair loads as the old
+    version or the new one, all three files alike. (how="inplace", the writes tiny-pair did before,
+    fails this: a new target and assistant beside an old tokenizer, a truncated tokenizer.json.)"""
+    path = tmp_path / "pair"
+    # a pair as tiny-pair wrote it before (real directories), and a file of the user's beside it
+    for name in ("target", "assistant"):
+        checkpoint_files.save_files(str(path / name), [[("model.w0", np.ones(4, np.float32))]], {"version": "0"})
+    (path / "target" / "tokenizer.json").write_text('{"version": "0"}')
+    (path / "notes.txt").write_text("mine")
+    helper = subprocess.Popen([sys.executable, "-c", PAIR_HELPER, MODELS, how], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def save(version, k):
+        helper.stdin.write(f"{path} {version} {k}\n")
+        helper.stdin.flush()
+        return helper.stdout.readline().strip()
+
+    try:
+        assert save(1, 0).startswith("exit 0") and read_pair(path) == ("1", "1", "1")
+        status = save(2, 0)
+        assert status.startswith("exit 0 ") and read_pair(path) == ("2", "2", "2"), status
+        steps = int(status.split()[2])
+        current, log = "2", []
+        for k in range(1, steps + 1):
+            status = save(k + 2, k)
+            got = read_pair(path)
+            log.append(f"killed at step {k} of {steps}: {status}, loads as {got}")
+            assert status == "killed" and got in ((current,) * 3, (str(k + 2),) * 3), log
+            current = got[0]
+        assert (path / "notes.txt").read_text() == "mine"
+        assert save(99, 0).startswith("exit 0") and read_pair(path) == ("99", "99", "99")
+        pairs = [f for f in os.listdir(path) if f.startswith(".pair-")]
+        assert len(pairs) == 2, pairs  # the new pair, and the real directories of before (kept)
+        assert current != "2", log  # killed after the switch: the new pair stayed
+        print(f"pair kill test: killed at each of {steps} steps\n" + "\n".join(log))
     finally:
         helper.stdin.close()
         helper.wait(timeout=30)

@@ -2,6 +2,7 @@
 manifest names what a save wrote and the next save deletes only that, a full disk is an OSError
 (ENOSPC) that leaves the previous checkpoint loadable."""
 import errno
+import json
 import os
 
 import jax
@@ -13,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from jaxspec import models
-from jaxspec.models import checkpoint, layer_scan, presets
+from jaxspec.models import checkpoint, checkpoint_files, layer_scan, presets
 from jaxspec.kernels import DispatchConfig
 from seeds import seeded_int, seeded_rng
 
@@ -114,3 +115,35 @@ def test_a_full_disk_is_an_oserror_and_keeps_the_old_checkpoint(two_models, tmp_
     assert {f: (path / f).read_bytes() for f in listing(path)} == before
     assert listing(tmp_path) == ["c"]
     assert_loads_as(path, m0)
+
+
+# ---- issue 51: a staging entry that is not the save's own directory ------------------------------
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_a_staging_entry_outside_the_checkpoint_is_ignored(two_models, tmp_path, kind):
+    """A manifest saying a save was cut short (`staged`) whose `.saving-<token>` is a symlink to another
+    directory (or not a directory): the loader does not read from it, and the next save neither moves
+    files out of it nor deletes what it would have moved."""
+    m0, m1 = two_models
+    path, outside = tmp_path / "c", tmp_path / "outside"
+    models.save(m0, str(path))
+    outside.mkdir()
+    foreign_safetensors(outside / "model.safetensors")
+    (outside / "config.json").write_text('{"not": "a model"}')
+    (outside / "authorized_keys").write_text("ssh-ed25519 AAAA key\n")
+    before = {f: (outside / f).read_bytes() for f in listing(outside)}
+    token = ".saving-" + "%016x" % seeded_int(1 << 62)
+    if kind == "symlink":
+        os.symlink(outside, path / token)
+    else:
+        (path / token).write_text("not a directory")
+    m = json.loads((path / MANIFEST).read_text())
+    m.update(staged=token, files=m["files"] + ["authorized_keys"], stale=[],
+             weights={"model.safetensors": os.path.getsize(path / "model.safetensors")})
+    (path / MANIFEST).write_text(json.dumps(m))
+    config, weights = checkpoint_files.read_config(str(path))  # its own files, none from outside
+    assert weights == [str(path / "model.safetensors")] and config["model_type"]
+    assert_loads_as(path, m0)
+    models.save(m1, str(path))
+    assert {f: (outside / f).read_bytes() for f in listing(outside)} == before
+    assert not os.path.exists(path / "authorized_keys")
+    assert_loads_as(path, m1)

@@ -3,6 +3,8 @@ call of the same shapes), the on-disk cache the Python API turns on by default (
 served from it) and its opt-out. The default is checked in subprocesses with HOME in a temp dir."""
 import json
 import os
+import pickle
+import shutil
 import stat
 import subprocess
 import sys
@@ -106,3 +108,112 @@ def test_cache_directories_others_can_write_are_refused(tmp_path, monkeypatch):
     os.chmod(default, 0o777)
     with pytest.warns(RuntimeWarning, match="running without the on-disk compile cache: .* is unsafe"):
         assert compile_cache.default_dir() is None
+
+
+# ---- issue 51: a program planted in the cache never runs ----------------------------------------
+# Each explicit directory named is tried in turn: refused (recorded), or turned on and generate runs;
+# "default" (or all of them refused) runs generate with the default cache.
+_ATTACKED = """
+import json, sys, warnings
+import jaxspec
+from jaxspec import compile_cache
+from jaxspec.models import presets
+refused = []
+for where in sys.argv[1:]:
+    if where == "default":
+        break
+    try:
+        compile_cache.enable(where)
+        break
+    except ValueError as e:
+        refused.append(str(e))
+t, _ = presets.tiny_pair(6)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = jaxspec.generate(t, [[5, 6, 7, 8, 9]], max_new_tokens=6, block_size=1)
+print(json.dumps(dict(refused=refused, tokens=out.tokens, warnings=[str(w.message) for w in caught])))
+"""
+
+
+class _Payload:
+    """Unpickling this runs code: it writes the marker file (what a planted program would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"with open({self.marker!r}, 'w') as f: f.write('ran')",))
+
+
+def _attacked(home, *where, umask=0o002):
+    env = dict(os.environ, HOME=str(home), PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", _ATTACKED, *map(str, where)], env=env, capture_output=True, text=True,
+                       timeout=300, umask=umask)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_planted_program_never_runs(tmp_path):
+    """The whole programs in `jaxspec-programs` are unpickled: one another user could have written
+    (in a folder or file others can write, a file someone else owns, a directory others can enter
+    while the umask lets JAX write files they can change) is never loaded. An explicit directory is
+    refused, the default one skipped with a warning. All under umask 002, as the issue found it."""
+    home = tmp_path / "home"
+    cache = home / ".cache" / "jaxspec" / "jax"  # the default directory
+    cache.mkdir(parents=True, mode=0o700)
+    cold = _attacked(home, cache)  # writes the programs, named explicitly
+    programs = cache / "jaxspec-programs"
+    bins = sorted(programs.iterdir())
+    assert [p.name.split("-")[0] for p in bins] == ["decode", "prefill"] and not cold["refused"]
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [programs, *bins]}
+    marker = tmp_path / "payload-ran"
+    for p in bins:  # what a member of the group (or anyone, below) would put there
+        p.write_bytes(pickle.dumps(_Payload(marker)))
+    cases = {  # directory: (its mode, the programs folder's, the first file's, what is unsafe)
+        "issue": (0o755, None, None, "others can enter it (mode 0755) and the umask (0002)"),
+        "folder": (0o700, 0o777, None, "jaxspec-programs' is unsafe: it is writable by others (mode 0777)"),
+        "file": (0o700, 0o700, 0o664, f"{bins[0].name}' is unsafe: it is writable by its group (mode 0664)"),
+    }
+    if os.geteuid() == 0:  # only root can give a file away
+        cases["owner"] = (0o700, 0o700, 4242, f"{bins[0].name}' is unsafe: it is owned by uid 4242, not by this user")
+    for name, (mode, folder, first, _) in cases.items():
+        shutil.copytree(cache, tmp_path / name)
+        (tmp_path / name).chmod(mode)
+        if folder is not None:
+            (tmp_path / name / "jaxspec-programs").chmod(folder)
+        if first == 4242:
+            os.chown(tmp_path / name / "jaxspec-programs" / bins[0].name, 4242, 4242)
+        elif first is not None:
+            (tmp_path / name / "jaxspec-programs" / bins[0].name).chmod(first)
+    programs.chmod(0o777)  # and the default directory
+    got = _attacked(home, *(tmp_path / name for name in cases), "default")
+    assert not marker.exists(), f"the planted program ran: {got}"
+    assert len(got["refused"]) == len(cases), got
+    for (name, (*_, why)), refused in zip(cases.items(), got["refused"]):
+        assert str(tmp_path / name) in refused and why in refused, (name, refused)
+    assert any("running without the on-disk compile cache" in w and "jaxspec-programs' is unsafe" in w
+               for w in got["warnings"]), got["warnings"]
+    assert got["tokens"] == cold["tokens"]
+    # what jaxspec wrote itself under umask 002: only its user can write (or enter) it
+    assert modes == {"jaxspec-programs": 0o700, **{p.name: 0o600 for p in bins}}, modes
+
+
+def test_jax_cache_files_others_can_change_are_refused(tmp_path):
+    """JAX's own `*-cache` files are executables too: writable by others in a directory they can
+    enter, the directory is refused; in one only its user can enter, JAX's umask-made mode is kept."""
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o755)
+    d.chmod(0o755)
+    (d / "jit_f-0123abcd-cache").write_bytes(np.random.default_rng().bytes(64))
+    (d / "jit_f-0123abcd-cache").chmod(0o664)
+    (d / "notes.txt").write_text("not read by the cache")
+    (d / "notes.txt").chmod(0o666)
+    with pytest.raises(ValueError, match=r"jit_f-0123abcd-cache' is unsafe: it is writable by its group"):
+        compile_cache.checked_dir(str(d))
+    d.chmod(0o700)
+    assert compile_cache.checked_dir(str(d)) == str(d)
+    (d / "jit_f-0123abcd-cache").unlink()
+    os.symlink(tmp_path / "elsewhere", d / "jit_g-4567-cache")
+    with pytest.raises(ValueError, match=r"jit_g-4567-cache' is unsafe: it is a symbolic link"):
+        compile_cache.checked_dir(str(d))

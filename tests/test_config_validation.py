@@ -253,3 +253,16 @@ def test_quantization_section_is_checked():
     refused(lambda: qf({"quantization": {"bits": 4, "mode": HUGE_STR}}), "mode", exc=NotImplementedError)
     refused(lambda: qf({"quantization_config": {"quant_method": HUGE_STR}}), "quantization_config",
             exc=NotImplementedError)
+
+
+def test_check_fit_names_arguments_of_the_wrong_kind():
+    """check_fit(assistant, target) with configs swapped, the same kind twice or a dict: a TypeError
+    naming the argument and what it got, not an AttributeError from inside (issue 51)."""
+    tcfg, acfg = target(), models.AssistantConfig.from_dict(presets.tiny_assistant_dict())
+    for args, bad in (((tcfg, tcfg), "assistant"), ((acfg, acfg), "target"), ((tcfg, acfg), "assistant"),
+                      ((acfg, presets.tiny_target_dict()), "target")):
+        with pytest.raises(TypeError, match=rf"check_fit\(assistant, target\): {bad} must be an? "
+                                            rf"{'AssistantConfig' if bad == 'assistant' else 'TargetConfig'}, "
+                                            rf"got {type(args[bad == 'target']).__name__}"):
+            models.check_fit(*args)
+    models.check_fit(acfg, tcfg)

@@ -351,3 +351,97 @@ def test_which_paths_are_gguf(tmp_path, tiny):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="is a FIFO, not a regular file"):
         G.read_gguf(str(fifo))
+
+
+# ---- loading and converting (the tiny file) ------------------------------------------------------
+def _dense(w) -> np.ndarray:
+    return np.asarray(dequantize(w, jnp.float32)) if not isinstance(w, np.ndarray) and hasattr(w, "bits") else np.asarray(w)
+
+
+def _params(target) -> dict:
+    from jaxspec.models.layer_scan import unstack_params
+    return unstack_params(target.config, target.params)
+
+
+def test_load_target_holds_the_mapping_exactly(tiny):
+    """load_target on a .gguf: every param is read_gguf's tensor under its param name; in float32 the
+    float ones are exact, in bfloat16 they are rounded but the scales stay float32 (and the model's
+    dtype is bfloat16)."""
+    from jaxspec import models
+    from jaxspec.kernels import QuantizedWeight
+
+    ck = G.read_gguf(tiny)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        t = models.load_target(tiny, dtype=dtype)
+        assert t.dtype == dtype and t.config.model_type == "gemma3_text"
+        params = _params(t)
+        assert sorted("model." + n + ".weight" for n in params) == sorted(ck.tensors)
+        for name, w in params.items():
+            ref = ck.tensors["model." + name + ".weight"]
+            if isinstance(ref, QuantizedWeight):
+                assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size) == (ref.bits, 32), name
+                assert w.scales.dtype == w.biases.dtype == jnp.float32, name
+                for a, b in zip((w.weight, w.scales, w.biases), (ref.weight, ref.scales, ref.biases)):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+            else:
+                assert w.dtype == dtype, name
+                np.testing.assert_array_equal(np.asarray(w), np.asarray(jnp.asarray(ref).astype(dtype)), err_msg=name)
+
+
+def test_requantized_all_4bit_g64(tiny):
+    """quantize={"bits": 4, "group_size": 64}: every linear weight (the GGUF's quantized ones and the
+    Q6_K float ones) is `quantize` of the exact weight; the norms stay float."""
+    from jaxspec import models
+    from jaxspec.kernels import QuantizedWeight, quantize
+
+    ck = G.read_gguf(tiny)
+    params = _params(models.load_target(tiny, dtype=jnp.float32, quantize={"bits": 4, "group_size": 64}))
+    linear = 0
+    for name, w in params.items():
+        ref = ck.tensors["model." + name + ".weight"]
+        if np.ndim(ref) == 1:
+            assert not isinstance(w, QuantizedWeight), name
+            continue
+        linear += 1
+        want = quantize(jnp.asarray(_dense(ref)), bits=4, group_size=64)
+        assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size) == (4, 64), name
+        for a, b in zip((w.weight, w.scales, w.biases), (want.weight, want.scales, want.biases)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert linear == 1 + 7 * TINY["layers"]
+
+
+def test_convert_writes_a_checkpoint_that_loads_identically(tiny, tmp_path, capsys):
+    """`jaxspec convert` then load_target of the directory: the same params bitwise (float32 scales
+    kept exact by the safetensors loader too) and the same logits."""
+    from jaxspec import models
+    from jaxspec.kernels import DispatchConfig
+
+    out = tmp_path / "converted"
+    assert cli.main(["convert", tiny, str(out)]) == 0
+    assert "wrote " + str(out) + " (with its tokenizer)" in capsys.readouterr().out
+    from jaxspec.tokenizer import load_tokenizer
+    text = "t1t2 t3<bos>t17"
+    assert load_tokenizer(str(out)).encode(text) == load_tokenizer(tiny).encode(text)  # GGUFReader's read
+    xla = DispatchConfig(backend="xla")
+    a, b = (models.load_target(p, dtype=jnp.float32, matmul=xla) for p in (tiny, str(out)))
+    assert a.config == b.config
+    pa, pb = _params(a), _params(b)
+    assert sorted(pa) == sorted(pb)
+    for name in pa:
+        for x, y in zip(*(jax_leaves(p[name]) for p in (pa, pb))):
+            assert x.dtype == y.dtype, name
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    ids = jnp.asarray(seeded_rng().integers(0, TINY["vocab"], (1, 12)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(a(ids)), np.asarray(b(ids)))
+    pa, pb = (_params(models.load_target(p, dtype=jnp.bfloat16, matmul=xla)) for p in (tiny, str(out)))
+    for name in pa:  # in bfloat16 too: the directory's float32 scales are not rounded to bfloat16
+        for x, y in zip(*(jax_leaves(p[name]) for p in (pa, pb))):
+            assert x.dtype == y.dtype, name
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    assert cli.main(["convert", tiny, str(out)]) == 2  # not empty: refused without --force
+    assert "is not empty" in capsys.readouterr().err
+
+
+def jax_leaves(w):
+    import jax
+    return jax.tree_util.tree_leaves(w)

@@ -40,3 +40,25 @@ def test_sweep_and_tiles_phases_and_report(tmp_path):
     assert "| 256x512 | 8 | pallas | multirow | 20.0 | 0.00 | 25.0 |" in text
     assert "## qmm tilings around the default (us)" in text and "| 256x512 | 16 |" in text
     assert "## GEMV launches around the default" in text and "| 256x512 | 1 | default | 64 |" in text
+
+
+def test_format_sets_the_weights_bits_group_and_scale_dtype():
+    """--format 8/32/f32 (Gemma 3 270M's exact GGUF mapping): the benchmark's weights are 8-bit g32 with
+    float32 scales and the bytes its floor counts are theirs (a sweep here would take minutes)."""
+    fmt = kb.Format.parse("8/32/f32")
+    assert (fmt.bits, fmt.group, fmt.scale_dtype, str(fmt)) == (8, 32, "float32", "8/32/f32")
+    kb.FMT = fmt
+    try:
+        qw = kb.random_qweight(kb.jax.random.key(1), 256, 640)
+        assert (qw.bits, qw.group_size, str(qw.scales.dtype), qw.shape) == (8, 32, "float32", (256, 640))
+        assert kb.qbytes(256, 640) == 256 * 640 + 2 * 4 * 256 * 20
+    finally:
+        kb.FMT = kb.Format()
+    assert kb.qbytes(256, 640) == 256 * 640 // 2 + 2 * 2 * 256 * 10
+    for bad in ("8", "8/32/bf16", "x/32", "²/32"):
+        try:
+            kb.Format.parse(bad)
+        except ValueError as e:
+            assert "--format" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")

@@ -41,7 +41,7 @@ def test_gemv_compiles_to_triton_and_keeps_row_invariance_at_a_real_shape(n, k):
         assert _rel(multi, ref[:rows]) < 1e-2
 
 
-@pytest.mark.parametrize("bits,group_size", [(4, 64), (4, 32), (8, 64), (4, 128), (2, 64)])
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (4, 32), (8, 64), (8, 32), (4, 128), (2, 64)])
 def test_every_path_format_and_dtype_on_gpu(bits, group_size):
     """Through the dispatch at 1, 8 (GEMV), 64 (qmm) and 300 rows (the dense fallback and, off, the
     tiled kernel's 256-row tiles): N = 2000 is not a multiple of any tile (masked rows); K = 3776 is 59

@@ -272,3 +272,20 @@ def test_draft_choice_argmax_is_one_hot():
                                    params.mode())
     assert np.all(np.asarray(q)[np.arange(4), np.asarray(tok)] > 0)
     np.testing.assert_allclose(np.asarray(q), np_filter_probs(np.asarray(logits), 0.8, 4), rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("top_p", [1.2e-38, 1e-38, 1e-40, 1e-45, 5e-324])
+def test_a_top_p_below_float32s_normal_range_keeps_the_filter(top_p):
+    """top_p is in (0, 1]: one too small for float32 (subnormal, or 0 once converted; XLA may flush
+    subnormals to zero) still keeps only the most likely token, as the float64 reference does, not
+    every token (issue 51)."""
+    rng = np.random.default_rng(zlib.crc32(repr(top_p).encode()))
+    logits = rng.normal(size=(5, 40)).astype(np.float32) * 3
+    params = sampling.SamplingParams(temperature=1.0, top_p=top_p)
+    mode = params.mode()
+    rows = sampling.row_params([params] * len(logits), mode)
+    got = np.asarray(jax.jit(sampling.probs_from_logits, static_argnums=2)(jnp.asarray(logits), rows, mode))
+    want = np_filter_probs(logits, 1.0, None, top_p)
+    np.testing.assert_array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    assert np.all((want > 0).sum(-1) == 1)

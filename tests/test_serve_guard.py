@@ -200,9 +200,19 @@ def test_missing_host_on_http11_is_400(port):
     assert status_of(raw(port, b"GET /health HTTP/1.0\r\n\r\n")) == 200
 
 
-def test_any_host_when_bound_to_all_interfaces():
-    with running(bound_host="0.0.0.0") as p:
-        assert request(p, "GET", "/health", headers={"Host": "evil.example:8000"})[0] == 200
+def test_a_wildcard_bind_keeps_a_host_allow_list():
+    """Bound to every interface (which includes loopback), a name rebound to 127.0.0.1 is still
+    refused; the machine's own names, any address literal and --allowed-host names are served."""
+    with running(bound_host="0.0.0.0", allowed_hosts=("api.example",)) as p:
+        for host in ("127.0.0.1.rebind.attacker.example", "evil.example:8000", "localhost.evil.example",
+                     "api.example.evil.example"):
+            status, _, data = request(p, "GET", "/health", headers={"Host": host})
+            assert status == 400, host
+            assert_error(data, "invalid_host")
+            assert "--allowed-host" in data["error"]["message"]
+        for host in ("localhost", f"127.0.0.1:{p}", "10.1.2.3:8000", "[fe80::1]:80", socket.gethostname(),
+                     "api.example:443", "API.example"):
+            assert request(p, "GET", "/health", headers={"Host": host})[0] == 200, host
 
 
 # ---- CORS -------------------------------------------------------------------------------------
@@ -388,6 +398,56 @@ def test_serve_flags_out_of_range(capsys, no_loading, argv):
     assert argv[0] in serve_fails(capsys, *argv)
 
 
-@pytest.mark.parametrize("origin", ["a.example", "http://a.example/path", "http://a.example:port"])
+@pytest.mark.parametrize("origin", ["a.example", "http://a.example/path", "http://a.example:port", "http://a:99999",
+                                    "http://a:0"])
 def test_serve_bad_origin(capsys, no_loading, origin):
     assert "--allow-origin" in serve_fails(capsys, "--allow-origin", origin)
+
+
+@pytest.mark.parametrize("name", ["api.example:443", "http://api.example", "a b", ""])
+def test_serve_bad_allowed_host(capsys, no_loading, name):
+    assert "--allowed-host" in serve_fails(capsys, "--allowed-host", name)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_wildcard_bind_needs_a_key(capsys, no_loading, monkeypatch, host):
+    monkeypatch.delenv("JAXSPEC_API_KEY", raising=False)
+    err = serve_fails(capsys, "--host", host)
+    assert "--api-key" in err and "--insecure-no-key" in err
+    # with a key, or the explicit opt-out, the flags pass (the address itself is checked next)
+    for extra in (["--api-key", "k3y"], ["--insecure-no-key"]):
+        args = cli.build_parser().parse_args(["serve", "--host", host, *extra])
+        cli._check_bind(args)
+
+
+@pytest.mark.parametrize("key", ["abc \r", " abc", "a b", "abc\n", "ab\tc"])
+def test_an_api_key_with_whitespace_is_refused(capsys, no_loading, monkeypatch, key):
+    monkeypatch.delenv("JAXSPEC_API_KEY", raising=False)
+    assert "--api-key" in serve_fails(capsys, "--api-key", key)
+    monkeypatch.setenv("JAXSPEC_API_KEY", key)  # a key file read with its newline
+    assert "JAXSPEC_API_KEY" in serve_fails(capsys)
+
+
+def test_max_connections_must_stay_below_the_fd_limit(capsys, no_loading, monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    err = serve_fails(capsys, "--max-connections", "1000")
+    assert "--max-connections 1000" in err and "1024" in err
+    args = cli.build_parser().parse_args(["serve"])
+    assert cli._max_connections(args) < 1024 - 64  # the default fits under the limit
+
+
+def test_max_batch_is_checked_against_memory(capsys, monkeypatch):
+    """Before loading: the batch's KV cache and logits against the device's memory (here made 1 GiB)."""
+    def reached(*a, **kw):
+        raise AssertionError("a model was about to be loaded")
+    monkeypatch.setattr(cli, "_load_pair", reached)
+    monkeypatch.setattr(cli, "device_memory", lambda: (1 << 30, "test memory"))
+    with socket.socket() as s:  # a free port, so that only the memory can stop it
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
+    assert "--max-batch 4096" in err and "test memory" in err and "lower --max-batch" in err
+    assert cli.main(["serve", "--max-batch", "1", "--port", port]) == 1  # fits: it goes on to load
+    assert "a model was about to be loaded" in capsys.readouterr().err

@@ -50,6 +50,10 @@ def test_tiny_preset_forward_loop_and_scaling(tmp_path):
         assert r["new_tokens"] == 6
         assert not any(key.startswith("predicted") for key in r)  # the seed's acceptances are K = 4's
     assert [r["batch"] for r in rows if r["run"] == "scaling"] == [1, 2]
+    fig = sb.plot_figure(rows)  # a panel per kind of run, none empty
+    assert [ax.get_title() for ax in fig.axes] == ["verify forward cost", "speculative decode loop",
+                                                   "classic batched decode"]
+    assert all(ax.has_data() for ax in fig.axes)
 
 
 @pytest.mark.skipif(not dp.default_pair_available(), reason="default pair not installed")
@@ -63,6 +67,12 @@ def test_default_pair_has_real_acceptance(tmp_path):
     assert spec["fallback"] is None and spec["greedy_equal"] is True
     assert spec["acceptance_rate"] > 0.3 and spec["tokens_per_round"] > 1.9
     assert spec["predicted[2.90 tokens/verify]"] == pytest.approx(2.90 / spec["round_cost"])
+    # the plot of a loop-only run: one panel, with the speedup in it (issue 50: the right panel was empty)
+    assert os.path.getsize(os.path.join(out, "speculative.png")) > 0
+    fig = sb.plot_figure(rows)
+    assert [ax.get_title() for ax in fig.axes] == ["speculative decode loop"]
+    [line] = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("B=1")]
+    assert list(line.get_xdata()) == [4] and list(line.get_ydata()) == [spec["speedup"]]
 
 
 def test_prompt_text_needs_a_tokenizer(tmp_path):

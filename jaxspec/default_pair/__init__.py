@@ -1,6 +1,6 @@
 """The default (target, assistant) pair shipped with jaxspec, and its tokenizer.
 
-    target, assistant, tokenizer = load_default_pair()          # bf16, the default matmul backend
+    target, assistant, tokenizer = load_default_pair()          # bf16; XLA matmuls on a CPU, Pallas on a GPU
     ids = tokenizer.encode("def fibonacci(n):").ids
     out = jaxspec.generate(target, ids, assistant=assistant, max_new_tokens=64)
     print(tokenizer.decode(out.tokens[0]))
@@ -62,8 +62,9 @@ def load_default_pair(dtype=None, *, matmul=None, path: str | None = None):
     """Load the pair in `path` (default: the packaged one) -> (models.Target, models.Assistant,
     tokenizers.Tokenizer).
 
-    dtype: activation / scale dtype (default bfloat16); matmul: a pallas_kernels.DispatchConfig for
-    both models (e.g. DispatchConfig(backend="xla") on CPU). Raises FileNotFoundError naming the
+    dtype: activation / scale dtype (default bfloat16); matmul: a jaxspec.kernels.DispatchConfig for
+    both models (None: the loaders' rule, XLA's dense dot on a CPU and the Pallas kernels on a GPU;
+    `DispatchConfig.from_env(backend="pallas")` runs the kernels anyway). Raises FileNotFoundError naming the
     missing files when the pair is not installed."""
     import jax.numpy as jnp
     from tokenizers import Tokenizer
