@@ -4,10 +4,11 @@ Dequantizing a QuantizedWeight on every call costs a CPU more than the dot itsel
 270M-parameter model spent most of its time rebuilding its weights), so a model that runs the XLA
 path on a CPU dequantizes each weight once, at load (`xla.prepare_dense`), and keeps the result.
 
-The values are stored as the unsigned integers of their width (uint16 for bfloat16/float16, uint32
-for float32) and bitcast back at use: XLA's CPU backend has no native bfloat16 dynamic slice, and
-slicing one layer out of a bfloat16 stack inside the layer scan made it convert the whole stack to
-float32 on every call (6x a scanned forward's time, measured); integers slice in place.
+The values are kept as they are (a bitcast at use would be a copy of the whole weight per call on
+XLA's CPU backend, measured), but one layer of a stack is sliced as the unsigned integers of its
+width (`layer`): XLA's CPU backend has no native bfloat16 dynamic slice, and slicing a bfloat16
+stack inside the layer scan made it convert the whole stack to float32 on every call (6x a scanned
+forward's time, measured); integers slice in place.
 """
 from __future__ import annotations
 
@@ -23,43 +24,47 @@ _STORAGE = {2: jnp.uint16, 4: jnp.uint32}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseWeight:
-    """A float `[N, K]` weight (a stack of layers: `[L, N, K]`) stored as its bits.
+    """A float `[N, K]` weight (a stack of layers: `[L, N, K]`), dequantized once.
 
-    bits: the values' bit patterns, uint16 or uint32 of `dtype`'s width. dtype_name: the float dtype
-    (static). `value()` is the float array; `shape`, `ndim`, `dtype`, `nbytes` describe it."""
+    w: the float16/bfloat16/float32 array. `value()` is it; `layer(i)` one layer of a stack;
+    `shape`, `ndim`, `dtype`, `nbytes` describe it."""
 
-    bits: jax.Array
-    dtype_name: str = dataclasses.field(default="bfloat16", metadata=dict(static=True))
+    w: jax.Array
 
     @classmethod
     def of(cls, w) -> "DenseWeight":
         """From a float array (its dtype kept)."""
         w = jnp.asarray(w)
-        size = jnp.dtype(w.dtype).itemsize
-        if not jnp.issubdtype(w.dtype, jnp.floating) or size not in _STORAGE:
+        if not jnp.issubdtype(w.dtype, jnp.floating) or jnp.dtype(w.dtype).itemsize not in _STORAGE:
             raise ValueError(f"DenseWeight holds a float16/bfloat16/float32 array, got {w.dtype}")
-        return cls(jax.lax.bitcast_convert_type(w, _STORAGE[size]), jnp.dtype(w.dtype).name)
+        return cls(w)
 
     def value(self) -> jax.Array:
-        return jax.lax.bitcast_convert_type(self.bits, self.dtype)
+        return self.w
+
+    def layer(self, index) -> "DenseWeight":
+        """Layer `index` (possibly traced) of a stack, sliced as integers (see the module's docstring)."""
+        bits = jax.lax.bitcast_convert_type(self.w, _STORAGE[self.dtype.itemsize])
+        one = jax.lax.dynamic_index_in_dim(bits, jnp.asarray(index, jnp.int32), 0, keepdims=False)
+        return DenseWeight(jax.lax.bitcast_convert_type(one, self.dtype))
 
     @property
     def dtype(self):
-        return jnp.dtype(self.dtype_name)
+        return jnp.dtype(self.w.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.bits.shape)
+        return tuple(self.w.shape)
 
     @property
     def ndim(self) -> int:
-        return len(self.bits.shape)
+        return len(self.w.shape)
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.bits.shape)) * jnp.dtype(self.bits.dtype).itemsize
+        return int(np.prod(self.w.shape)) * self.dtype.itemsize
 
     def take_rows(self, ids, dtype=None) -> jax.Array:
         """Rows `ids` (an embedding lookup; JAX's gather rules for out-of-range ids), in `dtype`."""
-        out = jax.lax.bitcast_convert_type(jnp.take(self.bits, jnp.asarray(ids), axis=0), self.dtype)
+        out = jnp.take(self.w, jnp.asarray(ids), axis=0)
         return out if dtype is None else out.astype(dtype)
