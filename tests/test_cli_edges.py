@@ -69,7 +69,7 @@ def test_unsafe_compile_cache_flag(model_dir, tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [
         f"jaxspec: error: --compile-cache: compile cache directory {str(shared)!r} is unsafe: it is writable by "
-        "others (mode 0777); its files are loaded as code, so use a directory only you can write (e.g. chmod "
+        "others (mode 0777); what the cache holds is loaded as code, so use a directory only you can write (e.g. chmod "
         "go-w, or another directory)"]
 
 
