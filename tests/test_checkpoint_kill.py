@@ -114,7 +114,8 @@ def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
         (path / "model-00007-of-00009.safetensors" / "mine").write_bytes(b"kept")
         current, log = "v0.npz", []
         for i in range(1, RUNS + 1):
-            n, delay = int(rng.integers(1, 4)), float(rng.uniform(0, 1.2 * duration))
+            # up to 2x the calibrated save: under CI load a save can run well past the calibration
+            n, delay = int(rng.integers(1, 4)), float(rng.uniform(0, 2.0 * duration))
             status = save(version(i), n, round(delay, 4))
             got, tensors = read_back(path)
             log.append(f"run {i}: {n} shard(s), kill at {delay:.4f}s: {status}, loads as {got}")
@@ -134,7 +135,11 @@ def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
                                                    "model-00007-of-00009.safetensors", *foreign]), log
         killed = sum("killed" in line for line in log)
         print(f"kill test: {killed} of {RUNS} saves killed; calibrated save {duration:.3f}s\n" + "\n".join(log))
-        assert 0 < killed < RUNS, log  # the delays cover the whole save
+        # The kills landed on both sides of the switch (the count of kills alone depends on the machine's
+        # load: a save slowed past every delay is killed each time, yet still after its switch at times).
+        old = sum("killed" in line and not line.endswith(f"loads as v{i}.npz") for i, line in enumerate(log, 1))
+        new = sum(line.endswith(f"loads as v{i}.npz") for i, line in enumerate(log, 1))
+        assert old > 0 and new > 0, log
     finally:
         helper.stdin.close()
         helper.wait(timeout=30)
