@@ -886,16 +886,51 @@ def cmd_convert(args) -> int:
     if args.quantize is not None:
         bits, gs = (int(v) for v in re.fullmatch(r"(\d+)bit-g(\d+)", args.quantize).groups())
         quantize = {"bits": bits, "group_size": gs}
-    target = _load("target", src, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
+    target = _load_gguf(src, quiet=args.quiet, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
     try:
-        models.save(target, args.out)
-        tok_note = _save_gguf_tokenizer(src, args.out)
+        _step(f"writing {args.out}", lambda: models.save(target, args.out))
+        tok_note = _step("writing its tokenizer", lambda: _save_gguf_tokenizer(src, args.out))
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None
     print(f"wrote {args.out}{tok_note}\ntry: jaxspec generate \"The capital of France is\" --model {args.out} "
           "--no-assistant")
     return EXIT_OK
+
+
+def _step(what: str, fn):
+    """`fn()` between a note "what ..." and its time on the same stderr line (seconds of silence
+    otherwise); an error ends the line first, so its own line stands alone."""
+    _note(f"{what} ...", end="")
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except BaseException:
+        _note("")
+        raise
+    _note(f" {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _load_gguf(src: str, quiet: bool, **kw):
+    """`_load` for a GGUF, with a progress bar over the tensors' decoding (most of a conversion's
+    time) on stderr when it is a terminal and not --quiet."""
+    from jaxspec import progress
+    from jaxspec.models.checkpoint import load_gguf_target
+
+    show = progress.wanted(False if quiet else None)
+    _note(f"loading target from {src} ({_fmt_bytes(_dir_bytes(src))}) ...", end="\n" if show else "")
+    t0 = time.perf_counter()
+    try:
+        with progress.tracking("decoding tensors", enabled=show) as tick:
+            model = load_gguf_target(src, progress=tick, **kw)
+    except (ValueError, NotImplementedError, OSError) as e:  # the loader names the file
+        if not show:
+            _note("")
+        raise UsageError(f"cannot load the target from {src!r}: {_one_line(e)}") from None
+    dt = time.perf_counter() - t0
+    _note(f"loaded target in {dt:.1f} s" if show else f" {dt:.1f} s")
+    return model
 
 
 def _save_gguf_tokenizer(src: str, out: str) -> str:
@@ -1043,6 +1078,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requantize every linear weight to this format (default: the exact mapping of the "
                         "GGUF's own types)")
     c.add_argument("--force", action="store_true", help="write into OUT even if it is not empty")
+    c.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a "
+                                                        "terminal)")
     c.add_argument("--debug", action="store_true", help="show tracebacks")
     c.set_defaults(func=cmd_convert)
 
