@@ -18,8 +18,9 @@ process's peak RSS, default pair on CPU, K = 4 and K = 1):
 - the weights, and on a CPU (host memory) the process itself: the runtime and the compiler
   (1.2 GB at B = 8 above the buffers) and XLA's dequantized weights (the step's temporaries at
   B -> 0 hold ~2x the weight files).
-The estimate is an upper bound within 1.35x of the measured peak from B = 8 to 256 on CPU (and of
-XLA's buffers plus the runtime at B = 1024 and 4096: 5.2 and 16.2 GB, estimated 6.6 and 21.4). On a
+The estimate is an upper bound within 1.35x of the measured peak on CPU: B = 8, 64, 256, 1024 peaked
+at 1.35, 1.58, 2.16, 5.03 GB (estimated 1.73, 2.00, 2.92, 6.62); at 4096 XLA's buffers plus the
+runtime come to ~16.2 GB (estimated 21.4; the old estimate said 6.2 and the warm-up passed 12). On a
 GPU the runtime reserve is not counted (the device's limit leaves the runtime's own memory out).
 """
 from __future__ import annotations
