@@ -681,24 +681,23 @@ def cmd_serve(args) -> int:
 
 
 def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int) -> None:
-    """UsageError when --max-batch slots cannot fit the device's memory: their KV caches
-    (models.cache_bytes at the server's slot capacity) and their verify logits (float32, about three
-    copies: the target's, the drafts', the probabilities) plus the weights."""
-    from jaxspec import models
-
+    """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
+    the KV caches at the server's slot capacity, the decode step's temporaries, the verify logits,
+    the weights and on a CPU the process itself)."""
+    from .serve_memory import batch_memory, largest_batch
     from .server import BATCH_CONTEXT
 
-    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
-    cache = models.cache_bytes(tcfg, max_batch, capacity, dtype)
-    logits = 3 * 4 * max_batch * (block_size + 1) * tcfg.vocab_size
     mem = device_memory()
     if mem is None:
         return
     limit, what = mem
-    if cache + logits + weight_bytes > limit:
-        raise UsageError(f"--max-batch {max_batch} needs a KV cache of {_fmt_bytes(cache)} ({max_batch} slots x "
-                         f"{capacity} positions) and about {_fmt_bytes(logits)} of logits plus {_fmt_bytes(weight_bytes)} "
-                         f"of weights, more than the {_fmt_bytes(limit)} of {what}: lower --max-batch")
+    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
+    kw = dict(capacity=capacity, host=what == "host memory")
+    need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, **kw)
+    if need.total > limit:
+        fits = largest_batch(limit, tcfg, block_size, dtype, weight_bytes, most=max_batch, **kw)
+        raise UsageError(f"--max-batch {max_batch} needs {need.describe()}; more than the {_fmt_bytes(limit)} of "
+                         f"{what}: lower --max-batch" + (f" (at most {fits})" if fits else " (not even 1 fits)"))
 
 
 def _api_key(args) -> tuple[str | None, str]:
@@ -1047,7 +1046,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
     v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
-                        "the multirow kernel's window)")
+                        "the multirow kernel's window). Memory grows with N: each slot holds its KV cache (the "
+                        "context, at most 4096 positions) 3.5 times over with the decode step's temporaries, plus "
+                        "4 float32 logits of (K + 1) x vocabulary; checked at start (a CPU adds ~1.5 GiB for the "
+                        "process). The warm-up compiles the same programs whatever N (each one logged; minutes on "
+                        "a CPU), then runs steps over all N slots")
     v.add_argument("--rounds-per-chunk", type=int, default=4, metavar="R",
                    help=f"decode rounds between two reads of the new tokens and two admissions, "
                         f"1..{MAX_ROUNDS_PER_CHUNK} (default 4; 1 suits a large model: on the H200 the 12B streams "
