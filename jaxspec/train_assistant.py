@@ -269,30 +269,35 @@ def embedding_table(target) -> np.ndarray:
     return np.concatenate(chunks, axis=0)
 
 
-def balanced_ordering(table: np.ndarray, n_clusters: int, iters: int = 6, seed: int = 0):
+def balanced_ordering(table, n_clusters: int, dims: int = 32, iters: int = 6, seed: int = 0):
     """-> (ordering [V] int32, centroids [n, H] float32): cluster c is ordering[c*V/n:(c+1)*V/n], the
     groups of a recursive split of the rows at the median of their projection on the group's top
-    principal axis (power iteration), so every cluster has V/n rows; centroids are the mean rows."""
-    v = table.shape[0]
+    principal axis (power iteration), so every cluster has V/n rows; centroids are the mean rows.
+    The splits work in the table's top `dims` principal components (from an SVD of a sample of
+    rows): every level then moves V x dims floats, not the whole table (numpy, any machine)."""
+    x = np.asarray(table, np.float32)
+    v, h = x.shape
     if n_clusters & (n_clusters - 1) or v % n_clusters:
         raise ValueError(f"num_centroids={n_clusters} must be a power of two dividing the vocabulary {v}")
     rng = np.random.default_rng(seed)
-    groups = [np.arange(v)]
-    while len(groups) < n_clusters:
-        nxt = []
-        for g in groups:
-            x = table[g]
-            x = x - x.mean(axis=0)
-            d = rng.standard_normal(x.shape[1]).astype(np.float32)
-            for _ in range(iters):
-                d = x.T @ (x @ d)
-                d /= max(float(np.linalg.norm(d)), 1e-30)
-            order = np.argsort(x @ d, kind="stable")
-            half = len(g) // 2
-            nxt += [g[order[:half]], g[order[half:]]]
-        groups = nxt
-    ordering = np.concatenate(groups).astype(np.int32)
-    cents = np.stack([table[g].mean(axis=0) for g in groups]).astype(np.float32)
+    sample = x[np.sort(rng.choice(v, min(v, 16384), replace=False))]
+    mean = sample.mean(axis=0)
+    _, _, vt = np.linalg.svd(sample - mean, full_matrices=False)
+    w = vt[:min(dims, h)].T
+    z = x @ w - mean @ w  # [V, dims]
+    perm = np.arange(v, dtype=np.int64)[None]
+    while perm.shape[0] < n_clusters:
+        g, n = perm.shape
+        zs = z[perm]
+        zs -= zs.mean(axis=1, keepdims=True)
+        d = rng.standard_normal((g, zs.shape[2])).astype(np.float32)
+        for _ in range(iters):
+            d = np.einsum("gnd,gn->gd", zs, np.einsum("gnd,gd->gn", zs, d))
+            d /= np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-30)
+        order = np.argsort(np.einsum("gnd,gd->gn", zs, d), axis=1, kind="stable")
+        perm = np.take_along_axis(perm, order, axis=1).reshape(2 * g, n // 2)
+    ordering = perm.reshape(-1).astype(np.int32)
+    cents = np.stack([x[c].mean(axis=0) for c in perm]).astype(np.float32)
     return ordering, cents
 
 
@@ -401,12 +406,15 @@ def acceptance_stats(target, assistant, prompts, new_tokens: int, block_size: in
     """Greedy speculative decoding of every prompt against classic: tokens per round, acceptance,
     per-position acceptance (share of rounds keeping draft i), identical outputs, decode times."""
     tot = dict(drafted=0, accepted=0, rounds=0, new=0, identical=0, cls_s=0.0, spec_s=0.0)
+    # one cache size for every prompt: a program per prompt-length bucket, not per prompt
+    cache = -(-max(len(x) for x in prompts) // 16) * 16 + new_tokens + 2 * block_size
     hist = np.zeros(block_size, np.int64)
     per = []
     for ids in prompts:
-        c = jaxspec.generate(target, list(ids), max_new_tokens=new_tokens, block_size=1, eos_token_ids=eos)
+        c = jaxspec.generate(target, list(ids), max_new_tokens=new_tokens, block_size=1, eos_token_ids=eos,
+                             cache_size=cache)
         s = jaxspec.generate(target, list(ids), assistant=assistant, max_new_tokens=new_tokens,
-                             block_size=block_size, eos_token_ids=eos)
+                             block_size=block_size, eos_token_ids=eos, cache_size=cache)
         st = s.stats
         same = c.tokens[0] == s.tokens[0]
         tot["identical"] += int(same)
@@ -491,6 +499,9 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=32, help="clusters scored exactly per draft step")
     p.add_argument("--batch", type=int, default=None, help="rows per training step (GPU 32, CPU 2)")
     p.add_argument("--steps", type=int, default=None, help="total steps (default: calibrated to the time left)")
+    p.add_argument("--train-minutes", type=float, default=None,
+                   help="training time the step count is calibrated to, over this call and --resume calls "
+                        "(default: what this call has left)")
     p.add_argument("--max-steps", type=int, default=20000)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=100)
@@ -664,7 +675,8 @@ def main(argv=None) -> int:
     if acfg.use_ordered_embeddings:
         ap32["masked_embedding.token_ordering"] = jnp.asarray(ordering)
     t32 = target.replace(params=shared.to_dtype(target.params, jnp.float32)) if dtype != jnp.float32 else target
-    diff = shared.self_check(acfg, tcfg, ap32, t32.params, rows[0, :check_len], DRAFT_STEPS)
+    with jax.default_matmul_precision("highest"):  # float32 for real on a GPU too (no TF32)
+        diff = shared.self_check(acfg, tcfg, ap32, t32.params, rows[0, :check_len], DRAFT_STEPS)
     log(f"self-check: batched training forward vs models.draft_step, max |logit diff| {diff:.2e} (f32, "
         f"{time.time() - t:.1f}s)")
     if not diff < 1e-2:
@@ -715,7 +727,8 @@ def main(argv=None) -> int:
             st["step"] += 1
         loss = float(loss)
         step_s = (time.time() - t) / n
-        st["total"] = int(min(args.max_steps, max(st["step"], st["step"] + (end_train - time.time()) * 0.95 / step_s)))
+        budget = 60.0 * args.train_minutes if args.train_minutes else end_train - time.time()
+        st["total"] = int(min(args.max_steps, max(st["step"], st["step"] + budget * 0.95 / step_s)))
         log(f"{step_s * 1e3:.1f} ms/step -> {st['total']} steps")
     total = st["total"]
     t_train, last_ck, last_log, steps0 = time.time(), time.time(), time.time(), st["step"]
