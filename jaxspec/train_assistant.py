@@ -485,14 +485,14 @@ def parse_args(argv=None):
                    "(default /tmp/jaxspec-drafter-<target name>)")
     p.add_argument("--resume", action="store_true", help="continue the run cached in --work")
     p.add_argument("--minutes", type=float, default=9.5, help="wall-time budget of this call")
-    p.add_argument("--eval-reserve", type=float, default=None, help="seconds kept for save + eval (GPU 100, CPU 240)")
+    p.add_argument("--eval-reserve", type=float, default=None, help="seconds kept for save + eval (GPU 120, CPU 240)")
     p.add_argument("--heldout", default=None, help="held-out prompts JSON (default: drafters/<name>/heldout_prompts.json)")
     p.add_argument("--random-prompts", action="store_true", help="random token prompts (no tokenizer needed)")
     p.add_argument("--prompts", type=int, default=None, help="training prompts / greedy rows (GPU 24576, CPU 64)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--gen-batch", type=int, default=None, help="rows per greedy generation call (GPU 512, CPU 16)")
-    p.add_argument("--gen-seconds", type=float, default=150.0, help="cap on the greedy generation's time")
+    p.add_argument("--gen-seconds", type=float, default=120.0, help="cap on the greedy generation's time")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--ffn", type=int, default=4096)
     p.add_argument("--centroids", type=int, default=2048, help="ordered-embeddings clusters (0: a full head)")
@@ -503,6 +503,8 @@ def parse_args(argv=None):
                    help="training time the step count is calibrated to, over this call and --resume calls "
                         "(default: what this call has left)")
     p.add_argument("--max-steps", type=int, default=20000)
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="this call trains at most N steps, then checkpoints and writes the drafter (--resume goes on)")
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -564,7 +566,7 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     sys.stdout = _Tee(sys.stdout, os.path.join(args.out, "train_log.txt"))
-    reserve = args.eval_reserve if args.eval_reserve is not None else (100.0 if on_gpu else 240.0)
+    reserve = args.eval_reserve if args.eval_reserve is not None else (120.0 if on_gpu else 240.0)
     end = start + 60.0 * args.minutes
     end_train = end - (0.0 if args.no_eval else reserve) - 20.0
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
@@ -578,7 +580,8 @@ def main(argv=None) -> int:
         with open(run_path) as f:
             run = json.load(f)
         for k, v in run["args"].items():
-            if k not in ("resume", "minutes", "eval_reserve", "out", "work", "no_eval", "eval_prompts"):
+            if k not in ("resume", "minutes", "eval_reserve", "out", "work", "no_eval", "eval_prompts", "stop_after",
+                         "eval_new_tokens"):
                 setattr(args, k, v)
     else:
         run = dict(args=vars(args), target=name)
@@ -733,7 +736,8 @@ def main(argv=None) -> int:
     total = st["total"]
     t_train, last_ck, last_log, steps0 = time.time(), time.time(), time.time(), st["step"]
     cut = False
-    while st["step"] < total:
+    stop_at = total if args.stop_after is None else min(total, steps0 + args.stop_after)
+    while st["step"] < stop_at:
         if time.time() > end_train:
             cut = True
             break
@@ -760,7 +764,8 @@ def main(argv=None) -> int:
         st["evals"].append((st["step"], float(v[0])))
     save_checkpoint(ck_path, st)
     a = np.asarray(v[1])
-    log(f"training: step {st['step']}/{total}{' (time is up: --resume continues)' if cut else ''}; held-out loss "
+    cut = cut or st["step"] < total
+    log(f"training: step {st['step']}/{total}{' (stopped: --resume continues)' if cut else ''}; held-out loss "
         f"{st['evals'][0][1]:.4f} -> {float(v[0]):.4f}, top-1 per draft step {' '.join(f'{x:.3f}' for x in a[0::3])}, "
         f"centroid recall {' '.join(f'{x:.3f}' for x in a[1::3])}")
     metrics.set("training", dict(
