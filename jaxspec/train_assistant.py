@@ -718,10 +718,10 @@ def main(argv=None) -> int:
         return loss, aux
 
     t = time.time()
-    loss, aux = one(st["step"], st["total"] or 10 ** 6)
-    loss = float(loss)
-    st["step"] += 1
-    log(f"train step compiled + run in {time.time() - t:.1f}s, loss {loss:.4f}")
+    if st["total"] is None or st["step"] < st["total"]:  # (a finished run resumed trains no more)
+        loss, aux = one(st["step"], st["total"] or 10 ** 6)
+        st["step"] += 1
+        log(f"train step compiled + run in {time.time() - t:.1f}s, loss {float(loss):.4f}")
     if st["total"] is None:  # calibrate the step count to the time left (once: kept in the checkpoint)
         t = time.time()
         n = min(10, max(1, args.warmup - 1))
