@@ -31,7 +31,7 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight, quantize
 from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_finite, dequantize, describe_nonfinite
 from safetensors import SafetensorError, safe_open
 
-from . import gguf
+from . import fingerprint, gguf
 from .assistant import Assistant
 from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, checkpoint_files,  # noqa: F401
                                read_config, save_files, why_not)
@@ -386,19 +386,48 @@ def _gguf_params(ck, shapes, dtype, bits: int, gs: int) -> dict:
     return params
 
 
+SHARED_EMBEDDING = "target"  # config.json "shared_embedding": the assistant's tied table is its target's
+
+
 def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None,
                    target=None, progress: bool | None = None) -> Assistant:
     """Load a gemma4_assistant / gemma4_unified_assistant checkpoint. With `target=` (a Target or a
     TargetConfig) the pairing is checked first (hidden size, vocabulary, head dims, KV heads).
-    `dtype`, `quantize` and `matmul` as for `load_target`."""
+    `dtype`, `quantize` and `matmul` as for `load_target`.
+
+    An assistant trained by `jaxspec.train_assistant` stores no embedding table: its config.json says
+    `"shared_embedding": "target"` and its tied head is the target's own table, so `target=` must be
+    the models.Target it drafts for (its `embed_tokens` is shared, not copied). Its `"target"` (a
+    name) and `"target_fingerprint"` (models/fingerprint.py) say which target it was trained for;
+    another target is refused with one ValueError line, before any weight is read."""
     dtype = _model_dtype(dtype)
     matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
     d, cfg, files = _read(path, AssistantConfig.from_dict)
+    shared = d.get("shared_embedding")
+    trained_for = d.get("target")
+    if shared is not None and shared != SHARED_EMBEDDING:
+        raise _not_loadable(path, f"shared_embedding={shared!r} is not known (only {SHARED_EMBEDDING!r})")
+    if shared and not isinstance(target, Target):
+        raise ValueError(f"assistant {path!r} uses its target's embedding table: pass target= the models.Target it "
+                         f"drafts for ({trained_for!r})")
     if target is not None:
         check_fit(cfg, getattr(target, "config", target))
+        fp = d.get("target_fingerprint")
+        why = fingerprint.mismatch(fp, target) if fp is not None and isinstance(target, Target) else None
+        if why:
+            raise ValueError(f"assistant {path!r} was trained for target {trained_for!r}, not this one: {why}")
     shapes = assistant_shapes(cfg)
+    if shared:
+        tcfg = target.config
+        if not cfg.tie_word_embeddings or cfg.hidden_size != tcfg.hidden_size:
+            raise _not_loadable(path, f"a shared embedding needs a tied head of the target's width: "
+                                      f"tie_word_embeddings={cfg.tie_word_embeddings}, hidden_size={cfg.hidden_size}, "
+                                      f"target hidden_size={tcfg.hidden_size}")
+        shapes = {k: v for k, v in shapes.items() if k != "embed_tokens"}
     skip = lambda name: _ignorable(name, cfg.text) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_assistant")
+    if shared:
+        params["embed_tokens"] = target.params["embed_tokens"]
     return Assistant(config=cfg, params=params, matmul=matmul)
 
 
@@ -409,7 +438,7 @@ def _ckpt_module(model, name: str) -> str:
     return name if name == "lm_head" else "model." + name
 
 
-def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
+def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | None = None) -> None:
     """Write `model` (Target or Assistant) as config.json + safetensors in the MLX layout: quantized
     modules as `.weight` (uint32) / `.scales` / `.biases`, float ones as `.weight`, buffers bare; the
     `quantization` config (and its `quantization_config` copy) gives the common bits/group_size with
@@ -425,13 +454,20 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
     `model.safetensors`, `model-NNNNN-of-NNNNN.safetensors`) are replaced or deleted: other files and
     directories stay. ValueError (before writing) if `path` is not a directory or a directory sits
     where a checkpoint file goes; OSError for a failed write (ENOSPC when the disk is full), the
-    previous checkpoint intact."""
+    previous checkpoint intact.
+
+    `config_extra`: keys added to config.json (an assistant's `"target"`, `"target_fingerprint"`);
+    with `"shared_embedding": "target"` the assistant's `embed_tokens` (its target's table) is not
+    written (load_assistant takes it from the target)."""
     cfg = model.config
     d = cfg.to_dict()
+    extra = dict(config_extra or {})
+    d.update(extra)
+    omit = {"embed_tokens"} if isinstance(model, Assistant) and extra.get("shared_embedding") == SHARED_EMBEDDING else set()
     formats: dict[str, tuple[int, int]] = {}
     tensors: list[tuple[str, Any]] = []
     params = model.params if isinstance(model, Assistant) else unstack_params(cfg, model.params)
-    for name in sorted(params):
+    for name in sorted(set(params) - omit):
         w = params[name]
         mod = _ckpt_module(model, name)
         if isinstance(w, QuantizedWeight):

@@ -1,0 +1,819 @@
+"""Train an MTP assistant (drafter) for a target jaxspec loads, by self-distillation.
+
+    python -m jaxspec.train_assistant --target gemma-3-270m --out DIR            # a model name, or a path
+    python -m jaxspec.train_assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
+        --out "$OUT/drafter" --work /tmp/drafter-work --minutes 9.5              # one H200 call (see below)
+    python -m jaxspec.train_assistant ... --resume     # continue the run in --work: its data and checkpoint
+
+The drafter directory (--out), what `models.load_assistant(DIR, target=target)` reads:
+
+    config.json           a gemma4_assistant config (models.AssistantConfig) plus three keys:
+                          "target": the target's name ("gemma-3-270m"),
+                          "target_fingerprint": models/fingerprint.py's dict of the target it was
+                          trained for (architecture hash + an embedding sample; another target is
+                          refused with one line),
+                          "shared_embedding": "target": no embedding table of its own, its tied head
+                          and its ordered-embeddings head read the target's table.
+    model.safetensors     the weights in the MLX layout (models.save), 8-bit group 64 linear weights
+                          (--bits), no embed_tokens; jaxspec_manifest.json is models.save's manifest.
+    NOTICE                the Gemma terms' notice (a drafter distilled from Gemma is a model derivative).
+    heldout_prompts.json  the held-out prompts the run measured on (text; never trained on).
+    metrics.json          everything the run measured; train_log.txt its log lines.
+
+    target = models.load_target("gemma-3-270m")
+    assistant = models.load_assistant(DIR, target=target)
+    out = jaxspec.generate(target, ids, assistant=assistant, block_size=4)
+
+The recipe (generalised from the default pair's, `jaxspec.default_pair.train`; the shared pieces are
+`jaxspec.assistant_training`):
+
+1. Prompts from text this machine has, nothing downloaded: windows of Python source and of prose
+   (docstrings of that source, the installed packages' METADATA descriptions) from
+   `jaxspec.default_pair.corpus` (its held-out files excluded), half code, half prose, each
+   --prompt-tokens long (BOS first). Any text containing a held-out prompt is dropped first
+   (recorded: `data.dropped_for_heldout`). `--random-prompts` uses random token ids instead (a
+   target without a tokenizer; the tests).
+2. The target's own greedy continuations of them (`jaxspec.generate`, classic, batched):
+   --new-tokens per prompt. The labels are the target's greedy tokens, exactly what the drafter must
+   predict at temperature 0. 2% of the rows are kept apart for the held-out loss.
+3. A token ordering for the ordered-embeddings draft head: the target's embedding rows split into
+   --centroids equal clusters by recursive bisection along each group's principal axis (a balanced
+   clustering); the centroid weights start as the clusters' mean rows. A draft step scores the
+   centroids, keeps the top --top-k clusters and scores only their tokens exactly, with the target's
+   table: a few thousand rows instead of the whole vocabulary (`models.centroid_logits`).
+4. The drafter: --layers Q-only layers of the target's width over the target's K/V, FFN --ffn,
+   trained as the default pair's (one teacher forward per batch for the hidden states and K/V; K-1 =
+   3 draft steps unrolled, each after the first carrying the drafter's own h_next), loss = cross-
+   entropy of the exact head to the target's greedy token + cross-entropy of the centroid scores to
+   that token's cluster, on the continuation positions only. AdamW, warm-up + cosine.
+   Before training, the batched forward is checked against `models.draft_step` (float32).
+5. Saved (8-bit) to --out, reloaded with models.load_assistant, and measured on the held-out prompts:
+   greedy, K = 4, against classic decoding: tokens per round, acceptance, per-position acceptance
+   (how often draft 1, 2, 3 is kept), identical output; and a draft step's cost against a target
+   step (ordered head and full head).
+
+Time: --minutes bounds this call's wall time (load, data, training, save, evaluation); training stops
+--eval-reserve seconds before the end. Everything reusable is cached under --work (prompts, greedy
+rows, token ordering, a checkpoint every --ckpt-seconds and at the end): `--resume` continues the
+same run (the step count and schedule are fixed by the first call and kept in the checkpoint), and
+writes the drafter when its steps are done or its time is up. The GPU machine gives a command <= 10
+minutes and keeps /tmp while it stays warm, hence the single-call default below.
+
+One H200 call (the GGUF at /tmp/gemma-3-270m-q4_k_m.gguf), the drafter written under $OUT:
+
+    python -m jaxspec.train_assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
+        --out "$OUT/drafter" --work /tmp/drafter-work --minutes 9.5
+
+Needs optax (`pip install -e '.[train]'`). Importing this module computes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec
+from jaxspec import assistant_training as shared
+from jaxspec import models
+from jaxspec.assistant_training import TRAIN_MATMUL, Metrics, init_params, log, lr_at, make_tx, unrolled_hidden
+from jaxspec.kernels import QuantizedWeight, dequantize, take_rows
+from jaxspec.models import fingerprint as fp_mod
+from jaxspec.models.checkpoint import SHARED_EMBEDDING
+from jaxspec.models.config import FULL, SLIDING, _rope_dict
+from jaxspec.models.layers import linear
+from jaxspec.models.params import assistant_shapes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DRAFTERS = os.path.join(HERE, "drafters")  # shipped drafters: drafters/<target name>/
+DRAFT_STEPS = 3  # K - 1 at K = 4
+NOTICE = """\
+This drafter (MTP assistant) was trained by jaxspec (python -m jaxspec.train_assistant) on the
+greedy outputs of Gemma 3 270M, whose weights are provided under and subject to the Gemma Terms of
+Use found at ai.google.dev/gemma/terms. As a model derivative of Gemma, it is distributed under
+those terms, including the Gemma Prohibited Use Policy (ai.google.dev/gemma/prohibited_use_policy).
+Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms.
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+
+
+def assistant_config(tcfg: models.TargetConfig, layers: int, ffn: int, centroids: int, top_k: int,
+                     heads: int | None = None) -> models.AssistantConfig:
+    """A gemma4_assistant that drafts for `tcfg`: `layers` Q-only layers (sliding ones, the last full)
+    of the TARGET's width (its tied head is the target's table), the target's head geometry and
+    RoPE (the queries meet keys the target rotated), no softcap, an ordered-embeddings head of
+    `centroids` clusters, `top_k` of them scored per step (centroids=0: a plain full head)."""
+    full = tcfg.store_layer(FULL)
+    slide = tcfg.store_layer(SLIDING)
+    ref = full if full is not None else slide
+    hd_s = tcfg.layer_head_dims[slide if slide is not None else ref]
+    text = dict(model_type="gemma4_text", vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
+                intermediate_size=ffn, num_hidden_layers=layers,
+                num_attention_heads=heads or tcfg.num_attention_heads,
+                num_key_value_heads=tcfg.layer_kv_heads[ref], head_dim=hd_s,
+                global_head_dim=tcfg.layer_head_dims[ref], attention_k_eq_v=False,
+                layer_types=[SLIDING] * (layers - 1) + [FULL] if full is not None else [SLIDING] * layers,
+                sliding_window=tcfg.sliding_window,
+                rope_parameters={SLIDING: _rope_dict(tcfg.rope_sliding), FULL: _rope_dict(tcfg.rope_full)},
+                rms_norm_eps=tcfg.rms_norm_eps, hidden_activation=tcfg.hidden_activation,
+                final_logit_softcapping=None, tie_word_embeddings=True, num_kv_shared_layers=layers,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                max_position_embeddings=tcfg.max_position_embeddings)
+    return models.AssistantConfig.from_dict(dict(
+        model_type="gemma4_assistant", text_config=text, backbone_hidden_size=tcfg.hidden_size,
+        use_ordered_embeddings=centroids > 0, num_centroids=max(centroids, 1),
+        centroid_intermediate_top_k=min(top_k, max(centroids, 1)), tie_word_embeddings=True))
+
+
+def trainable_shapes(acfg) -> dict:
+    """The drafter's own params (the shared table and the token ordering are not trained)."""
+    return {k: v for k, v in assistant_shapes(acfg).items()
+            if k not in ("embed_tokens", "masked_embedding.token_ordering")}
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def _docstrings(text: str, min_chars: int):
+    for m in re.finditer(r'"""(.*?)"""', text, re.S):
+        s = m.group(1).strip()
+        if len(s) >= min_chars and sum(c.isalpha() or c == " " for c in s) >= 0.75 * len(s):
+            yield s
+
+
+def _metadata_texts():
+    """(name, description) of every installed distribution's METADATA body (its long description)."""
+    out = []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        name = dist.metadata["Name"] or "?"
+        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
+        if isinstance(body, str) and len(body) > 400:
+            out.append((f"metadata/{name.lower()}", body))
+    return out
+
+
+def corpus_texts(max_files: int | None = None):
+    """(code [(name, text)], prose [(name, text)], info) from the training split of
+    jaxspec.default_pair.corpus (held-out files excluded by its name rule) plus METADATA prose."""
+    from jaxspec.default_pair import corpus
+    train, _held, info = corpus.collect(corpus.source_roots(corpus.PACKAGES), max_files)
+    prose = []
+    for name, text in train:
+        for i, s in enumerate(_docstrings(text, 300)):
+            prose.append((f"{name}#doc{i}", s))
+    prose += [(n, t) for n, t in _metadata_texts() if not corpus.is_heldout(n)]
+    return train, prose, dict(code_files=len(train), prose_texts=len(prose), python=info["python"],
+                              corpus_train_sha256=info["train_sha256"])
+
+
+def heldout_probes(prompts: list[dict]) -> list[str]:
+    """Snippets of each held-out prompt: a training text containing one is dropped."""
+    probes = []
+    for p in prompts:
+        t = " ".join(p["text"].split())
+        for a in range(0, max(1, len(t) - 40), 60):
+            probes.append(t[a:a + 40])
+    return [p for p in probes if len(p) >= 20]
+
+
+def drop_heldout(texts, probes):
+    """texts without those containing a held-out probe (whitespace-normalised) -> (kept, dropped names)."""
+    kept, dropped = [], []
+    for name, t in texts:
+        flat = " ".join(t.split())
+        if any(p in flat for p in probes):
+            dropped.append(name)
+        else:
+            kept.append((name, t))
+    return kept, dropped
+
+
+def text_prompts(tok, code, prose, n: int, length: int, seed: int) -> np.ndarray:
+    """n prompts of `length` tokens (BOS first, from tok.encode), alternately code and prose windows
+    starting at a line (code) or sentence (prose) boundary at a random offset of a random text."""
+    rng = np.random.default_rng(seed)
+    out = []
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 50 * n:
+            raise RuntimeError(f"only {len(out)} of {n} prompts of {length} tokens found in the texts")
+        pool = code if len(out) % 2 == 0 or not prose else prose
+        _, text = pool[rng.integers(len(pool))]
+        start = int(rng.integers(0, max(1, len(text) - 200)))
+        cut = text.find("\n" if pool is code else ". ", start)
+        start = start if cut < 0 else cut + (1 if pool is code else 2)
+        snippet = text[start:start + 8 * length]
+        if pool is not code:
+            snippet = " ".join(snippet.split())
+        ids = tok.encode(snippet)
+        if len(ids) >= length and len(snippet.strip()) > 20:
+            out.append(ids[:length])
+    return np.asarray(out, np.int32)
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int, avoid=()) -> np.ndarray:
+    """Random token prompts (ids 3..vocab-1: no pad/eos/bos), none equal to a row of `avoid`."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(3, vocab, (n, length)).astype(np.int32)
+    bad = {tuple(r) for r in np.asarray(avoid).reshape(-1, length)} if len(avoid) else set()
+    return np.asarray([r for r in rows if tuple(r) not in bad], np.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy data and the token ordering
+
+
+def greedy_rows(target, prompts: np.ndarray, new_tokens: int, batch: int, end_by: float) -> np.ndarray:
+    """[M, P + new_tokens]: each prompt and the target's greedy continuation (jaxspec.generate,
+    classic, no stop tokens), whole batches only, stopping when `end_by` (time.time()) has passed."""
+    rows = []
+    for i in range(0, len(prompts) - batch + 1, batch):
+        if rows and time.time() > end_by:
+            log(f"greedy data: time is up after {len(rows) * batch} rows")
+            break
+        t = time.time()
+        part = prompts[i:i + batch]
+        r = jaxspec.generate(target, part.tolist(), max_new_tokens=new_tokens, block_size=1, eos_token_ids=[])
+        gen = np.asarray([x[:new_tokens] for x in r.tokens], np.int32)
+        if gen.shape != (len(part), new_tokens):
+            raise RuntimeError(f"greedy generation returned {gen.shape}, expected {(len(part), new_tokens)}")
+        rows.append(np.concatenate([part, gen], axis=1))
+        if i == 0 or (i // batch) % 8 == 0:
+            log(f"greedy data: {i + batch}/{len(prompts)} rows ({time.time() - t:.1f}s for {batch})")
+    if not rows:
+        raise RuntimeError("no greedy rows generated")
+    return np.concatenate(rows, axis=0)
+
+
+def embedding_table(target) -> np.ndarray:
+    """The target's embedding rows, float32 [V, H] on the host."""
+    e = target.params["embed_tokens"]
+    v = target.config.vocab_size
+    chunks = [np.asarray(take_rows(e, jnp.arange(i, min(v, i + 32768), dtype=jnp.int32), jnp.float32))
+              for i in range(0, v, 32768)]
+    return np.concatenate(chunks, axis=0)
+
+
+def balanced_ordering(table, n_clusters: int, dims: int = 32, iters: int = 6, seed: int = 0):
+    """-> (ordering [V] int32, centroids [n, H] float32): cluster c is ordering[c*V/n:(c+1)*V/n], the
+    groups of a recursive split of the rows at the median of their projection on the group's top
+    principal axis (power iteration), so every cluster has V/n rows; centroids are the mean rows.
+    The splits work in the table's top `dims` principal components (from an SVD of a sample of
+    rows): every level then moves V x dims floats, not the whole table (numpy, any machine)."""
+    x = np.asarray(table, np.float32)
+    v, h = x.shape
+    if n_clusters & (n_clusters - 1) or v % n_clusters:
+        raise ValueError(f"num_centroids={n_clusters} must be a power of two dividing the vocabulary {v}")
+    rng = np.random.default_rng(seed)
+    sample = x[np.sort(rng.choice(v, min(v, 16384), replace=False))]
+    mean = sample.mean(axis=0)
+    _, _, vt = np.linalg.svd(sample - mean, full_matrices=False)
+    w = vt[:min(dims, h)].T
+    z = x @ w - mean @ w  # [V, dims]
+    perm = np.arange(v, dtype=np.int64)[None]
+    while perm.shape[0] < n_clusters:
+        g, n = perm.shape
+        zs = z[perm]
+        zs -= zs.mean(axis=1, keepdims=True)
+        d = rng.standard_normal((g, zs.shape[2])).astype(np.float32)
+        for _ in range(iters):
+            d = np.einsum("gnd,gn->gd", zs, np.einsum("gnd,gd->gn", zs, d))
+            d /= np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-30)
+        order = np.argsort(np.einsum("gnd,gd->gn", zs, d), axis=1, kind="stable")
+        perm = np.take_along_axis(perm, order, axis=1).reshape(2 * g, n // 2)
+    ordering = perm.reshape(-1).astype(np.int32)
+    cents = np.stack([x[c].mean(axis=0) for c in perm]).astype(np.float32)
+    return ordering, cents
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+
+def teacher_target(target):
+    """The target on the XLA paths (training differentiates through nothing of it, but its forward
+    runs inside the training step, where the Pallas attention kernels have no batched-window path)."""
+    return target.replace(matmul=TRAIN_MATMUL)
+
+
+def make_loss(acfg, tcfg, prompt_len: int, seq: int, dtype, cluster_weight: float):
+    """loss(trainable, frozen, teacher_params, rows [B, seq]) -> (loss, aux [3 * J]): aux holds per draft
+    step the full-head top-1 agreement with the target's greedy token, the centroid recall (its
+    cluster among the top-k) and the token loss."""
+    J = DRAFT_STEPS
+    t0, t1 = prompt_len - 2, seq - J - 1  # queries whose J labels are all greedy tokens
+    ordered = acfg.use_ordered_embeddings
+
+    def loss(p, frozen, tp, rows):
+        teacher = models.Target(config=tcfg, params=tp, matmul=TRAIN_MATMUL)
+        cache = models.init_cache(tcfg, rows.shape[0], seq, dtype, ring=False)
+        _, hidden, cache = models.forward(teacher, rows, cache)  # the logits are dead code
+        hidden, cache = jax.lax.stop_gradient((hidden, cache))
+        ap = dict(shared.to_dtype(p, dtype), embed_tokens=frozen["embed_tokens"])
+        hns = unrolled_hidden(acfg, tcfg, ap, tp, rows, hidden, cache, J)
+        total, aux = 0.0, []
+        for j, hn in enumerate(hns):
+            hn = hn[:, t0:t1]
+            lab = rows[:, t0 + 2 + j:t1 + 2 + j]
+            lg = linear(hn, frozen["embed_tokens"], TRAIN_MATMUL).astype(jnp.float32)
+            tok_ce = jnp.mean(jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, lab[..., None], -1)[..., 0])
+            acc = jnp.mean((jnp.argmax(lg, -1) == lab).astype(jnp.float32))
+            total = total + tok_ce
+            if ordered:
+                cl = linear(hn, ap["masked_embedding.centroids"], TRAIN_MATMUL).astype(jnp.float32)
+                cl_lab = frozen["cluster_of"][lab]
+                cl_ce = jnp.mean(jax.nn.logsumexp(cl, -1) - jnp.take_along_axis(cl, cl_lab[..., None], -1)[..., 0])
+                total = total + cluster_weight * cl_ce
+                kth = jax.lax.top_k(cl, acfg.centroid_intermediate_top_k)[0][..., -1]
+                recall = jnp.mean((jnp.take_along_axis(cl, cl_lab[..., None], -1)[..., 0] >= kth).astype(jnp.float32))
+            else:
+                recall = jnp.float32(1.0)
+            aux += [acc, recall, tok_ce]
+        return total / J, jnp.stack(aux)
+
+    return loss
+
+
+def _flat(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Params, optimizer state and counters as one .npz, replaced atomically."""
+    arrays = {f"p{i}": a for i, a in enumerate(_flat(state["p"]))}
+    arrays.update({f"o{i}": a for i, a in enumerate(_flat(state["o"]))})
+    arrays["meta"] = np.asarray(json.dumps({k: state[k] for k in ("step", "total", "history", "evals")}))
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str, p_like, o_like) -> dict:
+    z = np.load(path)
+    meta = json.loads(str(z["meta"]))
+    pl, pt = jax.tree.flatten(p_like)
+    ol, ot = jax.tree.flatten(o_like)
+    p = jax.tree.unflatten(pt, [jnp.asarray(z[f"p{i}"]) for i in range(len(pl))])
+    o = jax.tree.unflatten(ot, [jnp.asarray(z[f"o{i}"]) for i in range(len(ol))])
+    return dict(p=p, o=o, **meta)
+
+
+def to_assistant(acfg, params: dict, frozen: dict, ordering, dtype, matmul=None) -> models.Assistant:
+    """The drafter as the loop runs it: trained params cast to `dtype`, the shared table, the ordering."""
+    p = shared.to_dtype(params, dtype)
+    p["embed_tokens"] = frozen["embed_tokens"]
+    if acfg.use_ordered_embeddings:
+        p["masked_embedding.token_ordering"] = jnp.asarray(ordering, jnp.int32)
+    return models.make_assistant(acfg, p, matmul)
+
+
+def save_drafter(out: str, assistant: models.Assistant, target, target_name: str, bits: int) -> dict:
+    """models.save (linear weights quantized to `bits`, no embedding table) + NOTICE; -> file sizes."""
+    os.makedirs(out, exist_ok=True)
+    model = assistant
+    if bits:
+        own = {k: v for k, v in assistant.params.items() if k != "embed_tokens"}
+        q = models.quantize_model(assistant.replace(params=own), bits=bits, group_size=64)
+        model = q.replace(params=dict(q.params, embed_tokens=assistant.params["embed_tokens"]))
+    models.save(model, out, config_extra={"target": target_name, "target_fingerprint": fp_mod.target_fingerprint(target),
+                                          "shared_embedding": SHARED_EMBEDDING})
+    with open(os.path.join(out, "NOTICE"), "w") as f:
+        f.write(NOTICE)
+    return {fn: os.path.getsize(os.path.join(out, fn)) for fn in sorted(os.listdir(out))
+            if os.path.isfile(os.path.join(out, fn))}
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def acceptance_stats(target, assistant, prompts, new_tokens: int, block_size: int = 4, eos=None) -> dict:
+    """Greedy speculative decoding of every prompt against classic: tokens per round, acceptance,
+    per-position acceptance (share of rounds keeping draft i), identical outputs, decode times."""
+    tot = dict(drafted=0, accepted=0, rounds=0, new=0, identical=0, cls_s=0.0, spec_s=0.0)
+    # one cache size for every prompt: a program per prompt-length bucket, not per prompt
+    cache = -(-max(len(x) for x in prompts) // 16) * 16 + new_tokens + 2 * block_size
+    hist = np.zeros(block_size, np.int64)
+    per = []
+    for ids in prompts:
+        c = jaxspec.generate(target, list(ids), max_new_tokens=new_tokens, block_size=1, eos_token_ids=eos,
+                             cache_size=cache)
+        s = jaxspec.generate(target, list(ids), assistant=assistant, max_new_tokens=new_tokens,
+                             block_size=block_size, eos_token_ids=eos, cache_size=cache)
+        st = s.stats
+        same = c.tokens[0] == s.tokens[0]
+        tot["identical"] += int(same)
+        tot["drafted"] += st.drafted
+        tot["accepted"] += st.accepted
+        tot["rounds"] += st.row_rounds
+        tot["new"] += len(s.tokens[0]) - 1  # the prefill's token is no round's
+        tot["cls_s"] += c.stats.decode_s
+        tot["spec_s"] += st.decode_s
+        h = np.asarray(st.accepted_hist[:block_size])
+        hist[:len(h)] += h
+        per.append(dict(tokens_per_round=round(st.tokens_per_round, 3), acceptance=round(st.acceptance_rate, 3),
+                        identical=bool(same), mode=st.mode))
+    rounds = max(1, tot["rounds"])
+    kept = [float(hist[i + 1:].sum() / max(1, hist.sum())) for i in range(block_size - 1)]
+    return dict(prompts=len(per), block_size=block_size, new_tokens=new_tokens,
+                tokens_per_round=round(tot["new"] / rounds, 3),
+                acceptance_rate=round(tot["accepted"] / max(1, tot["drafted"]), 4),
+                per_position_acceptance=[round(x, 3) for x in kept], accepted_hist=hist.tolist(),
+                identical=f"{tot['identical']}/{len(per)}", all_identical=tot["identical"] == len(per),
+                classic_decode_s=round(tot["cls_s"], 3), speculative_decode_s=round(tot["spec_s"], 3),
+                speedup=round(tot["cls_s"] / tot["spec_s"], 3) if tot["spec_s"] else None, per_prompt=per)
+
+
+def step_costs(target, assistant, context: int = 128, reps: int = 30) -> dict:
+    """Milliseconds of one jitted target decode step [1, 1] and one draft step (the ordered head and
+    the same drafter with a full head over the whole vocabulary), batch 1, after `context` tokens."""
+    tcfg = target.config
+    cache = models.init_cache(tcfg, 1, context + 8, target.dtype)
+    _, hidden, cache = jax.jit(models.forward)(target, jnp.full((1, context), 5, jnp.int32), cache)
+    tok, h, pos = jnp.asarray([7], jnp.int32), hidden[:, -1], cache.lengths
+
+    def timed(fn, *a):
+        jax.block_until_ready(fn(*a))
+        t = time.perf_counter()
+        for _ in range(reps):
+            r = fn(*a)
+        jax.block_until_ready(r)
+        return (time.perf_counter() - t) / reps * 1e3
+
+    step = jax.jit(lambda t, x, c: models.forward(t, x, c)[0])
+    draft = jax.jit(lambda a, t, c, x, hh, p: models.draft_step(a, t, c, x, hh, p)[0])
+    out = dict(target_step_ms=timed(step, target, tok[:, None], cache),
+               draft_step_ms=timed(draft, assistant, target, cache, tok, h, pos))
+    if assistant.config.use_ordered_embeddings:
+        plain = assistant.replace(config=dataclasses.replace(assistant.config, use_ordered_embeddings=False))
+        out["draft_step_full_head_ms"] = timed(draft, plain, target, cache, tok, h, pos)
+    out = {k: round(v, 3) for k, v in out.items()}
+    out["draft_over_target"] = round(out["draft_step_ms"] / out["target_step_ms"], 3)
+    out["device"] = str(jax.devices()[0])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jaxspec.train_assistant", description=__doc__.split("\n")[0],
+                                epilog=__doc__[__doc__.index("One H200 call"):__doc__.index("Needs optax")],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="the target: a model name (gemma-3-270m), a .gguf or a checkpoint dir")
+    p.add_argument("--target-name", default=None,
+                   help="the name recorded in the drafter's config (default: --target when it is a model name, "
+                        "else the file or directory name)")
+    p.add_argument("--out", required=True, help="the drafter directory to write")
+    p.add_argument("--work", default=None, help="cache of prompts, greedy rows, ordering and checkpoints "
+                   "(default /tmp/jaxspec-drafter-<target name>)")
+    p.add_argument("--resume", action="store_true", help="continue the run cached in --work")
+    p.add_argument("--minutes", type=float, default=9.5, help="wall-time budget of this call")
+    p.add_argument("--eval-reserve", type=float, default=None, help="seconds kept for save + eval (GPU 120, CPU 240)")
+    p.add_argument("--heldout", default=None, help="held-out prompts JSON (default: drafters/<name>/heldout_prompts.json)")
+    p.add_argument("--random-prompts", action="store_true", help="random token prompts (no tokenizer needed)")
+    p.add_argument("--prompts", type=int, default=None, help="training prompts / greedy rows (GPU 24576, CPU 64)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    p.add_argument("--gen-batch", type=int, default=None, help="rows per greedy generation call (GPU 512, CPU 16)")
+    p.add_argument("--gen-seconds", type=float, default=120.0, help="cap on the greedy generation's time")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--centroids", type=int, default=2048, help="ordered-embeddings clusters (0: a full head)")
+    p.add_argument("--top-k", type=int, default=32, help="clusters scored exactly per draft step")
+    p.add_argument("--batch", type=int, default=None, help="rows per training step (GPU 32, CPU 2)")
+    p.add_argument("--steps", type=int, default=None, help="total steps (default: calibrated to the time left)")
+    p.add_argument("--train-minutes", type=float, default=None,
+                   help="training time the step count is calibrated to, over this call and --resume calls "
+                        "(default: what this call has left)")
+    p.add_argument("--max-steps", type=int, default=20000)
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="this call trains at most N steps, then checkpoints and writes the drafter (--resume goes on)")
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--cluster-weight", type=float, default=1.0, help="weight of the centroid loss")
+    p.add_argument("--ckpt-seconds", type=float, default=90.0)
+    p.add_argument("--bits", type=int, default=8, choices=(0, 4, 8), help="saved linear weights (0: bf16)")
+    p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts measured (default all)")
+    p.add_argument("--eval-new-tokens", type=int, default=64)
+    p.add_argument("--no-eval", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-files", type=int, default=None, help="corpus files per source (a quick run)")
+    return p.parse_args(argv)
+
+
+def target_name_of(arg: str, given: str | None) -> str:
+    if given:
+        return given
+    from jaxspec.models import gguf
+    if arg in gguf.KNOWN and not os.path.exists(arg):
+        return arg
+    base = os.path.basename(os.path.normpath(arg))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def load_heldout(path: str | None, name: str) -> tuple[list[dict], str | None]:
+    path = path or os.path.join(DRAFTERS, name, "heldout_prompts.json")
+    if not os.path.isfile(path):
+        return [], None
+    with open(path) as f:
+        d = json.load(f)
+    return list(d["prompts"]), path
+
+
+class _Tee:
+    """stdout also into a file (the run's log comes back with --out)."""
+
+    def __init__(self, stream, path):
+        self.stream, self.f = stream, open(path, "a")
+
+    def write(self, s):
+        self.stream.write(s)
+        self.f.write(s)
+        self.f.flush()
+
+    def flush(self):
+        self.stream.flush()
+
+
+def main(argv=None) -> int:
+    start = shared.reset_clock()
+    args = parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    name = target_name_of(args.target, args.target_name)
+    work = args.work or f"/tmp/jaxspec-drafter-{name}"
+    if args.resume and not os.path.isfile(os.path.join(work, "run.json")):
+        raise SystemExit(f"--resume: {work!r} holds no run (run.json); start one without --resume")
+    if not args.resume and os.path.isdir(work):
+        shutil.rmtree(work)
+    os.makedirs(work, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    sys.stdout = _Tee(sys.stdout, os.path.join(args.out, "train_log.txt"))
+    reserve = args.eval_reserve if args.eval_reserve is not None else (120.0 if on_gpu else 240.0)
+    end = start + 60.0 * args.minutes
+    end_train = end - (0.0 if args.no_eval else reserve) - 20.0
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    defaults = dict(prompts=24576 if on_gpu else 64, gen_batch=512 if on_gpu else 16, batch=32 if on_gpu else 2)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    metrics = Metrics(os.path.join(args.out, "metrics.json"), keep=args.resume)
+    run_path = os.path.join(work, "run.json")
+    if args.resume:  # the first call's recipe, not this one's flags
+        with open(run_path) as f:
+            run = json.load(f)
+        for k, v in run["args"].items():
+            if k not in ("resume", "minutes", "eval_reserve", "out", "work", "no_eval", "eval_prompts", "stop_after",
+                         "eval_new_tokens"):
+                setattr(args, k, v)
+    else:
+        run = dict(args=vars(args), target=name)
+        with open(run_path, "w") as f:
+            json.dump(run, f, indent=1)
+    log(f"train_assistant: target {args.target!r} ({name}) on {jax.devices()[0]}, work {work}, out {args.out}, "
+        f"{args.minutes} min{' (resume)' if args.resume else ''}")
+    metrics.set("run", dict(args=vars(args), device=str(jax.devices()[0]), jax=jax.__version__,
+                            python=sys.version.split()[0]))
+
+    t = time.time()
+    target = models.load_target(args.target, dtype=dtype)
+    tcfg = target.config
+    log(f"target loaded in {time.time() - t:.1f}s: {tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
+        f"vocab {tcfg.vocab_size}")
+    acfg = assistant_config(tcfg, args.layers, args.ffn, args.centroids, args.top_k)
+    heldout, held_path = load_heldout(args.heldout, name)
+
+    # ---- prompts and greedy rows (cached) ----------------------------------------------------------
+    data_path = os.path.join(work, "data.npz")
+    if os.path.isfile(data_path):
+        z = np.load(data_path)
+        rows, eval_prompts = z["rows"], [list(map(int, r)) for r in json.loads(str(z["eval_prompts"]))]
+        log(f"data: {rows.shape[0]} cached rows of {rows.shape[1]} tokens")
+    else:
+        t = time.time()
+        P = args.prompt_tokens
+        if args.random_prompts or not heldout:
+            eval_prompts = [list(map(int, r)) for r in random_prompts(tcfg.vocab_size, args.eval_prompts or 8, P,
+                                                                       args.seed + 1)]
+            prompts = random_prompts(tcfg.vocab_size, args.prompts, P, args.seed, avoid=np.asarray(eval_prompts))
+            info = dict(source="random token ids", heldout="random token prompts, removed from training")
+        else:
+            from jaxspec.tokenizer import load_tokenizer
+            from jaxspec.models import gguf
+            tok = load_tokenizer(gguf.source(args.target) or args.target)
+            eval_prompts = [tok.encode(p["text"]) for p in heldout]
+            code, prose, info = corpus_texts(args.max_files)
+            probes = heldout_probes(heldout)
+            code, d1 = drop_heldout(code, probes)
+            prose, d2 = drop_heldout(prose, probes)
+            info.update(dropped_for_heldout=d1 + d2, heldout_file=os.path.relpath(held_path, HERE),
+                        source="windows of corpus code and prose (docstrings, METADATA), half each")
+            prompts = text_prompts(tok, code, prose, args.prompts, P, args.seed)
+            log(f"prompts: {len(prompts)} x {P} tokens from {len(code)} code / {len(prose)} prose texts; "
+                f"{len(d1) + len(d2)} texts dropped as containing a held-out prompt ({time.time() - t:.1f}s)")
+        t = time.time()
+        rows = greedy_rows(target, prompts, args.new_tokens, args.gen_batch,
+                           min(end_train - 60.0, time.time() + args.gen_seconds))
+        gen_s = time.time() - t
+        log(f"greedy data: {rows.shape[0]} rows of {rows.shape[1]} tokens in {gen_s:.1f}s")
+        np.savez(data_path, rows=rows, eval_prompts=np.asarray(json.dumps(eval_prompts)))
+        metrics.set("data", dict(info, rows=int(rows.shape[0]), prompt_tokens=P, new_tokens=args.new_tokens,
+                                 seconds=round(gen_s, 1), gen_batch=args.gen_batch))
+    seq = rows.shape[1]
+    n_val = max(2 * args.batch, rows.shape[0] // 50)
+    train_rows, val_rows = jnp.asarray(rows[:-n_val]), jnp.asarray(rows[-n_val:][:4 * args.batch])
+
+    # ---- token ordering (cached) ---------------------------------------------------------------------
+    frozen = {}
+    table = target.params["embed_tokens"]
+    frozen["embed_tokens"] = (dequantize(table, dtype) if isinstance(table, QuantizedWeight)
+                              else table.astype(dtype))
+    ordering = None
+    ord_path = os.path.join(work, "ordering.npz")
+    if acfg.use_ordered_embeddings:
+        if os.path.isfile(ord_path):
+            z = np.load(ord_path)
+            ordering, cents = z["ordering"], z["centroids"]
+        else:
+            t = time.time()
+            ordering, cents = balanced_ordering(embedding_table(target), acfg.num_centroids, seed=args.seed)
+            np.savez(ord_path, ordering=ordering, centroids=cents)
+            log(f"token ordering: {acfg.num_centroids} balanced clusters of {acfg.vocab_size // acfg.num_centroids} "
+                f"in {time.time() - t:.1f}s")
+        cluster_of = np.empty(acfg.vocab_size, np.int32)
+        cluster_of[ordering] = np.arange(acfg.vocab_size, dtype=np.int32) // (acfg.vocab_size // acfg.num_centroids)
+        frozen["cluster_of"] = jnp.asarray(cluster_of)
+
+    # ---- training -------------------------------------------------------------------------------------
+    key = jax.random.PRNGKey(args.seed)
+    p0 = init_params(trainable_shapes(acfg), jax.random.fold_in(key, 1), acfg.text.num_hidden_layers)
+    if acfg.use_ordered_embeddings:
+        c = jnp.asarray(cents)
+        p0["masked_embedding.centroids"] = c / jnp.sqrt(jnp.mean(c * c) + 1e-12) * 0.02
+    tx = make_tx(args.weight_decay, p0)
+    tp = teacher_target(target).params
+    loss_fn = make_loss(acfg, tcfg, args.prompt_tokens, seq, dtype, args.cluster_weight)
+
+    # the batched training forward must be what the loop runs (float32, a short row)
+    t = time.time()
+    check_len = min(seq, args.prompt_tokens + 24)
+    ap32 = dict(shared.to_dtype(p0, jnp.float32), embed_tokens=target.params["embed_tokens"])
+    if acfg.use_ordered_embeddings:
+        ap32["masked_embedding.token_ordering"] = jnp.asarray(ordering)
+    t32 = target.replace(params=shared.to_dtype(target.params, jnp.float32)) if dtype != jnp.float32 else target
+    with jax.default_matmul_precision("highest"):  # float32 for real on a GPU too (no TF32)
+        diff = shared.self_check(acfg, tcfg, ap32, t32.params, rows[0, :check_len], DRAFT_STEPS)
+    log(f"self-check: batched training forward vs models.draft_step, max |logit diff| {diff:.2e} (f32, "
+        f"{time.time() - t:.1f}s)")
+    if not diff < 1e-2:
+        raise RuntimeError(f"the training-time drafter forward disagrees with models.draft_step (max |diff| {diff:.3g})")
+    del t32, ap32
+
+    @jax.jit  # the big arrays are arguments, not constants baked into the program
+    def train_step(p, o, frozen, tp, rows_all, step, lr):
+        k = jax.random.fold_in(jax.random.fold_in(key, 2), step)
+        idx = jax.random.randint(k, (args.batch,), 0, rows_all.shape[0])
+        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(p, frozen, tp, rows_all[idx])
+        u, o = tx.update(g, o, p)
+        return jax.tree.map(lambda w, d: w - lr * d, p, u), o, loss, aux
+
+    val_jit = jax.jit(loss_fn)
+
+    def val_loss(p):
+        return val_jit(p, frozen, tp, val_rows)
+
+    ck_path = os.path.join(work, "ckpt.npz")
+    if args.resume and os.path.isfile(ck_path):
+        st = load_checkpoint(ck_path, p0, tx.init(p0))
+        log(f"resumed at step {st['step']}/{st['total']}")
+    else:
+        st = dict(p=p0, o=tx.init(p0), step=0, total=args.steps, history=[], evals=[])
+    v0 = val_loss(st["p"])
+    if not st["evals"]:
+        st["evals"].append((0, float(v0[0])))
+    log(f"held-out loss at step {st['step']}: {float(v0[0]):.4f} (top-1 per draft step "
+        f"{' '.join(f'{float(x):.3f}' for x in v0[1][0::3])})")
+
+    def one(step, total):
+        lr = lr_at(step, total, args.lr, args.warmup)
+        st["p"], st["o"], loss, aux = train_step(st["p"], st["o"], frozen, tp, train_rows, jnp.int32(step),
+                                                 jnp.float32(lr))
+        return loss, aux
+
+    t = time.time()
+    if st["total"] is None or st["step"] < st["total"]:  # (a finished run resumed trains no more)
+        loss, aux = one(st["step"], st["total"] or 10 ** 6)
+        st["step"] += 1
+        log(f"train step compiled + run in {time.time() - t:.1f}s, loss {float(loss):.4f}")
+    if st["total"] is None:  # calibrate the step count to the time left (once: kept in the checkpoint)
+        t = time.time()
+        n = min(10, max(1, args.warmup - 1))
+        for _ in range(n):
+            loss, aux = one(st["step"], 10 ** 6)
+            st["step"] += 1
+        loss = float(loss)
+        step_s = (time.time() - t) / n
+        budget = 60.0 * args.train_minutes if args.train_minutes else end_train - time.time()
+        st["total"] = int(min(args.max_steps, max(st["step"], st["step"] + budget * 0.95 / step_s)))
+        log(f"{step_s * 1e3:.1f} ms/step -> {st['total']} steps")
+    total = st["total"]
+    t_train, last_ck, last_log, steps0 = time.time(), time.time(), time.time(), st["step"]
+    cut = False
+    stop_at = total if args.stop_after is None else min(total, steps0 + args.stop_after)
+    while st["step"] < stop_at:
+        if time.time() > end_train:
+            cut = True
+            break
+        loss, aux = one(st["step"], total)
+        st["step"] += 1
+        if st["step"] % 50 == 0 or st["step"] == total:
+            lv = float(loss)
+            st["history"].append((st["step"], lv))
+            if time.time() - last_log > 10 or st["step"] == total:
+                rate = (st["step"] - steps0) / max(1e-9, time.time() - t_train)
+                a = np.asarray(aux)
+                log(f"step {st['step']}/{total} loss {lv:.4f} top-1 {' '.join(f'{x:.3f}' for x in a[0::3])} "
+                    f"recall {' '.join(f'{x:.3f}' for x in a[1::3])} {rate:.2f} steps/s")
+                last_log = time.time()
+            if st["step"] % 500 == 0:
+                v = val_loss(st["p"])
+                st["evals"].append((st["step"], float(v[0])))
+                log(f"held-out loss at step {st['step']}: {float(v[0]):.4f}")
+        if time.time() - last_ck > args.ckpt_seconds:
+            save_checkpoint(ck_path, st)
+            last_ck = time.time()
+    v = val_loss(st["p"])
+    if st["evals"][-1][0] != st["step"]:
+        st["evals"].append((st["step"], float(v[0])))
+    save_checkpoint(ck_path, st)
+    a = np.asarray(v[1])
+    cut = cut or st["step"] < total
+    log(f"training: step {st['step']}/{total}{' (stopped: --resume continues)' if cut else ''}; held-out loss "
+        f"{st['evals'][0][1]:.4f} -> {float(v[0]):.4f}, top-1 per draft step {' '.join(f'{x:.3f}' for x in a[0::3])}, "
+        f"centroid recall {' '.join(f'{x:.3f}' for x in a[1::3])}")
+    metrics.set("training", dict(
+        steps=st["step"], planned_steps=total, finished=st["step"] >= total, batch=args.batch, seq=seq,
+        prompt_tokens=args.prompt_tokens, lr=args.lr, warmup=args.warmup, draft_steps_unrolled=DRAFT_STEPS,
+        layers=args.layers, ffn=args.ffn, centroids=args.centroids, top_k=args.top_k,
+        params=int(sum(np.prod(s) for s, _ in trainable_shapes(acfg).values())),
+        heldout_loss=st["evals"], loss_history=st["history"][-200:], self_check_max_abs_diff=diff,
+        heldout_top1_per_step=a[0::3].tolist(), heldout_centroid_recall_per_step=a[1::3].tolist(),
+        train_seconds_this_call=round(time.time() - t_train, 1)))
+
+    # ---- save -----------------------------------------------------------------------------------------
+    t = time.time()
+    drafter = to_assistant(acfg, st["p"], {"embed_tokens": target.params["embed_tokens"]}, ordering,
+                           jnp.bfloat16)
+    files = save_drafter(args.out, drafter, target, name, args.bits)
+    if heldout:
+        with open(os.path.join(args.out, "heldout_prompts.json"), "w") as f:
+            json.dump(dict(prompts=heldout), f, indent=1, ensure_ascii=False)
+    metrics.set("files", files)
+    log(f"saved the drafter to {args.out} in {time.time() - t:.1f}s: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
+                                                                                   for k, v in files.items()))
+    if args.no_eval:
+        return 0
+
+    # ---- evaluate what was saved ----------------------------------------------------------------------
+    errors = 0
+    try:
+        t = time.time()
+        loaded = models.load_assistant(args.out, target=target, dtype=dtype)
+        ev = metrics.d.get("eval", {})
+        ev["step_costs"] = step_costs(target, loaded)
+        log(f"step costs: {ev['step_costs']}")
+        metrics.set("eval", ev)
+        n = args.eval_prompts or len(eval_prompts)
+        ev["heldout"] = acceptance_stats(target, loaded, eval_prompts[:n], args.eval_new_tokens)
+        h = ev["heldout"]
+        log(f"held-out, greedy K=4, {h['prompts']} prompts x {h['new_tokens']} tokens: tokens/round "
+            f"{h['tokens_per_round']}, acceptance {h['acceptance_rate']}, per position {h['per_position_acceptance']}, "
+            f"identical {h['identical']}, speedup {h['speedup']} ({time.time() - t:.1f}s)")
+        metrics.set("eval", ev)
+    except Exception as e:  # the drafter is saved: report and exit 1
+        traceback.print_exc()
+        metrics.set("eval_error", f"{type(e).__name__}: {e}")
+        errors += 1
+    log(f"done in {time.time() - start:.1f}s")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
