@@ -36,6 +36,7 @@ from .assistant import Assistant
 from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, checkpoint_files,  # noqa: F401
                                read_config, save_files, why_not)
 from .config import AssistantConfig, TargetConfig, check_fit, quantization_format
+from .dense import is_dense, prepared
 from .layer_scan import is_stacked, stack_params, unstack_params
 from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, check_params, quant_spec, quantizable,
                      quantize_params, target_shapes)
@@ -316,7 +317,7 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     shapes = target_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_target")
-    return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+    return prepared(Target(config=cfg, params=stack_params(cfg, params), matmul=matmul))
 
 
 def _target_config(d: dict):
@@ -398,7 +399,7 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
     shapes = assistant_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg.text) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_assistant")
-    return Assistant(config=cfg, params=params, matmul=matmul)
+    return prepared(Assistant(config=cfg, params=params, matmul=matmul))
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -425,6 +426,10 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30) -> None:
     directories stay. ValueError (before writing) if `path` is not a directory or a directory sits
     where a checkpoint file goes; OSError for a failed write (ENOSPC when the disk is full), the
     previous checkpoint intact."""
+    if is_dense(model):
+        raise ValueError("this model's weights were dequantized for the CPU at load (DenseWeight: "
+                         "DispatchConfig.dense_weights); load it with DispatchConfig(backend='xla', dense=False) "
+                         "to save it")
     cfg = model.config
     d = cfg.to_dict()
     formats: dict[str, tuple[int, int]] = {}

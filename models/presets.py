@@ -23,6 +23,7 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight
 
 from .assistant import Assistant, make_assistant
 from .config import FULL, SLIDING, AssistantConfig, TargetConfig
+from .dense import prepared
 from .layer_scan import stack_params
 from .params import INDEX, LINEAR, assistant_shapes, quant_spec, quantizable, target_shapes
 from .target import Target, make_target
@@ -230,13 +231,13 @@ def random_model(cfg, key, dtype=jnp.bfloat16, quantize=Q4, matmul: DispatchConf
     if isinstance(cfg, str):
         raise ValueError("random_model takes a config; use presets.target_config(name) / assistant_config(name)")
     if isinstance(cfg, AssistantConfig):
-        return Assistant(config=cfg, params=random_params(assistant_shapes(cfg), key, dtype=dtype, quantize=quantize),
-                         matmul=matmul)
+        return prepared(Assistant(config=cfg, params=random_params(assistant_shapes(cfg), key, dtype=dtype,
+                                                                   quantize=quantize), matmul=matmul))
     if isinstance(cfg, TargetConfig):
         if not cfg.cache_layers:
             raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
         params = random_params(target_shapes(cfg), key, dtype=dtype, quantize=quantize)
-        return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+        return prepared(Target(config=cfg, params=stack_params(cfg, params), matmul=matmul))
     raise ValueError(f"random_model needs a TargetConfig or AssistantConfig, got {type(cfg).__name__}")
 
 
@@ -281,4 +282,4 @@ def tiny_pair(seed: int = 0, vocab_size: int = 512, context: int = 256, target_l
     mix = 0.03 * rng.standard_normal((h, h)) / np.sqrt(h)
     ap["pre_projection"] = jnp.asarray(np.concatenate([np.eye(h), mix], 1), dtype)
     ap = {name: w * 0.03 if name.endswith(post) else w for name, w in ap.items()}
-    return make_target(tcfg, tp, matmul), make_assistant(acfg, ap, matmul)
+    return prepared(make_target(tcfg, tp, matmul)), prepared(make_assistant(acfg, ap, matmul))

@@ -21,7 +21,9 @@ from seeds import seeded_int, seeded_rng
 
 mx = pytest.importorskip("mlx.core")
 
-XLA = DispatchConfig(backend="xla")
+# dense=False: these tests are about the stored (quantized) format, which a CPU's loaders would
+# otherwise dequantize at load (DispatchConfig.dense, models.dense)
+XLA = DispatchConfig(backend="xla", dense=False)
 S, F = SLIDING, FULL
 TDICT = presets.tiny_target_dict(num_hidden_layers=3, layer_types=[S, S, F], attention_k_eq_v=True,
                                  tie_word_embeddings=False)
