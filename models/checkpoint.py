@@ -347,7 +347,7 @@ def load_gguf_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Di
     ck = gguf.read_gguf(path, check=check)
     cfg = holder["cfg"]
     params = _gguf_params(ck, target_shapes(cfg), dtype, bits, gs)
-    return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+    return prepared(Target(config=cfg, params=stack_params(cfg, params), matmul=matmul))
 
 
 def _gguf_params(ck, shapes, dtype, bits: int, gs: int) -> dict:
