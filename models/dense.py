@@ -4,8 +4,10 @@ On a CPU, `DispatchConfig(backend="xla")` computes a linear as dequantize + XLA'
 on every call took most of a decode step (the tied 262k x 640 head of a 270M model alone is 168M
 weights). `prepare_dense` swaps each QuantizedWeight of a model for a `DenseWeight` in the model's
 activation dtype, whose dot gives bitwise the result the quantized weight gives on the XLA path; the
-loaders (`load_target`, `load_assistant`, `presets.random_model`) call it when
-`matmul.dense_weights` says so. `weight_bytes` reports what a model's weights hold in memory.
+inference loaders (`load_target`, `load_assistant`, the GGUF loader) call it when
+`matmul.dense_weights` says so. Models made to be saved, trained or sharded stay quantized: the
+presets resolve `dense=None` to False (`stored_form`), and `save` / `shard` refuse a dense model.
+`weight_bytes` reports what a model's weights hold in memory.
 """
 from __future__ import annotations
 
@@ -51,5 +53,13 @@ def weight_bytes(model) -> int:
 
 def prepared(model):
     """`prepare_dense(model)` where its dispatch config asks for dense weights
-    (`DispatchConfig.dense_weights`: the xla backend on a CPU), else `model`: what the loaders return."""
+    (`DispatchConfig.dense_weights`: the xla backend on a CPU), else `model`: what the inference
+    loaders (`load_target`, `load_assistant`, the GGUF loader) return."""
     return prepare_dense(model) if model.matmul.dense_weights else model
+
+
+def stored_form(matmul):
+    """`matmul` with `dense=None` resolved to False: for models made to be saved, trained or sharded
+    (`presets.random_model`, `presets.tiny_pair`), which keep their quantized weights unless a caller
+    asks for dense ones (`dense=True`) in so many words."""
+    return matmul.replace(dense=False) if matmul.dense is None else matmul

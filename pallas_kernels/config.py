@@ -75,8 +75,9 @@ class DispatchConfig:
       kernels where they compile for a GPU (backend "pallas", not interpret mode), else XLA.
     dense: with backend "xla", whether the model loaders prepare every quantized weight once, at
       load, as a dense float matrix (`pallas_kernels.DenseWeight`; models reads it, the dispatch does
-      not): ~4x the weights' memory, no dequantization per call. None: on where JAX's default
-      backend is the CPU (there dequantizing every call cost more than the dots). $JAXSPEC_DENSE_WEIGHTS.
+      not): ~4x the weights' memory, no dequantization per call. None: the inference loaders turn it
+      on where JAX's default backend is the CPU (there dequantizing every call cost more than the
+      dots); models made to be saved, trained or sharded (the presets) keep it off. $JAXSPEC_DENSE_WEIGHTS.
     """
 
     backend: str = "pallas"

@@ -145,9 +145,7 @@ def test_scanned_forward_matches_per_layer(matmul):
 
 def _program_size(n_layers: int) -> int:
     cfg = tiny_cfg(n_layers, 3, vocab_size=256)
-    # dense=False: the quantized weights, stacked (a CPU's dense weights run unrolled, models.dense)
-    t = presets.random_model(cfg, jax.random.key(0), dtype=jnp.float32,
-                             matmul=DispatchConfig(backend="xla", dense=False))
+    t = presets.random_model(cfg, jax.random.key(0), dtype=jnp.float32, matmul=DispatchConfig(backend="xla"))
     cache = models.init_cache(cfg, 1, 16, jnp.float32)
     jaxpr = jax.make_jaxpr(models.forward)(t, jnp.zeros((1, 1), jnp.int32) + 1, cache)
     return sum(1 for _ in _equations(jaxpr.jaxpr))

@@ -13,9 +13,6 @@ from jaxspec.models import layer_scan, presets
 from jaxspec.models.params import LINEAR
 from jaxspec.kernels import DispatchConfig, QuantizedWeight
 
-# dense=False throughout: these tests check the quantized weights the presets make (a CPU's
-# loaders would otherwise dequantize them at load: DispatchConfig.dense, models.dense)
-
 Q4 = {"bits": 4, "group_size": 64}
 
 
@@ -34,7 +31,7 @@ def test_12b_pair_traces_quantized_without_float_weights():
     tcfg, acfg = presets.target_config("12b"), presets.assistant_config("12b")
     assert tcfg.layer_types.count("full_attention") == 8 and tcfg.layer_kv_heads[5] == 1
     models.check_fit(acfg, tcfg)
-    mm = DispatchConfig(backend="xla", dense=False)
+    mm = DispatchConfig(backend="xla")
     t = jax.eval_shape(lambda k: presets.random_model(tcfg, k, quantize=Q4, matmul=mm), jax.random.PRNGKey(0))
     a = jax.eval_shape(lambda k: presets.random_model(acfg, k, quantize=Q4, matmul=mm), jax.random.PRNGKey(1))
     shapes = models.target_shapes(tcfg)
@@ -74,7 +71,7 @@ def test_draft_step_reads_only_committed_keys():
     tdict = presets.tiny_target_dict()
     tcfg = models.TargetConfig.from_dict(tdict)
     acfg = models.AssistantConfig.from_dict(presets.tiny_assistant_dict(tdict, use_ordered_embeddings=True))
-    mm = DispatchConfig(backend="xla", dense=False)
+    mm = DispatchConfig(backend="xla")
     t = presets.random_model(tcfg, jax.random.PRNGKey(0), dtype=jnp.float32, quantize={"bits": 4, "group_size": 32},
                              matmul=mm)
     a = presets.random_model(acfg, jax.random.PRNGKey(1), dtype=jnp.float32, quantize={"bits": 4, "group_size": 32},
@@ -135,7 +132,7 @@ def tiny_pair_rollout(t, a, prompt, steps):
 
 
 def test_tiny_pair_configs_and_determinism():
-    t, a = presets.tiny_pair(seed=3, vocab_size=384, context=128, target_layers=3, matmul=DispatchConfig(backend="xla", dense=False))
+    t, a = presets.tiny_pair(seed=3, vocab_size=384, context=128, target_layers=3, matmul=DispatchConfig(backend="xla"))
     tc, ac = t.config, a.config
     assert tc.vocab_size == ac.vocab_size == 384 and tc.num_hidden_layers == 3
     assert tc.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
@@ -170,7 +167,7 @@ def test_tiny_pair_configs_and_determinism():
 def test_tiny_pair_speculates():
     """The reason for the shaping: the target's greedy text is not one repeated token, and the
     assistant's drafts agree with it sometimes, not never and not always."""
-    t, a = presets.tiny_pair(seed=0, matmul=DispatchConfig(backend="xla", dense=False))
+    t, a = presets.tiny_pair(seed=0, matmul=DispatchConfig(backend="xla"))
     prompt = jnp.asarray(np.random.default_rng(0).integers(3, 512, size=(1, 5)), jnp.int32)
     seq, drafts = tiny_pair_rollout(t, a, prompt, 32)
     assert len(set(seq.tolist())) >= 4, seq

@@ -25,7 +25,7 @@ from jaxspec.models import presets
 from jaxspec.kernels import DispatchConfig
 
 g = jax.device_count()
-xla = DispatchConfig(backend="xla", dense=False)  # models.shard splits quantized weights
+xla = DispatchConfig(backend="xla")
 # the 12B's layout in small: sliding layers with 2 KV heads, global ones with 1 (k = v)
 td = presets.tiny_target_dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64,
                               global_head_dim=64, num_key_value_heads=2, vocab_size=512, attention_k_eq_v=True)

@@ -81,7 +81,7 @@ from . import corpus as corpus_mod
 T_START = time.time()  # main() restarts it: --deadline counts from there
 # The recipe's own forwards (training, the teacher, its greedy data) run the XLA paths: training
 # differentiates them, and the Pallas attention kernels have no JVP. The evaluation runs the defaults.
-TRAIN_MATMUL = DispatchConfig(backend="xla")
+TRAIN_MATMUL = DispatchConfig(backend="xla", dense=False)  # training reads the quantized weights, never CPU-dense ones
 SPECIALS = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID}  # the tokenizer's first ids, in this order
 
 
@@ -594,7 +594,7 @@ def check_target_stage(out: str, sizes: Sizes) -> None:
 
 def load_trained_target(out: str, tcfg):
     """The 4-bit target --stage target saved, with per-layer params as training uses them."""
-    target = models.load_target(os.path.join(out, "target"), dtype=jnp.bfloat16)
+    target = models.load_target(os.path.join(out, "target"), dtype=jnp.bfloat16, matmul=TRAIN_MATMUL)
     if target.config != tcfg:
         raise RuntimeError(f"{out}/target/config.json is not the config these sizes make")
     return target.replace(params=layer_scan.unstack_params(tcfg, target.params))
