@@ -210,7 +210,9 @@ def _markdown(res: dict, args) -> str:
               f"after the load and the warm-up run (peak {j['hwm_mib']:.0f} MiB), before transformers was imported",
               f"- load {j['load_s']:.1f} s, warm-up run (compiles) {j['warmup_s']:.1f} s; transformers' load "
               f"{res['hf_load_s']:.1f} s",
-              f"- jaxspec's greedy text: {j['text']!r}"]
+              f"- jaxspec's greedy text: {j['text']!r}", "",
+              "Where a CPU step goes before and after the dense weights (the 270M shape, random weights): "
+              "[cpu-decode-2026-12-03.md](cpu-decode-2026-12-03.md) (`benchmarks/cpu_decode_bench.py --breakdown-only`)."]
     if res["demo_error"]:
         lines += ["", f"The default pair's demo A/B stopped: {res['demo_error']}"]
     if res["demo"]:
