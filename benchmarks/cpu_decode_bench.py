@@ -7,9 +7,9 @@ Both sides run a Gemma-3-270M-shaped model (18 layers, width 640, FFN 2048, 4 qu
 head of 256, sliding window 512 on 5 of every 6 layers, tied 262,144 x 640 embedding) with random
 weights: jaxspec's 4-bit (group 64) bfloat16 model from `presets.random_model` on
 `DispatchConfig(backend="xla", dense=True)` (prepared dense, as the CPU's loaders do), and
-transformers' `Gemma3ForCausalLM` of the same shape in float32 with eager attention. Same prompt (random ids after BOS), greedy, 64 new tokens; only decoding is
-timed (the prompt's prefill and its first token excluded: tokens/s = 63 / time of the 63 steps on
-both sides), warm (each side runs once first), all cores. The sides alternate (A/B/A/B) so that load
+transformers' `Gemma3ForCausalLM` of the same shape in float32 with eager attention. Same prompt
+(random ids after BOS), greedy, 64 new tokens; only decoding is timed (the prompt's prefill and its
+first token excluded: tokens/s = 63 / time of the 63 steps on both sides), warm (each side runs once first), all cores. The sides alternate (A/B/A/B) so that load
 from other processes falls on both.
 
 `--breakdown-only` times where one jaxspec decode step goes instead: the whole step forward, the
