@@ -105,7 +105,8 @@ def test_mlx_written_checkpoint_loads_and_matches(tmp_path):
 def test_quantize_on_load_matches_mlx_quantize(tmp_path):
     t = float_target(1)
     models.save(t, str(tmp_path / "f"))
-    q = models.load_target(str(tmp_path / "f"), dtype=jnp.bfloat16, quantize={"bits": 4, "group_size": 32})
+    q = models.load_target(str(tmp_path / "f"), dtype=jnp.bfloat16, quantize={"bits": 4, "group_size": 32},
+                          matmul=XLA)
     for name in ("embed_tokens", "lm_head", "layers.1.mlp.down_proj", "layers.2.self_attn.k_proj"):
         w = per_layer(q)[name]
         assert isinstance(w, QuantizedWeight)
@@ -152,7 +153,7 @@ def test_save_load_round_trip_quantized_target_and_assistant(tmp_path):
     acfg = models.AssistantConfig.from_dict(presets.tiny_assistant_dict(TDICT, use_ordered_embeddings=True))
     a = presets.random_model(acfg, jax.random.PRNGKey(4), dtype=jnp.bfloat16, quantize={"bits": 4, "group_size": 32})
     models.save(a, str(tmp_path / "a"))
-    a2 = models.load_assistant(str(tmp_path / "a"), dtype=jnp.bfloat16, target=t2)
+    a2 = models.load_assistant(str(tmp_path / "a"), dtype=jnp.bfloat16, target=t2, matmul=XLA)
     assert a2.config == a.config and per_layer(a2)["masked_embedding.token_ordering"].dtype == jnp.int32
     for name, w in per_layer(a).items():
         for x, y in zip(mlx(w), mlx(per_layer(a2)[name]), strict=True):
