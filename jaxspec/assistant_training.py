@@ -32,7 +32,7 @@ from jaxspec.models.layers import linear
 from jaxspec.models.params import LINEAR
 from jaxspec.progress import bar
 
-TRAIN_MATMUL = DispatchConfig(backend="xla")
+TRAIN_MATMUL = DispatchConfig(backend="xla", dense=False)  # training reads the quantized weights, never CPU-dense ones
 _CLOCK = {"start": time.time()}
 
 

@@ -330,6 +330,8 @@ def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
         cache_dir = None if args.no_compile_cache else compile_cache.enable(args.compile_cache)
     _flush_warnings(caught)
     matmul = _matmul_config(args.backend)
+    if devices is not None and devices > 1:  # models.shard splits the quantized weights, not CPU-dense ones
+        matmul = matmul.replace(dense=False)
     target = _load("target", model_dir, dtype=dtype, matmul=matmul)
     assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
     if devices is not None and devices > 1:

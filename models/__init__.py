@@ -19,6 +19,7 @@ from jaxspec.kernels import ROW_TILE
 from .cache import EMPTY, KVCache, cache_bytes, init_cache, ring_size
 from .checkpoint import load_assistant, load_target, quantize_model, save
 from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
+from .dense import prepare_dense, weight_bytes
 from .params import assistant_shapes, target_shapes
 from .shard import shard
 from .target import Target, embed, forward, logits, make_target, row_bucket, shared_kv
@@ -27,6 +28,6 @@ __all__ = [
     "EMPTY", "ROW_TILE", "cache_bytes", "ring_size",
     "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
     "centroid_logits", "check_fit", "draft_step", "embed", "forward", "init_cache", "load_assistant",
-    "load_target", "logits", "make_assistant", "make_target", "presets", "quantize_model", "row_bucket", "save",
-    "shard", "shared_kv", "target_shapes", "visible_keys",
+    "load_target", "logits", "make_assistant", "make_target", "prepare_dense", "presets", "quantize_model", "row_bucket", "save",
+    "shard", "shared_kv", "target_shapes", "visible_keys", "weight_bytes",
 ]

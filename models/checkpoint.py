@@ -36,6 +36,7 @@ from .assistant import Assistant
 from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, checkpoint_files,  # noqa: F401
                                read_config, save_files, why_not)
 from .config import AssistantConfig, TargetConfig, check_fit, quantization_format
+from .dense import is_dense, prepared
 from .layer_scan import is_stacked, stack_params, unstack_params
 from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, check_params, quant_spec, quantizable,
                      quantize_params, target_shapes)
@@ -316,7 +317,7 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
     shapes = target_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_target")
-    return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+    return prepared(Target(config=cfg, params=stack_params(cfg, params), matmul=matmul))
 
 
 def _target_config(d: dict):
@@ -347,7 +348,7 @@ def load_gguf_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Di
     ck = gguf.read_gguf(path, check=check, progress=progress)
     cfg = holder["cfg"]
     params = _gguf_params(ck, target_shapes(cfg), dtype, bits, gs)
-    return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+    return prepared(Target(config=cfg, params=stack_params(cfg, params), matmul=matmul))
 
 
 def _gguf_params(ck, shapes, dtype, bits: int, gs: int) -> dict:
@@ -426,9 +427,10 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
         shapes = {k: v for k, v in shapes.items() if k != "embed_tokens"}
     skip = lambda name: _ignorable(name, cfg.text) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_assistant")
-    if shared:
-        params["embed_tokens"] = target.params["embed_tokens"]
-    return Assistant(config=cfg, params=params, matmul=matmul)
+    assistant = prepared(Assistant(config=cfg, params=params, matmul=matmul))
+    if shared:  # the target's table as the target holds it (dense or quantized: the dispatch takes either)
+        assistant = assistant.replace(params=dict(assistant.params, embed_tokens=target.params["embed_tokens"]))
+    return assistant
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -459,6 +461,10 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | N
     `config_extra`: keys added to config.json (an assistant's `"target"`, `"target_fingerprint"`);
     with `"shared_embedding": "target"` the assistant's `embed_tokens` (its target's table) is not
     written (load_assistant takes it from the target)."""
+    if is_dense(model):
+        raise ValueError("this model's weights were dequantized for the CPU at load (DenseWeight: "
+                         "DispatchConfig.dense_weights); load it with DispatchConfig(backend='xla', dense=False) "
+                         "to save it")
     cfg = model.config
     d = cfg.to_dict()
     extra = dict(config_extra or {})

@@ -23,6 +23,7 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight
 
 from .assistant import Assistant, make_assistant
 from .config import FULL, SLIDING, AssistantConfig, TargetConfig
+from .dense import prepared, stored_form
 from .layer_scan import stack_params
 from .params import INDEX, LINEAR, assistant_shapes, quant_spec, quantizable, target_shapes
 from .target import Target, make_target
@@ -225,18 +226,20 @@ def random_model(cfg, key, dtype=jnp.bfloat16, quantize=Q4, matmul: DispatchConf
     """A Target (for a TargetConfig) or an Assistant (for an AssistantConfig) with random weights,
     quantized directly (the default, `quantize={"bits": 4, "group_size": 64}`: no float copy of a
     linear weight is ever made); `quantize=None` gives float weights. `matmul=None` resolves to
-    `DispatchConfig.from_env(backend="auto")` here, once (as `load_target` does: XLA on a CPU)."""
-    matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
+    `DispatchConfig.from_env(backend="auto")` here, once (as `load_target` does: XLA on a CPU). The
+    weights stay quantized (a model to save, train or shard) unless `matmul.dense` is True (then
+    they are prepared dense, as the CPU's inference loaders do: `models.prepare_dense`)."""
+    matmul = stored_form(DispatchConfig.from_env(backend="auto") if matmul is None else matmul)
     if isinstance(cfg, str):
         raise ValueError("random_model takes a config; use presets.target_config(name) / assistant_config(name)")
     if isinstance(cfg, AssistantConfig):
-        return Assistant(config=cfg, params=random_params(assistant_shapes(cfg), key, dtype=dtype, quantize=quantize),
-                         matmul=matmul)
+        return prepared(Assistant(config=cfg, params=random_params(assistant_shapes(cfg), key, dtype=dtype,
+                                                                   quantize=quantize), matmul=matmul))
     if isinstance(cfg, TargetConfig):
         if not cfg.cache_layers:
             raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
         params = random_params(target_shapes(cfg), key, dtype=dtype, quantize=quantize)
-        return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)
+        return prepared(Target(config=cfg, params=stack_params(cfg, params), matmul=matmul))
     raise ValueError(f"random_model needs a TargetConfig or AssistantConfig, got {type(cfg).__name__}")
 
 
@@ -255,10 +258,11 @@ def tiny_pair(seed: int = 0, vocab_size: int = 512, context: int = 256, target_l
     predicts that function often but not always.
 
     Both configs carry max_position_embeddings=context and pad/eos/bos ids 0/1/2. The result is a
-    function of `seed` alone. `matmul=None` resolves to `DispatchConfig.from_env(backend="auto")`."""
+    function of `seed` alone. `matmul=None` resolves to `DispatchConfig.from_env(backend="auto")`;
+    the weights stay quantized unless `matmul.dense` is True (as for `random_model`)."""
     if target_layers < 1:
         raise ValueError(f"target_layers={target_layers} must be >= 1")
-    matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
+    matmul = stored_form(DispatchConfig.from_env(backend="auto") if matmul is None else matmul)
     dtype = jnp.dtype(dtype)
     ids = dict(max_position_embeddings=context, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     td = tiny_target_dict(vocab_size=vocab_size, num_hidden_layers=target_layers,
@@ -281,4 +285,4 @@ def tiny_pair(seed: int = 0, vocab_size: int = 512, context: int = 256, target_l
     mix = 0.03 * rng.standard_normal((h, h)) / np.sqrt(h)
     ap["pre_projection"] = jnp.asarray(np.concatenate([np.eye(h), mix], 1), dtype)
     ap = {name: w * 0.03 if name.endswith(post) else w for name, w in ap.items()}
-    return make_target(tcfg, tp, matmul), make_assistant(acfg, ap, matmul)
+    return prepared(make_target(tcfg, tp, matmul)), prepared(make_assistant(acfg, ap, matmul))

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxspec.kernels import QuantizedWeight, take_rows
+from jaxspec.kernels import DenseWeight, QuantizedWeight, take_rows
 from jaxspec.kernels.quant import TILE_ROWS
 
 from .layer_scan import cache_entries
@@ -155,6 +155,9 @@ def shard(model, mesh: Mesh, axis: str = "tp"):
         # XLA rejects by aborting the process
         raise ValueError(f"the mesh holds {mesh.devices.size} of this process's {jax.device_count()} devices: "
                          "shard over all of them (start the process with only the devices to use)")
+    if any(isinstance(w, DenseWeight) for w in model.params.values()):
+        raise ValueError("shard: this model's weights were dequantized for one CPU at load (DenseWeight); load it "
+                         "with DispatchConfig(backend='xla', dense=False) to shard it")
     g = mesh.shape[axis]
     specs = param_specs(model, g, axis)
     params = {name: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), w, specs[name])

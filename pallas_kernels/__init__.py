@@ -12,14 +12,18 @@ Attention with the mask given by positions (causal, optional sliding window, hid
 result bitwise independent of the block width) and `flash_attention.flash_attention` (prefill).
 `attention_inputs.attention_inputs` turns a q/k/v projection's split-K partials
 (`quantized_matmul_parts`) into attention's inputs in one launch: norms, RoPE, the K/V cache write.
+On a CPU the `xla` backend runs models whose weights were dequantized once, at load
+(`prepare_dense` -> `DenseWeight`, see `DispatchConfig.dense`).
 `Layer(stack, i)` passes layer i of a stacked weight (or KV cache) to any of these: the kernels read
 it in place (a model scanning its layers copies no weights). This package knows nothing about models.
 """
 from .config import EMPTY, ROW_TILE, DispatchConfig, attention_head_dim_ok, resolve_backend, select_path
 from .dispatch import quantized_matmul, quantized_matmul_many, quantized_matmul_parts
+from .dense import DenseWeight
 from .quant import QuantizedWeight, dequantize, quantize, take_rows
 from .stack import Layer
-from .xla import einsum_f32
+from .xla import einsum_f32, prepare_dense
 
-__all__ = ["EMPTY", "ROW_TILE", "DispatchConfig", "attention_head_dim_ok", "resolve_backend", "einsum_f32", "Layer", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul",
-           "quantized_matmul_many", "quantized_matmul_parts", "select_path", "take_rows"]
+__all__ = ["EMPTY", "ROW_TILE", "DenseWeight", "DispatchConfig", "attention_head_dim_ok", "resolve_backend", "einsum_f32",
+           "Layer", "QuantizedWeight", "dequantize", "quantize", "quantized_matmul", "quantized_matmul_many",
+           "quantized_matmul_parts", "prepare_dense", "select_path", "take_rows"]

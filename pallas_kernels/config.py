@@ -49,6 +49,7 @@ ENV = {  # variable -> DispatchConfig field
     "JAXSPEC_QMM_TILE_M": "qmm_tile_m",
     "JAXSPEC_QMM_DENSE_ROWS": "qmm_dense_rows",
     "JAXSPEC_MTP_VERIFY_PAD": "verify_pad",
+    "JAXSPEC_DENSE_WEIGHTS": "dense",
 }
 
 
@@ -72,6 +73,11 @@ class DispatchConfig:
     attention: the attention kernels callers should run (models reads it; the matmul does not):
       "pallas" (decode_attention / flash_attention), "xla" (the einsum reference), "auto": the
       kernels where they compile for a GPU (backend "pallas", not interpret mode), else XLA.
+    dense: with backend "xla", whether the model loaders prepare every quantized weight once, at
+      load, as a dense float matrix (`pallas_kernels.DenseWeight`; models reads it, the dispatch does
+      not): ~4x the weights' memory, no dequantization per call. None: the inference loaders turn it
+      on where JAX's default backend is the CPU (there dequantizing every call cost more than the
+      dots); models made to be saved, trained or sharded (the presets) keep it off. $JAXSPEC_DENSE_WEIGHTS.
     """
 
     backend: str = "pallas"
@@ -82,6 +88,7 @@ class DispatchConfig:
     qmm_dense_rows: int = 256
     verify_pad: bool = False
     attention: str = "auto"
+    dense: bool | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -91,8 +98,9 @@ class DispatchConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION}")
-        if self.interpret is not None and not isinstance(self.interpret, bool):
-            raise ValueError(f"interpret={self.interpret!r} must be None or a bool")
+        for name in ("interpret", "dense"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be None or a bool")
         if not _is_int(self.multirow_max_rows) or not 1 <= self.multirow_max_rows <= ROW_TILE:
             raise ValueError(f"multirow_max_rows={self.multirow_max_rows!r} must be an integer in 1..{ROW_TILE} "
                              f"(the GEMV computes one {ROW_TILE}-row tile)")
@@ -117,7 +125,7 @@ class DispatchConfig:
             raw = environ.get(var, "")
             if raw == "":
                 continue
-            if field in ("multirow", "verify_pad"):
+            if field in ("multirow", "verify_pad", "dense"):
                 fields[field] = _parse_bool(var, raw)
             else:
                 fields[field] = _parse_int(var, raw)
@@ -143,6 +151,13 @@ class DispatchConfig:
     def interpret_mode(self) -> bool:
         """Whether the Pallas kernels run in interpret mode: `interpret`, or None -> no GPU."""
         return jax.default_backend() != "gpu" if self.interpret is None else self.interpret
+
+    @property
+    def dense_weights(self) -> bool:
+        """Whether a model on this config holds its linear weights dense (see `dense`)."""
+        if self.backend != "xla":
+            return False
+        return jax.default_backend() == "cpu" if self.dense is None else self.dense
 
     @property
     def attention_kernels(self) -> bool:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import PATHS, ROW_TILE, DispatchConfig, select_path
+from .dense import DenseWeight
 from .launch import gemv, gemv_tiling, qmm, qmm_dense, qmm_tiling, same_format
 from .quant import FLOAT_DTYPES, QuantizedWeight
 from .stack import Layer, unwrap
@@ -28,7 +29,8 @@ def _check(x, w) -> int:
     else:
         rank = 2 if layer is None else 3
         if not hasattr(stored, "ndim") or stored.ndim != rank:
-            raise ValueError(f"weight must be a QuantizedWeight or a rank-2 [N, K] float array (a Layer: of "
+            raise ValueError(f"weight must be a QuantizedWeight, a DenseWeight or a rank-2 [N, K] float array (a "
+                             f"Layer: of "
                              f"[L, N, K]), got shape {getattr(stored, 'shape', None)}")
         if stored.dtype not in FLOAT_DTYPES:
             raise ValueError(f"float weight must be float32/float16/bfloat16, got {stored.dtype}")
@@ -96,7 +98,9 @@ def _one(x2, w, path, config, fold: bool):
     stored, layer = unwrap(w)
     if isinstance(stored, QuantizedWeight) and config.backend == "pallas":
         return _pallas(x2, (stored,), path or select_path(x2.shape[0], config), config, layer, fold)[0]
-    if not isinstance(stored, QuantizedWeight):
+    if isinstance(stored, DenseWeight):
+        out = dense_matmul(x2, (stored if layer is None else layer.take()).value())
+    elif not isinstance(stored, QuantizedWeight):
         out = dense_matmul(x2, w if layer is None else layer.take())
     else:
         out = xla_quantized_matmul(x2, stored if layer is None else layer.take())

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .dense import DenseWeight
+
 SUPPORTED_BITS = (2, 4, 8)  # bit widths whose elements never straddle a 32-bit word
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
@@ -233,6 +235,8 @@ def dequantize(qw: QuantizedWeight, dtype=None) -> jax.Array:
 def take_rows(w, ids, dtype=None) -> jax.Array:
     """Rows `ids` of a float `[N, K]` matrix or a QuantizedWeight (an embedding lookup), dequantized."""
     ids = jnp.asarray(ids)
+    if isinstance(w, DenseWeight):
+        return w.take_rows(ids, dtype)
     if not isinstance(w, QuantizedWeight):
         out = jnp.take(w, ids, axis=0)
         return out if dtype is None else out.astype(dtype)

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .dense import DenseWeight
 from .quant import QuantizedWeight
 
 
@@ -42,6 +43,8 @@ class Layer:
     def take(self):
         """The layer itself (a dynamic slice): for the XLA paths."""
         i = jnp.asarray(self.index, jnp.int32)
+        if isinstance(self.stack, DenseWeight):
+            return self.stack.layer(i)
         return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), self.stack)
 
     def operand(self) -> jax.Array:

@@ -7,7 +7,20 @@ import jax
 import jax.numpy as jnp
 
 from .config import ROW_TILE
+from .dense import DenseWeight
 from .quant import QuantizedWeight, dequantize
+
+# XLA's CPU dot gives a row the same bits for every row count from 2 on (a GEMM library kernel
+# whose reduction order does not depend on the rows), while 1 row takes a GEMV that sums in another
+# order (measured on JAX 0.10.2, float32 and bfloat16, [2048, 640], [640, 2048], [4096, 512], 2..16
+# rows; tests/test_kernels.py checks it). So on a CPU one row is padded to 2, not to ROW_TILE.
+CPU_DOT_ROWS = 2
+
+
+def dense_rows() -> int:
+    """The rows a dense dot of fewer rows is computed as, so that its rows are bitwise those of any
+    wider dot: CPU_DOT_ROWS on a CPU, ROW_TILE elsewhere."""
+    return CPU_DOT_ROWS if jax.default_backend() == "cpu" else ROW_TILE
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -37,10 +50,10 @@ einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
 def dense_matmul(x2: jax.Array, w: jax.Array) -> jax.Array:
     """`x2 [R, K] @ w[N, K].T` with float32 accumulation. A dot's result for row i may depend on the
     row count (XLA picks a GEMV for one row and a GEMM for several, with different reduction orders),
-    so fewer than ROW_TILE rows are computed as ROW_TILE: a [B, 1] decode step and a [B, K] verify
-    then give bitwise-identical rows."""
-    rows = x2.shape[0]
-    xp = jnp.pad(x2, ((0, ROW_TILE - rows), (0, 0))) if rows < ROW_TILE else x2
+    so fewer than `dense_rows()` rows are computed as that many: a [B, 1] decode step and a [B, K]
+    verify then give bitwise-identical rows."""
+    rows, pad_to = x2.shape[0], dense_rows()
+    xp = jnp.pad(x2, ((0, pad_to - rows), (0, 0))) if rows < pad_to else x2
     dot_dtype = jnp.promote_types(x2.dtype, w.dtype)
     return einsum_f32("rk,nk->rn", xp.astype(dot_dtype), w.astype(dot_dtype))[:rows]
 
@@ -59,3 +72,30 @@ def dense_after_x(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     w = dequantize(qw, x2.dtype)
     zero = (jnp.nan_to_num(x2[0, 0]) * 0).astype(w.dtype)
     return dense_matmul(x2, w + zero)
+
+
+def prepare_dense(w, dtype=None) -> DenseWeight:
+    """A QuantizedWeight (or a float array) as a DenseWeight in `dtype` (default: the weight's own),
+    dequantized once: `dense_matmul` on it gives bitwise `xla_quantized_matmul`'s result for an x of
+    that dtype, and `take_rows` the rows `quant.take_rows` gives. A stacked QuantizedWeight (one more
+    leading axis) is dequantized layer by layer."""
+    if isinstance(w, DenseWeight):
+        return w if dtype is None or jnp.dtype(dtype) == w.dtype else DenseWeight.of(w.value().astype(dtype))
+    if not isinstance(w, QuantizedWeight):
+        w = jnp.asarray(w)
+        return DenseWeight.of(w if dtype is None else w.astype(dtype))
+    dtype = w.dtype if dtype is None else dtype
+    if w.scales.ndim == 3:
+        return DenseWeight.of(jnp.stack([_dequantize(jax.tree_util.tree_map(lambda a, i=i: a[i], w), dtype)
+                                         for i in range(w.scales.shape[0])]))
+    return DenseWeight.of(_dequantize(w, dtype))
+
+
+def _dequantize(qw: QuantizedWeight, dtype) -> jax.Array:
+    qw.validate()
+    return _dequantize_jit(qw, jnp.dtype(dtype).name)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _dequantize_jit(qw, dtype_name):
+    return dequantize(qw, jnp.dtype(dtype_name))

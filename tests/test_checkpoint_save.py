@@ -18,7 +18,9 @@ from jaxspec.models import checkpoint, checkpoint_files, layer_scan, presets
 from jaxspec.kernels import DispatchConfig
 from seeds import seeded_int, seeded_rng
 
-XLA = DispatchConfig(backend="xla")
+# dense=False: these tests are about the stored (quantized) format, which a CPU's loaders would
+# otherwise dequantize at load (DispatchConfig.dense, models.dense)
+XLA = DispatchConfig(backend="xla", dense=False)
 CFG = models.TargetConfig.from_dict(presets.tiny_target_dict())
 MANIFEST = getattr(checkpoint, "MANIFEST", "jaxspec_manifest.json")
 SMALL = 64 << 10  # shard_bytes that make several shards of the tiny model

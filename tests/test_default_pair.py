@@ -33,7 +33,7 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight
 from fake_terminal import Terminal
 from seeds import seeded_int, seeded_rng
 
-XLA = DispatchConfig(backend="xla")
+XLA = DispatchConfig(backend="xla", dense=False)  # the shipped (quantized) format; not dequantized at load
 N_PROMPTS = 8            # run one at a time (B=1): equal lengths, so one compilation serves all
 DTYPE = jnp.bfloat16     # on CPU the XLA path is bit-exact (K-wide verify == K steps) for bf16 at B=1
 NEW_TOKENS = 48

@@ -23,6 +23,7 @@ from jaxspec.models.params import LINEAR  # noqa: E402
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gemma3_270m_reference.npz")
 REFERENCE_TRANSFORMERS = "5.25.0"  # the transformers the fixture came from (its Gemma 3 and GGUF code)
 XLA = DispatchConfig(backend="xla")
+STORED = DispatchConfig(backend="xla", dense=False)  # keeps the quantized weights as loaded (not CPU-dense)
 
 # The exact load holds the weights transformers holds (models/gguf.py maps every GGUF block onto the
 # kernels' format without rounding; tests/test_gguf.py checks it element for element), so the two
@@ -100,7 +101,7 @@ def test_exact_load_greedy_continuations(ref, exact):
 def q4_agreement(ref):
     """The all-4-bit group-64 form (every linear weight requantized from the exact load): the share
     of transformers' 128 continuation tokens that are its argmax, teacher-forced."""
-    target = models.load_target(ref["path"], dtype=jnp.float32, quantize={"bits": 4, "group_size": 64}, matmul=XLA)
+    target = models.load_target(ref["path"], dtype=jnp.float32, quantize={"bits": 4, "group_size": 64}, matmul=STORED)
     params = layer_scan.unstack_params(target.config, target.params)
     for name, (_, kind) in models.target_shapes(target.config).items():  # every linear, the embedding too
         if kind == LINEAR:

@@ -20,6 +20,7 @@ from jaxspec.models import gguf as G
 from fake_terminal import Terminal
 from seeds import seeded_rng
 
+STORED = DispatchConfig(backend="xla", dense=False)  # the weights as loaded, not the CPU's dense copies
 QT = gguf.GGMLQuantizationType
 MAPPED = (G.Q8_0, G.Q5_0, G.Q4_K, G.Q6_K)
 D_FIELDS = {G.Q8_0: (0,), G.Q5_0: (0,), G.Q4_K: (0, 2), G.Q6_K: (208,)}  # byte offsets of fp16 d / dmin
@@ -374,7 +375,7 @@ def test_load_target_holds_the_mapping_exactly(tiny):
 
     ck = G.read_gguf(tiny)
     for dtype in (jnp.float32, jnp.bfloat16):
-        t = models.load_target(tiny, dtype=dtype)
+        t = models.load_target(tiny, dtype=dtype, matmul=STORED)
         assert t.dtype == dtype and t.config.model_type == "gemma3_text"
         params = _params(t)
         assert sorted("model." + n + ".weight" for n in params) == sorted(ck.tensors)
@@ -397,7 +398,7 @@ def test_requantized_all_4bit_g64(tiny):
     from jaxspec.kernels import QuantizedWeight, quantize
 
     ck = G.read_gguf(tiny)
-    params = _params(models.load_target(tiny, dtype=jnp.float32, quantize={"bits": 4, "group_size": 64}))
+    params = _params(models.load_target(tiny, dtype=jnp.float32, quantize={"bits": 4, "group_size": 64}, matmul=STORED))
     linear = 0
     for name, w in params.items():
         ref = ck.tensors["model." + name + ".weight"]

@@ -362,7 +362,7 @@ def check_target_stage(out: str, sizes: Sizes) -> None:
 
 def load_trained_target(out: str, tcfg):
     """The 4-bit target --stage target saved, with per-layer params as training uses them."""
-    target = models.load_target(os.path.join(out, "target"), dtype=jnp.bfloat16)
+    target = models.load_target(os.path.join(out, "target"), dtype=jnp.bfloat16, matmul=TRAIN_MATMUL)
     if target.config != tcfg:
         raise RuntimeError(f"{out}/target/config.json is not the config these sizes make")
     return target.replace(params=layer_scan.unstack_params(tcfg, target.params))
