@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -133,7 +134,8 @@ class _Text:
 
 
 # ---- validation ------------------------------------------------------------------------------
-MAX_STOP_CHARS = 256        # per stop string
+MAX_STOP_CHARS = sampling.MAX_STOP_CHARS  # per stop string
+TEMPERATURE_MAX = 2.0  # OpenAI's bound (the library has none)
 
 # Fields a request may carry; the values that change nothing are accepted for the others
 # (`_NEUTRAL`); anything else is a 400 naming the field, never silently ignored.
@@ -172,16 +174,21 @@ def _number(body, name, default, lo, hi, *, integer=False, lo_open=False):
     return v
 
 
+def _knob(body, name, default, knob=None, hi=None):
+    """A request knob's field, in its range from `sampling.RANGES` (`hi`: a lower upper bound)."""
+    r = sampling.RANGES[knob or name]
+    return _number(body, name, default, r.lo, r.hi if hi is None else hi, integer=r.integer, lo_open=r.lo_open)
+
+
 def _stops(body) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(
-            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise ApiError(400, f"'stop' must be a non-empty string of at most {MAX_STOP_CHARS} characters or a list "
-                            "of at most 4 of them", "stop")
-    return stop
+    try:
+        return list(sampling.validate_stop(stop if isinstance(stop, list) else None))
+    except ValueError as e:
+        raise ApiError(400, f"'stop' {str(e).removeprefix('stop ')}", "stop") from None
 
 
 def _logit_bias(body, vocab: int) -> tuple:
@@ -335,21 +342,16 @@ class Server:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", "stream")
-        temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+        temperature = _knob(body, "temperature", 0.0, hi=TEMPERATURE_MAX)
         if 0 < temperature < sampling.MIN_TEMPERATURE:
             raise ApiError(400, f"'temperature' must be 0 (greedy) or in [{sampling.MIN_TEMPERATURE}, 2]",
                            "temperature")
-        top_p = _number(body, "top_p", None, 0.0, 1.0, lo_open=True)
-        top_k = _number(body, "top_k", None, 1, 1 << 30, integer=True)
-        seed = _number(body, "seed", None, 0, 2**64 - 1, integer=True)
+        top_p = _knob(body, "top_p", None)
+        top_k = _knob(body, "top_k", None)
+        seed = _knob(body, "seed", None)
         logprobs = self._logprobs(body, chat)
         bias = _logit_bias(body, self.target.config.vocab_size)
         stop = _stops(body)
-        try:
-            params = sampling.SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p,
-                                             logit_bias=bias)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
         ids = self._chat_ids(body) if chat else self._prompt_ids(body)
         what = "messages" if chat else "prompt"
         if not ids:
@@ -365,7 +367,7 @@ class Server:
             raise ApiError(400, f"the prompt is {len(ids)} tokens, more than a batch slot of this server holds "
                                 f"({self.batch_capacity} positions for prompt and output)", what, "exceeds_batch_slot")
         default = min(default, room or default, slot or default)
-        max_tokens = _number(body, name, default, 1, room or 1 << 20, integer=True)
+        max_tokens = _knob(body, name, default, "max_new_tokens", hi=room or 1 << 20)
         if slot is not None and max_tokens > slot:
             # Running it alone would compile its programs while every other client waits.
             raise ApiError(400, f"'{name}' {max_tokens} does not fit a batch slot of this server: with this "
@@ -373,19 +375,23 @@ class Server:
                                 f"and {self.batch_capacity} positions per request)", name, "exceeds_batch_slot")
         if seed is None:  # as OpenAI: without a seed, sampling differs from call to call
             seed = random.getrandbits(63)
+        try:  # the fields were checked above (naming them as the client spelled them): this cannot fail
+            params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logit_bias=bias,
+                                             max_new_tokens=max_tokens, seed=seed, stop=stop, logprobs=logprobs)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
         return Job(ids=ids, max_tokens=max_tokens, stop=stop, params=params, seed=seed, logprobs=logprobs), stream
 
     @staticmethod
     def _logprobs(body, chat: bool) -> int | None:
         """Alternatives per token to report, or None. Completions: `logprobs` N; chat: `logprobs`
         true with `top_logprobs` N."""
-        top = sampling.TOP_LOGPROBS
         if not chat:
-            return _number(body, "logprobs", None, 0, top, integer=True)
+            return _knob(body, "logprobs", None)
         on = body.get("logprobs")
         if on is not None and not isinstance(on, bool):
             raise ApiError(400, "'logprobs' must be a boolean", "logprobs")
-        n = _number(body, "top_logprobs", None, 0, top, integer=True)
+        n = _knob(body, "top_logprobs", None, "logprobs")
         if n is not None and not on:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (n or 0) if on else None
@@ -534,11 +540,10 @@ class Server:
         self.solo += 1
         try:
             text = _Text(self.tok, job)
-            p = job.params
+            request = dataclasses.replace(job.params, max_new_tokens=job.max_tokens, seed=job.seed, stop=(),
+                                          logprobs=job.logprobs)  # stop strings: applied by _Text
             for chunk in streaming.stream_generate(
-                    self.target, [job.ids], assistant=self.assistant, max_new_tokens=job.max_tokens,
-                    block_size=self.block_size, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                    logit_bias=p.logit_bias, logprobs=job.logprobs, seed=job.seed,
+                    self.target, [job.ids], params=request, assistant=self.assistant, block_size=self.block_size,
                     eos_token_ids=self.tok.eos_token_ids, rounds_per_chunk=self.rounds_per_chunk):
                 if job.cancelled.is_set():
                     self.dropped += 1
