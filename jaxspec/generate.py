@@ -551,7 +551,7 @@ def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingPar
     sampling with temperature / top_k / top_p.
 
     prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
-    params: the request, a `jaxspec.SamplingParams`; or its fields as keywords (not both):
+    params: the request, a `jaxspec.SamplingParams`; its fields as keywords build one (or replace params'):
       max_new_tokens (default 128), temperature, top_k, top_p, seed (default 0), stop_token_ids,
       draft ("sample": draw drafts from q, or "argmax"; T > 0 only), logit_bias ({token id: value
       in [-100, 100]} added to the logits, greedy too, at most 300), logprobs (None, or N in 0..20:

@@ -156,20 +156,13 @@ class SamplingParams:
 
     @classmethod
     def build(cls, params: "SamplingParams | None" = None, **knobs) -> "SamplingParams":
-        """`params`, or one built from keyword knobs (the entry points' thin convenience: only the
-        knobs a caller passed). ValueError when both are given: which would win is not obvious."""
+        """`params` with the keyword knobs a caller passed in place of its fields (the entry points'
+        thin convenience), or a request built from the knobs alone; checked once, here."""
         if params is None:
             return cls(**knobs)
         if not isinstance(params, cls):
             raise ValueError(f"params must be a jaxspec.SamplingParams, got {type(params).__name__}")
-        if knobs:
-            names = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(knobs) - names)
-            if unknown:
-                raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
-            raise ValueError(f"pass the request in params or as keywords, not both (got params and "
-                             f"{', '.join(sorted(knobs))})")
-        return params
+        return dataclasses.replace(params, **knobs) if knobs else params
 
 
 def _checked(name: str, value, why: str = ""):
