@@ -538,7 +538,7 @@ def cmd_generate(args) -> int:
     _check_cache_flag(args)
     try:  # the request, checked once here: before anything is loaded
         request = sampling.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                          seed=args.seed)
+                                          min_p=args.min_p, seed=args.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
     prompt = _prompt_text(args)
@@ -939,6 +939,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None, metavar="K")
     g.add_argument("--top-p", type=float, default=None, metavar="P")
+    g.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help="drop tokens less likely than P times the most likely one (0..1; default off)")
     g.add_argument("--seed", type=int, default=0, metavar="S",
                    help="sampling seed, an integer in [0, 2**64) (default 0)")
     g.add_argument("--block-size", type=int, default=4, metavar="K",

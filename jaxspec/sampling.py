@@ -1,10 +1,10 @@
-"""Token selection: greedy, temperature / top-k / top-p sampling, logit bias, log-probabilities,
+"""Token selection: greedy, temperature / top-k / top-p / min-p sampling, logit bias, log-probabilities,
 and the lossless speculative accept/resample step.
 
 Everything here is batched, vectorized and jit-friendly: no Python control flow depends on array
 values. What a compiled program can do is static (`SamplingMode`: may rows sample, filter, carry
 a bias, report log-probabilities); the values are per-row runtime arrays (`RowParams`: one
-temperature, top_k, top_p and bias per row, temperature 0 = a greedy row). So one program serves
+temperature, top_k, top_p, min_p and bias per row, temperature 0 = a greedy row). So one program serves
 every setting, and rows with different settings share a batch: a new temperature compiles nothing.
 
 The speculative step is modified rejection sampling (Leviathan et al. / Chen et al.): draft token
@@ -64,6 +64,7 @@ RANGES = {
     "temperature": Range(0.0, None, integer=False),
     "top_k": Range(1, 2**31 - 1, integer=True),      # an int32 per row
     "top_p": Range(0.0, 1.0, integer=False, lo_open=True),
+    "min_p": Range(0.0, 1.0, integer=False),
     "seed": Range(0, SEED_LIMIT - 1, integer=True),
     "max_new_tokens": Range(1, None, integer=True),
     "logprobs": Range(0, TOP_LOGPROBS, integer=True),
@@ -92,8 +93,10 @@ class SamplingParams:
     the server applies them); stop_token_ids: token ids that end a row (kept in the output).
     logprobs: None, or N in 0..TOP_LOGPROBS: report each token's log-probability and the N most
     likely tokens' (under the target's logits, before bias and temperature).
+    min_p: None (off) or in [0, 1]: drop the tokens whose probability (after temperature) is below
+    min_p times the most likely one's (vLLM's and HF's min-p).
 
-    The per-row values (temperature, top_k, top_p, logit_bias) are runtime inputs of a program
+    The per-row values (temperature, top_k, top_p, min_p, logit_bias) are runtime inputs of a program
     (`RowParams`); `per_row()` is the request without the rest.
     """
 
@@ -107,6 +110,7 @@ class SamplingParams:
     stop: tuple = ()
     stop_token_ids: tuple = ()
     logprobs: int | None = None
+    min_p: float | None = None
 
     def __post_init__(self):
         validate_sampling(self.temperature, self.top_k, self.top_p, self.draft)
@@ -116,6 +120,8 @@ class SamplingParams:
             put("top_k", int(self.top_k))
         if self.top_p is not None:
             put("top_p", float(self.top_p))
+        if self.min_p is not None:
+            put("min_p", _checked("min_p", self.min_p))
         put("logit_bias", validate_bias(self.logit_bias))
         if self.max_new_tokens is not None:
             put("max_new_tokens", _checked("max_new_tokens", self.max_new_tokens))
@@ -145,7 +151,8 @@ class SamplingParams:
         request's own `logprobs`)."""
         logprobs = self.logprobs if logprobs is None else logprobs
         return SamplingMode(sample=not self.greedy,
-                            filter=not self.greedy and (self.top_k is not None or self.top_p is not None),
+                            filter=not self.greedy and (self.top_k is not None or self.top_p is not None
+                                                        or bool(self.min_p)),
                             bias=bool(self.logit_bias), logprobs=-1 if logprobs is None else int(logprobs),
                             draft=self.draft)
 
@@ -194,7 +201,7 @@ class SamplingMode:
     a greedy row in a `sample` program is exactly a greedy row in a greedy one.
 
     sample: rows may have temperature > 0 (False: argmax only, no random numbers drawn).
-    filter: rows may use top_k / top_p (a sort of the vocabulary per distribution).
+    filter: rows may use top_k / top_p / min_p (a sort of the vocabulary per distribution).
     bias: rows may carry a logit_bias (BIAS_SLOTS entries per row).
     logprobs: -1 none; N >= 0: the log-probability of every emitted token under the target's logits
       (before bias and temperature) and the N most likely tokens with theirs.
@@ -237,6 +244,7 @@ class RowParams:
     temperature: jax.Array  # float32 [B]; 0: the row is greedy
     top_k: jax.Array        # int32 [B]; 0: off
     top_p: jax.Array        # float32 [B]; 1: off
+    min_p: jax.Array        # float32 [B]; 0: off
     bias_ids: jax.Array     # int32 [B, NB] (NB = BIAS_SLOTS when the mode has bias, else 0)
     bias: jax.Array         # float32 [B, NB]; unused entries 0
 
@@ -254,6 +262,7 @@ def row_params(params: Sequence[SamplingParams], mode: SamplingMode) -> RowParam
     return RowParams(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
                      top_k=jnp.asarray([p.top_k or 0 for p in params], jnp.int32),
                      top_p=jnp.asarray([1.0 if p.top_p is None else p.top_p for p in params], jnp.float32),
+                     min_p=jnp.asarray([p.min_p or 0.0 for p in params], jnp.float32),
                      bias_ids=jnp.asarray(ids), bias=jnp.asarray(vals))
 
 
@@ -372,13 +381,16 @@ def biased(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
 
 
 def filter_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
-    """Temperature-scaled logits (float32) with tokens outside each row's top-k / top-p set to -inf.
+    """Temperature-scaled logits (float32) with tokens outside each row's top-k / top-p / min-p set to -inf.
     A greedy row (temperature 0) is scaled by 1 (its distribution is computed, never used).
 
     top-k keeps every token whose scaled logit is >= the k-th largest (ties at the boundary are
     kept). top-p (nucleus) keeps the smallest prefix of the descending-probability order (within
     top-k) whose mass reaches top_p (the most likely token is always kept; ties at the boundary are
-    kept). One descending sort of the vocabulary serves both; a program without `filter` skips it.
+    kept). min-p keeps every token whose probability is >= min_p times the most likely one's:
+    p_i >= min_p * p_max is x_i >= x_max + log(min_p) (the softmax's normalizer cancels), and the
+    most likely token survives top-k and top-p, so the order of the three does not matter. One
+    descending sort of the vocabulary serves them; a program without `filter` skips it.
     """
     t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
     x = logits.astype(jnp.float32) / _per_row(t, logits.ndim)
@@ -399,7 +411,8 @@ def filter_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax
     keep = (mass_before < top_p) | (top_p >= 1.0) | first
     n_keep = jnp.sum(keep, axis=-1, keepdims=True)
     thr_p = jnp.take_along_axis(s, n_keep - 1, axis=-1)
-    return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, neg_inf)
+    thr_min = s[..., :1] + jnp.log(_per_row(rows.min_p, nd))  # min_p 0: log 0 = -inf keeps every token
+    return jnp.where(x >= jnp.maximum(jnp.maximum(thr_k, thr_p), thr_min), x, neg_inf)
 
 
 def probs_from_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:

@@ -6,7 +6,7 @@
 Requests decode together, continuously batched (`jaxspec.batching.BatchEngine`): one worker thread
 admits waiting requests into free slots between rounds (in arrival order), runs a round for every
 live slot, and retires finished ones. Every sampling setting shares the batch: temperature, top_p,
-top_k, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
+top_k, min_p, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
 nothing. A request whose prompt and budget do not fit a slot is refused once the server has
 warmed up (a 400 naming the slot's limit: it would compile programs on the serving path while
 every other client waits); without the warm-up it runs alone (`streaming.stream_generate`) once
@@ -139,7 +139,7 @@ TEMPERATURE_MAX = 2.0  # OpenAI's bound (the library has none)
 
 # Fields a request may carry; the values that change nothing are accepted for the others
 # (`_NEUTRAL`); anything else is a 400 naming the field, never silently ignored.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
            "n", "logit_bias", "user", "presence_penalty", "frequency_penalty", "logprobs"}
 _FIELDS = {False: _COMMON | {"prompt", "echo", "best_of", "suffix"},
            True: _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
@@ -348,6 +348,7 @@ class Server:
                            "temperature")
         top_p = _knob(body, "top_p", None)
         top_k = _knob(body, "top_k", None)
+        min_p = _knob(body, "min_p", None)
         seed = _knob(body, "seed", None)
         logprobs = self._logprobs(body, chat)
         bias = _logit_bias(body, self.target.config.vocab_size)
@@ -376,7 +377,8 @@ class Server:
         if seed is None:  # as OpenAI: without a seed, sampling differs from call to call
             seed = random.getrandbits(63)
         try:  # the fields were checked above (naming them as the client spelled them): this cannot fail
-            params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logit_bias=bias,
+            params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                             logit_bias=bias,
                                              max_new_tokens=max_tokens, seed=seed, stop=stop, logprobs=logprobs)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
