@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import loop, sampling
-from .generate import (BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _check_logprobs,
-                       _default_stop_ids, _round_up, check_block_size, check_int, effective_block_size,
+from .generate import (BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids,
+                       _round_up, check_block_size, check_int, effective_block_size,
                        make_generate, stop_array)
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
@@ -80,20 +80,21 @@ class SlotEvent:
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.DecodeState:
-    """`state` with row `slot` replaced by `one`'s only row (its cache, tokens, budget, counters,
-    key, sampling values, log-probabilities); the shared fields (stop ids, round count, histogram)
-    stay the state's."""
+    """`state` with row `slot` replaced by `one`'s only row: every per-row field (`loop.row_fields`:
+    its cache, tokens, budget, counters, key, sampling values, log-probabilities, and any field
+    added later), so nothing of the slot's previous request survives; the shared fields (stop ids,
+    round count, histogram) stay the state's."""
     def put(big, row, axis=0):
         return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
 
-    c, oc = state.cache, one.cache
-    cache = c.replace(k=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.k, oc.k)),  # [(G,) B, L, H, D]
-                      v=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.v, oc.v)),
-                      lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos))
-    rows = {f: jax.tree.map(put, getattr(state, f), getattr(one, f)) for f in
-            ("bonus", "h_prev", "out", "n_out", "limit", "done", "row_rounds", "drafted", "accepted", "finite",
-             "rows", "lp", "top_ids", "top_lp")}
-    return state.replace(cache=cache, key=state.key.at[slot].set(one.key), **rows)
+    def cache(c, oc):  # the K/V buffers are [(G,) B, L, H, D]: rows on axis ndim - 4
+        return c.replace(k=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.k, oc.k)),
+                         v=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.v, oc.v)),
+                         lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos))
+
+    special = {"cache": cache, "key": lambda k, ok: k.at[slot].set(ok)}  # one's key is the row's own (scalar)
+    return state.replace(**{f: special.get(f, lambda a, b: jax.tree.map(put, a, b))(getattr(state, f), getattr(one, f))
+                            for f in loop.row_fields()})
 
 
 @jax.jit
@@ -114,19 +115,19 @@ class BatchEngine:
     budget a request may ask; `capacity`: cache positions per slot (prompt + budget + K must fit;
     default: the target's context, capped at 8192 so the default cache stays small). `block_size`
     is probed once at `slots` rows at T = 0 (`generate.effective_block_size`), as generate does.
-    temperature / top_k / top_p: the sampling of a request admitted without its own. `modes`: the
+    params (a SamplingParams) or its keywords (temperature, top_k, top_p, ...): the request of an
+    admission without its own (its budget, seed and logprobs fill what `admit` leaves open). `modes`: the
     program ladder (default MODES); only programs that a step needs are compiled (`warm_up`
     compiles them all)."""
 
     def __init__(self, target, assistant=None, *, slots: int, max_new_tokens: int, capacity: int | None = None,
-                 block_size: int = 4, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
-                 rounds_per_step: int = 1, modes=MODES):
+                 block_size: int = 4, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
+                 rounds_per_step: int = 1, modes=MODES, params: sampling.SamplingParams | None = None, **knobs):
         check_int("slots", slots, 1)
         check_int("max_new_tokens", max_new_tokens, 1)
         check_block_size(block_size, target.config.max_position_embeddings)
         check_int("rounds_per_step", rounds_per_step, 1, MAX_ROUNDS_PER_CHUNK)
-        self.default = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.default = sampling.SamplingParams.build(params, **knobs)
         if block_size > 1 and assistant is None:
             block_size = 1
         context = target.config.max_position_embeddings
@@ -206,11 +207,12 @@ class BatchEngine:
         width = self.gen.spec.width(self.slots, self.target.matmul)
         return max(0, min(self.max_new_tokens, self.capacity + 1 - n_prompt - width))
 
-    def admit(self, prompt_ids, max_new_tokens: int, seed: int | None = None, owner: object = True,
+    def admit(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, owner: object = True,
               params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:
-        """Prefill one request into a free slot and return the slot. `seed`: its sampling seed
-        (None: one drawn from the engine's seed); `params`: its sampling (None: the engine's
-        default); `logprobs`: None or the alternatives per token its events carry (0..20).
+        """Prefill one request into a free slot and return the slot. `params`: the request (None:
+        the engine's default); `max_new_tokens`, `seed`, `logprobs`, when given, override its own
+        (a budget is needed; seed None: one drawn from the engine's seed; logprobs: None or the
+        alternatives per token its events carry, 0..20).
         ValueError (before any compute) for bad ids, a budget or prompt that does not fit, a bad
         seed, sampling or bias or no free slot. Nothing waits for the device: the prefill and the
         copy into the slot are queued, and the next `step` queues its rounds before it reads the
@@ -222,25 +224,32 @@ class BatchEngine:
         ids, vocab = rows[0], self.target.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt_ids must be a non-empty list of token ids in [0, {vocab})")
+        params = self.default if params is None else params
+        if not isinstance(params, sampling.SamplingParams):
+            raise ValueError(f"params must be a sampling.SamplingParams, got {type(params).__name__}")
+        max_new_tokens = params.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
                 not self.fits(len(ids), max_new_tokens):
             raise ValueError(f"a {len(ids)}-token prompt with max_new_tokens={max_new_tokens!r} does not fit this "
                              f"engine (budget 1..{self.max_new_tokens}, {self.capacity} cache positions per slot)")
-        params = self.default if params is None else params
-        if not isinstance(params, sampling.SamplingParams):
-            raise ValueError(f"params must be a sampling.SamplingParams, got {type(params).__name__}")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        need = params.mode(_check_logprobs(logprobs))
+        if params.stop_token_ids:  # the state's stop ids are shared by every slot (stop strings: the caller's)
+            raise ValueError("a batch engine's stop ids are its own (eos_token_ids), for every slot: a request "
+                             "cannot bring stop_token_ids")
+        if logprobs is not None:  # the keyword's range: a request's own was checked when it was built
+            logprobs = dataclasses.replace(params, logprobs=logprobs).logprobs
+        need = params.mode(logprobs)
         if not self.modes[-1].covers(need):
             raise ValueError(f"no program of this engine runs {params} with logprobs={logprobs}")
         if not self.free:
             raise ValueError(f"all {self.slots} slots are taken")
+        seed = params.seed if seed is None else seed
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
         inputs = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos, seed=seed,
-                                 params=params)
+                                 params=params.per_row())
         one = self.gen.compiled_prefill(self.target, *inputs)()
         self.state = _insert(self.state, one, jnp.int32(slot))
         self.admissions += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import time
 import traceback
 import warnings
 
-from . import compile_cache
+from . import compile_cache, sampling
 from .serve_guard import ACCEPT_BACKLOG
 from .generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
 
@@ -167,7 +168,8 @@ def _check_backend() -> None:
 
 # Integer flags' ranges, checked up front by _check_ranges (argparse only checks they are integers:
 # its own range errors print the whole usage). (flag, attribute, lowest, highest or None, why)
-_GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""), ("--top-k", "top_k", 1, 2**31 - 1, ""),
+_GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""),
+                    ("--top-k", "top_k", sampling.RANGES["top_k"].lo, sampling.RANGES["top_k"].hi, ""),
                     ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                     ("--stream-rounds", "stream_rounds", 1, MAX_ROUNDS_PER_CHUNK, ""),
                     ("--devices", "devices", 1, None, ""))
@@ -531,15 +533,14 @@ def _generate_streamed(target, ids, assistant, tok, kw, rounds_per_chunk, show, 
 
 def cmd_generate(args) -> int:
     import jaxspec
-    from .sampling import validate_sampling, validate_seed
     from .tokenizer import TokenizerError, load_tokenizer
 
     _check_stdout()
     _check_ranges(args, _GENERATE_RANGES)
     _check_cache_flag(args)
-    try:
-        validate_sampling(args.temperature, args.top_k, args.top_p)
-        validate_seed(args.seed)
+    try:  # the request, checked once here: before anything is loaded
+        request = sampling.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                          min_p=args.min_p, seed=args.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
     prompt = _prompt_text(args)
@@ -584,8 +585,8 @@ def cmd_generate(args) -> int:
     target, assistant, cache_dir = _load_pair(args, model_dir, assistant_dir, dtype)
 
     verify_pad = None if args.verify_pad is None else args.verify_pad == "on"
-    kw = dict(max_new_tokens=max_tokens, block_size=args.block_size, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=stop, verify_pad=verify_pad)
+    request = dataclasses.replace(request, max_new_tokens=max_tokens)
+    kw = dict(params=request, block_size=args.block_size, eos_token_ids=stop, verify_pad=verify_pad)
     speculative = assistant is not None and args.block_size > 1  # block size 1 decodes classically
     # Compiling is announced by the library (programs.compile_all's log lines, shown by
     # _library_notes): when it starts, or that the programs came from the on-disk cache, and how long.
@@ -974,6 +975,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None, metavar="K")
     g.add_argument("--top-p", type=float, default=None, metavar="P")
+    g.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help="drop tokens less likely than P times the most likely one (0..1; default off)")
     g.add_argument("--seed", type=int, default=0, metavar="S",
                    help="sampling seed, an integer in [0, 2**64) (default 0)")
     g.add_argument("--block-size", type=int, default=4, metavar="K",

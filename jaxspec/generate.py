@@ -289,44 +289,35 @@ def _round_up(x: int, m: int) -> int:
 _GENERATORS: dict = {}
 
 
-def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
-                  top_k: int | None = None, top_p: float | None = None, verify_pad=None,
-                  draft: str = "sample", cache_size: int | None = None, logit_bias=(),
-                  logprobs: int | None = None, mode: sampling.SamplingMode | None = None) -> Generator:
+def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, verify_pad=None, cache_size: int | None = None,
+                  mode: sampling.SamplingMode | None = None, params: sampling.SamplingParams | None = None,
+                  **knobs) -> Generator:
     """The jitted generation function for one static setting (cached: equal arguments return the
     same Generator). block_size: 1..MAX_BLOCK_SIZE, 1 is classic decoding (no assistant).
     max_new_tokens is the output buffer and the largest per-row budget; smaller budgets and EOS/stop
     ids are runtime inputs.
-    temperature / top_k / top_p / logit_bias are the default per-row sampling values; what the
-    program can do is `mode` (default: the least those values and `logprobs` need), so Generators
-    that differ only in the values share their compiled programs.
+    params (a SamplingParams) or its keywords (temperature, top_k, top_p, logit_bias, draft,
+    logprobs, ...): the default per-row sampling values; what the program can do is `mode`
+    (default: the least those values and their `logprobs` need), so Generators that differ only
+    in the values share their compiled programs.
     verify_pad: None (the target's `matmul.verify_pad`, read when the Generator runs), a bool or a
     width (at most MAX_VERIFY_WIDTH). cache_size: KV positions per row (None: prompt width +
     max_new_tokens + verify width). See Generator for the call signature."""
     check_block_size(block_size)
     check_int("max_new_tokens", max_new_tokens, 1)
-    sampling.validate_sampling(temperature, top_k, top_p, draft)
-    params = sampling.SamplingParams(temperature=float(temperature), top_k=None if top_k is None else int(top_k),
-                                     top_p=None if top_p is None else float(top_p), draft=draft,
-                                     logit_bias=logit_bias)
+    request = sampling.SamplingParams.build(params, **knobs)
+    params = request.per_row()
     if mode is None:
-        mode = params.mode(_check_logprobs(logprobs))
-    elif not mode.covers(params):
-        raise ValueError(f"mode {mode} does not cover the sampling values {params}")
+        mode = request.mode()
+    elif not mode.covers(request):
+        raise ValueError(f"mode {mode} does not cover the sampling values {request}")
     spec = loop.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=mode,
-                      verify_pad=None if verify_pad is None else verify.resolve_verify_pad(verify_pad, None),
-                      cache_size=cache_size)
+                         verify_pad=None if verify_pad is None else verify.resolve_verify_pad(verify_pad, None),
+                         cache_size=cache_size)
     gen = _GENERATORS.get((spec, params))
     if gen is None:
         gen = _GENERATORS[(spec, params)] = Generator(spec, params)
     return gen
-
-
-def _check_logprobs(logprobs) -> int | None:
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= sampling.TOP_LOGPROBS):
-        raise ValueError(f"logprobs must be None or an integer in [0, {sampling.TOP_LOGPROBS}] (alternatives per "
-                         f"token), got {logprobs!r}")
-    return logprobs
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,20 +384,20 @@ def _default_stop_ids(target) -> tuple[int, ...]:
     return ()
 
 
-def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temperature, top_k, top_p,
-                    eos_token_ids, stop_token_ids, verify_pad, draft, cache_size, seed, logit_bias=(),
-                    logprobs=None):
-    """Every check that can fail, on the host, before anything is compiled or run. Returns
+def validate_inputs(target, assistant, rows, request: sampling.SamplingParams, *, block_size, eos_token_ids,
+                    verify_pad, cache_size):
+    """Every check that can fail, on the host, before anything is compiled or run; the request's
+    own ranges were checked when it was built, here what depends on the model. Returns
     (resolved verify_pad, stop ids, capacity, padded prompt width)."""
     _check_target(target)
     vocab = int(target.config.vocab_size)
     check_block_size(block_size, getattr(target.config, "max_position_embeddings", None))
-    check_int("max_new_tokens", max_new_tokens, 1)
     verify.resolve_verify_pad(verify_pad, None)  # its range now: resolved with the model's config below
-    sampling.validate_seed(seed)
-    sampling.validate_sampling(temperature, top_k, top_p, draft)
-    _check_logprobs(logprobs)
-    for t, _ in sampling.validate_bias(logit_bias):
+    if request.stop:
+        raise ValueError("stop strings need a tokenizer: pass their token ids as stop_token_ids (the server "
+                         "applies stop strings)")
+    max_new_tokens = request.max_new_tokens
+    for t, _ in request.logit_bias:
         if t >= vocab:
             raise ValueError(f"logit_bias has token id {t} outside the vocabulary [0, {vocab})")
     for i, row in enumerate(rows):
@@ -415,7 +406,7 @@ def validate_inputs(target, assistant, rows, *, max_new_tokens, block_size, temp
             bad = lo if lo < 0 else hi
             raise ValueError(f"prompt row {i} has token id {bad} outside the vocabulary [0, {vocab})")
     stop = []
-    for name, ids in (("eos_token_ids", eos_token_ids), ("stop_token_ids", stop_token_ids)):
+    for name, ids in (("eos_token_ids", eos_token_ids), ("stop_token_ids", request.stop_token_ids)):
         ids = [ids] if _is_int(ids) else list(ids or ())
         for t in ids:
             if not _is_int(t):
@@ -501,13 +492,21 @@ class Plan:
         return GenerationResult(tokens=tokens, stats=stats, logprobs=logprobs)
 
 
-def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
-         temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-         eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
-         verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-         exactness_probe: bool = True, rounds_per_chunk: int | None = None, logit_bias=(),
-         logprobs: int | None = None) -> Plan:
-    """`generate`'s arguments -> a Plan: every input check (on the host, before anything is
+DEFAULT_MAX_NEW_TOKENS = 128  # generate's budget when the request names none
+
+
+def request_of(params: sampling.SamplingParams | None = None, **knobs) -> sampling.SamplingParams:
+    """generate's request: `params` or the keyword knobs (`SamplingParams.build`), with generate's
+    defaults for what it leaves open (max_new_tokens 128, seed 0)."""
+    r = sampling.SamplingParams.build(params, **knobs)
+    return dataclasses.replace(r, max_new_tokens=r.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                               seed=0 if r.seed is None else r.seed)
+
+
+def plan(target, prompt_ids, request: sampling.SamplingParams, *, assistant=None, block_size: int = 4,
+         eos_token_ids: Sequence[int] | None = None, verify_pad=None, cache_size: int | None = None,
+         exactness_probe: bool = True, rounds_per_chunk: int | None = None) -> Plan:
+    """A request (`request_of`) -> a Plan: every input check (on the host, before anything is
     compiled), then every program the call needs compiled at once (`programs.compile_all`), the
     exactness probe (T = 0), the Generator and its input arrays. `rounds_per_chunk`: streaming's
     plan (its fixed-round decode program instead of the decode loop)."""
@@ -516,24 +515,21 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
     pad, stop, capacity, prompt_width = validate_inputs(
-        target, assistant, rows, max_new_tokens=max_new_tokens, block_size=block_size,
-        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_ids=eos_token_ids,
-        stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft,
-        cache_size=cache_size, seed=seed, logit_bias=logit_bias, logprobs=logprobs)
+        target, assistant, rows, request, block_size=block_size, eos_token_ids=eos_token_ids,
+        verify_pad=verify_pad, cache_size=cache_size)
     batch = len(rows)
-    budget = _round_up(int(max_new_tokens), BUDGET_BUCKET)
+    budget = _round_up(request.max_new_tokens, BUDGET_BUCKET)
 
     def generator(k):
-        gen = make_generate(block_size=k, max_new_tokens=budget, temperature=float(temperature), top_k=top_k,
-                            top_p=top_p, verify_pad=pad, draft=draft, cache_size=capacity, logit_bias=logit_bias,
-                            logprobs=logprobs)
-        return gen, gen.inputs(rows, max_new_tokens=max_new_tokens, eos_token_ids=stop, seed=seed,
+        gen = make_generate(block_size=k, max_new_tokens=budget, verify_pad=pad, cache_size=capacity, params=request)
+        return gen, gen.inputs(rows, max_new_tokens=request.max_new_tokens, eos_token_ids=stop, seed=request.seed,
                                prompt_width=prompt_width)
 
     # Compile what the K asked for needs (probe, prefill, decode) at once, before the probe runs;
     # when the probe then lowers K, the smaller K's programs compile on their own.
     asked = int(block_size) if assistant is not None else 1
     gen, inputs = generator(asked)
+    temperature = request.temperature
     probes = (verify.probe_programs(target, batch, asked, verify.verify_width(asked, batch, pad, target.matmul))
               if _probes(asked, temperature, exactness_probe) else [])
     programs.compile_all(gen.all_programs(target, assistant, *inputs, rounds_per_chunk=rounds_per_chunk) + probes)
@@ -546,33 +542,32 @@ def plan(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block
                 backend=getattr(getattr(target, "matmul", None), "describe", None))
 
 
-def generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
-             verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-             exactness_probe: bool = True, logit_bias=(), logprobs: int | None = None) -> GenerationResult:
+def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingParams | None = None,
+             block_size: int = 4, eos_token_ids: Sequence[int] | None = None, verify_pad=None,
+             cache_size: int | None = None, exactness_probe: bool = True, **knobs) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
     `assistant` is given (block_size K in 1..MAX_BLOCK_SIZE: K-1 drafts + one K-wide verify per
     round), classically otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
     sampling with temperature / top_k / top_p.
 
     prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
+    params: the request, a `jaxspec.SamplingParams`; its fields as keywords build one (or replace params'):
+      max_new_tokens (default 128), temperature, top_k, top_p, seed (default 0), stop_token_ids,
+      draft ("sample": draw drafts from q, or "argmax"; T > 0 only), logit_bias ({token id: value
+      in [-100, 100]} added to the logits, greedy too, at most 300), logprobs (None, or N in 0..20:
+      the result's `logprobs` holds each token's log-probability under the target's logits
+      (log_softmax, before bias and temperature) and the N most likely tokens').
     eos_token_ids: None takes the target config's EOS ids when it has any. Generation of a row stops
     after the first EOS or stop token (kept in the output).
     verify_pad: None (the target's `matmul.verify_pad`), a bool, or a width.
-    draft: "sample" (draw drafts from q) or "argmax" (T > 0 only).
     cache_size: KV positions per row (None: just enough).
     exactness_probe: at T = 0, check once per shape that a K-wide verify is bit-identical to K
     single steps and fall back to classic decoding with a warning when it is not.
-    logit_bias: {token id: value in [-100, 100]} added to the logits (greedy too), at most 300.
-    logprobs: None, or N in 0..20: the result's `logprobs` holds each token's log-probability under
-    the target's logits (log_softmax, before bias and temperature) and the N most likely tokens'.
     A new temperature / top_k / top_p / bias value compiles nothing: they are runtime inputs.
     """
-    p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
-             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
-             stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,
-             exactness_probe=exactness_probe, logit_bias=logit_bias, logprobs=logprobs)
+    p = plan(target, prompt_ids, request_of(params, **knobs), assistant=assistant, block_size=block_size,
+             eos_token_ids=eos_token_ids, verify_pad=verify_pad, cache_size=cache_size,
+             exactness_probe=exactness_probe)
     state, prefill_s, decode_s = p.gen.run(target, p.drafter, *p.inputs)
     return p.result(state, prefill_s, decode_s)
 

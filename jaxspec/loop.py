@@ -122,6 +122,17 @@ class DecodeState:
     top_lp: Any = None      # float32 [B, W, N]: their log-probabilities
 
 
+# The DecodeState fields the whole batch shares. Every other field is per row (leading axis B, the
+# cache's rows and the key's included), so admitting a request into a slot (`jaxspec.batching`)
+# writes all of them from `row_fields()`: a new per-row field cannot keep the slot's previous request's value.
+SHARED_FIELDS = ("stop_ids", "rounds", "hist")
+
+
+def row_fields() -> tuple[str, ...]:
+    """The per-row DecodeState fields: all but SHARED_FIELDS."""
+    return tuple(f.name for f in dataclasses.fields(DecodeState) if f.name not in SHARED_FIELDS)
+
+
 def _cache_dtype(target):
     return verify._cache_dtype(target)
 

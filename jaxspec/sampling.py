@@ -1,10 +1,10 @@
-"""Token selection: greedy, temperature / top-k / top-p sampling, logit bias, log-probabilities,
+"""Token selection: greedy, temperature / top-k / top-p / min-p sampling, logit bias, log-probabilities,
 and the lossless speculative accept/resample step.
 
 Everything here is batched, vectorized and jit-friendly: no Python control flow depends on array
 values. What a compiled program can do is static (`SamplingMode`: may rows sample, filter, carry
 a bias, report log-probabilities); the values are per-row runtime arrays (`RowParams`: one
-temperature, top_k, top_p and bias per row, temperature 0 = a greedy row). So one program serves
+temperature, top_k, top_p, min_p and bias per row, temperature 0 = a greedy row). So one program serves
 every setting, and rows with different settings share a batch: a new temperature compiles nothing.
 
 The speculative step is modified rejection sampling (Leviathan et al. / Chen et al.): draft token
@@ -17,6 +17,7 @@ program: a row's choice between the two is a select, so a greedy row is exactly 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -35,13 +36,68 @@ TOP_LOGPROBS = 20    # alternatives per position a logprobs program reports at m
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are chosen. `temperature == 0` is greedy (argmax; top_k/top_p ignored).
+class Range:
+    """A request knob's bounds: lo..hi (hi None: no upper bound; lo excluded when `lo_open`), an
+    integer (Python or numpy, not a bool) or any finite number."""
 
-    logit_bias: (token id, value) pairs added to the logits before anything else (greedy rows too),
-    values in [-100, 100], at most BIAS_SLOTS of them.
+    lo: float
+    hi: float | None
+    integer: bool
+    lo_open: bool = False
+
+    def holds(self, v) -> bool:
+        if not (_is_int(v) if self.integer else _is_number(v) and math.isfinite(v)):
+            return False
+        return (v > self.lo if self.lo_open else v >= self.lo) and (self.hi is None or v <= self.hi)
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        if self.hi is None:
+            return f"{kind} >= {self.lo}"
+        return f"{kind} in ({self.lo}, {self.hi}]" if self.lo_open else f"{kind} in [{self.lo}, {self.hi}]"
+
+
+# Each request knob's range, stated once: SamplingParams checks it where a request is built, the
+# server's schema and the CLI's flags read it from here (top_k once had 2**30 in one, 2**31-1 in the
+# other). temperature has one more rule: 0 (greedy) or >= MIN_TEMPERATURE.
+RANGES = {
+    "temperature": Range(0.0, None, integer=False),
+    "top_k": Range(1, 2**31 - 1, integer=True),      # an int32 per row
+    "top_p": Range(0.0, 1.0, integer=False, lo_open=True),
+    "min_p": Range(0.0, 1.0, integer=False),
+    "seed": Range(0, SEED_LIMIT - 1, integer=True),
+    "max_new_tokens": Range(1, None, integer=True),
+    "logprobs": Range(0, TOP_LOGPROBS, integer=True),
+    "logit_bias": Range(-BIAS_LIMIT, BIAS_LIMIT, integer=False),  # each value
+}
+MAX_STOPS = 4          # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 256   # characters per stop string
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request: how tokens are chosen and when generation ends. Checked once, here (ValueError
+    naming the field and its range, `RANGES`); `generate`, `stream_generate`, `make_generate`,
+    `BatchEngine.admit`, the CLI and the server take it (their keywords build one).
+
+    temperature: 0 is greedy (argmax; top_k/top_p ignored), else >= MIN_TEMPERATURE.
+    top_k / top_p: None (off), or keep the k most likely tokens / the smallest nucleus of mass top_p.
+    logit_bias: (token id, value) pairs (or a mapping) added to the logits before anything else
+    (greedy rows too), values in [-100, 100], at most BIAS_SLOTS of them.
     draft: "sample" draws draft tokens from the filtered draft distribution q (default, lossless,
     best acceptance); "argmax" drafts the draft model's argmax (q one-hot; also lossless).
+    max_new_tokens: the budget (None: the entry point's default; generate's is 128).
+    seed: an integer in [0, 2**64) (None: the entry point's default; generate's is 0, a batch
+    engine draws one from its own seed, the server a random one).
+    stop: stop strings (at most MAX_STOPS of 1..MAX_STOP_CHARS characters; text needs a tokenizer:
+    the server applies them); stop_token_ids: token ids that end a row (kept in the output).
+    logprobs: None, or N in 0..TOP_LOGPROBS: report each token's log-probability and the N most
+    likely tokens' (under the target's logits, before bias and temperature).
+    min_p: None (off) or in [0, 1]: drop the tokens whose probability (after temperature) is below
+    min_p times the most likely one's (vLLM's and HF's min-p).
+
+    The per-row values (temperature, top_k, top_p, min_p, logit_bias) are runtime inputs of a program
+    (`RowParams`); `per_row()` is the request without the rest.
     """
 
     temperature: float = 0.0
@@ -49,23 +105,94 @@ class SamplingParams:
     top_p: float | None = None
     draft: str = "sample"
     logit_bias: tuple = ()
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    logprobs: int | None = None
+    min_p: float | None = None
 
     def __post_init__(self):
         validate_sampling(self.temperature, self.top_k, self.top_p, self.draft)
+        put = functools.partial(object.__setattr__, self)
+        put("temperature", float(self.temperature))
         if self.top_k is not None:  # a numpy integer is accepted and kept as a Python int
-            object.__setattr__(self, "top_k", int(self.top_k))
-        object.__setattr__(self, "logit_bias", validate_bias(self.logit_bias))
+            put("top_k", int(self.top_k))
+        if self.top_p is not None:
+            put("top_p", float(self.top_p))
+        if self.min_p is not None:
+            put("min_p", _checked("min_p", self.min_p))
+        put("logit_bias", validate_bias(self.logit_bias))
+        if self.max_new_tokens is not None:
+            put("max_new_tokens", _checked("max_new_tokens", self.max_new_tokens))
+        if self.seed is not None:
+            put("seed", validate_seed(self.seed))
+        if self.logprobs is not None:
+            put("logprobs", _checked("logprobs", self.logprobs, " (alternatives per token)"))
+        put("stop", validate_stop(self.stop))
+        ids = [self.stop_token_ids] if _is_int(self.stop_token_ids) else self.stop_token_ids
+        try:
+            ids = tuple(ids or ())
+        except TypeError:
+            raise ValueError(f"stop_token_ids must hold integer token ids, got {ids!r}"[:300]) from None
+        for t in ids:
+            if not _is_int(t):
+                raise ValueError(f"stop_token_ids must hold integer token ids, got {t!r}"[:300])
+            if t < 0:
+                raise ValueError(f"stop_token_ids has token id {t} outside the vocabulary")
+        put("stop_token_ids", tuple(int(t) for t in ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def mode(self, logprobs: int | None = None) -> "SamplingMode":
-        """The least a program needs for these parameters (and `logprobs` alternatives, None: none)."""
+        """The least a program needs for these parameters (and `logprobs` alternatives; None: the
+        request's own `logprobs`)."""
+        logprobs = self.logprobs if logprobs is None else logprobs
         return SamplingMode(sample=not self.greedy,
-                            filter=not self.greedy and (self.top_k is not None or self.top_p is not None),
+                            filter=not self.greedy and (self.top_k is not None or self.top_p is not None
+                                                        or bool(self.min_p)),
                             bias=bool(self.logit_bias), logprobs=-1 if logprobs is None else int(logprobs),
                             draft=self.draft)
+
+    def per_row(self) -> "SamplingParams":
+        """The per-row sampling values alone (what a Generator's defaults and `RowParams` hold):
+        the request fields (budget, seed, stops, logprobs) reset, so equal settings compare equal."""
+        return dataclasses.replace(self, max_new_tokens=None, seed=None, stop=(), stop_token_ids=(), logprobs=None)
+
+    @classmethod
+    def build(cls, params: "SamplingParams | None" = None, **knobs) -> "SamplingParams":
+        """`params` with the keyword knobs a caller passed in place of its fields (the entry points'
+        thin convenience), or a request built from the knobs alone; checked once, here."""
+        if params is None:
+            return cls(**knobs)
+        if not isinstance(params, cls):
+            raise ValueError(f"params must be a jaxspec.SamplingParams, got {type(params).__name__}")
+        return dataclasses.replace(params, **knobs) if knobs else params
+
+
+def _checked(name: str, value, why: str = ""):
+    """`value` (an int or a float per `RANGES[name]`); ValueError naming `name` and its range."""
+    r = RANGES[name]
+    if not r.holds(value):
+        raise ValueError(f"{name} must be None or {r.describe()}{why}, got {value!r}"[:300])
+    return int(value) if r.integer else float(value)
+
+
+def validate_stop(stop) -> tuple:
+    """Stop strings as a tuple: one string or a sequence of at most MAX_STOPS non-empty strings of at
+    most MAX_STOP_CHARS characters; ValueError otherwise."""
+    stop = (stop,) if isinstance(stop, str) else stop
+    try:
+        stop = tuple(stop or ())
+    except TypeError:
+        stop = None
+    if stop is None or len(stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                         for s in stop):
+        raise ValueError(f"stop must be a non-empty string of at most {MAX_STOP_CHARS} characters or a list of at "
+                         f"most {MAX_STOPS} of them")
+    return stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +201,7 @@ class SamplingMode:
     a greedy row in a `sample` program is exactly a greedy row in a greedy one.
 
     sample: rows may have temperature > 0 (False: argmax only, no random numbers drawn).
-    filter: rows may use top_k / top_p (a sort of the vocabulary per distribution).
+    filter: rows may use top_k / top_p / min_p (a sort of the vocabulary per distribution).
     bias: rows may carry a logit_bias (BIAS_SLOTS entries per row).
     logprobs: -1 none; N >= 0: the log-probability of every emitted token under the target's logits
       (before bias and temperature) and the N most likely tokens with theirs.
@@ -117,6 +244,7 @@ class RowParams:
     temperature: jax.Array  # float32 [B]; 0: the row is greedy
     top_k: jax.Array        # int32 [B]; 0: off
     top_p: jax.Array        # float32 [B]; 1: off
+    min_p: jax.Array        # float32 [B]; 0: off
     bias_ids: jax.Array     # int32 [B, NB] (NB = BIAS_SLOTS when the mode has bias, else 0)
     bias: jax.Array         # float32 [B, NB]; unused entries 0
 
@@ -134,6 +262,7 @@ def row_params(params: Sequence[SamplingParams], mode: SamplingMode) -> RowParam
     return RowParams(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
                      top_k=jnp.asarray([p.top_k or 0 for p in params], jnp.int32),
                      top_p=jnp.asarray([1.0 if p.top_p is None else p.top_p for p in params], jnp.float32),
+                     min_p=jnp.asarray([p.min_p or 0.0 for p in params], jnp.float32),
                      bias_ids=jnp.asarray(ids), bias=jnp.asarray(vals))
 
 
@@ -147,11 +276,9 @@ def validate_sampling(temperature, top_k, top_p, draft="sample") -> None:
     if 0 < temperature < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
     if top_k is not None:
-        if not _is_int(top_k) or not 1 <= top_k < 2**31:
-            raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+        _checked("top_k", top_k)
     if top_p is not None:
-        if not _is_number(top_p) or not (0.0 < top_p <= 1.0):
-            raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+        _checked("top_p", top_p)
     if draft not in DRAFT_MODES:
         raise ValueError(f"draft={draft!r}: expected one of {DRAFT_MODES}")
 
@@ -173,7 +300,7 @@ def validate_bias(logit_bias) -> tuple:
         t, v = item
         if not _is_int(t) or t < 0:
             raise ValueError(f"logit_bias token ids must be integers >= 0, got {t!r}")
-        if not _is_number(v) or not math.isfinite(v) or abs(v) > BIAS_LIMIT:
+        if not RANGES["logit_bias"].holds(v):
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {t}")
         out[int(t)] = float(v)
     return tuple(sorted(out.items()))
@@ -193,7 +320,7 @@ def validate_seed(seed) -> int:
     if not _is_int(seed):
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     s = int(seed)
-    if not 0 <= s < SEED_LIMIT:
+    if not RANGES["seed"].holds(s):
         raise ValueError(f"seed must be an integer in [0, 2**64) (0 .. {SEED_LIMIT - 1}), got {s}")
     return s
 
@@ -254,13 +381,16 @@ def biased(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
 
 
 def filter_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
-    """Temperature-scaled logits (float32) with tokens outside each row's top-k / top-p set to -inf.
+    """Temperature-scaled logits (float32) with tokens outside each row's top-k / top-p / min-p set to -inf.
     A greedy row (temperature 0) is scaled by 1 (its distribution is computed, never used).
 
     top-k keeps every token whose scaled logit is >= the k-th largest (ties at the boundary are
     kept). top-p (nucleus) keeps the smallest prefix of the descending-probability order (within
     top-k) whose mass reaches top_p (the most likely token is always kept; ties at the boundary are
-    kept). One descending sort of the vocabulary serves both; a program without `filter` skips it.
+    kept). min-p keeps every token whose probability is >= min_p times the most likely one's:
+    p_i >= min_p * p_max is x_i >= x_max + log(min_p) (the softmax's normalizer cancels), and the
+    most likely token survives top-k and top-p, so the order of the three does not matter. One
+    descending sort of the vocabulary serves them; a program without `filter` skips it.
     """
     t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
     x = logits.astype(jnp.float32) / _per_row(t, logits.ndim)
@@ -281,7 +411,8 @@ def filter_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax
     keep = (mass_before < top_p) | (top_p >= 1.0) | first
     n_keep = jnp.sum(keep, axis=-1, keepdims=True)
     thr_p = jnp.take_along_axis(s, n_keep - 1, axis=-1)
-    return jnp.where(x >= jnp.maximum(thr_k, thr_p), x, neg_inf)
+    thr_min = s[..., :1] + jnp.log(_per_row(rows.min_p, nd))  # min_p 0: log 0 = -inf keeps every token
+    return jnp.where(x >= jnp.maximum(jnp.maximum(thr_k, thr_p), thr_min), x, neg_inf)
 
 
 def probs_from_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 
-from .generate import MAX_ROUNDS_PER_CHUNK, GenerationResult, check_int, plan
+from .generate import MAX_ROUNDS_PER_CHUNK, GenerationResult, check_int, plan, request_of
 from .loop import Snapshot, check_prefill, snapshot
 
 
@@ -41,23 +41,19 @@ class StreamChunk:
     logprobs: list[list[tuple]] | None = None
 
 
-def stream_generate(target, prompt_ids, *, assistant=None, max_new_tokens: int = 128, block_size: int = 4,
-                    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                    eos_token_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (),
-                    verify_pad=None, draft: str = "sample", cache_size: int | None = None,
-                    exactness_probe: bool = True, rounds_per_chunk: int = 1, logit_bias=(),
-                    logprobs: int | None = None) -> Iterator[StreamChunk]:
-    """`jaxspec.generate` as an iterator of StreamChunks (same arguments, output and stats). Input
-    errors raise here, as does the exactness probe's fallback (it runs here); the prefill and
-    decode compile on the first `next()`. The first chunk holds the first token (from prefill),
-    then one chunk per `rounds_per_chunk` rounds; the last has `done=True` and `result`. Stopping
-    the iteration early abandons the generation. `rounds_per_chunk`: 1..MAX_ROUNDS_PER_CHUNK (64)."""
+def stream_generate(target, prompt_ids, *, assistant=None, params=None, block_size: int = 4,
+                    eos_token_ids: Sequence[int] | None = None, verify_pad=None, cache_size: int | None = None,
+                    exactness_probe: bool = True, rounds_per_chunk: int = 1, **knobs) -> Iterator[StreamChunk]:
+    """`jaxspec.generate` as an iterator of StreamChunks (same arguments, output and stats: the
+    request as `params` or its keywords). Input errors raise here, as does the exactness probe's
+    fallback (it runs here); the prefill and decode compile on the first `next()`. The first chunk
+    holds the first token (from prefill), then one chunk per `rounds_per_chunk` rounds; the last
+    has `done=True` and `result`. Stopping the iteration early abandons the generation.
+    `rounds_per_chunk`: 1..MAX_ROUNDS_PER_CHUNK (64)."""
     rounds_per_chunk = check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
-    p = plan(target, prompt_ids, assistant=assistant, max_new_tokens=max_new_tokens, block_size=block_size,
-               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_ids=eos_token_ids,
-               stop_token_ids=stop_token_ids, verify_pad=verify_pad, draft=draft, cache_size=cache_size,
-               exactness_probe=exactness_probe, rounds_per_chunk=rounds_per_chunk, logit_bias=logit_bias,
-               logprobs=logprobs)
+    p = plan(target, prompt_ids, request_of(params, **knobs), assistant=assistant, block_size=block_size,
+             eos_token_ids=eos_token_ids, verify_pad=verify_pad, cache_size=cache_size,
+             exactness_probe=exactness_probe, rounds_per_chunk=rounds_per_chunk)
     return _stream(p, target, rounds_per_chunk)
 
 

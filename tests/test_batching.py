@@ -148,3 +148,63 @@ def test_nan_prefill_logits_come_back_as_the_slots_error():
     events = engine.step()
     assert [(ev.slot, ev.done, ev.tokens) for ev in events] == [(slot, True, [])] and "NaN/inf" in events[0].error
     assert engine.live == 0 and engine.free == 2
+
+
+def test_admission_writes_every_per_row_field():
+    """A slot's new request overwrites every per-row field of the state (issue 55): the fields are
+    read from DecodeState itself, so one added later (a new sampling value in RowParams, a counter)
+    is covered without naming it. Random values everywhere; after `_insert` the slot's row is the
+    new request's on every leaf, the other rows and the shared fields are unchanged."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jaxspec import batching, loop, sampling
+    from jaxspec.generate import PROMPT_BUCKET
+    from seeds import seeded_rng
+
+    rng = seeded_rng()
+    engine = BatchEngine(TARGET, None, slots=3, max_new_tokens=8, capacity=32, block_size=1)
+    spec = engine.gen.spec
+
+    def randomized(state):
+        def fill(x):
+            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return jax.random.split(jax.random.key(int(rng.integers(1 << 30))), x.shape[0]) if x.ndim else \
+                    jax.random.key(int(rng.integers(1 << 30)))
+            if x.dtype == jnp.bool_:
+                return jnp.asarray(rng.integers(0, 2, x.shape).astype(bool))
+            if jnp.issubdtype(x.dtype, jnp.integer):
+                return jnp.asarray(rng.integers(-1000, 1000, x.shape), x.dtype)
+            return jnp.asarray(rng.normal(size=x.shape), x.dtype)
+        return jax.tree.map(fill, state)
+
+    def leaves(state):
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        return {jax.tree_util.keystr(p): np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                                                    else x) for p, x in flat}
+
+    old = randomized(engine.state)
+    one = randomized(loop.blank_state(spec, TARGET, 1, PROMPT_BUCKET, engine.stop_ids, sampling.seed_key(3),
+                                      engine.gen.rows(1)))
+    before, new_row = leaves(old), leaves(one)
+    slot = 1
+    after = leaves(batching._insert(old, one, jnp.int32(slot)))
+    assert set(after) == set(before) == set(new_row)
+    assert set(loop.row_fields()) | set(loop.SHARED_FIELDS) == {f.name for f in dataclasses.fields(loop.DecodeState)}
+    checked = 0
+    for path, got in after.items():
+        was, row = before[path], new_row[path]
+        if any(path.startswith(f".{f}") for f in loop.SHARED_FIELDS):
+            np.testing.assert_array_equal(got, was, err_msg=path)
+            continue
+        if row.ndim == was.ndim - 1:  # the key: one key for the prefill, one per row in the state
+            row = row[None]
+        axes = [i for i, (a, b) in enumerate(zip(was.shape, row.shape)) if a != b]
+        assert len(axes) == 1 and was.shape[axes[0]] == 3 and row.shape[axes[0]] == 1, (path, was.shape, row.shape)
+        ax = axes[0]
+        for s in range(3):
+            want = row.take(0, axis=ax) if s == slot else was.take(s, axis=ax)
+            np.testing.assert_array_equal(got.take(s, axis=ax), want, err_msg=f"{path} row {s}")
+        checked += 1
+    assert checked >= 20  # every per-row leaf: cache K/V of each layer, tokens, counters, key, RowParams, logprobs

@@ -168,3 +168,21 @@ def test_a_missing_target_is_a_value_error():
         jaxspec.generate(None, prompt())
     with pytest.raises(ValueError, match="target must be a models.Target, got NoneType"):
         streaming.stream_generate(None, prompt())
+
+
+# ---- min_p (issue 55): one range, every entry point ---------------------------------------------------
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_min_p_is_refused_at_every_entry_point(value, capsys, monkeypatch):
+    with pytest.raises(ValueError, match=r"min_p must be None or a number in \[0.0, 1.0\]"):
+        jaxspec.generate(NoModel(), prompt(), temperature=1.0, min_p=value)
+    with pytest.raises(ValueError, match="min_p"):
+        BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, temperature=1.0, min_p=value)
+    assert "min_p" in cli_refuses(capsys, monkeypatch, "generate", "hi", "--temperature", "1", "--min-p", str(value))
+    server = pytest.importorskip("jaxspec.server")
+    srv = server.Server(NoModel(), None, None, model_name="m")
+    srv.compiles.__exit__()
+    with pytest.raises(server.ApiError) as e:
+        srv.job(json.dumps({"prompt": [3, 4], "temperature": 1.0, "min_p": value}).encode(), chat=False)
+    assert e.value.status == 400 and e.value.param == "min_p" and "'min_p'" in e.value.message
+    job, _ = srv.job(json.dumps({"prompt": [3, 4], "temperature": 1.0, "min_p": 0.25}).encode(), chat=False)
+    assert job.params.min_p == 0.25 and job.params.mode().filter

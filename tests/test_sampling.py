@@ -18,8 +18,10 @@ from scipy import stats as sstats
 from jaxspec import sampling
 
 
-def np_filter_probs(logits, temperature, top_k=None, top_p=None):
-    """Independent reference: float64, per row, explicit loops over the sorted order."""
+def np_filter_probs(logits, temperature, top_k=None, top_p=None, min_p=None):
+    """Independent reference: float64, per row, explicit loops over the sorted order. min_p (a number,
+    or one per row) as HF's warper runs it, last: on the distribution top-k / top-p left, drop what is
+    below min_p times its most likely token's probability."""
     logits = np.asarray(logits, np.float64)
     out = np.zeros_like(logits)
     for r in range(logits.shape[0]):
@@ -42,6 +44,12 @@ def np_filter_probs(logits, temperature, top_k=None, top_p=None):
                 mass += p[i]
             thresh = p[chosen].min()
             keep &= p >= thresh
+        m = min_p[r] if np.ndim(min_p) else min_p
+        if m:
+            xs = np.where(keep, x, -np.inf)
+            p = np.exp(xs - xs.max())
+            p /= p.sum()
+            keep &= p >= m * p.max()
         xs = np.where(keep, x, -np.inf)
         p = np.exp(xs - xs.max())
         out[r] = p / p.sum()
@@ -289,3 +297,29 @@ def test_a_top_p_below_float32s_normal_range_keeps_the_filter(top_p):
     np.testing.assert_array_equal(got > 0, want > 0)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
     assert np.all((want > 0).sum(-1) == 1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 12, None), (1.3, None, 0.8),
+                                                     (0.9, 6, 0.9)])
+def test_min_p_matches_numpy(temperature, top_k, top_p):
+    """min_p (issue 55) against its definition in float64: each row its own min_p (a runtime value:
+    0 is off, 1 keeps only the most likely token), alone and with top-k / top-p."""
+    rng = np.random.default_rng(zlib.crc32(repr(("min_p", temperature, top_k, top_p)).encode()))
+    logits = rng.normal(size=(7, 50)).astype(np.float32) * 3
+    min_p = np.concatenate([[0.0, 1.0], rng.uniform(0.001, 0.6, 5)])
+    params = [sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=float(m))
+              for m in min_p]
+    mode = sampling.SamplingMode(sample=True, filter=True)
+    rows = sampling.row_params(params, mode)
+    got = np.asarray(jax.jit(sampling.probs_from_logits, static_argnums=2)(jnp.asarray(logits), rows, mode))
+    want = np_filter_probs(logits, temperature, top_k, top_p, min_p)
+    np.testing.assert_array_equal(got > 0, want > 0)  # the same support, exactly
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    assert (got[1] > 0).sum() == 1 and np.argmax(got[1]) == np.argmax(logits[1])
+    np.testing.assert_array_equal(got[0] > 0, np_filter_probs(logits[:1], temperature, top_k, top_p)[0] > 0)
+    assert (want[2:] > 0).sum() < (np_filter_probs(logits[2:], temperature, top_k, top_p) > 0).sum()  # it bites
+    assert sampling.SamplingParams(temperature=1.0, min_p=0.1).mode().filter
+    assert not sampling.SamplingParams(temperature=1.0, min_p=0.0).mode().filter
+    for bad in (-0.1, 1.5, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match=r"min_p must be None or a number in \[0.0, 1.0\]"):
+            sampling.SamplingParams(temperature=1.0, min_p=bad)

@@ -115,3 +115,43 @@ def _biased_accept(key, draft_tokens, q, p):
     pos = jnp.arange(k)[None, :]
     drafts = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], 1)
     return n_acc, jnp.where(pos < n_acc[:, None], drafts, tok[:, None]).astype(jnp.int32)
+
+
+MIN_P = dict(temperature=0.9, min_p=0.1)
+
+
+def test_min_p_speculative_sampling_follows_the_filtered_target(tiny_pair):
+    """min_p (issue 55), end to end, in one run of the program the tests above compile (K = 3,
+    sampled drafts, a filtering program, N rows): rows 1.. sample with min_p and their first three
+    tokens follow the target's min_p-filtered distribution (exact enumeration, the float64
+    reference); row 0 is greedy with min_p set and is exactly classic decoding (the argmax chain of
+    the target's logits)."""
+    t, a = tiny_pair
+    x1, x2 = np.meshgrid(np.arange(V_), np.arange(V_), indexing="ij")
+    ids = np.concatenate([np.tile(PROMPT, (V_ * V_, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
+    logits = np.asarray(jax.jit(models.logits)(t, jnp.asarray(ids, jnp.int32)), np.float64)
+    n = len(PROMPT)
+    f = lambda lg: np_filter_probs(lg, MIN_P["temperature"], min_p=MIN_P["min_p"])  # noqa: E731
+    joint = (f(logits[:1, n - 1])[0][:, None, None] * f(logits[::V_, n]).reshape(V_, V_)[:, :, None]
+             * f(logits[:, n + 1]).reshape(V_, V_, V_)).reshape(-1)
+    assert abs(joint.sum() - 1) < 1e-9 and (f(logits[:1, n - 1]) == 0).sum() >= 2  # min_p drops tokens here
+
+    gen = jaxspec.make_generate(block_size=3, max_new_tokens=G.BUDGET_BUCKET, verify_pad=False,
+                                mode=sampling.SamplingMode(sample=True, filter=True))
+    params = [sampling.SamplingParams(temperature=0.0, min_p=0.5)] + [sampling.SamplingParams(**MIN_P)] * (N - 1)
+    state, _, _ = gen.run(t, a, *gen.inputs([PROMPT] * N, max_new_tokens=3, seed=5, params=params))
+    tokens = gen.tokens(state)
+    g1 = int(np.argmax(logits[0, n - 1]))
+    g2 = int(np.argmax(logits[g1 * V_, n]))
+    g3 = int(np.argmax(logits[g1 * V_ + g2, n + 1]))
+    assert tokens[0] == [g1, g2, g3]
+
+    seqs = np.asarray([r[:3] for r in tokens[1:]])
+    emp = np.bincount(seqs[:, 0] * V_ * V_ + seqs[:, 1] * V_ + seqs[:, 2], minlength=V_ ** 3) / (N - 1)
+    assert np.all(emp[joint == 0] == 0), "a token min_p drops was generated"
+    draws = np.random.default_rng(0).multinomial(N - 1, joint, size=400) / (N - 1)
+    thr = np.quantile(0.5 * np.abs(draws - joint).sum(1), 0.999) * 1.1  # as tv_threshold, at N - 1 samples
+    tv = 0.5 * np.abs(emp - joint).sum()
+    accepted = np.asarray(state.accepted)[1:].sum() / np.asarray(state.drafted)[1:].sum()
+    print(f"min_p: TV {tv:.4f} (threshold {thr:.4f}), acceptance {accepted:.2f}")
+    assert tv < thr and 0 < accepted < 1  # rejections and acceptances both occur

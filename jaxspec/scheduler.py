@@ -1,0 +1,288 @@
+"""The server's scheduler: one worker thread runs every request (a `Job`) through one continuously
+batched engine (`batching.BatchEngine`): it admits waiting jobs into free slots between rounds (in
+arrival order), runs a round for every live slot, turns each slot's tokens into text events
+(`_Text`: incremental decoding, stop strings, logprobs) and retires finished or abandoned jobs. A
+job that fits no slot runs alone (`streaming.stream_generate`) once the batch has drained. The
+events go to the job's `emit`; `jaxspec.server` turns them into responses.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from . import compile_cache, sampling, streaming
+from .batching import BatchEngine
+from .openai_schema import ApiError
+from .tokenizer import IncrementalDecoder
+
+log = logging.getLogger("jaxspec.server")  # the warm-up's request (jaxspec serve shows INFO lines)
+
+
+@dataclass
+class Job:
+    """One request, validated: the prompt ids, its budget, stop strings and sampling; `emit` (set
+    when it is submitted) sends its events to the request's handler."""
+    ids: list[int]
+    max_tokens: int
+    stop: list[str]
+    params: sampling.SamplingParams
+    seed: int
+    logprobs: int | None = None  # alternatives per token to report, or None: no logprobs
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    emit: object = None
+
+
+def _fail(job: Job, e: Exception) -> None:
+    """End a job with an error: 400 for input the library refused (a ValueError, e.g. a KV cache
+    beyond the device's memory), 500 for an internal failure."""
+    if isinstance(e, ValueError):
+        job.emit(("error", str(e), 400))
+    else:
+        job.emit(("error", f"{type(e).__name__}: {e}", 500))
+
+
+class _Text:
+    """A job's tokens -> text events: incremental decoding, stop strings (text that may still become
+    one is held back), the finish reason, and the tokens' logprob entries (sent with the text that
+    holds them; those past a stop string are dropped); `push` returns True once the job has ended.
+    Events: ("text", piece, entries) and ("end", reason, n tokens, stats, entries)."""
+
+    def __init__(self, tok, job: Job):
+        self.tok, self.job = tok, job
+        self.dec, self.text, self.held, self.n, self.reason = IncrementalDecoder(tok), "", 0, 0, "length"
+        self.keep = max((len(s) for s in job.stop), default=1) - 1
+        self.entries: list[tuple] = []  # (token id, text end offset, logprob, alternatives), not sent yet
+
+    def push(self, new: list[int], done: bool, stats=None, lps=None) -> bool:
+        emit = self.job.emit
+        self.n += len(new)
+        if new and new[-1] in self.tok.eos_token_ids:
+            self.reason = "stop"
+        if lps is None:
+            self.text += self.dec.push(new) + (self.dec.flush() if done else "")
+        else:  # token by token, to know where each token's text ends
+            for i, (t, (lp, alts)) in enumerate(zip(new, lps)):
+                self.text += self.dec.push([t]) + (self.dec.flush() if done and i == len(new) - 1 else "")
+                self.entries.append((t, len(self.text), lp, alts))
+        cut = min((i for i in (self.text.find(s) for s in self.job.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            emit(("text", self.text[self.held:cut], self._take(cut, inclusive=True)))
+            emit(("end", "stop", self.n, stats, []))
+            return True
+        safe = len(self.text) if done else max(self.held, len(self.text) - self.keep)
+        if safe > self.held:
+            emit(("text", self.text[self.held:safe], self._take(safe)))
+            self.held = safe
+        if done:
+            emit(("end", self.reason, self.n, stats, self._take(len(self.text))))
+        return done
+
+    def _take(self, upto: int, inclusive: bool = False) -> list[tuple]:
+        """The pending entries of tokens whose text ends by `upto` (at a stop string's start: also the
+        token that text is cut in)."""
+        n = 0
+        while n < len(self.entries) and self.entries[n][1] <= upto:
+            n += 1
+        if inclusive and n < len(self.entries) and (n == 0 or self.entries[n - 1][1] < upto):
+            n += 1
+        taken, self.entries = self.entries[:n], self.entries[n:]
+        if inclusive:
+            self.entries = []
+        return taken
+
+
+def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: int, fallback, slots: int) -> dict:
+    """The response's `jaxspec` object (one request's decoding): mode, K, acceptance, tokens per
+    round (the prefill's token excluded), rounds, why speculation fell back, batch slots."""
+    return {"mode": "speculative" if block_size > 1 else "classic", "block_size": block_size,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tokens_per_round": (n - 1) / rounds if rounds else 0.0,
+            "rounds": rounds, "fallback": fallback, "batch_slots": slots}
+
+
+class Scheduler:
+    """The models, the one batch engine and the worker thread (started here). `max_batch` slots
+    decode together; `rounds_per_chunk` rounds between two reads of the new tokens (and two
+    admissions); at most `max_queue` jobs wait (`submit` answers 429 past it). A slot holds
+    `batch_capacity` positions and `batch_tokens` new tokens at most."""
+
+    def __init__(self, target, assistant, tok, *, block_size: int, rounds_per_chunk: int, max_batch: int,
+                 max_queue: int, batch_capacity: int, batch_tokens: int):
+        self.target, self.assistant, self.tok = target, assistant, tok
+        self.block_size, self.rounds_per_chunk = block_size, rounds_per_chunk
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.batch_capacity, self.batch_tokens = batch_capacity, batch_tokens
+        self._engine: BatchEngine | None = None  # built on first use (warm_up or the first request)
+        self.slots: dict[int, tuple[Job, _Text]] = {}
+        self.queue: collections.deque[Job] = collections.deque()
+        self.cond = threading.Condition()
+        self.solo = 0
+        self.dropped = 0  # requests stopped because their client went away
+        self.served = 0
+        self.compiles = compile_cache.CompileLog().__enter__()  # programs built (/health), emptied by warm_up
+        threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
+
+    @property
+    def active(self) -> int:
+        return len(self.slots) + self.solo
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    @property
+    def engine(self) -> BatchEngine:
+        """The one batch engine: every sampling setting runs in it (greedy, sampled, filtered, with
+        a bias or logprobs), so a new setting compiles nothing."""
+        if self._engine is None:
+            self._engine = BatchEngine(
+                self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
+                capacity=self.batch_capacity, block_size=self.block_size, eos_token_ids=self.tok.eos_token_ids,
+                rounds_per_step=self.rounds_per_chunk)
+        return self._engine
+
+    def warm_up(self) -> float:
+        """Compile every program a request that fits a slot runs (each of the engine's step programs,
+        the prefill of a short prompt), before the first client waits for it; then count what is
+        built later (/health's "compiles": a longer prompt's prefill, a request that runs alone).
+        Seconds."""
+        t0 = time.perf_counter()
+        engine = self.engine
+        engine.warm_up()  # the step programs of every sampling mode, a short prompt's prefill
+        # One request through, and one cancelled: the small programs around them (insert, snapshot,
+        # retire), the same whatever the request's sampling.
+        ids = (self.tok.encode("Hello") or [1])[:8]
+        budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens)
+        t1 = time.perf_counter()  # each step runs every slot: minutes at --max-batch 1024 on a CPU
+        log.info("warm-up: one request through %d slots ...", engine.slots)
+        engine.admit(ids, budget, seed=0)
+        while engine.live:
+            engine.step()
+        engine.step()  # the idle step after the last report
+        engine.cancel(engine.admit(ids, budget, seed=0))
+        log.info("warm-up request took %.1f s", time.perf_counter() - t1)
+        self.compiles.programs.clear()
+        return time.perf_counter() - t0
+
+    def submit(self, job: Job) -> asyncio.Queue:
+        """Queue a job; 429 (with Retry-After) when max_queue requests already wait."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        with self.cond:
+            if len(self.queue) >= self.max_queue:
+                wait = 1 + len(self.queue) // self.max_batch
+                raise ApiError(429, f"{len(self.queue)} requests are waiting (--max-queue {self.max_queue}): retry "
+                                    f"in {wait} s", code="queue_full", headers={"Retry-After": str(wait)})
+            self.queue.append(job)
+            self.cond.notify()
+        return events
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.slots:
+                    self.cond.wait()
+            try:
+                solo = self._admit()
+                if solo is not None:
+                    self._run_alone(solo)
+                elif self.slots:
+                    self._round()
+                else:  # only cancelled jobs were waiting, or the next one waits for the batch to drain
+                    time.sleep(0.001)
+            except Exception as e:  # an internal failure: its requests end with an error, the server keeps serving
+                for job, _ in self.slots.values():
+                    job.emit(("error", f"{type(e).__name__}: {e}", 500))
+                self.slots.clear()
+                self._engine = None
+
+    def _admit(self) -> Job | None:
+        """Admit waiting jobs in arrival order into free slots; returns a job that must run alone
+        (it fits no slot) once the batch has drained."""
+        while self.queue:
+            job = self.queue[0]
+            if job.cancelled.is_set():  # its client left while it waited
+                with self.cond:
+                    self.queue.popleft()
+                self.dropped += 1
+                continue
+            try:
+                engine = self.engine
+            except Exception as e:  # e.g. its cache does not fit the device: this request fails, not the server
+                with self.cond:
+                    self.queue.popleft()
+                _fail(job, e)
+                continue
+            if not engine.fits(len(job.ids), job.max_tokens):
+                if self.slots:
+                    return None  # runs alone once the batch has drained
+                with self.cond:
+                    return self.queue.popleft()
+            if not engine.free:
+                return None
+            with self.cond:
+                self.queue.popleft()
+            try:
+                slot = engine.admit(job.ids, job.max_tokens, seed=job.seed, owner=job, params=job.params,
+                                    logprobs=job.logprobs)
+            except Exception as e:  # e.g. a refused request (400), a prefill that failed to build (500)
+                _fail(job, e)
+                continue
+            self.slots[slot] = (job, _Text(self.tok, job))
+        return None
+
+    def _round(self) -> None:
+        engine = self.engine
+        for ev in engine.step():
+            job, text = self.slots[ev.slot]
+            if ev.error is not None:  # e.g. non-finite logits from the prompt: this request fails
+                job.emit(("error", ev.error, 400))
+                del self.slots[ev.slot]
+                continue
+            if job.cancelled.is_set():
+                engine.cancel(ev.slot)
+                del self.slots[ev.slot]
+                self.dropped += 1
+                continue
+            stats = None
+            if ev.done:
+                stats = stats_json(block_size=engine.block_size, drafted=ev.drafted, accepted=ev.accepted,
+                                   n=text.n + len(ev.tokens), rounds=ev.rounds, fallback=engine.fallback,
+                                   slots=engine.slots)
+            if text.push(ev.tokens, ev.done, stats, ev.logprobs):
+                if not ev.done:  # a stop string ended it early
+                    engine.cancel(ev.slot)
+                del self.slots[ev.slot]
+                self.served += 1
+
+    def _run_alone(self, job: Job) -> None:
+        """A job no slot fits (prompt + budget past a slot's cache), alone with stream_generate."""
+        self.solo += 1
+        try:
+            text = _Text(self.tok, job)
+            request = dataclasses.replace(job.params, max_new_tokens=job.max_tokens, seed=job.seed, stop=(),
+                                          logprobs=job.logprobs)  # stop strings: applied by _Text
+            for chunk in streaming.stream_generate(
+                    self.target, [job.ids], params=request, assistant=self.assistant, block_size=self.block_size,
+                    eos_token_ids=self.tok.eos_token_ids, rounds_per_chunk=self.rounds_per_chunk):
+                if job.cancelled.is_set():
+                    self.dropped += 1
+                    return
+                s = chunk.result.stats if chunk.done else None
+                stats = None if s is None else stats_json(
+                    block_size=s.block_size, drafted=s.drafted, accepted=s.accepted, n=s.new_tokens, rounds=s.rounds,
+                    fallback=s.fallback, slots=1)
+                lps = None if chunk.logprobs is None else chunk.logprobs[0]  # job.logprobs alternatives each
+                if text.push(chunk.tokens[0], chunk.done, stats, lps):
+                    self.served += 1
+                    return
+        except Exception as e:  # the request ends with an error, the server keeps serving
+            _fail(job, e)
+        finally:
+            self.solo -= 1
