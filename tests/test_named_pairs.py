@@ -10,6 +10,7 @@ unknown name. The shipped drafter on the real GGUF is the last test (skipped unt
 import json
 import os
 import re
+import sys
 import shutil
 
 import pytest
@@ -91,3 +92,30 @@ def test_load_pair_generates_as_the_cli(stand_in, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] == spec.tokens[0]
     with pytest.raises(ValueError, match="unknown pair 'nope'"):
         jaxspec.load_pair("nope")
+
+
+def test_bench_resolves_the_named_pair_and_its_prompts(stand_in):
+    """`speculative_bench --target gemma-3-270m`: the GGUF target (here the stand-in), the shipped
+    drafter and the drafter directory's heldout_prompts.json, text tokenized with the target's
+    tokenizer (the loop's per-prompt rows: tests/test_speculative_bench.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import speculative_bench as sb
+    from jaxspec.tokenizer import load_tokenizer
+
+    texts = ["def add(a, b):", "The quick brown fox"]
+    heldout = stand_in[1] / NAME / "heldout_prompts.json"
+    heldout.write_text(json.dumps({"prompts": [{"kind": "code", "text": texts[0]}, {"kind": "prose", "text": texts[1]},
+                                               [5, 6, 7]]}))
+    try:
+        args = sb.build_parser().parse_args(["--target", NAME, "--each-prompt"])
+        sb.resolve_named_pair(args)
+        ids, kinds = sb.text_prompts(args)
+    finally:
+        os.remove(heldout)
+    assert (args.target, args.assistant, args.prompts) == (stand_in[0], str(stand_in[1] / NAME), str(heldout))
+    tok = load_tokenizer(stand_in[0])
+    assert ids == [tok.encode(texts[0]), tok.encode(texts[1]), [5, 6, 7]] and kinds == ["code", "prose", ""]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pairs, "DRAFTERS", str(stand_in[1] / "none"))
+        with pytest.raises(SystemExit, match=f"--target {NAME}: no drafter for '{NAME}'"):
+            sb.resolve_named_pair(sb.build_parser().parse_args(["--target", NAME]))
