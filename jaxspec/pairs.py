@@ -117,5 +117,15 @@ def load_pair(name: str = DEFAULT, dtype=None, *, assistant: str | None = None, 
     return target, drafter, tok
 
 
+def unavailable(name: str) -> str | None:
+    """Why the named pair cannot be loaded (`resolve`'s one line), or None when its parts are there:
+    make demo asks before it runs."""
+    try:
+        resolve(name)
+    except ValueError as e:
+        return " ".join(str(e).split())
+    return None
+
+
 __all__ = ["DEFAULT", "DRAFTERS", "DRAFTER_FILES", "NAMES", "Pair", "REAL", "check_drafter", "drafter_dir",
-           "load_pair", "resolve"]
+           "load_pair", "resolve", "unavailable"]
