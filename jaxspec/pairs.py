@@ -110,6 +110,11 @@ def load_pair(name: str = DEFAULT, dtype=None, *, assistant: str | None = None, 
     from .tokenizer import load_tokenizer
 
     pair = resolve(name, assistant)
+    if name == DEFAULT:  # its own loader (and its checks), with the pair's tokenizer as jaxspec's Tokenizer
+        from . import default_pair
+
+        target, drafter, _ = default_pair.load_default_pair(dtype, matmul=matmul)
+        return target, drafter, load_tokenizer(pair.target, pair.tokenizer)
     dtype = jnp.bfloat16 if dtype is None else dtype
     target = models.load_target(pair.target, dtype=dtype, matmul=matmul)
     drafter = models.load_assistant(pair.assistant, dtype=dtype, matmul=matmul, target=target)
