@@ -49,7 +49,8 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
-from jaxspec import verify  # noqa: E402
+from jaxspec import loop, verify  # noqa: E402
+from jaxspec.generate import MAX_VERIFY_WIDTH, PROMPT_BUCKET  # noqa: E402
 
 # The seed system's measured acceptance on its real Gemma pair at K = 4, for predicted speedups with
 # random weights (only for rounds that ran K = 4: at K = 2 a round yields at most 2 tokens).
@@ -337,12 +338,20 @@ def gen_stats(target, assistant, sets, k, args, pad):
     them: (the tokens of each batch, the summed statistics). Rates are over the sums (acceptance =
     accepted / drafted; per-round means weighted by each batch's active row-rounds)."""
     tokens, stats, decode_s = [], [], 0.0
+    # --each-prompt: one cache size for every prompt and K (the widest prompt's bucket, the widest verify
+    # run), so the decode loop compiles once per K, not once per prompt-length bucket
+    cache = None
+    if len(sets) > 1:
+        longest = max(len(r) for rows in sets for r in rows)
+        widest = MAX_VERIFY_WIDTH if any(args.verify_pad) else max(args.k_values)
+        cache = loop.required_capacity(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, args.max_tokens, widest,
+                                       loop.CAPACITY_ROUND)
     for rows in _progress(sets, f"{'classic' if k == 1 else f'K={k}'} prompts"):
         res, times = None, []
         for _ in range(args.warmup + args.repeats):
             res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
                                    max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[],
-                                   exactness_probe=args.exactness_probe)
+                                   exactness_probe=args.exactness_probe, cache_size=cache)
             times.append(res.stats.decode_s)
         tokens.append(res.tokens)
         stats.append(res.stats)
