@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import empty_call_seconds, empty_call_with_seconds, environment, hbm_bandwidth, median_time  # noqa: E402
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize, quantized_matmul, select_path  # noqa: E402
 from jaxspec.kernels.launch import Tiling, gemv, gemv_tiling, qmm, qmm_dense, qmm_tiling  # noqa: E402
+from jaxspec.progress import bar  # noqa: E402
 
 SHAPES = [(15360, 3840), (3840, 15360), (262144, 3840), (4096, 3840), (2048, 3840)]  # priority order
 EXTRA_SHAPES = [(256, 512)]  # a small shape for a quick run anywhere (CPU: Pallas interpret mode)
@@ -112,9 +113,10 @@ def tiling_dict(t: Tiling) -> dict:
 
 
 class Timer:
-    def __init__(self, out_path, bw):
+    def __init__(self, out_path, bw, quiet=False):
         self.out = open(out_path, "a")
-        self.bw = bw
+        self.bw, self.quiet = bw, quiet
+        self.bar = bar(enabled=False)  # a phase's shapes (sweep)
         self.empty = empty_call_seconds()
         self.deadline = None
 
@@ -140,7 +142,14 @@ class Timer:
             row["error"] = repr(e)[:300]
         return self.record(**row)
 
+    def sweep(self, shapes, phase):
+        """The shapes of a phase under a progress bar on stderr (a terminal's, not --quiet), each
+        measurement shown as it is recorded."""
+        self.bar = bar(shapes, desc=f"{phase} shapes", unit="shape", enabled=False if self.quiet else None)
+        return self.bar
+
     def record(self, **row):
+        self.bar.set_postfix_str(" ".join(f"{k}={row[k]}" for k in ("n", "k", "rows", "path", "variant") if k in row))
         row["time"] = time.time()
         self.out.write(json.dumps(row) + "\n")
         self.out.flush()
@@ -154,7 +163,7 @@ def _rel(y, ref):
 def check_phase(T, key, shapes):
     """Correctness on the GPU at real shapes: every path vs a float32 reference, multirow == each row
     alone bitwise, a qmm row independent of the launch's other rows."""
-    for n, k in shapes:
+    for n, k in T.sweep(shapes, "check"):
         qw = random_qweight(key, n, k)
         wd = dequantize(qw, jnp.float32)
         for rows in (1, 4, 8, 16, 64, 256):
@@ -180,7 +189,7 @@ def check_phase(T, key, shapes):
 
 def table_phase(T, key, quick, only=None, rows_only=None):
     shapes = only or (SHAPES[:2] if quick else SHAPES)
-    for n, k in shapes:
+    for n, k in T.sweep(shapes, "table"):
         qb, db = qbytes(n, k), n * k * 2
         nq, nd = n_sets_for(qb), n_sets_for(db, cap=16)
         # the bf16 dense dot first, so that a deadline never leaves the quantized rows without it
@@ -233,7 +242,7 @@ def gemv_sweep(T, key, quick, only=None, names=None):
     variants = {nm: v for nm, v in GEMV_VARIANTS.items() if not names or nm in names}
     if quick:
         variants = dict(list(variants.items())[:3])
-    for n, k in only or SHAPES:
+    for n, k in T.sweep(only or SHAPES, "sweep"):
         if T.past_deadline():
             return
         nsets = n_sets_for(qbytes(n, k))
@@ -265,7 +274,7 @@ QMM_VARIANTS = {"default": {}, "split 1": dict(split_k=1), "warps 8": dict(num_w
 
 def tiles_phase(T, key, quick, rows_list=None, names=None, shapes=None):
     """`launch.qmm` with explicit tilings around `qmm_tiling`, next to the bf16 dot of the same shape and rows."""
-    for n, k in shapes or [(15360, 3840), (3840, 15360)]:
+    for n, k in T.sweep(shapes or [(15360, 3840), (3840, 15360)], "tiles"):
         nq = n_sets_for(qbytes(n, k))
         qws = weight_sets(key, n, k, nq)
         row_counts = rows_list or ((64, 512) if quick else (16, 64, 128, 512))
@@ -343,6 +352,7 @@ def main(argv=None):
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after start past which no new measurement starts (then the summary)")
     ap.add_argument("--commit", default=None, help="the commit to name in the results (default: git rev-parse)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars (shown on stderr only when it is a terminal)")
     ap.add_argument("--format", default="4/64", help="the weights: BITS/GROUP[/f32] (f32: float32 scales and "
                                                      "biases, as the exact GGUF loads keep them), e.g. 8/32/f32")
     args = ap.parse_args(argv)
@@ -370,7 +380,7 @@ def main(argv=None):
     path = os.path.join(args.out, "kernels.jsonl")
     env = environment(args.commit)
     bw = hbm_bandwidth()
-    T = Timer(path, bw)
+    T = Timer(path, bw, quiet=args.quiet)
     if args.deadline:
         T.deadline = START + args.deadline
     T.record(phase="env", **env, format=str(FMT), hbm_tbps=bw / 1e12, empty_call_us=T.empty * 1e6, argv=sys.argv)
@@ -386,6 +396,7 @@ def main(argv=None):
             run[phase]()
         except Exception:
             traceback.print_exc()
+        T.bar.close()  # a phase cut by the deadline leaves its bar open
         print(f"phase {phase} took {time.time() - t0:.0f}s", flush=True)
     summary(path)
 

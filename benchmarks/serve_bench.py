@@ -49,6 +49,7 @@ from jaxspec.batching import BatchEngine  # noqa: E402
 from jaxspec.serve_guard import Guard  # noqa: E402
 from jaxspec.tokenizer import load_tokenizer  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
+from jaxspec.progress import bar  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -211,6 +212,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sampling", type=lambda s: s.split(","), default=["greedy"],
                     help="comma-separated: greedy, uniform (T 0.8, top_p 0.95), mixed (16 distinct settings)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a terminal)")
     args = ap.parse_args(argv)
     bad = set(args.sampling) - {"greedy", "uniform", "mixed"}
     if bad:
@@ -226,6 +228,8 @@ def main(argv=None) -> None:
     if args.http:
         from jaxspec.server import Server
     rows = []
+    configs = len(args.k_values) * len(args.clients) * len(args.sampling) * (2 if args.http else 1)
+    sweep = bar(total=configs, desc="configurations", unit="run", enabled=False if args.quiet else None)
     for k in args.k_values:
         for n in args.clients:
             slots = min(n, args.max_slots)
@@ -254,9 +258,12 @@ def main(argv=None) -> None:
                     used = [b - a for a, b in zip(steps, engine.steps)]
                     rows.append(dict(mode=mode, sampling=kind, k_asked=k, k=engine.block_size, fallback=engine.fallback,
                                      clients=n, slots=slots, steps_per_program=used, **r))
-                    print(f"{mode} {kind} K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} "
-                          f"tok/s, TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} tok/s, "
-                          f"steps per program {used}", flush=True)
+                    sweep.update(1)
+                    with sweep.external_write_mode():  # the result line (stdout) between two redraws of the bar
+                        print(f"{mode} {kind} K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} "
+                              f"tok/s, TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} "
+                              f"tok/s, steps per program {used}", flush=True)
+    sweep.close()
     base = {(r["mode"], r["sampling"], r["clients"]): r["tokens_per_s"] for r in rows if r["k_asked"] == 1}
     one = {(r["mode"], r["sampling"], r["k_asked"]): r["tokens_per_s"] for r in rows if r["clients"] == 1}
     uniform = {(r["mode"], r["k_asked"], r["clients"]): r["tokens_per_s"] for r in rows if r["sampling"] == "uniform"}

@@ -51,6 +51,7 @@ import jaxspec  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
 from jaxspec import loop, verify  # noqa: E402
 from jaxspec.generate import MAX_VERIFY_WIDTH, PROMPT_BUCKET  # noqa: E402
+from jaxspec.progress import bar  # noqa: E402
 
 # The seed system's measured acceptance on its real Gemma pair at K = 4, for predicted speedups with
 # random weights (only for rounds that ran K = 4: at K = 2 a round yields at most 2 tokens).
@@ -323,14 +324,10 @@ def run_forward(args, target, assistant, out, deadline):
     return t1
 
 
-def _progress(items, what):
-    """A progress bar on stderr (tqdm, when installed) over a sweep of several items, e.g. the 20
-    prompts of --each-prompt; the items unchanged otherwise (the result lines stay on stdout)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc=what, leave=False, disable=len(items) < 2)
+def _progress(items, what, quiet=False):
+    """A progress bar on stderr over a sweep of several items, e.g. the 20 prompts of --each-prompt,
+    when stderr is a terminal and not --quiet (jaxspec.progress); the result lines stay on stdout."""
+    return bar(items, desc=what, enabled=False if quiet or len(items) < 2 else None)
 
 
 def gen_stats(target, assistant, sets, k, args, pad):
@@ -346,7 +343,7 @@ def gen_stats(target, assistant, sets, k, args, pad):
         widest = MAX_VERIFY_WIDTH if any(args.verify_pad) else max(args.k_values)
         cache = loop.required_capacity(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, args.max_tokens, widest,
                                        loop.CAPACITY_ROUND)
-    for rows in _progress(sets, f"{'classic' if k == 1 else f'K={k}'} prompts"):
+    for rows in _progress(sets, f"{'classic' if k == 1 else f'K={k}'} prompts", args.quiet):
         res, times = None, []
         for _ in range(args.warmup + args.repeats):
             res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
@@ -644,6 +641,7 @@ def build_parser():
                          "N must be the device count (restrict it with CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--commit", default=None, help="the commit to name in the report (default: git rev-parse)")
     ap.add_argument("--out", default="out/speculative")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars (shown on stderr only when it is a terminal)")
     return ap
 
 

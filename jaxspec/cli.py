@@ -712,24 +712,23 @@ def cmd_serve(args) -> int:
 
 
 def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int) -> None:
-    """UsageError when --max-batch slots cannot fit the device's memory: their KV caches
-    (models.cache_bytes at the server's slot capacity) and their verify logits (float32, about three
-    copies: the target's, the drafts', the probabilities) plus the weights."""
-    from jaxspec import models
-
+    """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
+    the KV caches at the server's slot capacity, the decode step's temporaries, the verify logits,
+    the weights and on a CPU the process itself)."""
+    from .serve_memory import batch_memory, largest_batch
     from .server import BATCH_CONTEXT
 
-    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
-    cache = models.cache_bytes(tcfg, max_batch, capacity, dtype)
-    logits = 3 * 4 * max_batch * (block_size + 1) * tcfg.vocab_size
     mem = device_memory()
     if mem is None:
         return
     limit, what = mem
-    if cache + logits + weight_bytes > limit:
-        raise UsageError(f"--max-batch {max_batch} needs a KV cache of {_fmt_bytes(cache)} ({max_batch} slots x "
-                         f"{capacity} positions) and about {_fmt_bytes(logits)} of logits plus {_fmt_bytes(weight_bytes)} "
-                         f"of weights, more than the {_fmt_bytes(limit)} of {what}: lower --max-batch")
+    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
+    kw = dict(capacity=capacity, host=what == "host memory")
+    need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, **kw)
+    if need.total > limit:
+        fits = largest_batch(limit, tcfg, block_size, dtype, weight_bytes, most=max_batch, **kw)
+        raise UsageError(f"--max-batch {max_batch} needs {need.describe()}; more than the {_fmt_bytes(limit)} of "
+                         f"{what}: lower --max-batch" + (f" (at most {fits})" if fits else " (not even 1 fits)"))
 
 
 def _api_key(args) -> tuple[str | None, str]:
@@ -917,16 +916,51 @@ def cmd_convert(args) -> int:
     if args.quantize is not None:
         bits, gs = (int(v) for v in re.fullmatch(r"(\d+)bit-g(\d+)", args.quantize).groups())
         quantize = {"bits": bits, "group_size": gs}
-    target = _load("target", src, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
+    target = _load_gguf(src, quiet=args.quiet, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
     try:
-        models.save(target, args.out)
-        tok_note = _save_gguf_tokenizer(src, args.out)
+        _step(f"writing {args.out}", lambda: models.save(target, args.out))
+        tok_note = _step("writing its tokenizer", lambda: _save_gguf_tokenizer(src, args.out))
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None
     print(f"wrote {args.out}{tok_note}\ntry: jaxspec generate \"The capital of France is\" --model {args.out} "
           "--no-assistant")
     return EXIT_OK
+
+
+def _step(what: str, fn):
+    """`fn()` between a note "what ..." and its time on the same stderr line (seconds of silence
+    otherwise); an error ends the line first, so its own line stands alone."""
+    _note(f"{what} ...", end="")
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except BaseException:
+        _note("")
+        raise
+    _note(f" {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _load_gguf(src: str, quiet: bool, **kw):
+    """`_load` for a GGUF, with a progress bar over the tensors' decoding (most of a conversion's
+    time) on stderr when it is a terminal and not --quiet."""
+    from jaxspec import progress
+    from jaxspec.models.checkpoint import load_gguf_target
+
+    show = progress.wanted(False if quiet else None)
+    _note(f"loading target from {src} ({_fmt_bytes(_dir_bytes(src))}) ...", end="\n" if show else "")
+    t0 = time.perf_counter()
+    try:
+        with progress.tracking("decoding tensors", enabled=show) as tick:
+            model = load_gguf_target(src, progress=tick, **kw)
+    except (ValueError, NotImplementedError, OSError) as e:  # the loader names the file
+        if not show:
+            _note("")
+        raise UsageError(f"cannot load the target from {src!r}: {_one_line(e)}") from None
+    dt = time.perf_counter() - t0
+    _note(f"loaded target in {dt:.1f} s" if show else f" {dt:.1f} s")
+    return model
 
 
 def _save_gguf_tokenizer(src: str, out: str) -> str:
@@ -1046,7 +1080,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
     v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
-                        "the multirow kernel's window)")
+                        "the multirow kernel's window). Memory grows with N: each slot holds its KV cache (the "
+                        "context, at most 4096 positions) 3.5 times over with the decode step's temporaries, plus "
+                        "4 float32 logits of (K + 1) x vocabulary; checked at start (a CPU adds ~1.5 GiB for the "
+                        "process). The warm-up compiles the same programs whatever N (each one logged; minutes on "
+                        "a CPU), then runs steps over all N slots")
     v.add_argument("--rounds-per-chunk", type=int, default=4, metavar="R",
                    help=f"decode rounds between two reads of the new tokens and two admissions, "
                         f"1..{MAX_ROUNDS_PER_CHUNK} (default 4; 1 suits a large model: on the H200 the 12B streams "
@@ -1077,6 +1115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requantize every linear weight to this format (default: the exact mapping of the "
                         "GGUF's own types)")
     c.add_argument("--force", action="store_true", help="write into OUT even if it is not empty")
+    c.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a "
+                                                        "terminal)")
     c.add_argument("--debug", action="store_true", help="show tracebacks")
     c.set_defaults(func=cmd_convert)
 

@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import math
 import random
 import threading
@@ -43,6 +44,7 @@ from .serve_guard import Guard, error_json
 from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
 from .tokenizer import IncrementalDecoder, TokenizerError
 
+log = logging.getLogger(__name__)  # the warm-up's request (jaxspec serve shows INFO lines)
 BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests: refused after the warm-up)
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
 LARGE_BODY = 64 << 10  # a body past this many bytes (or of unknown length) is a large one
@@ -311,11 +313,14 @@ class Server:
         # retire), the same whatever the request's sampling.
         ids = (self.tok.encode("Hello") or [1])[:8]
         budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens)
+        t1 = time.perf_counter()  # each step runs every slot: minutes at --max-batch 1024 on a CPU
+        log.info("warm-up: one request through %d slots ...", engine.slots)
         engine.admit(ids, budget, seed=0)
         while engine.live:
             engine.step()
         engine.step()  # the idle step after the last report
         engine.cancel(engine.admit(ids, budget, seed=0))
+        log.info("warm-up request took %.1f s", time.perf_counter() - t1)
         self.compiles.programs.clear()
         self.slot_room = engine.room  # from now on a request that fits no slot is refused
         return time.perf_counter() - t0

@@ -325,14 +325,15 @@ def _target_config(d: dict):
     return TargetConfig.from_dict(d)
 
 
-def load_gguf_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None) -> Target:
+def load_gguf_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: DispatchConfig | None = None,
+                     progress=None) -> Target:
     """A target from a GGUF (models.gguf.read_gguf: `path` a .gguf file, a directory holding one, or a
     known model's name). The default is the exact load: GGUF's Q8_0 / Q5_0 / Q4_K become the kernels'
     8-bit / 8-bit / 4-bit group-32 format with float32 scales and biases, Q6_K and the float tensors
     float arrays in `dtype` (exact at float32). `quantize={"bits": b, "group_size": g}` requantizes
     every linear/embedding weight (the exact weights cast to `dtype`, then `quantize`), e.g. the
     all-4-bit group-64 form. The config is parsed, and every tensor's name, type and shape checked,
-    before any tensor is decoded."""
+    before any tensor is decoded. `progress(done, total)`: see `models.gguf.read_gguf`."""
     dtype = _model_dtype(dtype)
     matmul = DispatchConfig.from_env(backend="auto") if matmul is None else matmul
     bits, gs = quant_spec(quantize)
@@ -343,7 +344,7 @@ def load_gguf_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Di
         if not cfg.cache_layers:
             raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
 
-    ck = gguf.read_gguf(path, check=check)
+    ck = gguf.read_gguf(path, check=check, progress=progress)
     cfg = holder["cfg"]
     params = _gguf_params(ck, target_shapes(cfg), dtype, bits, gs)
     return Target(config=cfg, params=stack_params(cfg, params), matmul=matmul)

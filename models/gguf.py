@@ -586,11 +586,13 @@ def _natural(name: str):
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
-def read_gguf(path, check=None) -> GGUFCheckpoint:
+def read_gguf(path, check=None, progress=None) -> GGUFCheckpoint:
     """Read a GGUF checkpoint: `path` is a .gguf file, a directory holding exactly one, or a model name
     in KNOWN ("gemma-3-270m"). See the module docstring for what comes back. ValueError (one line
     naming the file) for every problem, found before any tensor is decoded; `check(config)` runs
-    there too (a loader parses the config with it, its ValueError naming the file)."""
+    there too (a loader parses the config with it, its ValueError naming the file).
+    `progress(done, total)`, if given, is called after each tensor is decoded with the file's tensor
+    bytes decoded so far and in all (decoding is most of a load: e.g. a progress bar's update)."""
     src = source(path)
     if src is None:
         raise ValueError(f"{os.fspath(path)!r} is not a GGUF file, nor a directory holding one")
@@ -601,9 +603,12 @@ def read_gguf(path, check=None) -> GGUFCheckpoint:
         except ValueError as e:
             raise ValueError(f"{src!r}: {e}") from None
     fix = ARCHITECTURES[meta["general.architecture"]].fixup
-    tensors = {}
+    tensors, done, total = {}, 0, sum(t.nbytes for t in infos)
     for t in infos:
         hf = names[t.name][0]
         w = decode(buf, t)
         tensors[hf] = fix(hf, w) if fix is not None and not isinstance(w, QuantizedWeight) else w
+        done += t.nbytes
+        if progress is not None:
+            progress(done, total)
     return GGUFCheckpoint(path=src, config=config, tensors=tensors, metadata=meta)

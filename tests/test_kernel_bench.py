@@ -11,13 +11,21 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import kernel_bench as kb  # noqa: E402
 import kernel_report as kr  # noqa: E402
+from fake_terminal import Terminal  # noqa: E402
 from jaxspec.kernels.launch import gemv_tiling, qmm_tiling  # noqa: E402
 
 
-def test_sweep_and_tiles_phases_and_report(tmp_path):
+def test_sweep_and_tiles_phases_and_report(tmp_path, monkeypatch, capsys):
+    """(On a terminal's stderr, which gets each phase's progress bar; stdout only the results.)"""
     out = str(tmp_path / "kb")
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
     kb.main(["--out", out, "--shapes", "256x512", "--phase", "sweep,tiles", "--variants", "default;bf16 dot",
              "--tile-rows", "16", "--commit", "abc1234"])
+    monkeypatch.undo()
+    assert "sweep shapes" in term.getvalue() and "tiles shapes" in term.getvalue()
+    stdout = capsys.readouterr().out
+    assert "\r" not in stdout and "shapes:" not in stdout and "phase tiles took" in stdout
     rows = kr.load([os.path.join(out, "kernels.jsonl")])
     [env] = [r for r in rows if r["phase"] == "env"]
     assert env["commit"] == "abc1234"

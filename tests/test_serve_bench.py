@@ -9,13 +9,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import serve_bench  # noqa: E402
+from fake_terminal import Terminal  # noqa: E402
 
 
-def test_tiny_pair_clients_and_block_sizes(tmp_path):
+def test_tiny_pair_clients_and_block_sizes(tmp_path, monkeypatch, capsys):
+    """(On a terminal's stderr, which gets the sweep's progress bar; stdout only the result lines.)"""
     out = str(tmp_path / "o")
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
     serve_bench.main(["--target", "tiny", "--assistant", "tiny", "--layers", "2", "--clients", "1,3",
                       "--k-values", "1,3", "--max-tokens", "6", "--capacity", "64", "--prompt-len", "20",
                       "--requests-per-client", "2", "--backend", "xla", "--out", out])
+    monkeypatch.undo()
+    assert "configurations" in term.getvalue() and "4/4" in term.getvalue()
+    stdout = capsys.readouterr().out
+    assert "\r" not in stdout and "configurations" not in stdout and stdout.count("engine greedy K=") == 4
     d = json.load(open(os.path.join(out, "serve.json")))
     rows = d["rows"]
     assert [(r["k_asked"], r["clients"], r["slots"]) for r in rows] == [(1, 1, 1), (1, 3, 3), (3, 1, 1), (3, 3, 3)]
@@ -27,14 +35,19 @@ def test_tiny_pair_clients_and_block_sizes(tmp_path):
     assert "| engine | greedy | 3 | 3 | 3 | 3 |" in md and "speculative / classic" in md
 
 
-def test_http_rows_match_the_engine_rows(tmp_path):
+def test_http_rows_match_the_engine_rows(tmp_path, monkeypatch):
     """--http on a preset (ids as text): every request also served over HTTP with the same token
     count as through the engine, greedy and with 16 mixed settings in one batch; mixed is
-    reported against uniform."""
+    reported against uniform. (--quiet: no progress bar, on a terminal too.)"""
     out = str(tmp_path / "o")
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
     serve_bench.main(["--target", "tiny", "--assistant", "tiny", "--layers", "2", "--http", "--clients", "3",
                       "--k-values", "3", "--max-tokens", "5", "--capacity", "64", "--prompt-len", "12",
-                      "--requests-per-client", "2", "--sampling", "uniform,mixed", "--backend", "xla", "--out", out])
+                      "--requests-per-client", "2", "--sampling", "uniform,mixed", "--backend", "xla", "--out", out,
+                      "--quiet"])
+    monkeypatch.undo()
+    assert "configurations" not in term.getvalue() and "\r" not in term.getvalue()
     rows = json.load(open(os.path.join(out, "serve.json")))["rows"]
     assert [(r["mode"], r["sampling"]) for r in rows] == [("engine", "uniform"), ("http", "uniform"),
                                                           ("engine", "mixed"), ("http", "mixed")]

@@ -137,6 +137,7 @@ def test_completion_equals_the_cli_streamed_or_not(server):
     assert "compiling the first programs" in log and "serving 'jaxspec-default-pair'" in log, log
     # the library's lines (logging, shown by the CLI): the engine's warm-up, how long it took
     assert re.search(r"^jaxspec: batch engine warm-up took [\d.]+ s$", log, re.M), log
+    assert re.search(r"^jaxspec: warm-up request took [\d.]+ s$", log, re.M), log  # the steps over every slot
     # the default pair has no chat template: the start line offers completions only (issue 50)
     start = start_line(server, "jaxspec-default-pair")
     assert "/v1/completions" in start and "/v1/chat/completions" not in start, start

@@ -12,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import speculative_bench as sb  # noqa: E402
+from fake_terminal import Terminal  # noqa: E402
 from hostenv import host_devices_env  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
 
@@ -98,16 +99,22 @@ def test_exactness_probe_off_reaches_generate(tmp_path, monkeypatch):
     assert spec["k_run"] == 3 and spec["fallback"] is None and spec["new_tokens"] == 6
 
 
-def test_each_prompt_sums_single_prompt_runs(tmp_path, monkeypatch):
+def test_each_prompt_sums_single_prompt_runs(tmp_path, monkeypatch, capsys):
     """--each-prompt decodes every prompt alone and sums: tokens and rounds add up over the prompts, and
     parity is counted per prompt. The models' DispatchConfig is DispatchConfig.from_env() with
-    --backend applied, built once and recorded."""
+    --backend applied, built once and recorded. (On a terminal's stderr, which gets the prompts'
+    progress bars; stdout only the results.)"""
     monkeypatch.setenv("JAXSPEC_QMM_DENSE_ROWS", "0")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("[5, 6, 7, 8]\n[9, 10, 11, 12, 13, 14, 15]\n[3, 4]\n")
     out = str(tmp_path / "o")
+    term, err = Terminal(), sys.stderr
+    monkeypatch.setattr(sys, "stderr", term)
     sb.main(["--target", "tiny", "--runs", "loop", "--k-values", "3", "--prompts-file", str(prompts), "--each-prompt",
              "--max-tokens", "5", "--dtype", "float32", "--out", out, *FAST])
+    monkeypatch.setattr(sys, "stderr", err)
+    assert "classic prompts" in term.getvalue() and "K=3 prompts" in term.getvalue()
+    assert "\r" not in capsys.readouterr().out
     meta, rows = _report(out)
     assert meta["matmul"]["backend"] == "xla" and meta["matmul"]["qmm_dense_rows"] == 0
     [classic] = [r for r in rows if r.get("mode") == "classic"]

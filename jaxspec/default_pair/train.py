@@ -73,6 +73,7 @@ from jaxspec.models import layer_scan
 from jaxspec.models.config import FULL, SLIDING
 from jaxspec.models.layers import linear
 from jaxspec.models.params import LINEAR
+from jaxspec.progress import bar
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize
 
 from . import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair, quality
@@ -325,6 +326,7 @@ def parse_args(argv=None):
     p.add_argument("--a-layers", type=int, default=None, help="override the assistant's layer count")
     p.add_argument("--a-ffn", type=int, default=None, help="override the assistant's FFN width")
     p.add_argument("--no-eval", action="store_true", help="stop after saving (measure later with --eval-only)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (shown on stderr only when it is a terminal)")
     p.add_argument("--gen-seqs", type=int, default=None, help="override the number of greedy continuations")
     p.add_argument("--n-prompts", type=int, default=None, help="override the number of held-out eval prompts")
     p.add_argument("--eval-new-tokens", type=int, default=None, help="override the tokens generated per prompt")
@@ -471,11 +473,13 @@ def self_check(acfg, tcfg, ap32, teacher32, seq_tokens, steps: int) -> float:
 
 
 def run_phase(name, step_call, *, budget_s, end_by, max_steps, fixed_steps, peak, warmup, calib=10, log_every=25,
-              on_eval=None, n_evals=0):
+              on_eval=None, n_evals=0, progress: bool | None = False):
     """step_call(step, lr) -> (loss, aux) device values. Step 0 compiles. The step count is then
     `fixed_steps`, else calibrated after `calib` timed steps to fit min(budget_s, end_by - now) seconds
     of training, capped by max_steps. The loop also stops by wall clock (checked every step, blocking
-    every log_every steps). Returns a summary."""
+    every log_every steps). `progress`: a bar over the steps on stderr with the last loss read
+    (jaxspec.progress.bar's `enabled`: None when stderr is a terminal; off by default, the script
+    asks for it). Returns a summary."""
     tc = time.time()
     loss, aux = step_call(0, lr_at(0, 1, peak, warmup))
     loss = float(loss)
@@ -509,24 +513,32 @@ def run_phase(name, step_call, *, budget_s, end_by, max_steps, fixed_steps, peak
     cut = False
     last_log = time.time()
     eval_s = 0.0  # time spent in on_eval does not count against the training budget
-    while done < total:
-        if time.time() - t0 - eval_s > budget_s + 5.0:
-            cut = True
-            log(f"{name}: wall budget reached at step {done}/{total}: stopping")
-            break
-        loss, aux = step_call(done, lr_at(done, total, peak, warmup))
-        done += 1
-        if done % log_every == 0 or done == total or done in eval_at:
-            lv = float(loss)
-            history.append((done, lv))
-            if time.time() - last_log > 5 or done == total:
-                extra = "" if aux is None else " " + " ".join(f"{x:.3f}" for x in jax_list(aux))
-                log(f"{name}: step {done}/{total} loss {lv:.4f}{extra} lr {lr_at(done - 1, total, peak, warmup):.2e}")
-                last_log = time.time()
-        if done in eval_at:
-            te = time.time()
-            evals.append((done, on_eval(done)))
-            eval_s += time.time() - te
+    # The loss shown is the one the loop reads anyway (every log_every steps): no extra device sync.
+    with bar(total=total, initial=done, desc=name, unit="step", enabled=progress) as b:
+        while done < total:
+            if time.time() - t0 - eval_s > budget_s + 5.0:
+                cut = True
+                with b.external_write_mode():  # the log lines (stdout) print between bar redraws
+                    log(f"{name}: wall budget reached at step {done}/{total}: stopping")
+                break
+            loss, aux = step_call(done, lr_at(done, total, peak, warmup))
+            done += 1
+            b.update(1)
+            if done % log_every == 0 or done == total or done in eval_at:
+                lv = float(loss)
+                history.append((done, lv))
+                b.set_postfix_str(f"loss {lv:.4f}")
+                if time.time() - last_log > 5 or done == total:
+                    extra = "" if aux is None else " " + " ".join(f"{x:.3f}" for x in jax_list(aux))
+                    with b.external_write_mode():
+                        log(f"{name}: step {done}/{total} loss {lv:.4f}{extra} "
+                            f"lr {lr_at(done - 1, total, peak, warmup):.2e}")
+                    last_log = time.time()
+            if done in eval_at:
+                te = time.time()
+                with b.external_write_mode():
+                    evals.append((done, on_eval(done)))
+                eval_s += time.time() - te
     if on_eval and (not evals or evals[-1][0] != done):
         evals.append((done, on_eval(done)))
     final = float(loss)
@@ -747,7 +759,8 @@ def main(argv=None) -> int:
         t_end = T_START + args.deadline - (20.0 if args.stage == "target" else
                                            args.eval_reserve + args.assistant_min_seconds)
         tsum = run_phase("target", t_call, budget_s=args.target_seconds, end_by=t_end, max_steps=epochs_cap,
-                         fixed_steps=args.target_steps, peak=args.target_lr, warmup=warm, on_eval=t_eval, n_evals=8)
+                         fixed_steps=args.target_steps, peak=args.target_lr, warmup=warm, on_eval=t_eval, n_evals=8,
+                         progress=False if args.quiet else None)
         tsum.update(params=n_t, tokens_seen=tsum["steps"] * bsz * seq,
                     epochs=round(tsum["steps"] * bsz * seq / train_data.size, 2),
                     epochs_cap_steps=epochs_cap, best_heldout_loss=state["best_loss"], best_step=state["best_step"],
@@ -879,7 +892,8 @@ def main(argv=None) -> int:
     warm = 20 if args.smoke else 100
     asum = run_phase("assistant", a_call, budget_s=args.assistant_seconds,
                      end_by=T_START + args.deadline - args.eval_reserve, max_steps=10 ** 7,
-                     fixed_steps=args.assistant_steps, peak=args.assistant_lr, warmup=warm)
+                     fixed_steps=args.assistant_steps, peak=args.assistant_lr, warmup=warm,
+                     progress=False if args.quiet else None)
     asum.update(params=n_a, lr=args.assistant_lr, warmup=warm, batch=ab,
                 gen_rows_per_batch=n_gen_b, seq=seq, draft_steps_unrolled=J,
                 final_top1_agreement_per_step=asum["final_aux"],

@@ -1,0 +1,98 @@
+"""The memory `jaxspec serve --max-batch N` needs, estimated from the configs before anything loads
+(so a batch that cannot fit is refused in a second, not after minutes of warm-up).
+
+    need = batch_memory(tcfg, max_batch=256, block_size=4, dtype=jnp.bfloat16, weight_bytes=27 << 20,
+                        capacity=256, host=True)
+    need.total, need.describe()
+
+The batch engine (jaxspec.batching) keeps one decode state of `max_batch` rows and runs one
+compiled step over it. Its peak, per term (XLA's `memory_analysis` of the step program and the
+process's peak RSS, default pair on CPU, K = 4 and K = 1):
+- the KV cache (`models.cache_bytes`) and the rest of the state (output tokens, their logprobs and
+  top-20 alternatives, the sampling rows): the step's arguments, donated;
+- the step's temporaries: 1.8x to 1.9x the KV cache per slot on the default pair (K = 1 and K = 4:
+  2.29 to 2.37 MB per slot for a 1.27 MB bfloat16 cache, B = 8..4096), 2.5x on a tiny float32
+  pair at B = 16, K = 4 (its activations weigh more beside its cache): counted as 2.5 caches;
+- the verify's float32 logits [B, K + 1, V], four copies (K = 4 adds at most 3.9 copies' worth
+  of temporaries per slot over K = 1 on the default pair): a large vocabulary's slots are heavy;
+- the weights, and on a CPU (host memory) the process itself: the runtime and the compiler
+  (1.2 GB at B = 8 above the buffers) and XLA's dequantized weights (the step's temporaries at
+  B -> 0 hold ~2x the weight files).
+The estimate is an upper bound within 1.35x of the measured peak on CPU: B = 8, 64, 256, 1024 peaked
+at 1.35, 1.58, 2.16, 5.03 GB (estimated 1.73, 2.00, 2.92, 6.62); at 4096 XLA's buffers plus the
+runtime come to ~16.2 GB (estimated 21.4; the old estimate said 6.2 and the warm-up passed 12). On a
+GPU the runtime reserve is not counted (the device's limit leaves the runtime's own memory out).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+STEP_CACHE_COPIES = 2.5   # the step's temporaries, in KV caches (measured 1.8 to 2.5 on CPU)
+LOGIT_COPIES = 4          # float32 [B, K + 1, V] arrays alive at once in a verify round
+HOST_RUNTIME = 3 << 29    # 1.5 GiB: the process, the runtime and the compiler on a CPU (1.2 GB measured)
+HOST_WEIGHT_COPIES = 2    # XLA's dequantized weights on a CPU, in weight files
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchMemory:
+    """Bytes per term (see the module docstring); `total` is what is checked."""
+
+    max_batch: int
+    capacity: int
+    cache: int
+    state: int
+    step: int
+    logits: int
+    weights: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.cache + self.state + self.step + self.logits + self.weights + self.runtime
+
+    def describe(self) -> str:
+        """The terms, for a one-line error."""
+        parts = [f"KV cache {_fmt(self.cache)} ({self.max_batch} slots x {self.capacity} positions)",
+                 f"step temporaries {_fmt(self.step)}", f"logits {_fmt(self.logits)}",
+                 f"outputs {_fmt(self.state)}", f"weights {_fmt(self.weights)}"]
+        if self.runtime:
+            parts.append(f"runtime and compiler {_fmt(self.runtime)}")
+        return f"about {_fmt(self.total)}: " + ", ".join(parts)
+
+
+def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
+                 host: bool) -> BatchMemory:
+    """The estimate for `max_batch` slots of `capacity` cache positions each, verify width
+    `block_size` (1: classic), weights of `weight_bytes` (the files); `host`: the memory is the
+    CPU's, shared with the process and the compiler."""
+    from jaxspec import models
+    from jaxspec.sampling import BIAS_SLOTS, TOP_LOGPROBS
+
+    b = max_batch
+    cache = models.cache_bytes(tcfg, b, capacity, dtype)
+    width = capacity + block_size + 16  # the output buffer's positions, at most (a budget < capacity)
+    per_row = (width * (4 + 4 + 2 * 4 * TOP_LOGPROBS)  # out, lp, top_ids, top_lp
+               + BIAS_SLOTS * 8 + 4 * tcfg.hidden_size + 64)  # bias rows, h_prev, the counters
+    logits = LOGIT_COPIES * 4 * b * (block_size + 1) * tcfg.vocab_size
+    weights = weight_bytes * (1 + (HOST_WEIGHT_COPIES if host else 0))
+    return BatchMemory(max_batch=b, capacity=capacity, cache=cache, state=b * per_row,
+                       step=int(STEP_CACHE_COPIES * cache), logits=logits, weights=weights,
+                       runtime=HOST_RUNTIME if host else 0)
+
+
+def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *, capacity: int, host: bool,
+                  most: int) -> int:
+    """The largest batch in 0..most whose estimate fits `limit` bytes (0: not even one slot)."""
+    lo, hi = 0, most
+    while lo < hi:  # the estimate grows with the batch
+        mid = (lo + hi + 1) // 2
+        if batch_memory(tcfg, mid, block_size, dtype, weight_bytes, capacity=capacity, host=host).total <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
