@@ -4,6 +4,8 @@
         --verify-pad off,on --qmm-tile-m 16,64 --multirow on,off --out DIR
     python benchmarks/speculative_bench.py --target default --runs loop --k-values 4 --max-tokens 64 \
         --each-prompt --out DIR          (the shipped pair on its held-out prompts: README's row)
+    python benchmarks/speculative_bench.py --target gemma-3-270m --runs loop --k-values 2,3,4 --each-prompt \
+        --backend xla --out DIR          (Gemma 3 270M + its shipped drafter on the drafter's held-out prompts)
 
 Runs (--runs, comma separated):
   forward  per-forward time of the target at [B, T] for T = 1 and every K (and the padded width),
@@ -11,8 +13,11 @@ Runs (--runs, comma separated):
   loop     jaxspec.generate classic vs speculative for every (multirow, K, B, verify_pad, tile_m):
            decode tokens/s (prefill excluded, first token counted), speedup, acceptance, mean
            accepted length, tokens per round, round cost in classic forwards, draft and verify ms
-           per round (timed as separate calls at the round's shapes), greedy parity. With
-           --each-prompt every prompt runs alone (B = 1) and the decode times and counts are summed.
+           per round (timed as separate calls at the round's shapes), greedy parity, per-position
+           acceptance (how often draft 1, 2, 3 is kept: GenerationStats.position_accepted). With
+           --each-prompt every prompt runs alone (B = 1), the decode times and counts are summed, and
+           each prompt's own row is kept too: acceptance, tokens per round, acceptance length
+           (1 + accepted / rounds, vLLM's and SGLang's), per-position acceptance, greedy == classic.
   scaling  classic aggregate tokens/s at each --scaling-batch.
 Every configuration is its own compiled function, warmed up before timing; medians over repeats.
 The models' DispatchConfig is built once, `DispatchConfig.from_env(...)` with --backend applied, and
@@ -44,7 +49,8 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
-from jaxspec import verify  # noqa: E402
+from jaxspec import loop, verify  # noqa: E402
+from jaxspec.generate import MAX_VERIFY_WIDTH, PROMPT_BUCKET  # noqa: E402
 from jaxspec.progress import bar  # noqa: E402
 
 # The seed system's measured acceptance on its real Gemma pair at K = 4, for predicted speedups with
@@ -67,11 +73,13 @@ def _onoff(v):
 
 def load_pair(args, dtype, matmul: DispatchConfig):
     """(target, assistant or None, description) for --target / --assistant, both on `matmul`."""
-    q = None if args.float else Q4
-    if os.path.isdir(args.target):
+    q = None if args.float or getattr(args, "pair_name", None) else Q4  # a named pair loads exactly, as the CLI
+    if os.path.isdir(args.target) or os.path.isfile(args.target):  # a checkpoint directory or a .gguf file
         target = models.load_target(args.target, dtype=dtype, quantize=q, matmul=matmul)
-        assistant = (models.load_assistant(args.assistant, dtype=dtype, quantize=q, matmul=matmul)
+        assistant = (models.load_assistant(args.assistant, dtype=dtype, quantize=q, matmul=matmul, target=target)
                      if args.assistant and os.path.isdir(args.assistant) else None)
+        if getattr(args, "pair_name", None):
+            return target, assistant, f"pair {args.pair_name}: {args.target} + drafter {args.assistant}"
         return target, assistant, f"checkpoint {args.target}"
     target, assistant = random_pair(args.target, args.assistant, layers=args.layers, matmul=matmul,
                                     seed=args.seed, dtype=dtype, quantize=q)
@@ -104,8 +112,64 @@ def resolve_default_pair(args):
     if args.assistant in (None, "default"):
         args.assistant = None if args.no_assistant else os.path.join(path, "assistant")
     args.tokenizer = args.tokenizer or os.path.join(path, "tokenizer.json")
-    if not (args.prompts_file or args.prompt_ids or args.prompt):
+    if not (args.prompts or args.prompts_file or args.prompt_ids or args.prompt):
         args.default_prompts = [p["ids"] for p in dp.heldout_prompts(path)]
+
+
+def resolve_named_pair(args):
+    """`--target gemma-3-270m` (a real pair, jaxspec.pairs): the GGUF target, its shipped drafter (or
+    --assistant DIR), its tokenizer, and the drafter's held-out prompts unless others are given."""
+    from jaxspec import pairs
+
+    if args.target not in pairs.REAL or os.path.exists(args.target):
+        return
+    name = args.target
+    drafter = None if args.assistant in (None, name) else args.assistant
+    try:
+        if args.no_assistant:
+            from jaxspec.models import gguf
+            pair = pairs.Pair(name, gguf.by_name(name), None)
+        else:
+            pair = pairs.resolve(name, drafter)
+    except ValueError as e:
+        raise SystemExit(f"--target {name}: {e}") from None
+    args.pair_name, args.target, args.assistant = name, pair.target, pair.assistant
+    args.tokenizer = args.tokenizer or pair.target  # the GGUF carries its tokenizer
+    heldout = os.path.join(pairs.drafter_dir(name) if drafter is None else drafter, "heldout_prompts.json")
+    if not (args.prompts or args.prompts_file or args.prompt_ids or args.prompt) and os.path.isfile(heldout):
+        args.prompts = heldout
+
+
+def text_prompts(args):
+    """--prompts FILE: JSON, {"prompts": [...]} or a list, each a string, {"text": ...} (tokenized with
+    the target's tokenizer, BOS first), a list of ids or {"ids": [...]}; a "kind" (prose, code) is kept
+    for the report.
+    -> (ids per prompt, kind per prompt)."""
+    with open(args.prompts, encoding="utf-8") as f:
+        data = json.load(f)
+    items = data["prompts"] if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise SystemExit(f"--prompts {args.prompts}: expected a non-empty list of prompts (or {{\"prompts\": [...]}})")
+    tok = None
+    ids, kinds = [], []
+    for i, p in enumerate(items):
+        p = {"text": p} if isinstance(p, str) else {"ids": p} if isinstance(p, list) else p
+        if not isinstance(p, dict) or not ("ids" in p or "text" in p):
+            raise SystemExit(f"--prompts {args.prompts}: prompt {i} has neither \"text\" nor \"ids\"")
+        if "ids" in p:
+            ids.append([int(t) for t in p["ids"]])
+        else:
+            if tok is None:
+                from jaxspec.tokenizer import load_tokenizer
+                src = args.tokenizer or args.target
+                try:
+                    tok = load_tokenizer(os.path.dirname(src) if src.endswith(".json") else src,
+                                         src if src.endswith(".json") else None)
+                except ValueError as e:
+                    raise SystemExit(f"--prompts {args.prompts}: text prompts need a tokenizer: {e}") from None
+            ids.append(tok.encode(p["text"]))
+        kinds.append(p.get("kind", ""))
+    return ids, kinds
 
 
 def tokenize_prompt(args):
@@ -124,6 +188,8 @@ def tokenize_prompt(args):
 def prompt_rows(args, vocab, batch):
     """The prompts given (file, ids, text, the default pair's held-out ones), else `batch` random ones."""
     rng = np.random.default_rng(args.seed)
+    if args.prompts:
+        return args.text_prompt_ids
     if args.prompts_file:
         return [json.loads(l) for l in open(args.prompts_file) if l.strip()]
     if args.prompt_ids:
@@ -269,12 +335,20 @@ def gen_stats(target, assistant, sets, k, args, pad):
     them: (the tokens of each batch, the summed statistics). Rates are over the sums (acceptance =
     accepted / drafted; per-round means weighted by each batch's active row-rounds)."""
     tokens, stats, decode_s = [], [], 0.0
+    # --each-prompt: one cache size for every prompt and K (the widest prompt's bucket, the widest verify
+    # run), so the decode loop compiles once per K, not once per prompt-length bucket
+    cache = None
+    if len(sets) > 1:
+        longest = max(len(r) for rows in sets for r in rows)
+        widest = MAX_VERIFY_WIDTH if any(args.verify_pad) else max(args.k_values)
+        cache = loop.required_capacity(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, args.max_tokens, widest,
+                                       loop.CAPACITY_ROUND)
     for rows in _progress(sets, f"{'classic' if k == 1 else f'K={k}'} prompts", args.quiet):
         res, times = None, []
         for _ in range(args.warmup + args.repeats):
             res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
                                    max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[],
-                                   exactness_probe=args.exactness_probe)
+                                   exactness_probe=args.exactness_probe, cache_size=cache)
             times.append(res.stats.decode_s)
         tokens.append(res.tokens)
         stats.append(res.stats)
@@ -288,13 +362,28 @@ def gen_stats(target, assistant, sets, k, args, pad):
         for a, c in enumerate(st.accepted_hist):
             hist[a] += c
     drafted = total("drafted")
+    # per-position acceptance over the sums: the loop's own counts (GenerationStats.position_accepted)
+    pos = [sum(c) for c in zip(*(st.position_accepted for st in stats))] if stats[0].position_accepted else []
     return tokens, dict(decode_s=decode_s, tokens_per_s=total("new_tokens") / decode_s, rounds=total("rounds"),
                         acceptance_rate=total("accepted") / drafted if drafted else 0.0,
                         mean_accepted_len=per_round("mean_accepted_len"),
                         tokens_per_round=per_round("tokens_per_round"),
                         fallback=next((st.fallback for st in stats if st.fallback), None),
                         new_tokens=total("new_tokens"), hist=hist, verify_width=stats[-1].verify_width,
-                        k_run=min(st.block_size for st in stats), prompts=len(sets))
+                        k_run=min(st.block_size for st in stats), prompts=len(sets),
+                        acceptance_length=1 + total("accepted") / row_rounds if row_rounds else 1.0,
+                        position_accepted=pos, position_acceptance=[c / row_rounds for c in pos] if row_rounds else [],
+                        per_prompt=[_prompt_row(st) for st in stats] if len(sets) > 1 else None)
+
+
+def _prompt_row(st) -> dict:
+    """One --each-prompt call's own counts: acceptance, tokens per round, acceptance length
+    (1 + accepted / rounds, as vLLM and SGLang report it), per-position acceptance."""
+    r = st.row_rounds
+    return dict(rounds=r, new_tokens=st.new_tokens, accepted=st.accepted, drafted=st.drafted,
+                acceptance_rate=st.acceptance_rate, tokens_per_round=st.tokens_per_round,
+                acceptance_length=1 + st.accepted / r if r else 1.0, position_accepted=st.position_accepted,
+                position_acceptance=st.position_acceptance, decode_s=st.decode_s, k_run=st.block_size)
 
 
 def round_phases(target, batch, spec, draft_step_ms, round_ms):
@@ -334,6 +423,9 @@ def run_loop(args, target, assistant, out, deadline):
                         stoks, spec = gen_stats(t, assistant, sets, k, args, pad)
                         round_s = spec["decode_s"] / max(spec["rounds"], 1)
                         same = sum(s == c for s, c in zip(stoks, ctoks))
+                        for i, pr in enumerate(spec["per_prompt"] or []):  # parity and kind per prompt
+                            pr.update(prompt=i, greedy_equal=stoks[i] == ctoks[i],
+                                      kind=(getattr(args, "prompt_kinds", None) or [""] * len(sets))[i])
                         row = dict(run="loop", mode="speculative", multirow=mr, batch=b, k=k, verify_pad=pad,
                                    tile_m=tm, **spec, speedup=spec["tokens_per_s"] / classic["tokens_per_s"],
                                    round_ms=round_s * 1e3, round_cost=round_s / per_fwd,
@@ -345,6 +437,8 @@ def run_loop(args, target, assistant, out, deadline):
                         out.append(row)
                         print(f"  K={k} pad={pad} tile_m={tm}: {spec['tokens_per_s']:.1f} tok/s "
                               f"x{row['speedup']:.2f}, accept {spec['acceptance_rate']:.2f}, "
+                              f"{spec['tokens_per_round']:.2f} tok/round, per position "
+                              f"{'/'.join(f'{a:.2f}' for a in spec['position_acceptance'])}, "
                               f"round {row['round_cost']:.2f} fwd, parity {row['greedy_equal']}"
                               + (f", ran K={spec['k_run']}" if spec["k_run"] != k else "")
                               + (f", FALLBACK {spec['fallback']}" if spec["fallback"] else ""), flush=True)
@@ -409,6 +503,7 @@ def write_report(path, meta, rows):
                          f"| {r.get('greedy_equal_prompts') if r.get('prompts', 1) > 1 else r.get('greedy_equal', '')}"
                          f"{' FALLBACK: ' + r['fallback'] if r.get('fallback') else ''} |")
         lines.append("")
+        lines += _position_tables(lp)
     sc = [r for r in rows if r["run"] == "scaling"]
     if sc:
         b1 = sc[0]["tokens_per_s"]
@@ -422,6 +517,38 @@ def write_report(path, meta, rows):
             fig.savefig(os.path.join(path, "speculative.png"), dpi=110)
     except Exception as e:  # the plot is a convenience; the tables are the result
         print(f"plot skipped: {e}")
+
+
+def _position_tables(loop_rows) -> list[str]:
+    """Markdown: per-position acceptance (how often draft 1, 2, ... is kept) of every speculative loop
+    row, then with --each-prompt one table per K of the prompts' own rows."""
+    spec = [r for r in loop_rows if r["mode"] == "speculative" and r.get("position_acceptance")]
+    if not spec:
+        return []
+    width = max(len(r["position_acceptance"]) for r in spec)
+    pos_head = " | ".join(f"draft {i + 1} kept" for i in range(width))
+    lines = ["## Per-position acceptance", "",
+             "Acceptance length = 1 + accepted / rounds; draft i kept = rounds that kept draft i / rounds.", "",
+             f"| K | B | prompts | tok/round | acceptance length | acceptance | {pos_head} | greedy == classic |",
+             "|---|---|---|---|---|---|" + "---|" * width + "---|"]
+    cell = lambda xs: " | ".join(f"{x:.3f}" for x in xs) + " |" * (width - len(xs))  # noqa: E731
+    for r in spec:
+        lines.append(f"| {r['k']} | {r['batch']} | {r.get('prompts', 1)} | {r['tokens_per_round']:.2f} "
+                     f"| {r['acceptance_length']:.2f} | {r['acceptance_rate']:.3f} | {cell(r['position_acceptance'])} "
+                     f"| {r.get('greedy_equal_prompts') if r.get('prompts', 1) > 1 else r.get('greedy_equal')} |")
+    lines.append("")
+    for r in spec:
+        if not r.get("per_prompt"):
+            continue
+        lines += [f"### K = {r['k']}, each prompt alone", "",
+                  f"| prompt | kind | rounds | tok/round | acceptance length | acceptance | {pos_head} | greedy == classic |",
+                  "|---|---|---|---|---|---|" + "---|" * width + "---|"]
+        for p in r["per_prompt"]:
+            lines.append(f"| {p['prompt']} | {p.get('kind', '')} | {p['rounds']} | {p['tokens_per_round']:.2f} "
+                         f"| {p['acceptance_length']:.2f} | {p['acceptance_rate']:.3f} | {cell(p['position_acceptance'])} "
+                         f"| {'yes' if p.get('greedy_equal') else 'NO'} |")
+        lines.append("")
+    return lines
 
 
 def plot_figure(rows):
@@ -469,8 +596,9 @@ def plot_figure(rows):
 def build_parser():
     ap = argparse.ArgumentParser(prog="speculative_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="12b",
-                    help="checkpoint dir, preset (tiny, e2b, e4b, 12b, 31b) or 'default' (the shipped pair, "
-                         "its tokenizer and held-out prompts)")
+                    help="checkpoint dir, preset (tiny, e2b, e4b, 12b, 31b), 'default' (the shipped pair, "
+                         "its tokenizer and held-out prompts) or a named real pair, 'gemma-3-270m' (its GGUF, "
+                         "its shipped drafter unless --assistant DIR, the drafter's held-out prompts)")
     ap.add_argument("--assistant", default=None, help="checkpoint dir or preset (default: same as --target)")
     ap.add_argument("--no-assistant", action="store_true")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N target layers (preset only)")
@@ -486,6 +614,10 @@ def build_parser():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--prompt-ids", default=None, help="JSON list of token ids")
     ap.add_argument("--prompts-file", default=None, help="JSON lines, one list of token ids per line")
+    ap.add_argument("--prompts", default=None, metavar="FILE",
+                    help="a JSON file of prompts: {\"prompts\": [...]} or a list, each a string, {\"text\": ...} "
+                         "(tokenized with the target's tokenizer) or {\"ids\": [...]}, e.g. a drafter's "
+                         "heldout_prompts.json (the default with a named pair)")
     ap.add_argument("--prompt", default=None, help="prompt text (needs a tokenizer: --tokenizer or the checkpoint's)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json for --prompt")
     ap.add_argument("--runs", default="forward,loop", type=lambda s: _csv(s))
@@ -520,8 +652,11 @@ def main(argv=None):
     if args.each_prompt and args.batch != [1]:
         ap.error("--each-prompt decodes every prompt alone: it needs --batch 1")
     resolve_default_pair(args)
+    resolve_named_pair(args)
     if args.prompt:
         args.prompt_tokens = tokenize_prompt(args)  # once, and before any model is built
+    if args.prompts:
+        args.text_prompt_ids, args.prompt_kinds = text_prompts(args)
     if args.assistant is None and not args.no_assistant:
         args.assistant = args.target
     if args.no_assistant:

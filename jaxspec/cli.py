@@ -1,6 +1,7 @@
 """The `jaxspec` command line: argument handling and output; the work is the library's.
 
     jaxspec generate "def fibonacci(n):" --max-tokens 64 --compare      # the embedded default pair
+    jaxspec generate "The capital of France is" --pair gemma-3-270m --compare   # Gemma 3 270M + its drafter
     jaxspec generate "Hello" --model DIR --assistant DIR --stream
     jaxspec generate "Why is the sky blue?" --model DIR --assistant DIR --chat --temperature 0.7 --top-p 0.95
     jaxspec tiny-pair DIR                                               # a tiny random pair (smoke tests)
@@ -453,14 +454,43 @@ def _by_name(model: str) -> str:
     return model
 
 
+def _pair_name(args) -> str | None:
+    """--pair's value when it names a pair (jaxspec.pairs.NAMES) rather than a directory, else None."""
+    from .pairs import NAMES
+
+    value = getattr(args, "pair", None)
+    return value if value in NAMES and not os.path.lexists(value) else None
+
+
+def _resolve_named(args, name: str) -> tuple[str, str | None]:
+    """A named pair's (target, drafter): jaxspec.pairs.resolve, its one-line errors as UsageError. With
+    --no-assistant a real pair needs only its target (no drafter is looked for)."""
+    from . import pairs
+
+    if args.no_assistant and name in pairs.REAL:
+        return _by_name(name), None
+    try:
+        pair = pairs.resolve(name, args.assistant)
+    except ValueError as e:
+        raise UsageError(f"--pair {name}: {e}") from None
+    return pair.target, pair.assistant
+
+
 def _resolve_dirs(args) -> tuple[str, str | None]:
-    if args.model is None:
+    name = _pair_name(args) if args.model is None else None
+    if name is not None:
+        model_dir, assistant_dir = _resolve_named(args, name)
+    elif args.model is None:
         if args.assistant is not None:
-            raise UsageError("--assistant needs --model (the target it drafts for)")
+            raise UsageError("--assistant needs --model (the target it drafts for) or a named pair (--pair "
+                             "gemma-3-270m)")
         pair = default_pair_dirs(args.pair)
         if pair is None and args.pair is not None:
             from .default_pair import missing_files
+            from .pairs import NAMES
 
+            if not os.path.lexists(args.pair):
+                raise UsageError(f"--pair {args.pair!r} is neither a named pair ({', '.join(NAMES)}) nor a directory")
             lacks = ", ".join(missing_files(args.pair))
             raise UsageError(f"--pair {args.pair!r} is not a model pair: it lacks {lacks}")
         if pair is None:
@@ -663,8 +693,9 @@ def cmd_serve(args) -> int:
     _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir else 1, dtype,
                         _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype)
-    name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair is None
-                               else os.path.basename(os.path.normpath(model_dir)))
+    named = _pair_name(args)
+    name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
+                               else named or os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
                         max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
@@ -962,9 +993,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "status 2; nothing is replaced)")
     g.add_argument("--model", metavar="DIR", help="target model directory (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
-    g.add_argument("--pair", metavar="DIR", help="without --model: a pair directory laid out like the default "
-                                                "pair (target/, assistant/, tokenizer.json) instead of the "
-                                                "packaged one")
+    g.add_argument("--pair", metavar="NAME|DIR",
+                   help="without --model: a named pair, 'gemma-3-270m' (Gemma 3 270M from the gemma3 extra + its "
+                        "shipped drafter; --assistant DIR replaces the drafter) or 'default' (the embedded toy "
+                        "pair, also what no --model means), or a pair directory laid out like the default pair "
+                        "(target/, assistant/, tokenizer.json)")
     g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (one user turn)")
@@ -1012,7 +1045,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Without --model the embedded default pair is served.")
     v.add_argument("--model", metavar="DIR", help="target model directory")
     v.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
-    v.add_argument("--pair", metavar="DIR", help="without --model: a pair directory laid out like the default pair")
+    v.add_argument("--pair", metavar="NAME|DIR", help="without --model: a named pair (gemma-3-270m, default) or a "
+                                                     "pair directory laid out like the default pair")
     v.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     v.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the model directory's "

@@ -81,8 +81,22 @@ class GenerationStats:
     probe_logit_diff: float | None = None  # exactness probe: max |wide verify - single steps| logit
     backend: str | None = None     # the target's matmul path: "xla", "pallas", "pallas (interpret mode)"
 
+    # Per-position acceptance, as vLLM and SGLang report it. A round keeps a prefix of its drafts, so
+    # draft i is kept exactly in the row-rounds that accepted >= i: suffix sums of the loop's own
+    # histogram (one add per round inside the jitted loop), nothing counted twice.
+    @property
+    def position_accepted(self) -> list[int]:
+        """[i - 1]: active row-rounds that kept draft i, for i = 1 .. K-1."""
+        return [sum(self.accepted_hist[i:]) for i in range(1, len(self.accepted_hist))]
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """[i - 1]: the fraction of active row-rounds that kept draft i (how often draft 1, 2, 3 is kept)."""
+        return [n / self.row_rounds if self.row_rounds else 0.0 for n in self.position_accepted]
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dict(dataclasses.asdict(self), position_accepted=self.position_accepted,
+                    position_acceptance=self.position_acceptance)
 
 
 @dataclasses.dataclass

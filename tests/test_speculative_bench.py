@@ -124,6 +124,15 @@ def test_each_prompt_sums_single_prompt_runs(tmp_path, monkeypatch, capsys):
     assert classic["rounds"] == 3 * 4  # classic: one round per token after the prefill's first
     assert spec["greedy_equal"] is True and spec["greedy_equal_prompts"] == "3/3"
     assert sum(spec["hist"]) == spec["rounds"] >= 3  # B = 1: one row-round per round, every prompt ran
+    # each prompt's own row: its parity, rounds and counts, which add up to the summed row; per-position
+    # acceptance from the loop's counts (GenerationStats.position_accepted), the histogram's suffix sums
+    per = spec["per_prompt"]
+    assert [p["prompt"] for p in per] == [0, 1, 2] and all(p["greedy_equal"] for p in per)
+    assert sum(p["rounds"] for p in per) == spec["rounds"] and sum(p["new_tokens"] for p in per) == 15
+    assert [sum(c) for c in zip(*(p["position_accepted"] for p in per))] == spec["position_accepted"]
+    assert spec["position_accepted"] == [sum(spec["hist"][i:]) for i in (1, 2)]
+    assert spec["acceptance_length"] == pytest.approx(1 + sum(p["accepted"] for p in per) / spec["rounds"])
+    assert "### K = 3, each prompt alone" in open(os.path.join(out, "speculative.md")).read()
     with pytest.raises(SystemExit):
         sb.main(["--target", "tiny", "--each-prompt", "--batch", "2", "--out", out])
 
