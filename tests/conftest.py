@@ -41,6 +41,11 @@ def pytest_configure(config):
         config._jaxspec_cache = tempfile.mkdtemp(prefix="jaxspec-test-compile-cache-")
         os.environ[CACHE_ENV] = os.environ["JAX_COMPILATION_CACHE_DIR"] = config._jaxspec_cache
         os.environ.setdefault(SEED_ENV, str(secrets.randbits(32)))
+        # pytest-xdist (3.x) hands out files with the most tests first unless told not to, which put
+        # the slowest files (few long tests: test_shard's 5, test_default_pair's 10) near the end of
+        # the run, where one worker finished them alone. SLOW_FILES' order is the one to keep.
+        if getattr(config.option, "loadscopereorder", False):
+            config.option.loadscopereorder = False
     from jaxspec import compile_cache, programs
 
     compile_cache.disable_default()
@@ -64,16 +69,23 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"random test inputs: {SEED_ENV}={run_seed()} replays them")
 
 
-# The files that take longest on 2 CPU cores, longest first. `make test` hands out whole files to
-# its workers (pytest -n 2 --dist loadfile) in collection order, so these start first and no long
-# file is left running alone at the end.
-SLOW_FILES = ("test_server.py", "test_generate.py", "test_shard.py", "test_default_pair.py",
-              "test_speculative_bench.py", "test_long_context.py", "test_layer_scan.py")
+# The files that take longest on 2 CPU cores, longest first (each 1.5-5 min on the CI machine).
+# `make test` hands out whole files to its workers (pytest -n 2 --dist loadfile) in collection order
+# (xdist's own reordering is off: pytest_configure), so these start first, the short files fill in
+# after them, and no long file is left running alone at the end. The rest go most tests first.
+SLOW_FILES = ("test_default_pair.py", "test_kernels.py", "test_shard.py", "test_docs_blocks.py",
+              "test_server.py", "test_generate.py", "test_speculative_bench.py", "test_compile_cache.py",
+              "test_gemma3_real.py", "test_checkpoint.py", "test_long_context.py", "test_layer_scan.py",
+              "test_notebook.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: order within a file kept
+    count = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    # stable: the order within a file is kept
+    items.sort(key=lambda item: (rank.get(item.path.name, len(SLOW_FILES)), -count[item.path]))
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
