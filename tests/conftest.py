@@ -94,6 +94,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    """The (target, assistant) directories of one `jaxspec tiny-pair`, made once per worker for the
+    modules that only read them (a test that changes a pair copies it first)."""
+    from jaxspec import cli
+
+    root = str(tmp_path_factory.mktemp("pair"))
+    assert cli.main(["tiny-pair", root]) == 0
+    return os.path.join(root, "target"), os.path.join(root, "assistant")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(pair):
+    """Starts `jaxspec serve` on the session's tiny pair: tiny_server(*flags, api_key=None) -> a
+    running test_server.Running, stopped when the module ends. Every server it starts has the same
+    batch settings (16 slots, 2 rounds per chunk), so the first warm-up's programs serve the others
+    from the run's compile cache; the modules differ only in their connection and guard flags."""
+    from test_server import Running
+
+    started = []
+
+    def start(*flags, api_key=None):
+        started.append(Running("--model", pair[0], "--assistant", pair[1], "--max-batch", "16",
+                               "--rounds-per-chunk", "2", *flags, api_key=api_key))
+        return started[-1]
+    yield start
+    for s in started:
+        s.stop()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     """Free each module's compiled programs when it ends. Every XLA CPU executable keeps memory
