@@ -41,6 +41,11 @@ def pytest_configure(config):
         config._jaxspec_cache = tempfile.mkdtemp(prefix="jaxspec-test-compile-cache-")
         os.environ[CACHE_ENV] = os.environ["JAX_COMPILATION_CACHE_DIR"] = config._jaxspec_cache
         os.environ.setdefault(SEED_ENV, str(secrets.randbits(32)))
+        # pytest-xdist (3.x) hands out files with the most tests first unless told not to, which put
+        # the slowest files (few long tests: test_shard's 5, test_default_pair's 10) near the end of
+        # the run, where one worker finished them alone. SLOW_FILES' order is the one to keep.
+        if getattr(config.option, "loadscopereorder", False):
+            config.option.loadscopereorder = False
     from jaxspec import compile_cache, programs
 
     compile_cache.disable_default()
@@ -64,22 +69,59 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"random test inputs: {SEED_ENV}={run_seed()} replays them")
 
 
-# The files that take longest on 2 CPU cores, longest first. `make test` hands out whole files to
-# its workers (pytest -n 2 --dist loadfile) in collection order, so these start first and no long
-# file is left running alone at the end.
-SLOW_FILES = ("test_server.py", "test_generate.py", "test_shard.py", "test_default_pair.py",
-              "test_speculative_bench.py", "test_long_context.py", "test_layer_scan.py")
+# The files that take longest on 2 CPU cores, longest first (each 1.5-5 min on the CI machine).
+# `make test` hands out whole files to its workers (pytest -n 2 --dist loadfile) in collection order
+# (xdist's own reordering is off: pytest_configure), so these start first, the short files fill in
+# after them, and no long file is left running alone at the end. The rest go most tests first.
+SLOW_FILES = ("test_default_pair.py", "test_kernels.py", "test_shard.py", "test_docs_blocks.py",
+              "test_server.py", "test_generate.py", "test_speculative_bench.py", "test_compile_cache.py",
+              "test_gemma3_real.py", "test_checkpoint.py", "test_long_context.py", "test_layer_scan.py",
+              "test_notebook.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: order within a file kept
+    count = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    # stable: the order within a file is kept
+    items.sort(key=lambda item: (rank.get(item.path.name, len(SLOW_FILES)), -count[item.path]))
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    """The (target, assistant) directories of one `jaxspec tiny-pair`, made once per worker for the
+    modules that only read them (a test that changes a pair copies it first)."""
+    from jaxspec import cli
+
+    root = str(tmp_path_factory.mktemp("pair"))
+    assert cli.main(["tiny-pair", root]) == 0
+    return os.path.join(root, "target"), os.path.join(root, "assistant")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(pair):
+    """Starts `jaxspec serve` on the session's tiny pair: tiny_server(*flags, api_key=None) -> a
+    running test_server.Running, stopped when the module ends. Every server it starts has the same
+    batch settings (16 slots, 2 rounds per chunk), so the first warm-up's programs serve the others
+    from the run's compile cache; the modules differ only in their connection and guard flags."""
+    from test_server import Running
+
+    started = []
+
+    def start(*flags, api_key=None):
+        started.append(Running("--model", pair[0], "--assistant", pair[1], "--max-batch", "16",
+                               "--rounds-per-chunk", "2", *flags, api_key=api_key))
+        return started[-1]
+    yield start
+    for s in started:
+        s.stop()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -6,6 +6,7 @@ given a chat template: chat completions, streamed and not, equal to `jaxspec gen
 import json
 import re
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +23,6 @@ pytest.importorskip("fastapi")
 
 from test_cli import CACHE, REPO, run_cli  # noqa: E402
 
-from jaxspec import cli  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(", "def main():",
            "x = [", "return sorted(", "with open("]
@@ -240,9 +240,10 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfo
 
 
 @pytest.fixture(scope="module")
-def chat_pair(tmp_path_factory):
+def chat_pair(pair, tmp_path_factory):
+    """A copy of the session's tiny pair (conftest.py) given a chat template."""
     root = str(tmp_path_factory.mktemp("chatpair"))
-    assert cli.main(["tiny-pair", root]) == 0
+    shutil.copytree(os.path.dirname(pair[0]), root, dirs_exist_ok=True)
     with open(os.path.join(root, "target", "chat_template.jinja"), "w") as f:
         f.write(TEMPLATE)
     return os.path.join(root, "target"), os.path.join(root, "assistant")

@@ -10,7 +10,6 @@
   context can hold is refused before the tokenizer sees it.
 """
 import json
-import os
 import socket
 import time
 import urllib.error
@@ -21,29 +20,16 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from seeds import seeded_rng  # noqa: E402
-from test_server import Running  # noqa: E402
-
-from jaxspec import cli  # noqa: E402
 
 CAP = 4  # --max-connections of the connection server
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("pair"))
-    assert cli.main(["tiny-pair", root]) == 0
-    return os.path.join(root, "target"), os.path.join(root, "assistant")
-
-
-@pytest.fixture(scope="module")
-def warmed(pair):
-    """One server for the module: warmed up, with small connection limits."""
-    # test_server_traffic's batch settings: one run's compile cache serves both modules' warm-ups
-    s = Running("--model", pair[0], "--assistant", pair[1], "--max-batch", "16", "--rounds-per-chunk", "2",
-                "--max-connections", str(CAP),
-                "--idle-timeout", "3", "--header-timeout", "1", "--body-timeout", "1")
-    yield s
-    s.stop()
+def warmed(tiny_server):
+    """One server for the module (conftest.py's tiny pair and batch settings): warmed up, with small
+    connection limits."""
+    return tiny_server("--max-connections", str(CAP), "--idle-timeout", "3", "--header-timeout", "1",
+                       "--body-timeout", "1")
 
 
 @pytest.fixture(scope="module")

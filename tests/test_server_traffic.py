@@ -12,7 +12,6 @@ from $JAXSPEC_API_KEY and 16 slots, talked to with the official `openai` client 
 import asyncio
 import json
 import math
-import os
 import socket
 import time
 
@@ -22,9 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_server import Running, concurrently  # noqa: E402
-
-from jaxspec import cli  # noqa: E402
+from test_server import concurrently  # noqa: E402
 
 KEY = "test-key-7f3a"
 PROMPTS = ["def f(x):", "import os", "class A:", "for i in", "x = [1,", "return 2", "while n:", "if a == b:"]
@@ -32,18 +29,9 @@ LIMIT = 65536  # --max-body-bytes
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("pair"))
-    assert cli.main(["tiny-pair", root]) == 0
-    return os.path.join(root, "target"), os.path.join(root, "assistant")
-
-
-@pytest.fixture(scope="module")
-def server(pair):
-    s = Running("--model", pair[0], "--assistant", pair[1], "--max-batch", "16", "--rounds-per-chunk", "2",
-                "--max-body-bytes", str(LIMIT), api_key=KEY)
-    yield s
-    s.stop()
+def server(tiny_server):
+    """One server for the module (conftest.py's tiny pair and batch settings), with the API key."""
+    return tiny_server("--max-body-bytes", str(LIMIT), api_key=KEY)
 
 
 def complete(server, prompt, **kw):
