@@ -73,10 +73,11 @@ def pytest_terminal_summary(terminalreporter):
 # `make test` hands out whole files to its workers (pytest -n 2 --dist loadfile) in collection order
 # (xdist's own reordering is off: pytest_configure), so these start first, the short files fill in
 # after them, and no long file is left running alone at the end. The rest go most tests first.
-SLOW_FILES = ("test_default_pair.py", "test_kernels.py", "test_shard.py", "test_docs_blocks.py",
+SLOW_FILES = ("test_default_pair.py", "test_train_assistant.py", "test_kernels.py", "test_shard.py", "test_docs_blocks.py",
               "test_server.py", "test_generate.py", "test_speculative_bench.py", "test_compile_cache.py",
               "test_gemma3_real.py", "test_checkpoint.py", "test_long_context.py", "test_layer_scan.py",
-              "test_notebook.py", "test_cli.py")
+              "test_notebook.py", "test_cli.py", "test_dense_weights.py", "test_named_pairs.py",
+              "test_position_acceptance.py")
 
 
 def pytest_collection_modifyitems(config, items):
