@@ -87,7 +87,7 @@ import jaxspec
 from jaxspec import assistant_training as shared
 from jaxspec import models
 from jaxspec.assistant_training import TRAIN_MATMUL, Metrics, init_params, log, lr_at, make_tx, unrolled_hidden
-from jaxspec.kernels import QuantizedWeight, dequantize, take_rows
+from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize, take_rows
 from jaxspec.models import fingerprint as fp_mod
 from jaxspec.models.checkpoint import SHARED_EMBEDDING
 from jaxspec.models.config import FULL, SLIDING, _rope_dict
@@ -593,7 +593,9 @@ def main(argv=None) -> int:
                             python=sys.version.split()[0]))
 
     t = time.time()
-    target = models.load_target(args.target, dtype=dtype)
+    # The stored (quantized) weights: the teacher's forward runs inside the training step, and a CPU's
+    # dense weights (the inference loaders' default there) are for decoding, not for differentiating around.
+    target = models.load_target(args.target, dtype=dtype, matmul=DispatchConfig.from_env(backend="auto", dense=False))
     tcfg = target.config
     log(f"target loaded in {time.time() - t:.1f}s: {tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
         f"vocab {tcfg.vocab_size}")
