@@ -32,7 +32,7 @@ from jaxspec import models  # noqa: E402
 from harness import environment_line, random_pair, write_report  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
 
-from jaxspec.generate import plan  # noqa: E402
+from jaxspec.generate import plan, request_of  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -51,8 +51,8 @@ def peak_bytes() -> int | None:
 
 def timed(target, assistant, prompt, args, block_size):
     """(tokens, best prefill s, best decode s, state, plan) over --repeats runs after a warm-up."""
-    p = plan(target, [prompt], assistant=assistant, max_new_tokens=args.max_tokens,
-                     block_size=block_size, eos_token_ids=())
+    p = plan(target, [prompt], request_of(max_new_tokens=args.max_tokens), assistant=assistant,
+             block_size=block_size, eos_token_ids=())
     best_pre = best_dec = float("inf")
     state = None
     for i in range(args.repeats + 1):  # run 0 compiles
