@@ -34,7 +34,8 @@ venv-dev: $(VENV)/.installed-dev
 # classic decoding (--compare: the speedup, and whether the output is identical). Without the drafter
 # (a checkout it was not trained into) one line says why and the target decodes classically.
 # The embedded toy pair: `jaxspec generate "def is_prime(n):" --pair default --compare`.
-DEMO_PROMPT ?= The capital of France is
+# (a 270M base model loops on short prompts under greedy decoding; this one gives 64 tokens of prose)
+DEMO_PROMPT ?= The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable metal type, oil-based ink and a wooden screw press into a system that could
 DEMO_ARGS ?= --max-tokens 64
 demo: $(VENV)/.installed-gemma3
 	@if $(BIN)/python -c "import sys, jaxspec.pairs as p; why = p.unavailable('gemma-3-270m'); \
