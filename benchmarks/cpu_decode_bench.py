@@ -171,6 +171,19 @@ def breakdown(target, prompt_len: int, tokens: int, reps: int = 5) -> dict:
     return out
 
 
+def run_header(tree: str) -> dict:
+    """What a result file records about the run: date, CPU, versions, the tree's commit (and whether it
+    had uncommitted changes), the exact command, torch's thread count."""
+    import jax
+    import torch
+
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), cpu=_cpu(),
+                jax=jax.__version__, torch=torch.__version__, commit=_git(tree, "rev-parse", "--short", "HEAD"),
+                dirty=bool(_git(tree, "status", "--porcelain", "--untracked-files=no")),
+                command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                torch_threads=torch.get_num_threads())
+
+
 def _git(tree: str, *args) -> str:
     try:
         return subprocess.run(["git", "-C", tree, *args], capture_output=True, text=True, check=True).stdout.strip()
@@ -193,12 +206,10 @@ def main() -> int:
         raise SystemExit("--tokens must be >= 2 (the first token comes from the prefill)")
     prompt = _prompt(args.prompt_len)
     target, load_s, wbytes = jax_target(args.tree)
-    import jax
     if args.breakdown_only:
         print(json.dumps(dict(tree=args.tree, commit=_git(args.tree, "rev-parse", "--short", "HEAD"),
                               weight_bytes=wbytes, breakdown=breakdown(target, args.prompt_len, args.tokens))))
         return 0
-    import torch
     runs = {"jaxspec": [], "transformers": []}
     first = jax_decode(target, prompt, args.tokens)  # warm-up: compiles
     model = None
@@ -215,11 +226,7 @@ def main() -> int:
     med = {k: sorted(x["tok_s"] for x in v)[len(v) // 2] for k, v in runs.items() if v}
     ratio = med["jaxspec"] / med["transformers"] if "transformers" in med else None
     load = os.getloadavg()
-    res = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), cpu=_cpu(),
-               jax=jax.__version__, torch=torch.__version__, commit=_git(args.tree, "rev-parse", "--short", "HEAD"),
-               dirty=bool(_git(args.tree, "status", "--porcelain", "--untracked-files=no")),
-               command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-               torch_threads=torch.get_num_threads(), loadavg=load, weight_bytes=wbytes, jax_load_s=load_s,
+    res = dict(**run_header(args.tree), loadavg=load, weight_bytes=wbytes, jax_load_s=load_s,
                runs={k: [x["tok_s"] for x in v] for k, v in runs.items()}, median=med, ratio=ratio, breakdown=bd,
                jax_prefill_s=first["prefill_s"])
     print(json.dumps(res))

@@ -23,7 +23,6 @@ the stats line's speculative and classic decode tok/s and the command's wall tim
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -35,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 TREE = os.path.dirname(HERE)
 sys.path[:0] = [TREE, HERE]  # this checkout's jaxspec, not an installed one
-from cpu_decode_bench import _cpu, _git, hf_decode  # noqa: E402  (the same decode loop and labels)
+from cpu_decode_bench import hf_decode, run_header  # noqa: E402  (the same decode loop and labels)
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
           "movable metal type, oil-based ink and a wooden screw press into a system that could")
@@ -138,8 +137,6 @@ def main() -> int:
     jdecode, prompt, jinfo = jax_side(args.model, args.dtype, args.tokens)
     print(f"jaxspec: loaded in {jinfo['load_s']:.1f} s, weights {jinfo['weight_bytes'] / 2**20:.0f} MiB, "
           f"RSS {jinfo['rss_mib']:.0f} MiB; text: {jinfo['text']!r}", flush=True)
-    import jax
-    import torch
     model, hf_load_s = hf_side(jinfo["path"])
     hf_first = hf_decode(model, prompt, args.tokens)  # warm-up
     runs = {"jaxspec": [], "transformers": []}
@@ -165,11 +162,7 @@ def main() -> int:
                     print(f"demo round {r + 1} {name}: {demo[-1]}", flush=True)
         except RuntimeError as e:  # part 1's results are still written
             demo_error = str(e)
-    res = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), cpu=_cpu(),
-               jax=jax.__version__, torch=torch.__version__, commit=_git(TREE, "rev-parse", "--short", "HEAD"),
-               dirty=bool(_git(TREE, "status", "--porcelain", "--untracked-files=no")),
-               command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-               nice=os.nice(0), torch_threads=torch.get_num_threads(), loadavg_start=load_start,
+    res = dict(**run_header(TREE), nice=os.nice(0), loadavg_start=load_start,
                loadavg_end=os.getloadavg(), minutes=(time.time() - started) / 60, jax_info=jinfo,
                hf_load_s=hf_load_s, runs={k: [x["tok_s"] for x in v] for k, v in runs.items()}, median=med,
                ratio=med["jaxspec"] / med["transformers"], same_prefix=same, demo=demo, demo_error=demo_error, base=args.base_tree or args.base)

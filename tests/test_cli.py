@@ -18,6 +18,7 @@ import pytest
 
 from jaxspec import cli
 from jaxspec.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer, render_chat_template, train_byte_bpe
+from cli_errors import one_line_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ["JAXSPEC_TEST_COMPILE_CACHE"]  # this run's, made by conftest.py
@@ -136,11 +137,7 @@ def test_compile_cache_flags(pair, tmp_path):
 
 # ---- bad input: one line, exit status 2 --------------------------------------------------------
 def _bad(capsys, *argv):
-    rc = cli.main(list(argv))
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("jaxspec: error: "), err
-    return err
+    return one_line_error(capsys, *argv)
 
 
 def test_missing_model_dir(capsys, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import jaxspec
 from jaxspec import cli, pairs
 from jaxspec.models import gguf
+from cli_errors import one_line_error
 
 CACHE = os.environ["JAXSPEC_TEST_COMPILE_CACHE"]  # this run's, made by conftest.py
 PROMPT = "def fibonacci(n):"  # tests/test_cli.py's prompt, budget and pair: the same compiled programs
@@ -40,11 +41,7 @@ def stand_in(tmp_path_factory):
 
 
 def _bad(capsys, *argv):
-    rc = cli.main(list(argv))
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("jaxspec: error: "), err
-    return err
+    return one_line_error(capsys, *argv)
 
 
 def test_pair_name_runs_speculative_with_compare(stand_in, capsys):

@@ -438,15 +438,21 @@ def test_max_connections_must_stay_below_the_fd_limit(capsys, no_loading, monkey
     assert cli._max_connections(args) < 1024 - 64  # the default fits under the limit
 
 
-def test_max_batch_is_checked_against_memory(capsys, monkeypatch):
-    """Before loading: the batch's KV cache and logits against the device's memory (here made 1 GiB)."""
+def memory_of(monkeypatch, total: int, label: str) -> str:
+    """`serve` sees `total` bytes of `label` and must stop before loading a model; a free port (so that
+    only the memory can stop it)."""
     def reached(*a, **kw):
         raise AssertionError("a model was about to be loaded")
     monkeypatch.setattr(cli, "_load_pair", reached)
-    monkeypatch.setattr(cli, "device_memory", lambda: (1 << 30, "test memory"))
-    with socket.socket() as s:  # a free port, so that only the memory can stop it
+    monkeypatch.setattr(cli, "device_memory", lambda: (total, label))
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+        return str(s.getsockname()[1])
+
+
+def test_max_batch_is_checked_against_memory(capsys, monkeypatch):
+    """Before loading: the batch's KV cache and logits against the device's memory (here made 1 GiB)."""
+    port = memory_of(monkeypatch, 1 << 30, "test memory")
     err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
     assert "--max-batch 4096" in err and "test memory" in err and "lower --max-batch" in err
     assert cli.main(["serve", "--max-batch", "1", "--port", port]) == 1  # fits: it goes on to load

@@ -2,7 +2,6 @@
 against the arrays the engine allocates (shapes only, nothing compiled), and the CLI's refusal
 before anything loads. The estimate's factors were measured (peak RSS and XLA's memory_analysis,
 in serve_memory's docstring): compiling a step to measure here would take a minute on CI."""
-import socket
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from jaxspec.generate import PROMPT_BUCKET, make_generate, stop_array
 from jaxspec.models import presets
 from jaxspec.serve_memory import HOST_RUNTIME, LOGIT_COPIES, STEP_CACHE_COPIES, batch_memory, largest_batch
 from seeds import seeded_rng
-from test_serve_guard import serve_fails
+from test_serve_guard import memory_of, serve_fails
 
 
 def _nbytes(tree) -> int:
@@ -67,13 +66,7 @@ def test_serve_refuses_a_batch_over_the_host_memory(capsys, monkeypatch):
     """The default pair at --max-batch 4096 on a 12 GiB CPU: the old estimate (cache + 3 logits +
     weights, 5.8 GiB) let it through, and its warm-up passed 12 GiB (issue 51). Refused in one line
     naming the limit and the terms, exit 2, before loading; a batch that fits goes on to load."""
-    def reached(*a, **kw):
-        raise AssertionError("a model was about to be loaded")
-    monkeypatch.setattr(cli, "_load_pair", reached)
-    monkeypatch.setattr(cli, "device_memory", lambda: (12 << 30, "host memory"))
-    with socket.socket() as s:  # a free port, so that only the memory can stop it
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = memory_of(monkeypatch, 12 << 30, "host memory")
     err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
     for part in ("--max-batch 4096", "12.0 GiB of host memory", "KV cache", "step temporaries",
                  "runtime and compiler", "lower --max-batch (at most "):
