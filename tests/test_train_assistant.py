@@ -31,7 +31,9 @@ def trained(tmp_path_factory):
                   "--random-prompts", "--prompts", "96", "--prompt-tokens", "16", "--new-tokens", "32",
                   "--gen-batch", "32", "--batch", "8", "--steps", str(STEPS), "--ffn", "128", "--centroids", "32",
                   "--top-k", "4", "--warmup", "20", "--eval-prompts", "4", "--seed", str(seed % 1000),
-                  "--minutes", "30", "--no-eval"])
+                  # all 96 rows whatever the machine's load: the generation's time cap (120 s by default)
+                  # would otherwise cut the data, and the drafter with it, on a slow CI worker
+                  "--gen-seconds", "3600", "--minutes", "30", "--no-eval"])
     assert rc == 0
     with open(os.path.join(out, "metrics.json")) as f:
         metrics = json.load(f)
