@@ -27,12 +27,14 @@ The drafter directory (--out), what `models.load_assistant(DIR, target=target)` 
 The recipe (generalised from the default pair's, `jaxspec.default_pair.train`; the shared pieces are
 `jaxspec.assistant_training`):
 
-1. Prompts from text this machine has, nothing downloaded: windows of Python source and of prose
+1. Prompts, nothing downloaded, each --prompt-tokens long (BOS first): --self-share of them written
+   by the target itself (BOS, then its samples at --self-temperature, top_p 0.95: the general prose
+   it was trained on, which this machine's text lacks; without them the first drafter kept 5-15% of
+   its drafts on held-out stories and letters), the rest windows of Python source and of prose
    (docstrings of that source, the installed packages' METADATA descriptions) from
-   `jaxspec.default_pair.corpus` (its held-out files excluded), half code, half prose, each
-   --prompt-tokens long (BOS first). Any text containing a held-out prompt is dropped first
-   (recorded: `data.dropped_for_heldout`). `--random-prompts` uses random token ids instead (a
-   target without a tokenizer; the tests).
+   `jaxspec.default_pair.corpus` (its held-out files excluded), half code, half prose. Any text
+   containing a held-out prompt is dropped first (recorded: `data.dropped_for_heldout`).
+   `--random-prompts` uses random token ids instead (a target without a tokenizer; the tests).
 2. The target's own greedy continuations of them (`jaxspec.generate`, classic, batched):
    --new-tokens per prompt. The labels are the target's greedy tokens, exactly what the drafter must
    predict at temperature 0. 2% of the rows are kept apart for the held-out loss.
@@ -232,6 +234,25 @@ def random_prompts(vocab: int, n: int, length: int, seed: int, avoid=()) -> np.n
     rows = rng.integers(3, vocab, (n, length)).astype(np.int32)
     bad = {tuple(r) for r in np.asarray(avoid).reshape(-1, length)} if len(avoid) else set()
     return np.asarray([r for r in rows if tuple(r) not in bad], np.int32)
+
+
+def self_prompts(target, bos: int, n: int, length: int, batch: int, temperature: float, seed: int,
+                 bad_ids=()) -> np.ndarray:
+    """n prompts of `length` tokens the target writes itself: BOS, then length-1 tokens sampled from it
+    (`temperature`, top_p 0.95; one seed per batch call, so the batch's rows differ). Text of the kind
+    the target was trained on (general web prose, stories, letters, lists), which the corpus (code,
+    docstrings, package descriptions) lacks. Rows holding one of `bad_ids` (EOS, pad: the text ended
+    and what follows is not a continuation) are dropped, and batches are drawn until n remain."""
+    out, call = [], 0
+    while sum(len(r) for r in out) < n:
+        if call > 4 * (n // batch + 1):
+            raise RuntimeError(f"only {sum(len(r) for r in out)} of {n} self-written prompts without EOS")
+        r = jaxspec.generate(target, [[bos]] * batch, max_new_tokens=length - 1, temperature=temperature,
+                             top_p=0.95, seed=seed * 100003 + call, eos_token_ids=[])
+        call += 1
+        rows = np.asarray([[bos] + x[:length - 1] for x in r.tokens], np.int32)
+        out.append(rows[~np.isin(rows[:, 1:], np.asarray(list(bad_ids) or [-1])).any(axis=1)])
+    return np.concatenate(out)[:n]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -491,6 +512,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=None, help="training prompts / greedy rows (GPU 24576, CPU 64)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    p.add_argument("--self-share", type=float, default=0.5,
+                   help="share of the prompts the target writes itself (sampled from BOS; the rest from the corpus)")
+    p.add_argument("--self-temperature", type=float, default=1.0, help="temperature of the self-written prompts")
     p.add_argument("--gen-batch", type=int, default=None, help="rows per greedy generation call (GPU 512, CPU 16)")
     p.add_argument("--gen-seconds", type=float, default=120.0, help="cap on the greedy generation's time")
     p.add_argument("--layers", type=int, default=1)
@@ -630,9 +654,26 @@ def main(argv=None) -> int:
             prose, d2 = drop_heldout(prose, probes)
             info.update(dropped_for_heldout=d1 + d2, heldout_file=os.path.relpath(held_path, HERE),
                         source="windows of corpus code and prose (docstrings, METADATA), half each")
-            prompts = text_prompts(tok, code, prose, args.prompts, P, args.seed)
+            n_self = int(round(args.self_share * args.prompts / args.gen_batch)) * args.gen_batch
+            prompts = text_prompts(tok, code, prose, args.prompts - n_self, P, args.seed)
             log(f"prompts: {len(prompts)} x {P} tokens from {len(code)} code / {len(prose)} prose texts; "
                 f"{len(d1) + len(d2)} texts dropped as containing a held-out prompt ({time.time() - t:.1f}s)")
+            if n_self:
+                t = time.time()
+                own = self_prompts(target, tok.encode("")[0], n_self, P, args.gen_batch, args.self_temperature,
+                                   args.seed, bad_ids=(0, *tok.eos_token_ids))
+                kept, d3 = drop_heldout([(i, tok.decode(r)) for i, r in enumerate(own)], probes)
+                keep = [i for i, _ in kept]
+                prompts = np.concatenate([prompts, own[keep]])
+                info.update(self_written=dict(prompts=len(keep), temperature=args.self_temperature, top_p=0.95,
+                                              dropped_for_heldout=len(d3)))
+                log(f"prompts: {len(keep)} x {P} tokens written by the target (temperature "
+                    f"{args.self_temperature}, top_p 0.95; {len(d3)} dropped as containing a held-out prompt) "
+                    f"({time.time() - t:.1f}s)")
+            info["source"] = (f"windows of corpus code and prose (docstrings, METADATA), half each, and "
+                              f"{args.self_share:.0%} of the prompts written by the target itself")
+            # mixed, so the held-out loss's rows (the last ones) hold every kind
+            prompts = prompts[np.random.default_rng(args.seed + 2).permutation(len(prompts))]
         t = time.time()
         rows = greedy_rows(target, prompts, args.new_tokens, args.gen_batch,
                            min(end_train - 60.0, time.time() + args.gen_seconds))

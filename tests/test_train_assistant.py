@@ -84,3 +84,19 @@ def test_refuses_another_target(trained):
         models.load_assistant(trained["out"], target=other)
     with pytest.raises(ValueError, match="pass target= the models.Target"):
         models.load_assistant(trained["out"], target=other.config)
+
+
+def test_self_written_prompts(trained):
+    """self_prompts: BOS then the target's own samples, one row per sample, rows holding a bad id
+    dropped. At temperature 0 every row is classic greedy decoding of [BOS] (the independent
+    reference), and a bad id that greedy text holds empties the pool."""
+    target, bos = trained["target"], 2
+    rows = ta.self_prompts(target, bos, 10, 8, 4, 1.0, trained["seed"] % 1000, bad_ids=(1,))
+    assert rows.shape == (10, 8) and (rows[:, 0] == bos).all() and not (rows[:, 1:] == 1).any()
+    assert len({tuple(r) for r in rows}) > 5  # the batch's rows are different samples
+    import jaxspec
+    greedy = jaxspec.generate(target, [bos], max_new_tokens=7, block_size=1, eos_token_ids=[]).tokens[0]
+    cold = ta.self_prompts(target, bos, 4, 8, 4, 0.0, 1)
+    assert [r.tolist() for r in cold] == [[bos] + greedy] * 4
+    with pytest.raises(RuntimeError, match="only 0 of 4 self-written prompts"):
+        ta.self_prompts(target, bos, 4, 8, 4, 0.0, 1, bad_ids=(greedy[3],))
