@@ -86,7 +86,7 @@ def codes_of(qw):
 
 def random_qweight(key, n, k):
     """Random 4-bit codes with scales and biases of a trained layer's size (kernel_bench's recipe)."""
-    from pallas_kernels.quant import QuantizedWeight
+    from jaxspec.kernels import QuantizedWeight
     k1, k2, k3 = jax.random.split(key, 3)
     words = jax.random.bits(k1, (n, k // 8), jnp.uint32)
     scales = (jax.random.uniform(k2, (n, k // G), jnp.float32, 0.5, 1.5) * 0.01).astype(jnp.bfloat16)
@@ -132,7 +132,7 @@ def gelu(x):
 def reference_chain(x0, ws, ops=OPS):
     """float32 math of the Mosaic stream: each op's output [rows, N] float32, inputs rounded to bf16
     as the kernels round them (the reference's only bf16 steps)."""
-    from pallas_kernels.quant import dequantize
+    from jaxspec.kernels import dequantize
     x = x0.astype(jnp.bfloat16).astype(jnp.float32)
     outs = []
     for op in ops:
@@ -158,7 +158,7 @@ def rms(x, w, eps=1e-6):
 def today(a, h, ws, norms, full: bool):
     """Today's path for the stream: Pallas GEMVs + XLA. full: the layer's norms and residuals (as
     models/target.py's _layer), else only bf16 casts and gelu * u (what the Mosaic kernels do)."""
-    from pallas_kernels import quantized_matmul, quantized_matmul_many
+    from jaxspec.kernels import quantized_matmul, quantized_matmul_many
     y = quantized_matmul(a, ws["o"])
     if full:
         h = h + rms(y, norms[0])
