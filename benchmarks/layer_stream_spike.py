@@ -191,6 +191,19 @@ def _load(ref, layout):  # JAX 0.11 deprecates load's separate index; 0.10 requi
     return plgpu.load(ref, (), layout=layout)
 
 
+def _fence_proxy_async_global():
+    """fence.proxy.async.global: orders this thread's generic-proxy accesses to global memory (the
+    semaphore's acquire or release) with TMA's (async-proxy) reads and writes of the partials."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jaxlib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        nvvm.fence_proxy(nvvm.ProxyKind.async_global)
+    fence()
+
+
 def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
@@ -245,8 +258,10 @@ def stream_call(ops, rows: int, *, blocks: int, depth: int = 6, pdl: bool = Fals
             phase[0] += 1
             if sem is None:  # one block: its own stores were waited for
                 return
+            _fence_proxy_async_global()  # the TMA stores above, before the release
             plgpu.semaphore_signal(sem, 1)
             plgpu.semaphore_wait(sem, blocks * phase[0], decrement=False)
+            _fence_proxy_async_global()  # the acquire, before the TMA loads of other blocks' data
 
         # items of op j this block owns: b, b + blocks, ...
         cnt = [jnp.maximum((op.n // R * op.split - b + blocks - 1) // blocks, 0) for op in ops]
@@ -399,7 +414,7 @@ def stream_call(ops, rows: int, *, blocks: int, depth: int = 6, pdl: bool = Fals
     ]
     call = plgpu.kernel(body, out_type=out_type, grid=(blocks,), grid_names=("b",), scratch_types=scratch,
                         compiler_params=plgpu.CompilerParams(),
-                        interpret=(plgpu.InterpretGPUParams(detect_races=True) if interpret else None))
+                        interpret=(plgpu.InterpretGPUParams(detect_races=True, inline_mgpu="ignore") if interpret else None))
 
     @jax.jit
     def run(x, weights):
