@@ -210,14 +210,16 @@ def sm_count() -> int:
 
 @functools.lru_cache(maxsize=None)
 def stream_call(ops, rows: int, *, blocks: int, depth: int = 6, pdl: bool = False, prev_op: Op | None = None,
-                interpret: bool = False, chain: bool = True):
+                interpret: bool = False, chain: bool = True, acc2d: bool = True):
     """A jitted fn(x, [(codes, scales, biases) per op]) -> [partials per op [split, rows, N] f32].
     ops: the ops this kernel runs in order (all four: the persistent kernel; one: a per-op kernel
     whose input `x` is `prev_op`'s partials unless it is the stream's first op).
     pdl: issue the ring's first loads, then griddepcontrol.wait (per-op variant).
     interpret: JAX's GPU interpret mode on CPU (one block only: it has no semaphores).
     chain=False: no grid barriers and no fold phases (each op reads whatever its x buffer holds):
-    the weight stream's own speed, results meaningless."""
+    the weight stream's own speed, results meaningless.
+    acc2d: each x row's products accumulate as [64, 64] over the item, reduced across lanes once
+    (4 x 32 more registers a thread at 4 rows); False: a row sum per group."""
     need_sem = blocks > 1 and chain and any(op.inp != "x0" for op in ops)
     if interpret and (need_sem or pdl):
         raise ValueError("interpret mode has no semaphores or griddepcontrol: one block, or ops without a fold")
@@ -374,7 +376,10 @@ def stream_call(ops, rows: int, *, blocks: int, depth: int = 6, pdl: bool = Fals
                         w = q * per_row(sc) + per_row(bi + 8.0 * sc)
                         for r in range(rows):
                             xv = _load(x_s.at[buf, st, r, pl.ds(g * G, G)], col_l).astype(f32)
-                            accs[r] = accs[r] + jnp.sum(w * jax.lax.broadcast_in_dim(xv, q.shape, (1,)), axis=1)
+                            prod = w * jax.lax.broadcast_in_dim(xv, q.shape, (1,))
+                            # acc2d: [64, 64] per row, summed across lanes once per item (FMAs only
+                            # here); else a row sum per group (fewer registers)
+                            accs[r] = accs[r] + (prod if acc2d else jnp.sum(prod, axis=1))
                     # refill the slot with the stage `depth` ahead once every thread has read it
                     # (commit_smem: warpgroup barrier + async-proxy fence before the TMA overwrites)
                     plgpu.commit_smem()
@@ -385,11 +390,12 @@ def stream_call(ops, rows: int, *, blocks: int, depth: int = 6, pdl: bool = Fals
                         issue(nxt)
                     return f + 1, tuple(accs)
 
-                zero = jnp.zeros((R,), f32)
-                f, accs = jax.lax.fori_loop(0, spis[j], stage, (f, tuple(plgpu.layout_cast(zero, row_l) for _ in range(rows))))
+                zero = (plgpu.layout_cast(jnp.zeros((R, G), f32), plgpu.Layout.WGMMA) if acc2d
+                        else plgpu.layout_cast(jnp.zeros((R,), f32), row_l))
+                f, accs = jax.lax.fori_loop(0, spis[j], stage, (f, (zero,) * rows))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s free again
                 for r in range(rows):
-                    o_s[r] = accs[r]
+                    o_s[r] = jnp.sum(accs[r], axis=1) if acc2d else accs[r]
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_s, parts[j].at[s, :, pl.ds(tile * R, R)])
                 return f
@@ -427,6 +433,11 @@ def stream_call(ops, rows: int, *, blocks: int, depth: int = 6, pdl: bool = Fals
 def persistent(x0, mw, ops, rows, blocks, depth, interpret=False):
     """All ops in one kernel; x0 [rows, K0] bf16. Returns each op's partials [split, rows, N]."""
     return stream_call(tuple(ops), rows, blocks=blocks, depth=depth, interpret=interpret)(x0, mw)
+
+
+def persistent_rowsum(x0, mw, ops, rows, blocks, depth, interpret=False):
+    """The persistent kernel with a row sum per group (the fallback if acc2d spills or fails)."""
+    return stream_call(tuple(ops), rows, blocks=blocks, depth=depth, interpret=interpret, acc2d=False)(x0, mw)
 
 
 def stream_only(x0, mw, ops, rows, blocks, depth, interpret=False):
@@ -534,7 +545,8 @@ def main():
         emit("checks", variant="today_chain", rows=4, error=f"{type(e).__name__}: {str(e)[:1500]}")
         traceback.print_exc()
 
-    variants = {"persistent": persistent, "per_op_pdl": per_op, "stream_only": stream_only}
+    variants = {"persistent": persistent, "per_op_pdl": per_op, "stream_only": stream_only,
+                "persistent_rowsum": persistent_rowsum}
     if args.interpret:
         variants = {k: functools.partial(v, interpret=True) for k, v in variants.items()}
 
@@ -582,6 +594,7 @@ def main():
     # its budget or a timeout still leaves those in the JSON
     for step, name, rows in [(check, "persistent", 1), (check, "persistent", 4), (timed, "today_full", 1),
                              (timed, "persistent", 1), (timed, "stream_only", 1), (timed, "today_chain", 1),
+                             (check, "persistent_rowsum", 4), (timed, "persistent_rowsum", 1),
                              (check, "per_op_pdl", 1), (check, "per_op_pdl", 4), (timed, "per_op_pdl", 1),
                              (timed, "today_full", 4), (timed, "persistent", 4), (timed, "per_op_pdl", 4),
                              (timed, "stream_only", 4), (timed, "today_chain", 4)]:
