@@ -1,28 +1,35 @@
 """Issue 57 spike: one 12B decoder layer's weight stream as one persistent Mosaic GPU kernel.
 
 The stream between two attention launches: o (3840x4096) -> gate/up (2 x 15360x3840) -> down
-(3840x15360) -> the next layer's qkv (8192x3840), 4-bit MLX affine weights, group 64. Variants:
+(3840x15360) -> the next layer's qkv (8192x3840), 4-bit MLX affine weights, group 64; 126 MB.
+Variants, each checked (float32 reference of the same math, 5 runs bitwise, row 0 bitwise at 1 and
+4 rows) and timed (median, `--copies` layer copies per call so no weight is read from L2):
 
-* `today`: the repo's Pallas-Triton GEMVs (quantized_matmul[_many]) and XLA between them, with the
-  layer's norms/residual/activation (`today_full`) and with only what the Mosaic kernels do between
-  ops: cast to bf16 and gelu(g) * u (`today_chain`).
-* `persistent`: ONE kernel, grid = blocks_per_sm x SMs. Each block walks its items (64 weight rows x
-  a K range) of every op in order; a ring of D shared-memory stages holds weight tiles, and the load
-  for stage f + D is issued when stage f is consumed, whatever op it belongs to: the next op's
-  weights stream in while the current op finishes. Between ops a grid-wide semaphore (counter
-  reaching blocks x phase, never decremented; Pallas zeroes it per call): every block's partial
-  tiles are stored -> fold phase (64-column chunks spread over the blocks: sum the split-K partials,
-  gelu * u for down's input, cast to bf16) -> semaphore -> next op. The GEMV is in registers (dequant
-  to float32 and a row sum per x row: a row's result does not depend on the other rows).
-* `per_op_pdl`: the cheap variant: the same code, one kernel per op; each first issues its ring's D
-  weight stages, then griddepcontrol.wait, then folds its input and runs (launch_dependents at the
-  start so the next kernel's loads overlap this one's tail).
+* `today_full`: the repo's Pallas-Triton GEMVs (quantized_matmul[_many]) with XLA between them:
+  the layer's norms, residual adds and gelu(g) * u (as models/target.py's _layer); `today_chain`:
+  only the bf16 casts and gelu(g) * u, what the Mosaic kernels do between ops.
+* `persistent`: ONE kernel, grid = blocks_per_sm x SMs, one warpgroup a block. Each block walks its
+  items (64 weight rows x a K range) of every op in order; a ring of `depth` shared-memory stages
+  (4 groups: 8 KB of codes + scales + biases) is refilled with the stage `depth` ahead as each is
+  consumed, whatever op that stage belongs to, so the next op's weights stream in while the current
+  op finishes; at each wait the next 8 stages are also prefetched into L2. Between ops, grid-wide
+  semaphore barriers (a counter that reaches blocks x phase; Pallas zeroes it per call): every
+  block's partial tiles are stored -> fold phase (64-column chunks spread over the blocks: sum the
+  split-K partials in a fixed order, gelu(g) * u for down, cast to bf16) -> barrier -> next op.
+  The GEMV runs in registers: dequantize to float32, products per x row accumulated as [64, 64]
+  over the item and summed across lanes once; no row's arithmetic depends on another row.
+* `persistent_rowsum`: the same with a row sum per group (fewer registers: the fallback).
+* `stream_only`: the persistent kernel without barriers and fold phases: its own streaming speed.
+* `per_op_pdl`: the cheap variant: the same code, one kernel per op; each issues its ring's first
+  stages and prefetches the next 8 into L2, then griddepcontrol.wait, then folds its input
+  (launch_dependents at the start, so the next op's kernel loads during this one's tail).
 
-The Mosaic kernels leave out the layer's RMSNorms and residual adds (each needs a reduction over the
-whole vector: two more grid barriers per boundary); so they are an upper bound on the gain. Go if
-persistent <= 0.75 x today_full at 1 row, bitwise stable over runs, row 0 bitwise the same at 1 and 4 rows.
+The Mosaic kernels leave out the RMSNorms and residual adds (each needs a reduction over the whole
+vector: about two more grid barriers per boundary), so against `today_full` they bound the gain
+from above. Go: persistent <= 0.75 x today_full at 1 row, bitwise stable, row 0 the same at 1 and 4.
 
-usage (H200): OUT=dir python benchmarks/layer_stream_spike.py [--reps 50] [--copies 4]
+usage (H200, JAX 0.11.2): OUT=dir python benchmarks/layer_stream_spike.py [--budget-s 380]
+CPU smoke run of the plumbing (JAX >= 0.11, interpret mode, one block): --small --interpret
 """
 from __future__ import annotations
 
