@@ -50,9 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import loop, sampling
-from .generate import (BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids,
-                       _round_up, check_block_size, check_int, effective_block_size,
-                       make_generate, stop_array)
+from .generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
+                       check_int, make_generate, stop_array)
+from .loop_config import LoopConfig
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -114,7 +114,8 @@ class BatchEngine:
     """`slots` requests decoding together (see the module docstring). `max_new_tokens`: the largest
     budget a request may ask; `capacity`: cache positions per slot (prompt + budget + K must fit;
     default: the target's context, capped at 8192 so the default cache stays small). `block_size`
-    is probed once at `slots` rows at T = 0 (`generate.effective_block_size`), as generate does.
+    is probed once at `slots` rows at T = 0 (`LoopConfig.for_slots`: the engine's K, verify width
+    and capacity, in `config`), as generate does.
     params (a SamplingParams) or its keywords (temperature, top_k, top_p, ...): the request of an
     admission without its own (its budget, seed and logprobs fill what `admit` leaves open). `modes`: the
     program ladder (default MODES); only programs that a step needs are compiled (`warm_up`
@@ -128,24 +129,17 @@ class BatchEngine:
         check_block_size(block_size, target.config.max_position_embeddings)
         check_int("rounds_per_step", rounds_per_step, 1, MAX_ROUNDS_PER_CHUNK)
         self.default = sampling.SamplingParams.build(params, **knobs)
-        if block_size > 1 and assistant is None:
-            block_size = 1
-        context = target.config.max_position_embeddings
-        if capacity is None:
-            capacity = min(context or 8192, 8192)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max_new_tokens + block_size + 1:
-            raise ValueError(f"capacity must be an integer >= max_new_tokens + block_size + 1 = "
-                             f"{max_new_tokens + block_size + 1}, got {capacity!r}")
-        self.target, self.slots, self.capacity = target, slots, capacity
-        self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
         # Greedy rows are exact only if the K-wide verify is: probed at T = 0 whatever the default.
-        k, self.fallback, _ = effective_block_size(target, assistant, slots, block_size, 0.0, None,
-                                                   exactness_probe)
+        self.config = LoopConfig.for_slots(target, assistant, slots=slots, block_size=block_size,
+                                           max_new_tokens=max_new_tokens, capacity=capacity,
+                                           exactness_probe=exactness_probe)
+        self.target, self.slots, self.capacity = target, slots, self.config.capacity
+        self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
+        k, self.fallback = self.config.block_size, self.config.fallback
         self.block_size = k
         self.drafter = assistant if k > 1 else None
         self.modes = tuple(modes)
-        budget = _round_up(max_new_tokens, BUDGET_BUCKET)
-        self.gens = [make_generate(block_size=k, max_new_tokens=budget, cache_size=capacity, mode=m)
+        self.gens = [make_generate(block_size=k, max_new_tokens=self.config.budget, cache_size=self.capacity, mode=m)
                      for m in self.modes]
         self.gen = self.gens[-1]  # the layout of the state, and every admission's prefill
         if not self.gen.spec.sampling.covers(self.default):
@@ -204,8 +198,7 @@ class BatchEngine:
 
     def room(self, n_prompt: int) -> int:
         """The largest budget a request of this prompt length fits a slot with (0: none does)."""
-        width = self.gen.spec.width(self.slots, self.target.matmul)
-        return max(0, min(self.max_new_tokens, self.capacity + 1 - n_prompt - width))
+        return max(0, min(self.max_new_tokens, self.config.room(n_prompt)))
 
     def admit(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, owner: object = True,
               params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:

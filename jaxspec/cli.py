@@ -363,14 +363,14 @@ def _matmul_config(choice: str):
 # Memory
 
 
-def cache_capacity(prompt_len: int, max_tokens: int, block_size: int) -> int:
-    """The cache positions `jaxspec.generate` allocates for one prompt (its buckets and rounding;
-    the verify width taken as the block size)."""
-    from .generate import BUDGET_BUCKET, PROMPT_BUCKET, _round_up
-    from .loop import CAPACITY_ROUND, required_capacity
+def cache_capacity(prompt_len: int, max_tokens: int, block_size: int, drafting: bool = True) -> int:
+    """The cache positions `jaxspec.generate` allocates for one prompt (`LoopConfig.resolve`; checked
+    before the model loads, so unpadded: the verify width taken as the block size). drafting: an
+    assistant is given (else K is 1)."""
+    from .loop_config import LoopConfig
 
-    return required_capacity(_round_up(prompt_len, PROMPT_BUCKET), _round_up(max_tokens, BUDGET_BUCKET),
-                             block_size, CAPACITY_ROUND)
+    return LoopConfig.resolve(block_size=block_size, batch=1, prompt_len=prompt_len, max_new_tokens=max_tokens,
+                              drafting=drafting, verify_pad=False).capacity
 
 
 def device_memory() -> tuple[int, str] | None:
@@ -393,12 +393,13 @@ def device_memory() -> tuple[int, str] | None:
         return None
 
 
-def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, dtype, weight_bytes: int) -> None:
+def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, drafting: bool, dtype,
+                  weight_bytes: int) -> None:
     """UsageError when the KV cache of this run (models.cache_bytes: what init_cache allocates) and
     the weights cannot fit the device's memory."""
     from jaxspec import models
 
-    capacity = cache_capacity(prompt_len, max_tokens, block_size)
+    capacity = cache_capacity(prompt_len, max_tokens, block_size, drafting)
     cache = models.cache_bytes(tcfg, 1, capacity, dtype)
     mem = device_memory()
     if mem is None:
@@ -608,7 +609,7 @@ def cmd_generate(args) -> int:
 
     dtype = _dtype(args)
     _check_backend()
-    _check_memory(tcfg, len(ids), max_tokens, args.block_size if assistant_dir else 1, dtype,
+    _check_memory(tcfg, len(ids), max_tokens, args.block_size, bool(assistant_dir), dtype,
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
@@ -718,6 +719,7 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
     """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
     the KV caches at the server's slot capacity, the decode step's temporaries, the verify logits,
     the weights and on a CPU the process itself)."""
+    from .loop_config import slot_capacity
     from .serve_memory import batch_memory, largest_batch
     from .server import BATCH_CONTEXT
 
@@ -725,7 +727,7 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
     if mem is None:
         return
     limit, what = mem
-    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
+    capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's own (Server.batch_capacity)
     kw = dict(capacity=capacity, host=what == "host memory")
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, **kw)
     if need.total > limit:

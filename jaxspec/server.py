@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect
 from . import serve_guard
 from .batching import BatchEngine
 from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
+from .loop_config import slot_capacity
 from .openai_schema import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
 from .scheduler import Job, Scheduler
 from .serve_guard import Guard, error_json
@@ -70,7 +71,7 @@ class Server:
         self.target, self.tok, self.model_name = target, tokenizer, model_name
         self.context = target.config.max_position_embeddings
         # per slot: the context (at most BATCH_CONTEXT positions), half of it for the budget
-        self.batch_capacity = min(self.context or BATCH_CONTEXT, BATCH_CONTEXT)
+        self.batch_capacity = slot_capacity(self.context, BATCH_CONTEXT)
         self.batch_tokens = max(1, self.batch_capacity // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
         self.schema = OpenAISchema(tokenizer, model_name=model_name, vocab=target.config.vocab_size,
                                    context=self.context, batch_capacity=self.batch_capacity,
