@@ -2,24 +2,37 @@
 between rounds.
 
     engine = BatchEngine(target, assistant, slots=8, max_new_tokens=256, capacity=2048)
-    slot = engine.admit(prompt_ids, max_new_tokens=64)   # its prefill, into a free slot
+    slot = engine.admit(prompt_ids, max_new_tokens=64)   # a free slot and its KV blocks; prefilled by the steps
     while engine.live:
         for event in engine.step():                      # a round for every live slot; the last one's tokens
             print(event.slot, event.tokens, event.done)
 
-The slots are the rows of one `loop.DecodeState` of static shapes `[slots, ...]` and a cache of
-`capacity` positions per row, so every step runs one compiled program: the loop's own round
-(`loop.decode_round`), `rounds_per_step` times (`Generator.compiled_rounds`). That program has no
-early exit: a loop condition would be read back to the host every round, which makes a GPU call
-return only when its rounds are done. Without it the call returns once queued, and the host reads
-the previous step's tokens (and admits, retires, streams) while the device runs. Admitting a
-request runs the loop's prefill on it alone (batch 1, its prompt width bucketed, the engine's cache
-capacity) and copies that row into the free slot (one jitted, in-place insert), both queued without
-waiting: the next step queues its rounds before it reads the prefill's token, so admissions do not
-drain the pipeline. The prefill stays batch 1 on purpose: a [B, P] prefill's logits differ in the
-last bits from a [1, P] one on CPU (XLA blocks its dot by row count), and a request's output must
-not depend on what it was admitted with. A finished or cancelled row stays in the state, inactive,
-until a new request takes its slot; inactive rows cost compute, not correctness.
+The slots are the rows of one `loop.DecodeState` of static shapes `[slots, ...]`, so every step runs
+one compiled program: the loop's own round (`loop.decode_round`), `rounds_per_step` times
+(`Generator.compiled_rounds`). That program has no early exit: a loop condition would be read back
+to the host every round, which makes a GPU call return only when its rounds are done. Without it the
+call returns once queued, and the host reads the previous step's tokens (and admits, retires,
+streams) while the device runs.
+
+KV memory is per request, not per slot (`models.init_paged_cache`): the global layers' K/V live in
+one pool of blocks shared by the slots, each row reads its blocks through its table row; the
+sliding layers keep a ring per slot (its size is the window's, whatever the request). Admission takes
+the blocks the request's prompt + budget + K can write, all at once (host bookkeeping: `free_blocks`,
+`blocks`), so a running request never runs out and is never preempted; a request that does not fit
+the free blocks waits (`can_admit`). Its end (finished, cancelled, failed) gives them back at once:
+its table row points nowhere first, so what its row still computes in an in-flight step is dropped.
+
+A prompt is prefilled in chunks (`_prefill_chunk`): each step first queues up to `prefill_chunk`
+prompt tokens of the waiting prompts (admission order), then the decode rounds, so a long prompt
+delays the running streams by a chunk per step, not by its whole prefill. A chunk runs on the
+request's row alone (batch 1: a [B, P] prefill's logits differ in the last bits from a [1, P] one on
+CPU, XLA blocks its dot by row count, and a request's output must not depend on what it was admitted
+with); its last chunk picks the first token as `loop.prefill` does and writes every per-row field of
+the slot (`_put_row`), which makes the row live for that step's rounds. Nothing waits for the device.
+Until then the row is done: the rounds leave its outputs alone, and what they write into its cache
+lies at or past its length, which the next chunk overwrites before reading (the rollback rule of
+models/cache.py). A finished or cancelled row stays in the state, inactive and owning no block, until
+a new request takes its slot; inactive rows cost compute, not correctness.
 
 Rows never see each other: each keeps its own cache, lengths and budget, and the kernels compute a
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
@@ -183,8 +196,8 @@ class BatchEngine:
     layers' K/V live in a pool of `kv_blocks` blocks of `block_tokens` positions shared by the slots
     (default: `slots` full-capacity rows' worth): a request takes the blocks its prompt + budget + K
     need at admission and gives them back when it ends, so long and short requests share the pool
-    (`can_admit` says whether one fits now). `prefill_chunk`: prompt tokens per step at most (a power
-    of two times PROMPT_BUCKET): a prompt is prefilled in chunks of that many tokens, one step's chunks
+    (`can_admit` says whether one fits now). `prefill_chunk`: prompt tokens per step at most (a
+    multiple of PROMPT_BUCKET): a prompt is prefilled in chunks of that many tokens, one step's chunks
     queued before its decode rounds, so a long prompt never stops the running streams for longer than
     a chunk. `block_size`
     is probed once at `slots` rows at T = 0 (`generate.effective_block_size`), as generate does.
@@ -203,8 +216,8 @@ class BatchEngine:
         check_int("rounds_per_step", rounds_per_step, 1, MAX_ROUNDS_PER_CHUNK)
         check_int("block_tokens", block_tokens, 1, 1 << 16)
         check_int("prefill_chunk", prefill_chunk, PROMPT_BUCKET, 1 << 20)
-        if prefill_chunk & (prefill_chunk - 1) or prefill_chunk % PROMPT_BUCKET:
-            raise ValueError(f"prefill_chunk must be a power of two >= {PROMPT_BUCKET}, got {prefill_chunk}")
+        if prefill_chunk % PROMPT_BUCKET:
+            raise ValueError(f"prefill_chunk must be a multiple of {PROMPT_BUCKET}, got {prefill_chunk}")
         self.default = sampling.SamplingParams.build(params, **knobs)
         if block_size > 1 and assistant is None:
             block_size = 1
@@ -371,14 +384,14 @@ class BatchEngine:
     def _prefill_step(self) -> None:
         """Queue this step's prefill chunks: the waiting prompts in admission order, `prefill_chunk`
         tokens in all at most (at least one chunk). A chunk is `prefill_chunk` tokens unless it is a
-        prompt's last: that one is the power of two (times PROMPT_BUCKET) that holds the rest, so a
-        short prompt costs a short forward and few widths compile."""
+        prompt's last: that one is the rest rounded up to PROMPT_BUCKET, the width `generate` gives
+        the whole prompt when it fits one chunk (the same computation as its prefill)."""
         left = self.prefill_chunk
         for slot in list(self.prefilling):
             ids, done, key, limit, rows = self.prefilling[slot]
             while done < len(ids):
                 rest = len(ids) - done
-                width = self.prefill_chunk if rest > self.prefill_chunk else _pow2_bucket(rest)
+                width = self.prefill_chunk if rest > self.prefill_chunk else _round_up(rest, PROMPT_BUCKET)
                 if width > left and left < self.prefill_chunk:
                     return
                 n = min(rest, width)
@@ -468,10 +481,3 @@ class BatchEngine:
         if self.owner[slot] is not None:
             self._free(slot)
 
-
-def _pow2_bucket(n: int) -> int:
-    """The smallest PROMPT_BUCKET * 2**k >= n."""
-    w = PROMPT_BUCKET
-    while w < n:
-        w *= 2
-    return w

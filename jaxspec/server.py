@@ -61,7 +61,7 @@ class Server:
     Hence 4 by default (docs/benchmark_results/serve-h200-2026-12-02.md). `max_queue`: requests
     waiting for a slot at most; more are answered 429 with Retry-After. `kv_positions`: the KV pool the
     slots share, in cache positions (default: max_batch x min(context, BATCH_CONTEXT), the memory
-    check's); `prefill_chunk`: prompt tokens prefilled per step at most (a power of two >= 16).
+    check's); `prefill_chunk`: prompt tokens prefilled per step at most (a multiple of 16).
     Three layers: `openai_schema.OpenAISchema` (bodies -> requests, responses), `scheduler.Scheduler`
     (the worker and its batch engine), and here the routes."""
 

@@ -81,8 +81,8 @@ def test_cancel_mid_prefill_frees_the_blocks_and_the_others_are_unchanged(engine
 
 def test_pool_and_chunk_arguments_are_checked(engine):
     assert not engine.fits(170, 20) and engine.fits(170, 19)  # capacity 192 per request: prompt + budget + K
-    with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):
-        BatchEngine(TARGET, None, slots=1, max_new_tokens=8, capacity=64, prefill_chunk=48)
+    with pytest.raises(ValueError, match="prefill_chunk must be a multiple of 16"):
+        BatchEngine(TARGET, None, slots=1, max_new_tokens=8, capacity=64, prefill_chunk=40)
     with pytest.raises(ValueError, match="multiple of block_tokens"):
         BatchEngine(TARGET, None, slots=1, max_new_tokens=8, capacity=72, block_tokens=16)
     small = BatchEngine(TARGET, None, slots=2, max_new_tokens=8, capacity=64, kv_blocks=2, block_tokens=16)
