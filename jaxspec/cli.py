@@ -716,17 +716,18 @@ def cmd_serve(args) -> int:
 
 def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int) -> None:
     """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
-    the KV caches at the server's slot capacity, the decode step's temporaries, the verify logits,
+    the KV pool (the server's positions per slot), the decode step's temporaries, the paged views, the verify logits,
     the weights and on a CPU the process itself)."""
     from .serve_memory import batch_memory, largest_batch
-    from .server import BATCH_CONTEXT
+    from .server import BATCH_CONTEXT, REQUEST_CONTEXT
 
     mem = device_memory()
     if mem is None:
         return
     limit, what = mem
     capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
-    kw = dict(capacity=capacity, host=what == "host memory")
+    kw = dict(capacity=capacity, host=what == "host memory",
+              request_capacity=min(tcfg.max_position_embeddings or REQUEST_CONTEXT, REQUEST_CONTEXT))
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, **kw)
     if need.total > limit:
         fits = largest_batch(limit, tcfg, block_size, dtype, weight_bytes, most=max_batch, **kw)

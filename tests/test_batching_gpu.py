@@ -80,7 +80,7 @@ def test_a_long_prompt_gives_the_same_tokens_alone_and_beside_1_3_7_others():
     rng = np.random.default_rng(0)
     long = rng.integers(3, target.config.vocab_size, 180).tolist()  # 3 chunks of 64 (the context is 256)
     engine = BatchEngine(target, assistant, slots=8, max_new_tokens=48, capacity=256, block_size=4,
-                         prefill_chunk=64)
+                         prefill_chunk=64, eos_token_ids=())  # no stop: every run its whole budget
     runs = []
     for others in (0, 1, 3, 7):
         got, where = {}, {}
