@@ -1086,8 +1086,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
     v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
-                        "the multirow kernel's window). Memory grows with N: each slot holds its KV cache (the "
-                        "context, at most 4096 positions) 3.5 times over with the decode step's temporaries, plus "
+                        "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
+                        "context, at most 4096) positions, 3.5 times over with the decode step's temporaries, plus "
                         "4 float32 logits of (K + 1) x vocabulary; checked at start (a CPU adds ~1.5 GiB for the "
                         "process). The warm-up compiles the same programs whatever N (each one logged; minutes on "
                         "a CPU), then runs steps over all N slots")
