@@ -141,8 +141,6 @@ def _run(target: Target, tokens, cache: KVCache, *, valid, capacity_tokens: int,
     if target.tp is None:
         return _forward(target, tokens, cache, valid=valid, capacity_tokens=capacity_tokens, logits_at=logits_at)
     tp = target.tp
-    if cache.paged:
-        raise ValueError("a paged KV cache (init_paged_cache) does not run on a sharded target yet")
     cspec = tp_shard.cache_specs(target, cache, tp.size, tp.axis)
     extra = {k: v for k, v in (("valid", valid), ("logits_at", logits_at)) if v is not None}
 
