@@ -84,3 +84,24 @@ def test_writes_stay_in_the_rows_own_blocks():
         np.testing.assert_array_equal(x[..., free, :, :, :], y[..., free, :, :, :])
         row1 = np.asarray(paged.table)[1, :2]
         assert not np.array_equal(x[..., row1, :, :, :], y[..., row1, :, :, :])
+
+
+def test_the_pallas_kernels_read_the_paged_view_bitwise():
+    """The same on the Pallas path (interpret mode on CPU): the fused q/k/v kernel writes the new K/V
+    into the view, flash_attention (a 20-token block) and decode_attention (a 4-token verify) read it;
+    the logits and hidden states equal the contiguous cache's bitwise."""
+    from jaxspec.kernels import DispatchConfig
+
+    pallas = DispatchConfig(backend="pallas", interpret=True, attention="pallas")
+    target, _ = make_pair(seed=5, layers=2, matmul=pallas)
+    assert target.matmul.attention_kernels
+    rng = seeded_rng()
+    flat = models.init_cache(target.config, 2, CAP, jnp.float32)
+    paged = _paged(rng, [40, 40])
+    fwd = jax.jit(models.forward)
+    for width in (20, 4):
+        tokens = jnp.asarray(rng.integers(2, 200, (2, width)), jnp.int32)
+        a, b = fwd(target, tokens, flat), fwd(target, tokens, paged)
+        for x, y in zip(a[:2], b[:2]):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        flat, paged = a[2], b[2]
