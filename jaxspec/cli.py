@@ -179,6 +179,7 @@ _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_bod
                  ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
                  ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                  ("--max-batch", "max_batch", 1, 1 << 12, ""),
+                 ("--prefill-chunk", "prefill_chunk", 16, 1 << 16, " (a multiple of 16)"),
                  ("--max-connections", "max_connections", 1, 1 << 20, ""))
 
 
@@ -697,7 +698,8 @@ def cmd_serve(args) -> int:
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
                                else named or os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
-                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue)
+                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue,
+                        prefill_chunk=args.prefill_chunk)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -797,6 +799,8 @@ def _check_serve_flags(args) -> None:
     address that cannot be listened on. Checked here rather than by argparse, whose errors print
     the whole usage."""
     _check_ranges(args, _SERVE_RANGES)
+    if args.prefill_chunk % 16:
+        raise UsageError(f"--prefill-chunk {args.prefill_chunk}: expected a multiple of 16")
     for o in args.allow_origin or ():
         m = _ORIGIN.match(o)
         if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
@@ -1084,6 +1088,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting beyond the running batch, 1..100000 (default 64); more get HTTP 429")
     v.add_argument("--block-size", type=int, default=4, metavar="K",
                    help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
+    v.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per step at most, a multiple of 16 (default 512): a long prompt "
+                        "is prefilled in chunks between the decode steps, so the running streams wait a chunk per "
+                        "step, not the whole prefill")
     v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
