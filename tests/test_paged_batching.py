@@ -3,7 +3,6 @@ longer than a chunk is prefilled over several steps while other requests decode,
 still gives what jaxspec.generate (a one-shot prefill) gives it alone, alone in the engine or beside
 others; a request that needs more blocks than are free waits (admit refuses it, naming the pool)
 without touching the running ones; a cancelled or finished request gives its blocks back."""
-import numpy as np
 import pytest
 
 import jaxspec
