@@ -196,15 +196,18 @@ def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key, rows) -> 
     return jax.eval_shape(lambda *xs: _blank(spec, target, b, p, *xs), limit, stop_ids, key, rows)
 
 
-def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key, rows) -> DecodeState:
+def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key, rows, cache=None) -> DecodeState:
     """A decode state (decode's shapes, as `start(spec, prefill(...))` of `[batch, prompt_width]`
-    prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.batching`)."""
-    return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key, rows)
+    prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.batching`).
+    `cache`: the state's cache (default: `init_cache` of the spec's capacity; the engine passes a
+    paged one)."""
+    return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key, rows, cache)
 
 
-def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key, rows) -> DecodeState:
+def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key, rows, cache=None) -> DecodeState:
     pspec = spec.prefill_spec(p, b, target.matmul)
-    cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
+    if cache is None:
+        cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
     h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
     first = jnp.zeros((b,), jnp.int32)
     return start(spec, _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool), rows))

@@ -30,7 +30,7 @@ from . import verify
 CAPACITY_ROUND = 64  # derived cache sizes are rounded up to this (one prefill serves many K)
 PROMPT_BUCKET = ROW_TILE  # prompts are right-padded to whole row tiles (the prefill's matmul rows)
 BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
-SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per slot (the context, capped)
+SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per request (the context, capped)
 
 
 def round_up(x: int, m: int) -> int:
@@ -43,8 +43,15 @@ def asked_k(block_size: int, drafting: bool) -> int:
 
 
 def slot_capacity(context: int | None, most: int = SLOT_CAPACITY) -> int:
-    """Cache positions per batch slot by default: the model's context, at most `most`."""
+    """Cache positions per batch slot (a request's, in the paged engine) by default: the model's
+    context, at most `most`."""
     return min(context or most, most)
+
+
+def _written(prompt_len: int, budget: int, width: int) -> int:
+    """Cache positions a run may write per row: a round writes `width` positions from the cache
+    length, which is at most prompt + budget - 1 (every token but the bonus)."""
+    return prompt_len + budget - 1 + width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +76,7 @@ class LoopConfig:
         """The computation, unchecked and unbucketed: a compiled program's sizes for its shapes."""
         pad = verify.resolve_verify_pad(verify_pad, matmul)
         width = verify.verify_width(int(block_size), batch, pad, matmul)
-        capacity = cache_size if cache_size is not None else round_up(prompt_width + budget - 1 + width,
+        capacity = cache_size if cache_size is not None else round_up(_written(prompt_width, budget, width),
                                                                       CAPACITY_ROUND)
         return cls(block_size=int(block_size), verify_width=width, capacity=capacity, batch=batch,
                    prompt_width=prompt_width, budget=budget, verify_pad=pad, cache_size=cache_size,
@@ -101,17 +108,20 @@ class LoopConfig:
 
     @classmethod
     def for_slots(cls, target, assistant, *, slots: int, block_size: int, max_new_tokens: int,
-                  capacity: int | None, exactness_probe: bool = True) -> LoopConfig:
-        """A BatchEngine's sizes: `slots` rows of `capacity` positions (default: the target's context,
-        capped at SLOT_CAPACITY), prompts of any width up to it; K probed at T = 0 whatever the
-        requests' sampling (greedy rows are exact only if the K-wide verify is). ValueError when
-        the capacity cannot hold max_new_tokens + K + 1."""
+                  capacity: int | None, exactness_probe: bool = True, block_tokens: int = 1) -> LoopConfig:
+        """A BatchEngine's sizes: `slots` rows of up to `capacity` positions each (default: the
+        target's context, capped at SLOT_CAPACITY, rounded up to `block_tokens`), prompts of any
+        width up to it; K probed at T = 0 whatever the requests' sampling (greedy rows are exact
+        only if the K-wide verify is). ValueError when the capacity cannot hold max_new_tokens + K + 1
+        or is not a multiple of `block_tokens` (a paged cache's block: a row's table maps whole blocks)."""
         k = asked_k(block_size, assistant is not None)
         if capacity is None:
-            capacity = slot_capacity(target.config.max_position_embeddings)
+            capacity = round_up(slot_capacity(target.config.max_position_embeddings), block_tokens)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max_new_tokens + k + 1:
             raise ValueError(f"capacity must be an integer >= max_new_tokens + block_size + 1 = "
                              f"{max_new_tokens + k + 1}, got {capacity!r}")
+        if capacity % block_tokens:
+            raise ValueError(f"capacity {capacity} must be a multiple of block_tokens {block_tokens}")
         cfg = cls.derive(k, slots, PROMPT_BUCKET, round_up(max_new_tokens, BUDGET_BUCKET), None, target.matmul,
                          capacity, asked=k, drafting=assistant is not None)
         return cfg.probed(target, 0.0, exactness_probe)
@@ -121,9 +131,15 @@ class LoopConfig:
         return LoopConfig.derive(k, self.batch, self.prompt_width, self.budget, self.verify_pad, self.matmul,
                                  self.cache_size, asked=self.asked, drafting=self.drafting, **rest)
 
-    def room(self, prompt_len: int) -> int:
-        """The largest budget a prompt of this length fits the cache with (<= 0: none)."""
-        return self.capacity + 1 - prompt_len - self.verify_width
+    def positions(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache positions a request of this prompt length and budget may write (a paged engine's
+        blocks hold them all)."""
+        return _written(prompt_len, max_new_tokens, self.verify_width)
+
+    def room(self, prompt_len: int, capacity: int | None = None) -> int:
+        """The largest budget a prompt of this length fits `capacity` positions with (default: the
+        cache's; <= 0: none)."""
+        return (self.capacity if capacity is None else capacity) - self.positions(prompt_len, 0)
 
     def probes(self, temperature, exactness_probe: bool) -> bool:
         """Whether `probed` runs the exactness probe (speculative, T = 0, not turned off)."""
