@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from . import compile_cache, sampling
 from .batching import BatchEngine
-from .generate import PROMPT_BUCKET
+from .loop_config import PROMPT_BUCKET, round_up
 from .openai_schema import ApiError
 from .tokenizer import IncrementalDecoder
 
@@ -149,7 +149,7 @@ class Scheduler:
             kv = self.max_batch * self.batch_capacity if self.kv_positions is None else self.kv_positions
             self._engine = BatchEngine(
                 self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
-                capacity=-(-self.batch_capacity // block) * block, block_size=self.block_size,
+                capacity=round_up(self.batch_capacity, block), block_size=self.block_size,
                 eos_token_ids=self.tok.eos_token_ids, rounds_per_step=self.rounds_per_chunk,
                 kv_blocks=max(1, kv // block), block_tokens=block, prefill_chunk=self.prefill_chunk)
         return self._engine
