@@ -214,7 +214,7 @@ def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: i
     """The long-request workload (see the module docstring): per-token timestamps of the streams,
     their gaps before and while the long request runs."""
     LONG = "long"
-    owner, stamps, gaps = {}, {}, []  # slot -> (client, request stamps); gaps: (time of the later token, gap)
+    owner, gaps = {}, []  # slot -> (client, request stamps); gaps: (time of the later token, gap)
     sent = [0] * clients
     t0 = time.perf_counter()
     queue = list(range(clients))
