@@ -155,3 +155,24 @@ def test_cli_memory_check_capacity():
     for p, n, k in itertools.product((1, 16, 17, 300), (1, 32, 33, 500), (1, 4, 8)):
         assert cli.cache_capacity(p, n, k) == capacity_rule(p, n, k)
         assert cli.cache_capacity(p, n, k, drafting=False) == capacity_rule(p, n, 1)
+
+
+def test_for_slots_paged(monkeypatch):
+    """The paged engine's sizes: a default capacity is the capped context rounded up to the block, an
+    explicit one must be a multiple of it; `positions` (what a request's blocks hold) is the inverse
+    of `room`, whatever capacity room is asked against."""
+    monkeypatch.setattr(verify, "exactness_probe", lambda *a: (True, 0.0))
+    assistant = object()
+    for mm, context, block in itertools.product(MATMULS, (None, 250, 512, 100_000), (1, 16, 48)):
+        cfg = LoopConfig.for_slots(_target(context, mm), assistant, slots=3, block_size=4, max_new_tokens=64,
+                                   capacity=None, block_tokens=block)
+        assert cfg.capacity == up(min(context or 8192, 8192), block)
+        w = width_rule(4, 3, None, mm)
+        for p, n in itertools.product((1, 17, 100), (1, 40)):
+            assert cfg.positions(p, n) == p + n - 1 + w
+            for held in (cfg.capacity, 160):
+                assert cfg.room(p, held) == held + 1 - p - w
+                assert cfg.positions(p, cfg.room(p, held)) == held  # the largest budget fills it exactly
+    with pytest.raises(ValueError, match="multiple of block_tokens 16"):
+        LoopConfig.for_slots(_target(None, MATMULS[0]), assistant, slots=1, block_size=4, max_new_tokens=8,
+                             capacity=72, block_tokens=16)
