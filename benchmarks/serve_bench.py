@@ -25,6 +25,18 @@ the ids written out (`IdTokenizer`, no stop ids).
 one of 16 distinct (temperature, top_p) settings and its own seed): mixed against uniform is what
 sharing one batch across settings costs.
 Writes DIR/serve.json and DIR/serve.md.
+
+`--long-prompt N` runs the long-request workload instead (issue 56): --clients[0] closed-loop clients
+of exactly --prompt-len-token prompts stream (--max-tokens each, one after another) for --baseline-s
+seconds, then one N-token request (--long-tokens new tokens) arrives and is prefilled in chunks of
+--prefill-chunk tokens between their steps. Every token is stamped when the step that reports it
+returns; a stream's gaps are the times between its consecutive tokens within a request. Reported per
+K: the streams' p50 / p99 gap before the long request arrived and while it ran (arrival to its last
+token), their ratio, the long request's time to first token and to completion. The engine's KV pool
+holds every stream's blocks and the long request's. Writes DIR/serve_long.json and DIR/serve_long.md.
+
+    python benchmarks/serve_bench.py --target 12b --long-prompt 16384 --clients 8 --prompt-len 64 \
+        --max-tokens 64 --rounds-per-step 1 --k-values 1,4 --out DIR
 """
 from __future__ import annotations
 
@@ -189,6 +201,121 @@ class _Http:
         self.thread.join()
 
 
+def _pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no data)."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[max(0, -(-int(q * len(xs)) // 100) - 1)] if q < 100 else xs[-1]
+
+
+def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: int, long_ids, long_tokens: int,
+                 baseline_s: float) -> dict:
+    """The long-request workload (see the module docstring): per-token timestamps of the streams,
+    their gaps before and while the long request runs."""
+    LONG = "long"
+    owner, gaps = {}, []  # slot -> (client, request stamps); gaps: (time of the later token, gap)
+    sent = [0] * clients
+    t0 = time.perf_counter()
+    queue = list(range(clients))
+    arrive = t0 + baseline_s
+    long_at = long_first = long_done = None
+    long_n = 0
+    while long_done is None:
+        now = time.perf_counter()
+        if long_at is None and now >= arrive:
+            long_at = now
+            queue.insert(0, LONG)  # the next admission: ahead of the streams' next requests, as it arrived first
+        while queue and engine.can_admit(len(long_ids) if queue[0] == LONG else len(short_prompts[0]),
+                                         long_tokens if queue[0] == LONG else max_tokens):
+            c = queue.pop(0)
+            if c == LONG:
+                slot = engine.admit(long_ids, long_tokens, seed=0)
+            else:
+                slot = engine.admit(short_prompts[(c * 997 + sent[c]) % len(short_prompts)], max_tokens, seed=0)
+                sent[c] += 1
+            owner[slot] = (c, [])
+        for ev in engine.step():
+            now = time.perf_counter()
+            c, mine = owner[ev.slot]
+            if c == LONG:
+                long_n += len(ev.tokens)
+                if long_first is None and ev.tokens:
+                    long_first = now
+                if ev.done:
+                    long_done = now
+                continue
+            for _ in ev.tokens:
+                if mine:
+                    gaps.append((now, now - mine[-1]))
+                mine.append(now)
+            if ev.done:
+                queue.append(c)
+    for slot in range(engine.slots):  # the streams still running: stopped here
+        if engine.owner[slot] is not None:
+            engine.cancel(slot)
+    while engine.pending is not None:
+        engine.step()
+    warm = t0 + min(1.0, baseline_s / 4)  # the first requests' prefills are not the steady state
+    before = [g for t, g in gaps if warm <= t < long_at]
+    during = [g for t, g in gaps if long_at <= t <= long_done]
+    p99b, p99d = _pct(before, 99), _pct(during, 99)
+    return dict(gaps_before=len(before), gaps_during=len(during), gap_p50_before_ms=_pct(before, 50) * 1e3,
+                gap_p99_before_ms=p99b * 1e3, gap_p50_during_ms=_pct(during, 50) * 1e3,
+                gap_p99_during_ms=p99d * 1e3, p99_ratio=p99d / p99b if p99b else float("inf"),
+                gap_max_during_ms=max(during, default=0.0) * 1e3,
+                long_ttft_s=long_first - long_at, long_total_s=long_done - long_at, long_tokens=long_n)
+
+
+def long_main(args, target, assistant, argv) -> None:
+    """--long-prompt: the long-request workload for each K of --k-values (DIR/serve_long.*)."""
+    rng = np.random.default_rng(args.seed)
+    vocab = target.config.vocab_size
+    clients = args.clients[0]
+    short = [rng.integers(2, vocab, args.prompt_len).tolist() for _ in range(32)]
+    long_ids = rng.integers(2, vocab, args.long_prompt).tolist()
+    block = args.block_tokens
+    capacity = -(-(args.long_prompt + args.long_tokens + 2 * 16) // block) * block
+    per_short = -(-(args.prompt_len + args.max_tokens + 2 * 16) // block)
+    kv_blocks = clients * per_short + capacity // block
+    rows = []
+    for k in args.k_values:
+        engine = BatchEngine(target, assistant if k > 1 else None, slots=clients + 1,
+                             max_new_tokens=max(args.max_tokens, args.long_tokens), capacity=capacity, block_size=k,
+                             eos_token_ids=(), rounds_per_step=args.rounds_per_step, kv_blocks=kv_blocks,
+                             block_tokens=block, prefill_chunk=args.prefill_chunk)
+        t = time.perf_counter()
+        for ids, n in ((long_ids, args.long_tokens), (short[0], args.max_tokens)):  # compile: chunks, steps
+            engine.admit(ids, n, seed=0)
+            while engine.live:
+                engine.step()
+        compile_s = time.perf_counter() - t
+        r = long_request(engine, clients, short, args.max_tokens, long_ids, args.long_tokens, args.baseline_s)
+        rows.append(dict(k_asked=k, k=engine.block_size, clients=clients, prefill_chunk=args.prefill_chunk,
+                         warm_up_s=compile_s, chunks=engine.chunks, **r))
+        print(f"K={engine.block_size} clients={clients} chunk={args.prefill_chunk}: p99 gap {r['gap_p99_before_ms']:.1f} "
+              f"-> {r['gap_p99_during_ms']:.1f} ms ({r['p99_ratio']:.2f}x), long request TTFT "
+              f"{r['long_ttft_s']:.2f} s, done in {r['long_total_s']:.2f} s", flush=True)
+    lines = [f"# serve_bench long request — preset {args.target}, random 4-bit weights", "",
+             environment_line(args.commit), "",
+             f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             f"{clients} streams of {args.prompt_len}-token prompts, {args.max_tokens} tokens each, one after another; "
+             f"after {args.baseline_s} s one {args.long_prompt}-token request ({args.long_tokens} new tokens) arrives. "
+             f"Prefill chunk {args.prefill_chunk} tokens, {args.rounds_per_step} round(s) per step, KV pool "
+             f"{kv_blocks} blocks of {block}, {capacity} positions per request at most. Gaps: between a stream's "
+             "consecutive tokens (stamped when their step returns), before the long request and while it runs.", "",
+             "| K asked | K run | streams | gaps before / during | p50 gap before ms | p99 gap before ms | "
+             "p50 gap during ms | p99 gap during ms | p99 ratio | max gap during ms | long TTFT s | long total s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['k_asked']} | {r['k']} | {r['clients']} | {r['gaps_before']} / {r['gaps_during']} | "
+                     f"{r['gap_p50_before_ms']:.1f} | {r['gap_p99_before_ms']:.1f} | {r['gap_p50_during_ms']:.1f} | "
+                     f"{r['gap_p99_during_ms']:.1f} | {r['p99_ratio']:.2f} | {r['gap_max_during_ms']:.1f} | "
+                     f"{r['long_ttft_s']:.2f} | {r['long_total_s']:.2f} |")
+    write_report(args.out, "serve_long", dict(environment(args.commit), args=vars(args)), rows, lines)
+    print("\n".join(lines))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="12b", help="a preset name or 'default' (the shipped pair)")
@@ -211,6 +338,12 @@ def main(argv=None) -> None:
                          "engine rows then with the server's engine and stop ids")
     ap.add_argument("--sampling", type=lambda s: s.split(","), default=["greedy"],
                     help="comma-separated: greedy, uniform (T 0.8, top_p 0.95), mixed (16 distinct settings)")
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="the long-request workload with a prompt of this many tokens (0: the sweep)")
+    ap.add_argument("--long-tokens", type=int, default=64, help="--long-prompt: the long request's new tokens")
+    ap.add_argument("--baseline-s", type=float, default=5.0, help="--long-prompt: streaming before it arrives")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step at most")
+    ap.add_argument("--block-tokens", type=int, default=16, help="positions per KV pool block")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a terminal)")
     args = ap.parse_args(argv)
@@ -223,6 +356,8 @@ def main(argv=None) -> None:
     if args.assistant is None and args.target != "default":
         args.assistant = args.target
     target, assistant, prompts, what = load(args, matmul)
+    if args.long_prompt:
+        return long_main(args, target, assistant, argv)
     tokenizer = (load_tokenizer(os.path.join(dp.default_pair_path(), "target")) if args.target == "default"
                  else IdTokenizer())
     if args.http:
@@ -240,7 +375,8 @@ def main(argv=None) -> None:
             else:
                 engine = BatchEngine(target, assistant if k > 1 else None, slots=slots,
                                      max_new_tokens=args.max_tokens, capacity=args.capacity, block_size=k,
-                                     eos_token_ids=(), rounds_per_step=args.rounds_per_step)
+                                     eos_token_ids=(), rounds_per_step=args.rounds_per_step,
+                                     prefill_chunk=args.prefill_chunk, block_tokens=args.block_tokens)
             widths = {-(-len(p) // 16): p for p in prompts}  # one prompt per prefill width
             if set(args.sampling) != {"greedy"}:
                 engine.warm_up()  # every step program (greedy alone needs only the first)

@@ -49,8 +49,9 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
-from jaxspec import loop, verify  # noqa: E402
+from jaxspec import verify  # noqa: E402
 from jaxspec.generate import MAX_VERIFY_WIDTH, PROMPT_BUCKET  # noqa: E402
+from jaxspec.loop_config import LoopConfig, round_up  # noqa: E402
 from jaxspec.progress import bar  # noqa: E402
 
 # The seed system's measured acceptance on its real Gemma pair at K = 4, for predicted speedups with
@@ -307,7 +308,7 @@ def run_forward(args, target, assistant, out, deadline):
                 print(f"  verify K={k}: {fk * 1e3:.2f} ms = {fk / f1:.2f} forwards", flush=True)
                 if mr and "on" in args.verify_pad_raw and k in args.pad_k_values:
                     for tm in args.qmm_tile_m:
-                        w = verify.verify_width(k, b, True, base.replace(qmm_tile_m=tm))
+                        w = LoopConfig.derive(k, b, 0, 1, True, base.replace(qmm_tile_m=tm)).verify_width
                         tp = forward_time(target.replace(matmul=base.replace(qmm_tile_m=tm)), b, w, k)
                         out.append(dict(run="forward", multirow=mr, batch=b, width=w, k=k, tile_m=tm,
                                         ms=tp * 1e3, cost=tp / f1, padded=True))
@@ -341,8 +342,7 @@ def gen_stats(target, assistant, sets, k, args, pad):
     if len(sets) > 1:
         longest = max(len(r) for rows in sets for r in rows)
         widest = MAX_VERIFY_WIDTH if any(args.verify_pad) else max(args.k_values)
-        cache = loop.required_capacity(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, args.max_tokens, widest,
-                                       loop.CAPACITY_ROUND)
+        cache = LoopConfig.derive(widest, 1, round_up(longest, PROMPT_BUCKET), args.max_tokens, False, None).capacity
     for rows in _progress(sets, f"{'classic' if k == 1 else f'K={k}'} prompts", args.quiet):
         res, times = None, []
         for _ in range(args.warmup + args.repeats):

@@ -2,24 +2,37 @@
 between rounds.
 
     engine = BatchEngine(target, assistant, slots=8, max_new_tokens=256, capacity=2048)
-    slot = engine.admit(prompt_ids, max_new_tokens=64)   # its prefill, into a free slot
+    slot = engine.admit(prompt_ids, max_new_tokens=64)   # a free slot and its KV blocks; prefilled by the steps
     while engine.live:
         for event in engine.step():                      # a round for every live slot; the last one's tokens
             print(event.slot, event.tokens, event.done)
 
-The slots are the rows of one `loop.DecodeState` of static shapes `[slots, ...]` and a cache of
-`capacity` positions per row, so every step runs one compiled program: the loop's own round
-(`loop.decode_round`), `rounds_per_step` times (`Generator.compiled_rounds`). That program has no
-early exit: a loop condition would be read back to the host every round, which makes a GPU call
-return only when its rounds are done. Without it the call returns once queued, and the host reads
-the previous step's tokens (and admits, retires, streams) while the device runs. Admitting a
-request runs the loop's prefill on it alone (batch 1, its prompt width bucketed, the engine's cache
-capacity) and copies that row into the free slot (one jitted, in-place insert), both queued without
-waiting: the next step queues its rounds before it reads the prefill's token, so admissions do not
-drain the pipeline. The prefill stays batch 1 on purpose: a [B, P] prefill's logits differ in the
-last bits from a [1, P] one on CPU (XLA blocks its dot by row count), and a request's output must
-not depend on what it was admitted with. A finished or cancelled row stays in the state, inactive,
-until a new request takes its slot; inactive rows cost compute, not correctness.
+The slots are the rows of one `loop.DecodeState` of static shapes `[slots, ...]`, so every step runs
+one compiled program: the loop's own round (`loop.decode_round`), `rounds_per_step` times
+(`Generator.compiled_rounds`). That program has no early exit: a loop condition would be read back
+to the host every round, which makes a GPU call return only when its rounds are done. Without it the
+call returns once queued, and the host reads the previous step's tokens (and admits, retires,
+streams) while the device runs.
+
+KV memory is per request, not per slot (`models.init_paged_cache`): the global layers' K/V live in
+one pool of blocks shared by the slots, each row reads its blocks through its table row; the
+sliding layers keep a ring per slot (its size is the window's, whatever the request). Admission takes
+the blocks the request's prompt + budget + K can write, all at once (host bookkeeping: `free_blocks`,
+`blocks`), so a running request never runs out and is never preempted; a request that does not fit
+the free blocks waits (`can_admit`). Its end (finished, cancelled, failed) gives them back at once:
+its table row points nowhere first, so what its row still computes in an in-flight step is dropped.
+
+A prompt is prefilled in chunks (`_prefill_chunk`): each step first queues up to `prefill_chunk`
+prompt tokens of the waiting prompts (admission order), then the decode rounds, so a long prompt
+delays the running streams by a chunk per step, not by its whole prefill. A chunk runs on the
+request's row alone (batch 1: a [B, P] prefill's logits differ in the last bits from a [1, P] one on
+CPU, XLA blocks its dot by row count, and a request's output must not depend on what it was admitted
+with); its last chunk picks the first token as `loop.prefill` does and writes every per-row field of
+the slot (`_put_row`), which makes the row live for that step's rounds. Nothing waits for the device.
+Until then the row is done: the rounds leave its outputs alone, and what they write into its cache
+lies at or past its length, which the next chunk overwrites before reading (the rollback rule of
+models/cache.py). A finished or cancelled row stays in the state, inactive and owning no block, until
+a new request takes its slot; inactive rows cost compute, not correctness.
 
 Rows never see each other: each keeps its own cache, lengths and budget, and the kernels compute a
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
@@ -49,10 +62,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import models
+from jaxspec.kernels import EMPTY
+
 from . import loop, sampling
-from .generate import (BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids,
-                       _round_up, check_block_size, check_int, effective_block_size,
-                       make_generate, stop_array)
+from .generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
+                       check_int, make_generate, stop_array)
+from .loop_config import LoopConfig, round_up
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -78,43 +94,113 @@ class SlotEvent:
     error: str | None = None
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _insert(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.DecodeState:
+def _put_row(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.DecodeState:
     """`state` with row `slot` replaced by `one`'s only row: every per-row field (`loop.row_fields`:
     its cache, tokens, budget, counters, key, sampling values, log-probabilities, and any field
     added later), so nothing of the slot's previous request survives; the shared fields (stop ids,
-    round count, histogram) stay the state's."""
+    round count, histogram) stay the state's. A paged cache's pools are shared, not a row's: they
+    are taken whole from `one` (the row's prefill wrote into them), its table row is written."""
     def put(big, row, axis=0):
         return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
 
-    def cache(c, oc):  # the K/V buffers are [(G,) B, L, H, D]: rows on axis ndim - 4
-        return c.replace(k=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.k, oc.k)),
-                         v=tuple(put(b, o, b.ndim - 4) for b, o in zip(c.v, oc.v)),
-                         lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos))
-
-    special = {"cache": cache, "key": lambda k, ok: k.at[slot].set(ok)}  # one's key is the row's own (scalar)
+    special = {"cache": lambda c, oc: _put_cache(c, oc, slot),
+               "key": lambda k, ok: k.at[slot].set(ok)}  # one's key is the row's own (scalar)
     return state.replace(**{f: special.get(f, lambda a, b: jax.tree.map(put, a, b))(getattr(state, f), getattr(one, f))
                             for f in loop.row_fields()})
 
 
-@jax.jit
-def _first(one: loop.DecodeState):
-    """What the host reads of an admitted request's prefill: its token, done, finite and the token's
-    logprobs (one dispatch; read after the next step is queued, so the read does not stall the device)."""
-    lps = None if one.lp is None else (one.lp[0, 0], one.top_ids[0, 0], one.top_lp[0, 0])
-    return one.bonus[0], one.done[0], one.finite[0], lps
+def _put_cache(c: models.KVCache, oc: models.KVCache, slot) -> models.KVCache:
+    """`c` with row `slot` replaced by the batch-1 cache `oc`'s row (block pools: `oc`'s, whole)."""
+    def put(big, row, axis=0):
+        return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
+
+    def buf(j, b, o):  # the K/V buffers are [(G,) B, L, H, D]: rows on axis ndim - 4
+        return o if j in c.paged else put(b, o, b.ndim - 4)
+    return c.replace(k=tuple(buf(j, b, o) for j, (b, o) in enumerate(zip(c.k, oc.k))),
+                     v=tuple(buf(j, b, o) for j, (b, o) in enumerate(zip(c.v, oc.v))),
+                     lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos),
+                     table=None if c.table is None else put(c.table, oc.table))
+
+
+_insert = functools.partial(jax.jit, donate_argnums=(0,))(_put_row)
+
+
+def _row_cache(cache: models.KVCache, slot) -> models.KVCache:
+    """Row `slot` of a paged cache as a batch-1 cache: its rings, positions, length and table row,
+    and the whole pools (a forward on it writes into them through the table row)."""
+    def take(b, axis=0):
+        return jax.lax.dynamic_slice_in_dim(b, slot, 1, axis)
+    return cache.replace(k=tuple(b if j in cache.paged else take(b, b.ndim - 4) for j, b in enumerate(cache.k)),
+                         v=tuple(b if j in cache.paged else take(b, b.ndim - 4) for j, b in enumerate(cache.v)),
+                         lengths=take(cache.lengths), pos=None if cache.pos is None else take(cache.pos),
+                         table=take(cache.table))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "last"), donate_argnums=(0,))
+def _prefill_chunk(state: loop.DecodeState, target, slot, tokens, n_valid, key, limit, rows, *,
+                   spec: loop.PrefillSpec, last: bool) -> loop.DecodeState:
+    """One chunk of a prompt (`tokens [1, W]`, the first `n_valid` real) into row `slot` of a paged
+    state, continuing at the row's length. The row computes alone (batch 1): its result does not
+    depend on the other rows. `last`: the prompt's final chunk; its last position's logits give the
+    first token (as `loop.prefill`: the same key split, the same choice) and every per-row field of
+    the slot is written (`_put_row`), which makes the row live for the next decode step."""
+    row = _row_cache(state.cache, slot)
+    w = tokens.shape[1]
+    valid = (jnp.arange(w, dtype=jnp.int32) < n_valid)[None, :]
+    at = jnp.reshape(n_valid - 1, (1,)).astype(jnp.int32)
+    logits, hidden, row = models.forward(target, tokens, row, valid=valid, logits_at=at)
+    row = row.replace(lengths=(row.lengths - w + n_valid).astype(jnp.int32))
+    if not last:
+        return state.replace(cache=_put_cache(state.cache, row, slot))
+    finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)
+    key, k_first = sampling.split(key, 2)
+    first = sampling.choose(k_first, logits[:, 0], rows, spec.sampling)
+    lps = None
+    if spec.sampling.logprobs >= 0:
+        lps = sampling.token_logprobs(logits, first[:, None], spec.sampling.logprobs)
+    one = loop._first_state(spec, row, first, hidden[:, n_valid - 1], limit, state.stop_ids, key, finite, rows, lps)
+    return _put_row(state, one, slot)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _retire(state: loop.DecodeState, slot) -> loop.DecodeState:
-    return state.replace(done=state.done.at[slot].set(True))
+def _assign(state: loop.DecodeState, slot, table_row) -> loop.DecodeState:
+    """Give row `slot` its blocks (`table_row`) and an empty cache (length 0, no ring position), done
+    (no decode step emits for it) until its prompt's last chunk."""
+    c = state.cache
+    c = c.replace(table=c.table.at[slot].set(table_row), lengths=c.lengths.at[slot].set(0),
+                  pos=None if c.pos is None else c.pos.at[slot].set(EMPTY))
+    return state.replace(cache=c, done=state.done.at[slot].set(True))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _release(state: loop.DecodeState, slot) -> loop.DecodeState:
+    """Row `slot` done and owning no block: what its decode steps still write is dropped, so its
+    blocks can go to another request."""
+    c = state.cache
+    return state.replace(cache=c.replace(table=c.table.at[slot].set(c.num_blocks)), done=state.done.at[slot].set(True))
+
+
+@jax.jit
+def _first(state: loop.DecodeState, slot):
+    """What the host reads of a request's prefill (row `slot` after its last chunk): its token, done,
+    finite and the token's logprobs (one dispatch; read after the next step is queued, so the read
+    does not stall the device)."""
+    lps = None if state.lp is None else (state.lp[slot, 0], state.top_ids[slot, 0], state.top_lp[slot, 0])
+    return state.bonus[slot], state.done[slot], state.finite[slot], lps
 
 
 class BatchEngine:
     """`slots` requests decoding together (see the module docstring). `max_new_tokens`: the largest
-    budget a request may ask; `capacity`: cache positions per slot (prompt + budget + K must fit;
-    default: the target's context, capped at 8192 so the default cache stays small). `block_size`
-    is probed once at `slots` rows at T = 0 (`generate.effective_block_size`), as generate does.
+    budget a request may ask; `capacity`: cache positions a request may hold (prompt + budget + K must
+    fit; default: the target's context, capped at 8192), a multiple of `block_tokens`. The global
+    layers' K/V live in a pool of `kv_blocks` blocks of `block_tokens` positions shared by the slots
+    (default: `slots` full-capacity rows' worth): a request takes the blocks its prompt + budget + K
+    need at admission and gives them back when it ends, so long and short requests share the pool
+    (`can_admit` says whether one fits now). `prefill_chunk`: prompt tokens per step at most (a
+    multiple of PROMPT_BUCKET): a prompt is prefilled in chunks of that many tokens, one step's chunks
+    queued before its decode rounds, so a long prompt never stops the running streams for longer than
+    a chunk. `block_size` is probed once at `slots` rows at T = 0 (`LoopConfig.for_slots`: the
+    engine's K, verify width and capacity, in `config`), as generate does.
     params (a SamplingParams) or its keywords (temperature, top_k, top_p, ...): the request of an
     admission without its own (its budget, seed and logprobs fill what `admit` leaves open). `modes`: the
     program ladder (default MODES); only programs that a step needs are compiled (`warm_up`
@@ -122,30 +208,32 @@ class BatchEngine:
 
     def __init__(self, target, assistant=None, *, slots: int, max_new_tokens: int, capacity: int | None = None,
                  block_size: int = 4, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
-                 rounds_per_step: int = 1, modes=MODES, params: sampling.SamplingParams | None = None, **knobs):
+                 rounds_per_step: int = 1, modes=MODES, params: sampling.SamplingParams | None = None,
+                 kv_blocks: int | None = None, block_tokens: int = PROMPT_BUCKET, prefill_chunk: int = 512, **knobs):
         check_int("slots", slots, 1)
         check_int("max_new_tokens", max_new_tokens, 1)
         check_block_size(block_size, target.config.max_position_embeddings)
         check_int("rounds_per_step", rounds_per_step, 1, MAX_ROUNDS_PER_CHUNK)
+        check_int("block_tokens", block_tokens, 1, 1 << 16)
+        check_int("prefill_chunk", prefill_chunk, PROMPT_BUCKET, 1 << 20)
+        if prefill_chunk % PROMPT_BUCKET:
+            raise ValueError(f"prefill_chunk must be a multiple of {PROMPT_BUCKET}, got {prefill_chunk}")
         self.default = sampling.SamplingParams.build(params, **knobs)
-        if block_size > 1 and assistant is None:
-            block_size = 1
-        context = target.config.max_position_embeddings
-        if capacity is None:
-            capacity = min(context or 8192, 8192)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max_new_tokens + block_size + 1:
-            raise ValueError(f"capacity must be an integer >= max_new_tokens + block_size + 1 = "
-                             f"{max_new_tokens + block_size + 1}, got {capacity!r}")
-        self.target, self.slots, self.capacity = target, slots, capacity
-        self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
+        if kv_blocks is not None:
+            check_int("kv_blocks", kv_blocks, 1)
         # Greedy rows are exact only if the K-wide verify is: probed at T = 0 whatever the default.
-        k, self.fallback, _ = effective_block_size(target, assistant, slots, block_size, 0.0, None,
-                                                   exactness_probe)
+        self.config = LoopConfig.for_slots(target, assistant, slots=slots, block_size=block_size,
+                                           max_new_tokens=max_new_tokens, capacity=capacity,
+                                           exactness_probe=exactness_probe, block_tokens=block_tokens)
+        self.target, self.slots, self.capacity = target, slots, self.config.capacity
+        self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
+        kv_blocks = slots * (self.capacity // block_tokens) if kv_blocks is None else kv_blocks
+        self.block_tokens, self.kv_blocks, self.prefill_chunk = block_tokens, kv_blocks, prefill_chunk
+        k, self.fallback = self.config.block_size, self.config.fallback
         self.block_size = k
         self.drafter = assistant if k > 1 else None
         self.modes = tuple(modes)
-        budget = _round_up(max_new_tokens, BUDGET_BUCKET)
-        self.gens = [make_generate(block_size=k, max_new_tokens=budget, cache_size=capacity, mode=m)
+        self.gens = [make_generate(block_size=k, max_new_tokens=self.config.budget, cache_size=self.capacity, mode=m)
                      for m in self.modes]
         self.gen = self.gens[-1]  # the layout of the state, and every admission's prefill
         if not self.gen.spec.sampling.covers(self.default):
@@ -155,8 +243,11 @@ class BatchEngine:
         self.stop_ids = stop_array(self.eos)
         self.seeds = np.random.default_rng(sampling.validate_seed(seed))  # for requests without a seed
         keys = jax.random.split(sampling.seed_key(seed), slots)  # per-row keys; each admission sets its own
+        self.pspec = self.gen.spec.prefill_spec(PROMPT_BUCKET, slots, target.matmul)
+        cache = models.init_paged_cache(target.config, slots, self.capacity, kv_blocks, block_tokens,
+                                        loop._cache_dtype(target), max_block=self.pspec.max_block)
         blank = loop.blank_state(self.gen.spec, target, slots, PROMPT_BUCKET, self.stop_ids, keys,
-                                 self.gen.rows(slots))
+                                 self.gen.rows(slots), cache=cache)
         self.state = jax.tree.map(jnp.copy, blank)  # its zero fields share one buffer: steps donate each
         self.window = rounds_per_step * k + 1  # tokens a row gains per step, at most (+ the prefill's)
         self._decode: dict[int, object] = {}  # mode index -> compiled rounds
@@ -165,8 +256,12 @@ class BatchEngine:
         self.owner: list[object | None] = [None] * slots
         self.need: list[sampling.SamplingMode | None] = [None] * slots  # what each live request needs
         self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
+        self.free_blocks = list(range(kv_blocks - 1, -1, -1))  # a stack: the lowest block ids first
+        self.blocks: list[list[int]] = [[] for _ in range(slots)]  # the pool blocks each slot owns
+        self.prefilling: dict[int, list] = {}  # slot -> [prompt ids, tokens prefilled, key, limit, rows]; FIFO
         self.admissions = 0
         self.steps = [0] * len(self.modes)  # steps run per program (what mixing costs)
+        self.chunks = 0  # prefill chunks run
         self.pending = None  # (snapshot, tickets) of the last dispatched step, not read yet
 
     @property
@@ -187,37 +282,49 @@ class BatchEngine:
 
     def warm_up(self) -> None:
         """Compile every program the engine may run (each step's ladder and the prefill of a
-        PROMPT_BUCKET-token prompt), so no request waits for a compile. Logs (INFO, logger
-        jaxspec.batching) when it starts and how long it took."""
+        PROMPT_BUCKET-token prompt; a longer prompt's chunk widths compile on first use). Logs (INFO,
+        logger jaxspec.batching) when it starts and how long it took."""
         t0 = time.perf_counter()
         log.info("batch engine warm-up: %d step programs and a prefill (%d slots, K=%d) ...", len(self.modes),
                  self.slots, self.block_size)
         for i in range(len(self.modes)):
             self.decode(i)
-        prompt, lengths, key, limit, stop, rows = self.gen.inputs([[0]], max_new_tokens=1, eos_token_ids=self.eos)
-        self.gen.compiled_prefill(self.target, prompt, lengths, key, limit, stop, rows)
+        slot = self.admit([0], 1, seed=0)
+        self._prefill_step()
+        self.cancel(slot)
         log.info("batch engine warm-up took %.1f s", time.perf_counter() - t0)
 
+    def blocks_for(self, n_prompt: int, max_new_tokens: int) -> int:
+        """Pool blocks a request holds: every cache position it may write (prompt + budget - 1 + the
+        verify width, `LoopConfig.positions`)."""
+        return -(-self.config.positions(n_prompt, max_new_tokens) // self.block_tokens)
+
     def fits(self, n_prompt: int, max_new_tokens: int) -> bool:
-        """Whether a request of this prompt length and budget fits a slot's cache and the budget."""
+        """Whether a request of this prompt length and budget fits the engine at all (a slot's
+        capacity, the budget, the whole pool); `can_admit`: whether it fits now."""
         return 1 <= max_new_tokens <= self.room(n_prompt)
 
     def room(self, n_prompt: int) -> int:
-        """The largest budget a request of this prompt length fits a slot with (0: none does)."""
-        width = self.gen.spec.width(self.slots, self.target.matmul)
-        return max(0, min(self.max_new_tokens, self.capacity + 1 - n_prompt - width))
+        """The largest budget a request of this prompt length fits the engine with (0: none does): a
+        request's capacity and the whole pool bound what it may write (`LoopConfig.room`)."""
+        held = min(self.capacity, self.kv_blocks * self.block_tokens)
+        return max(0, min(self.max_new_tokens, self.config.room(n_prompt, held)))
+
+    def can_admit(self, n_prompt: int, max_new_tokens: int) -> bool:
+        """Whether a slot and the request's blocks are free now."""
+        return bool(self.free) and self.blocks_for(n_prompt, max_new_tokens) <= len(self.free_blocks)
 
     def admit(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, owner: object = True,
               params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:
-        """Prefill one request into a free slot and return the slot. `params`: the request (None:
+        """Take a free slot and the request's pool blocks, queue its prompt for prefill (in chunks,
+        by the next steps) and return the slot. `params`: the request (None:
         the engine's default); `max_new_tokens`, `seed`, `logprobs`, when given, override its own
         (a budget is needed; seed None: one drawn from the engine's seed; logprobs: None or the
         alternatives per token its events carry, 0..20).
         ValueError (before any compute) for bad ids, a budget or prompt that does not fit, a bad
-        seed, sampling or bias or no free slot. Nothing waits for the device: the prefill and the
-        copy into the slot are queued, and the next `step` queues its rounds before it reads the
-        prefill's token, so admitting never drains the pipeline. Non-finite prefill logits
-        (`loop.check_prefill`) come back as that step's event with `error` set."""
+        seed, sampling or bias, no free slot or too few free blocks (`can_admit`). Nothing waits
+        for the device. Non-finite prefill logits (`loop.check_prefill`) come back as an event with
+        `error` set."""
         rows = _as_batch(prompt_ids)  # generate's rule: a sequence of ints or a 1-D int array
         if len(rows) != 1:
             raise ValueError(f"prompt_ids must be one request's token ids, got {len(rows)} rows")
@@ -231,7 +338,8 @@ class BatchEngine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
                 not self.fits(len(ids), max_new_tokens):
             raise ValueError(f"a {len(ids)}-token prompt with max_new_tokens={max_new_tokens!r} does not fit this "
-                             f"engine (budget 1..{self.max_new_tokens}, {self.capacity} cache positions per slot)")
+                             f"engine (budget 1..{self.max_new_tokens}, {self.capacity} cache positions per request, "
+                             f"{self.kv_blocks * self.block_tokens} in the pool)")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.stop_token_ids:  # the state's stop ids are shared by every slot (stop strings: the caller's)
@@ -244,19 +352,52 @@ class BatchEngine:
             raise ValueError(f"no program of this engine runs {params} with logprobs={logprobs}")
         if not self.free:
             raise ValueError(f"all {self.slots} slots are taken")
+        n_blocks = self.blocks_for(len(ids), max_new_tokens)
+        if n_blocks > len(self.free_blocks):
+            raise ValueError(f"the KV pool has {len(self.free_blocks)} free blocks of {self.kv_blocks}, this request "
+                             f"needs {n_blocks} ({self.block_tokens} positions each)")
         seed = params.seed if seed is None else seed
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
-        inputs = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos, seed=seed,
-                                 params=params.per_row())
-        one = self.gen.compiled_prefill(self.target, *inputs)()
-        self.state = _insert(self.state, one, jnp.int32(slot))
+        _, _, key, limit, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
+                                                     seed=seed, params=params.per_row())
+        self.blocks[slot] = [self.free_blocks.pop() for _ in range(n_blocks)]
+        table = np.full((self.capacity // self.block_tokens,), self.kv_blocks, np.int32)
+        table[:n_blocks] = self.blocks[slot]
+        self.state = _assign(self.state, jnp.int32(slot), jnp.asarray(table))
+        self.prefilling[slot] = [list(ids), 0, key, limit, rows_]
         self.admissions += 1
         self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
         self.need[slot] = need
-        self.fresh[slot] = _first(one)
         return slot
+
+    def _prefill_step(self) -> None:
+        """Queue this step's prefill chunks: the waiting prompts in admission order, `prefill_chunk`
+        tokens in all at most (at least one chunk). A chunk is `prefill_chunk` tokens unless it is a
+        prompt's last: that one is the rest rounded up to PROMPT_BUCKET, the width `generate` gives
+        the whole prompt when it fits one chunk (the same computation as its prefill)."""
+        left = self.prefill_chunk
+        for slot in list(self.prefilling):
+            ids, done, key, limit, rows = self.prefilling[slot]
+            while done < len(ids):
+                rest = len(ids) - done
+                width = self.prefill_chunk if rest > self.prefill_chunk else round_up(rest, PROMPT_BUCKET)
+                if width > left and left < self.prefill_chunk:
+                    return
+                n = min(rest, width)
+                last = done + n == len(ids)
+                chunk = np.zeros((1, width), np.int32)
+                chunk[0, :n] = ids[done:done + n]
+                self.state = _prefill_chunk(self.state, self.target, jnp.int32(slot), jnp.asarray(chunk),
+                                            jnp.int32(n), key, limit, rows, spec=self.pspec, last=last)
+                self.chunks += 1
+                done += n
+                left -= width
+                self.prefilling[slot][1] = done
+                if last:
+                    del self.prefilling[slot]
+                    self.fresh[slot] = _first(self.state, jnp.int32(slot))
 
     def _mode_index(self) -> int:
         """The cheapest program that covers every live request."""
@@ -264,26 +405,29 @@ class BatchEngine:
         return next(i for i, m in enumerate(self.modes) if all(m.covers(n) for n in needs))
 
     def step(self) -> list[SlotEvent]:
-        """Dispatch `rounds_per_step` rounds for every slot, then report the previous step's: each
+        """Queue this step's prefill chunks (`prefill_chunk` prompt tokens at most), then
+        `rounds_per_step` rounds for every slot, then report the previous step's: each
         live slot's new tokens (finished slots are freed). Pipelined: the device runs the new rounds
         while the host reads the last ones, so the host's work between steps costs no device time
         (a step's fixed host cost was ~1.5 ms on the H200 when each call waited for its rounds); the
         first step after an idle engine reports nothing from the device yet. A request's first
-        token (its prefill's) is reported by the first step after its admission. A slot admitted
+        token (its prefill's) is reported by the step that ran its last chunk. A slot admitted
         or cancelled after a step was dispatched is left out of that step's report."""
+        if self.prefilling:
+            self._prefill_step()
         nxt = None
-        if self.live:
+        if any(o is not None and s not in self.prefilling for s, o in enumerate(self.owner)):
             i = self._mode_index()
             self.state = self.decode(i)(self.state)
             self.steps[i] += 1
-            nxt = (loop.snapshot(self.state, self.window), list(self.ticket))
+            nxt = (loop.snapshot(self.state, self.window),
+                   [None if s in self.prefilling else t for s, t in enumerate(self.ticket)])
         report, self.pending = self.pending, nxt
         events = []
-        for slot, arrays in self.fresh.items():  # a request's first token, as soon as it exists
+        for slot, arrays in list(self.fresh.items()):  # a request's first token, as soon as it exists
             first, done, finite, lps = jax.device_get(arrays)
             if not finite:
-                self.state = _retire(self.state, jnp.int32(slot))
-                self.owner[slot] = None
+                self._free(slot)
                 events.append(SlotEvent(slot=slot, tokens=[], done=True, rounds=0, drafted=0, accepted=0,
                                         error=loop.nonfinite_message(f"slot {slot}")))
                 continue
@@ -292,7 +436,7 @@ class BatchEngine:
             events.append(SlotEvent(slot=slot, tokens=[int(first)], done=bool(done), rounds=0, drafted=0, accepted=0,
                                     logprobs=first_lp))
             if done:  # its first token ended it (a stop id or a budget of 1)
-                self.owner[slot] = None
+                self._free(slot)
         self.fresh.clear()
         if report is None:
             return events
@@ -309,15 +453,22 @@ class BatchEngine:
                                     accepted=int(got.accepted[slot]), logprobs=lps))
             self.seen[slot] = n
             if got.done[slot]:
-                self.owner[slot] = None
+                self._free(slot)
         return events
 
+    def _free(self, slot: int) -> None:
+        """The slot and its blocks back to the free lists; its row writes nothing from now on."""
+        self.state = _release(self.state, jnp.int32(slot))
+        self.free_blocks.extend(reversed(self.blocks[slot]))
+        self.blocks[slot] = []
+        self.owner[slot] = None
+        self.prefilling.pop(slot, None)
+        self.fresh.pop(slot, None)
+
     def cancel(self, slot: int) -> None:
-        """Stop the request in `slot` now and free the slot (its row goes inactive)."""
+        """Stop the request in `slot` now (also mid-prefill) and free the slot and its blocks."""
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
             raise ValueError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
         if self.owner[slot] is not None:
-            self.state = _retire(self.state, jnp.int32(slot))
-            self.owner[slot] = None
-            self.fresh.pop(slot, None)
+            self._free(slot)
 

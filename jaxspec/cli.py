@@ -179,6 +179,7 @@ _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_bod
                  ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
                  ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                  ("--max-batch", "max_batch", 1, 1 << 12, ""),
+                 ("--prefill-chunk", "prefill_chunk", 16, 1 << 16, " (a multiple of 16)"),
                  ("--max-connections", "max_connections", 1, 1 << 20, ""))
 
 
@@ -363,14 +364,14 @@ def _matmul_config(choice: str):
 # Memory
 
 
-def cache_capacity(prompt_len: int, max_tokens: int, block_size: int) -> int:
-    """The cache positions `jaxspec.generate` allocates for one prompt (its buckets and rounding;
-    the verify width taken as the block size)."""
-    from .generate import BUDGET_BUCKET, PROMPT_BUCKET, _round_up
-    from .loop import CAPACITY_ROUND, required_capacity
+def cache_capacity(prompt_len: int, max_tokens: int, block_size: int, drafting: bool = True) -> int:
+    """The cache positions `jaxspec.generate` allocates for one prompt (`LoopConfig.resolve`; checked
+    before the model loads, so unpadded: the verify width taken as the block size). drafting: an
+    assistant is given (else K is 1)."""
+    from .loop_config import LoopConfig
 
-    return required_capacity(_round_up(prompt_len, PROMPT_BUCKET), _round_up(max_tokens, BUDGET_BUCKET),
-                             block_size, CAPACITY_ROUND)
+    return LoopConfig.resolve(block_size=block_size, batch=1, prompt_len=prompt_len, max_new_tokens=max_tokens,
+                              drafting=drafting, verify_pad=False).capacity
 
 
 def device_memory() -> tuple[int, str] | None:
@@ -393,12 +394,13 @@ def device_memory() -> tuple[int, str] | None:
         return None
 
 
-def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, dtype, weight_bytes: int) -> None:
+def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, drafting: bool, dtype,
+                  weight_bytes: int) -> None:
     """UsageError when the KV cache of this run (models.cache_bytes: what init_cache allocates) and
     the weights cannot fit the device's memory."""
     from jaxspec import models
 
-    capacity = cache_capacity(prompt_len, max_tokens, block_size)
+    capacity = cache_capacity(prompt_len, max_tokens, block_size, drafting)
     cache = models.cache_bytes(tcfg, 1, capacity, dtype)
     mem = device_memory()
     if mem is None:
@@ -608,7 +610,7 @@ def cmd_generate(args) -> int:
 
     dtype = _dtype(args)
     _check_backend()
-    _check_memory(tcfg, len(ids), max_tokens, args.block_size if assistant_dir else 1, dtype,
+    _check_memory(tcfg, len(ids), max_tokens, args.block_size, bool(assistant_dir), dtype,
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
@@ -697,7 +699,8 @@ def cmd_serve(args) -> int:
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
                                else named or os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
-                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue)
+                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue,
+                        prefill_chunk=args.prefill_chunk)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -716,17 +719,19 @@ def cmd_serve(args) -> int:
 
 def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int) -> None:
     """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
-    the KV caches at the server's slot capacity, the decode step's temporaries, the verify logits,
+    the KV pool (the server's positions per slot), the decode step's temporaries, the paged views, the verify logits,
     the weights and on a CPU the process itself)."""
+    from .loop_config import slot_capacity
     from .serve_memory import batch_memory, largest_batch
-    from .server import BATCH_CONTEXT
+    from .server import BATCH_CONTEXT, REQUEST_CONTEXT
 
     mem = device_memory()
     if mem is None:
         return
     limit, what = mem
-    capacity = min(tcfg.max_position_embeddings or BATCH_CONTEXT, BATCH_CONTEXT)
-    kw = dict(capacity=capacity, host=what == "host memory")
+    capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
+    kw = dict(capacity=capacity, host=what == "host memory",
+              request_capacity=slot_capacity(tcfg.max_position_embeddings, REQUEST_CONTEXT))  # Server.batch_capacity
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, **kw)
     if need.total > limit:
         fits = largest_batch(limit, tcfg, block_size, dtype, weight_bytes, most=max_batch, **kw)
@@ -796,6 +801,8 @@ def _check_serve_flags(args) -> None:
     address that cannot be listened on. Checked here rather than by argparse, whose errors print
     the whole usage."""
     _check_ranges(args, _SERVE_RANGES)
+    if args.prefill_chunk % 16:
+        raise UsageError(f"--prefill-chunk {args.prefill_chunk}: expected a multiple of 16")
     for o in args.allow_origin or ():
         m = _ORIGIN.match(o)
         if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
@@ -1083,10 +1090,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting beyond the running batch, 1..100000 (default 64); more get HTTP 429")
     v.add_argument("--block-size", type=int, default=4, metavar="K",
                    help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
+    v.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per step at most, a multiple of 16 (default 512): a long prompt "
+                        "is prefilled in chunks between the decode steps, so the running streams wait a chunk per "
+                        "step, not the whole prefill")
     v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
-                        "the multirow kernel's window). Memory grows with N: each slot holds its KV cache (the "
-                        "context, at most 4096 positions) 3.5 times over with the decode step's temporaries, plus "
+                        "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
+                        "context, at most 4096) positions, 3.5 times over with the decode step's temporaries, plus "
                         "4 float32 logits of (K + 1) x vocabulary; checked at start (a CPU adds ~1.5 GiB for the "
                         "process). The warm-up compiles the same programs whatever N (each one logged; minutes on "
                         "a CPU), then runs steps over all N slots")

@@ -21,11 +21,8 @@ from . import loop
 from . import programs
 from . import sampling
 from . import verify
+from .loop_config import BUDGET_BUCKET, PROMPT_BUCKET, LoopConfig, round_up as _round_up  # noqa: F401  (the buckets: named here too)
 from .verify import MAX_VERIFY_WIDTH  # noqa: F401  (the knobs' bounds are named here)
-
-# Prompts are right-padded to whole row tiles (the prefill's matmul rows; fewer recompiles).
-PROMPT_BUCKET = ROW_TILE
-BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
 
 # The knobs' bounds, one per kind, checked by `check_int` wherever the knob is accepted (generate,
 # make_generate, streaming, BatchEngine, the server, the CLI before it loads anything).
@@ -296,10 +293,6 @@ def stop_array(ids) -> jax.Array:
     return jnp.asarray(ids + [-1] * (size - len(ids)), jnp.int32)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 _GENERATORS: dict = {}
 
 
@@ -402,7 +395,7 @@ def validate_inputs(target, assistant, rows, request: sampling.SamplingParams, *
                     verify_pad, cache_size):
     """Every check that can fail, on the host, before anything is compiled or run; the request's
     own ranges were checked when it was built, here what depends on the model. Returns
-    (resolved verify_pad, stop ids, capacity, padded prompt width)."""
+    (the run's LoopConfig before the exactness probe, stop ids)."""
     _check_target(target)
     vocab = int(target.config.vocab_size)
     check_block_size(block_size, getattr(target.config, "max_position_embeddings", None))
@@ -437,26 +430,10 @@ def validate_inputs(target, assistant, rows, request: sampling.SamplingParams, *
     if ctx is not None and longest + max_new_tokens > ctx:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
                          f"positions, past the model's context of {ctx} (max_position_embeddings)")
-    pad = verify.resolve_verify_pad(verify_pad, target.matmul)
-    batch = len(rows)
-    k = block_size if assistant is not None else 1
-    width = verify.verify_width(k, batch, pad, target.matmul)
-    if cache_size is not None:
-        if isinstance(cache_size, bool) or not isinstance(cache_size, (int, np.integer)) or cache_size < 1:
-            raise ValueError(f"cache_size must be None or an integer >= 1, got {cache_size!r}")
-        if longest > cache_size:
-            raise ValueError(f"prompt is longer than the cache: {longest} tokens, cache_size={cache_size}")
-        room = cache_size - longest - max_new_tokens + 1
-        if width > room:
-            what = f"block_size={block_size}" + (f" (verify width {width})" if width != block_size else "")
-            raise ValueError(f"{what} is larger than the cache allows: prompt {longest} + "
-                             f"max_new_tokens {max_new_tokens} - 1 + {width} > cache_size {cache_size}")
-        prompt_width = min(-(-longest // PROMPT_BUCKET) * PROMPT_BUCKET, cache_size)
-        capacity = cache_size
-    else:
-        prompt_width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
-        capacity = None
-    return pad, tuple(stop), capacity, prompt_width
+    cfg = LoopConfig.resolve(block_size=block_size, batch=len(rows), prompt_len=longest, max_new_tokens=max_new_tokens,
+                             drafting=assistant is not None, verify_pad=verify_pad, matmul=target.matmul,
+                             cache_size=cache_size)
+    return cfg, tuple(stop)
 
 
 # --------------------------------------------------------------------------------------------
@@ -528,31 +505,28 @@ def plan(target, prompt_ids, request: sampling.SamplingParams, *, assistant=None
     rows = _as_batch(prompt_ids)
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
-    pad, stop, capacity, prompt_width = validate_inputs(
+    cfg, stop = validate_inputs(
         target, assistant, rows, request, block_size=block_size, eos_token_ids=eos_token_ids,
         verify_pad=verify_pad, cache_size=cache_size)
-    batch = len(rows)
-    budget = _round_up(request.max_new_tokens, BUDGET_BUCKET)
 
-    def generator(k):
-        gen = make_generate(block_size=k, max_new_tokens=budget, verify_pad=pad, cache_size=capacity, params=request)
+    def generator(c: LoopConfig):
+        gen = make_generate(block_size=c.block_size, max_new_tokens=c.budget, verify_pad=c.verify_pad,
+                            cache_size=c.cache_size, params=request)
         return gen, gen.inputs(rows, max_new_tokens=request.max_new_tokens, eos_token_ids=stop, seed=request.seed,
-                               prompt_width=prompt_width)
+                               prompt_width=c.prompt_width)
 
     # Compile what the K asked for needs (probe, prefill, decode) at once, before the probe runs;
     # when the probe then lowers K, the smaller K's programs compile on their own.
-    asked = int(block_size) if assistant is not None else 1
-    gen, inputs = generator(asked)
+    gen, inputs = generator(cfg)
     temperature = request.temperature
-    probes = (verify.probe_programs(target, batch, asked, verify.verify_width(asked, batch, pad, target.matmul))
-              if _probes(asked, temperature, exactness_probe) else [])
+    probes = (verify.probe_programs(target, cfg.batch, cfg.block_size, cfg.verify_width)
+              if cfg.probes(temperature, exactness_probe) else [])
     programs.compile_all(gen.all_programs(target, assistant, *inputs, rounds_per_chunk=rounds_per_chunk) + probes)
-    k, fallback, diff = effective_block_size(target, assistant, batch, block_size, temperature, pad,
-                                             exactness_probe)
-    if k != asked:
-        gen, inputs = generator(k)
-    return Plan(gen=gen, drafter=assistant if k > 1 else None, inputs=inputs, batch=batch,
-                verify_width=gen.spec.width(batch, target.matmul), fallback=fallback, probe_logit_diff=diff,
+    run = cfg.probed(target, temperature, exactness_probe)
+    if run.block_size != cfg.block_size:
+        gen, inputs = generator(run)
+    return Plan(gen=gen, drafter=assistant if run.block_size > 1 else None, inputs=inputs, batch=run.batch,
+                verify_width=run.verify_width, fallback=run.fallback, probe_logit_diff=run.probe_logit_diff,
                 backend=getattr(getattr(target, "matmul", None), "describe", None))
 
 
@@ -584,37 +558,3 @@ def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingPar
              exactness_probe=exactness_probe)
     state, prefill_s, decode_s = p.gen.run(target, p.drafter, *p.inputs)
     return p.result(state, prefill_s, decode_s)
-
-
-def _probes(k, temperature, exactness_probe) -> bool:
-    return k > 1 and temperature == 0 and exactness_probe
-
-
-def effective_block_size(target, assistant, batch, block_size, temperature, pad, exactness_probe):
-    """(K to run, why speculation was dropped or shrunk, or None; probe logit diff or None). At T = 0
-    the exactness probe checks once per shape that a K-wide verify is bit-identical to K single
-    steps. When it is not (on the H200 at B = 8, K = 4 the verify's 32 rows leave the multirow
-    window that decode's [8, 2] row bucket stays in), K drops to the row bucket, where verify and
-    decode are one computation, if that still drafts (K >= 2) and passes; else decoding falls back
-    to classic (K = 1). Either way with a warning."""
-    k = int(block_size) if assistant is not None else 1
-    fallback = diff = None
-    if assistant is not None and k == 1:
-        fallback = "block_size=1: nothing to draft"
-    if _probes(k, temperature, exactness_probe):
-        width = verify.verify_width(k, batch, pad, target.matmul)
-        exact, diff = verify.exactness_probe(target, batch, k, width)
-        if not exact:
-            first_diff, bucket = diff, models.row_bucket(target, batch)
-            if 2 <= bucket < k:
-                exact, diff = verify.exactness_probe(target, batch, bucket, verify.verify_width(bucket, batch, pad, target.matmul))
-            if exact:
-                verify.warn_inexact(k, width, first_diff, instead=bucket)
-                fallback = (f"exactness probe failed at K={k} (max |logit diff| {first_diff:.3g}): "
-                            f"ran K={bucket}, the row bucket at B={batch}")
-                k = bucket
-            else:
-                verify.warn_inexact(k, width, first_diff)
-                fallback = f"exactness probe failed (max |logit diff| {first_diff:.3g})"
-                k, diff = 1, first_diff
-    return k, fallback, diff

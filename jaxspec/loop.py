@@ -32,6 +32,7 @@ from flax import struct
 from jaxspec import models
 from . import sampling
 from . import verify
+from .loop_config import LoopConfig
 
 # Query position passed to models.draft_step, relative to the cache length L at the start of a
 # round (after rollback; the bonus token's position is L). 0 is HF's convention, the one
@@ -39,7 +40,6 @@ from . import verify
 DRAFT_POSITION_OFFSET = 0
 
 
-CAPACITY_ROUND = 64  # derived cache sizes are rounded up to this (one prefill serves many K)
 OUT_ROUND = 16       # the output buffer holds max_new_tokens + K rounded up to this
 
 
@@ -70,32 +70,25 @@ class LoopSpec:
     sampling: sampling.SamplingMode  # what rows may ask (the values are per-row inputs: RowParams)
     verify_pad: Any = None          # None (the target's matmul.verify_pad), a bool (True: the
                                     # qmm threshold) or an int width; see verify.verify_width
-    cache_size: int | None = None   # None: prompt width + N - 1 + verify width, rounded up
+    cache_size: int | None = None   # None: prompt width + N - 1 + verify width, rounded up (LoopConfig)
 
     @property
     def speculative(self) -> bool:
         return self.block_size > 1
 
-    def width(self, batch: int, matmul) -> int:
-        return verify.verify_width(self.block_size, batch, self.verify_pad, matmul)
+    def config(self, prompt_width: int, batch: int, matmul) -> LoopConfig:
+        """This program's sizes for [batch, prompt_width] prompts (the one computation: LoopConfig)."""
+        return LoopConfig.derive(self.block_size, batch, prompt_width, self.max_new_tokens, self.verify_pad,
+                                 matmul, self.cache_size)
 
-    def capacity(self, prompt_width: int, batch: int, matmul) -> int:
-        if self.cache_size is not None:
-            return self.cache_size
-        return required_capacity(prompt_width, self.max_new_tokens, self.width(batch, matmul), CAPACITY_ROUND)
+    def width(self, batch: int, matmul) -> int:
+        return self.config(0, batch, matmul).verify_width
 
     def prefill_spec(self, prompt_width: int, batch: int, matmul) -> PrefillSpec:
-        return PrefillSpec(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
-                           capacity=self.capacity(prompt_width, batch, matmul),
+        cfg = self.config(prompt_width, batch, matmul)
+        return PrefillSpec(sampling=self.sampling, max_new_tokens=self.max_new_tokens, capacity=cfg.capacity,
                            out_width=self.max_new_tokens + -(-self.block_size // OUT_ROUND) * OUT_ROUND,
-                           max_block=max(models.ROW_TILE, self.width(batch, matmul)))
-
-
-def required_capacity(prompt_len: int, max_new_tokens: int, width: int, round_to: int = 1) -> int:
-    """Cache positions a run needs: every round writes `width` positions starting at the cache
-    length, which is at most prompt_len + max_new_tokens - 1 (all tokens but the bonus)."""
-    need = prompt_len + max_new_tokens - 1 + width
-    return -(-need // round_to) * round_to
+                           max_block=max(models.ROW_TILE, cfg.verify_width))
 
 
 @struct.dataclass
@@ -203,15 +196,18 @@ def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key, rows) -> 
     return jax.eval_shape(lambda *xs: _blank(spec, target, b, p, *xs), limit, stop_ids, key, rows)
 
 
-def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key, rows) -> DecodeState:
+def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key, rows, cache=None) -> DecodeState:
     """A decode state (decode's shapes, as `start(spec, prefill(...))` of `[batch, prompt_width]`
-    prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.batching`)."""
-    return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key, rows)
+    prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.batching`).
+    `cache`: the state's cache (default: `init_cache` of the spec's capacity; the engine passes a
+    paged one)."""
+    return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key, rows, cache)
 
 
-def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key, rows) -> DecodeState:
+def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key, rows, cache=None) -> DecodeState:
     pspec = spec.prefill_spec(p, b, target.matmul)
-    cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
+    if cache is None:
+        cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
     h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
     first = jnp.zeros((b,), jnp.int32)
     return start(spec, _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool), rows))

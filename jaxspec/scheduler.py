@@ -1,22 +1,24 @@
 """The server's scheduler: one worker thread runs every request (a `Job`) through one continuously
 batched engine (`batching.BatchEngine`): it admits waiting jobs into free slots between rounds (in
-arrival order), runs a round for every live slot, turns each slot's tokens into text events
-(`_Text`: incremental decoding, stop strings, logprobs) and retires finished or abandoned jobs. A
-job that fits no slot runs alone (`streaming.stream_generate`) once the batch has drained. The
-events go to the job's `emit`; `jaxspec.server` turns them into responses.
+arrival order, each once a slot and the KV blocks its prompt and budget need are free), runs a step
+for every live slot (the waiting prompts' prefill chunks, then a round for the decoding ones), turns
+each slot's tokens into text events (`_Text`: incremental decoding, stop strings, logprobs) and
+retires finished or abandoned jobs (their blocks go back to the pool at once). Every request runs in
+the batch: one that fits no slot (longer than a request's capacity or the whole pool) is refused
+with a 400. The events go to the job's `emit`; `jaxspec.server` turns them into responses.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
-from . import compile_cache, sampling, streaming
+from . import compile_cache, sampling
 from .batching import BatchEngine
+from .loop_config import PROMPT_BUCKET, round_up
 from .openai_schema import ApiError
 from .tokenizer import IncrementalDecoder
 
@@ -108,20 +110,23 @@ def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: 
 class Scheduler:
     """The models, the one batch engine and the worker thread (started here). `max_batch` slots
     decode together; `rounds_per_chunk` rounds between two reads of the new tokens (and two
-    admissions); at most `max_queue` jobs wait (`submit` answers 429 past it). A slot holds
-    `batch_capacity` positions and `batch_tokens` new tokens at most."""
+    admissions); at most `max_queue` jobs wait (`submit` answers 429 past it). A request holds
+    `batch_capacity` positions and `batch_tokens` new tokens at most; the slots share a pool of
+    `kv_positions` cache positions (None: `max_batch` x `batch_capacity`); `prefill_chunk` prompt
+    tokens per step at most."""
 
     def __init__(self, target, assistant, tok, *, block_size: int, rounds_per_chunk: int, max_batch: int,
-                 max_queue: int, batch_capacity: int, batch_tokens: int):
+                 max_queue: int, batch_capacity: int, batch_tokens: int, kv_positions: int | None = None,
+                 prefill_chunk: int = 512):
         self.target, self.assistant, self.tok = target, assistant, tok
         self.block_size, self.rounds_per_chunk = block_size, rounds_per_chunk
         self.max_batch, self.max_queue = max_batch, max_queue
         self.batch_capacity, self.batch_tokens = batch_capacity, batch_tokens
+        self.kv_positions, self.prefill_chunk = kv_positions, prefill_chunk
         self._engine: BatchEngine | None = None  # built on first use (warm_up or the first request)
         self.slots: dict[int, tuple[Job, _Text]] = {}
         self.queue: collections.deque[Job] = collections.deque()
         self.cond = threading.Condition()
-        self.solo = 0
         self.dropped = 0  # requests stopped because their client went away
         self.served = 0
         self.compiles = compile_cache.CompileLog().__enter__()  # programs built (/health), emptied by warm_up
@@ -129,7 +134,7 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        return len(self.slots) + self.solo
+        return len(self.slots)
 
     @property
     def waiting(self) -> int:
@@ -140,16 +145,19 @@ class Scheduler:
         """The one batch engine: every sampling setting runs in it (greedy, sampled, filtered, with
         a bias or logprobs), so a new setting compiles nothing."""
         if self._engine is None:
+            block = PROMPT_BUCKET
+            kv = self.max_batch * self.batch_capacity if self.kv_positions is None else self.kv_positions
             self._engine = BatchEngine(
                 self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
-                capacity=self.batch_capacity, block_size=self.block_size, eos_token_ids=self.tok.eos_token_ids,
-                rounds_per_step=self.rounds_per_chunk)
+                capacity=round_up(self.batch_capacity, block), block_size=self.block_size,
+                eos_token_ids=self.tok.eos_token_ids, rounds_per_step=self.rounds_per_chunk,
+                kv_blocks=max(1, kv // block), block_tokens=block, prefill_chunk=self.prefill_chunk)
         return self._engine
 
     def warm_up(self) -> float:
         """Compile every program a request that fits a slot runs (each of the engine's step programs,
         the prefill of a short prompt), before the first client waits for it; then count what is
-        built later (/health's "compiles": a longer prompt's prefill, a request that runs alone).
+        built later (/health's "compiles": a longer prompt's prefill chunk widths).
         Seconds."""
         t0 = time.perf_counter()
         engine = self.engine
@@ -189,12 +197,10 @@ class Scheduler:
                 while not self.queue and not self.slots:
                     self.cond.wait()
             try:
-                solo = self._admit()
-                if solo is not None:
-                    self._run_alone(solo)
-                elif self.slots:
+                self._admit()
+                if self.slots:
                     self._round()
-                else:  # only cancelled jobs were waiting, or the next one waits for the batch to drain
+                else:  # only cancelled or refused jobs were waiting
                     time.sleep(0.001)
             except Exception as e:  # an internal failure: its requests end with an error, the server keeps serving
                 for job, _ in self.slots.values():
@@ -202,9 +208,10 @@ class Scheduler:
                 self.slots.clear()
                 self._engine = None
 
-    def _admit(self) -> Job | None:
-        """Admit waiting jobs in arrival order into free slots; returns a job that must run alone
-        (it fits no slot) once the batch has drained."""
+    def _admit(self) -> None:
+        """Admit waiting jobs in arrival order while a slot and their blocks are free (the first
+        that must wait holds the others back: no request starves behind shorter ones); a job that
+        can never fit (past a request's capacity or the whole pool) ends with a 400."""
         while self.queue:
             job = self.queue[0]
             if job.cancelled.is_set():  # its client left while it waited
@@ -220,12 +227,15 @@ class Scheduler:
                 _fail(job, e)
                 continue
             if not engine.fits(len(job.ids), job.max_tokens):
-                if self.slots:
-                    return None  # runs alone once the batch has drained
                 with self.cond:
-                    return self.queue.popleft()
-            if not engine.free:
-                return None
+                    self.queue.popleft()
+                job.emit(("error", f"a {len(job.ids)}-token prompt with max_tokens={job.max_tokens} does not fit "
+                                   f"this server: at most {engine.room(len(job.ids))} new tokens for this prompt "
+                                   f"({engine.capacity} positions per request, "
+                                   f"{engine.kv_blocks * engine.block_tokens} in the KV pool)", 400))
+                continue
+            if not engine.can_admit(len(job.ids), job.max_tokens):
+                return  # a slot or its KV blocks free up when a running request ends
             with self.cond:
                 self.queue.popleft()
             try:
@@ -235,10 +245,14 @@ class Scheduler:
                 _fail(job, e)
                 continue
             self.slots[slot] = (job, _Text(self.tok, job))
-        return None
 
     def _round(self) -> None:
         engine = self.engine
+        for slot, (job, _) in list(self.slots.items()):  # gone clients: also mid-prefill, before their chunks run
+            if job.cancelled.is_set():
+                engine.cancel(slot)
+                del self.slots[slot]
+                self.dropped += 1
         for ev in engine.step():
             job, text = self.slots[ev.slot]
             if ev.error is not None:  # e.g. non-finite logits from the prompt: this request fails
@@ -260,29 +274,3 @@ class Scheduler:
                     engine.cancel(ev.slot)
                 del self.slots[ev.slot]
                 self.served += 1
-
-    def _run_alone(self, job: Job) -> None:
-        """A job no slot fits (prompt + budget past a slot's cache), alone with stream_generate."""
-        self.solo += 1
-        try:
-            text = _Text(self.tok, job)
-            request = dataclasses.replace(job.params, max_new_tokens=job.max_tokens, seed=job.seed, stop=(),
-                                          logprobs=job.logprobs)  # stop strings: applied by _Text
-            for chunk in streaming.stream_generate(
-                    self.target, [job.ids], params=request, assistant=self.assistant, block_size=self.block_size,
-                    eos_token_ids=self.tok.eos_token_ids, rounds_per_chunk=self.rounds_per_chunk):
-                if job.cancelled.is_set():
-                    self.dropped += 1
-                    return
-                s = chunk.result.stats if chunk.done else None
-                stats = None if s is None else stats_json(
-                    block_size=s.block_size, drafted=s.drafted, accepted=s.accepted, n=s.new_tokens, rounds=s.rounds,
-                    fallback=s.fallback, slots=1)
-                lps = None if chunk.logprobs is None else chunk.logprobs[0]  # job.logprobs alternatives each
-                if text.push(chunk.tokens[0], chunk.done, stats, lps):
-                    self.served += 1
-                    return
-        except Exception as e:  # the request ends with an error, the server keeps serving
-            _fail(job, e)
-        finally:
-            self.solo -= 1

@@ -15,6 +15,8 @@ process's peak RSS, default pair on CPU, K = 4 and K = 1):
   pair at B = 16, K = 4 (its activations weigh more beside its cache): counted as 2.5 caches;
 - the verify's float32 logits [B, K + 1, V], four copies (K = 4 adds at most 3.9 copies' worth
   of temporaries per slot over K = 1 on the default pair): a large vocabulary's slots are heavy;
+- the paged cache's views (jaxspec.batching: a global layer gathers its rows' K and V, up to a
+  request's capacity each, from the shared pool): two K/V pairs of the widest global layer alive;
 - the weights, and on a CPU (host memory) the process itself: the runtime and the compiler
   (1.2 GB at B = 8 above the buffers) and XLA's dequantized weights (the step's temporaries at
   B -> 0 hold ~2x the weight files).
@@ -26,6 +28,8 @@ GPU the runtime reserve is not counted (the device's limit leaves the runtime's 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 STEP_CACHE_COPIES = 2.5   # the step's temporaries, in KV caches (measured 1.8 to 2.5 on CPU)
 LOGIT_COPIES = 4          # float32 [B, K + 1, V] arrays alive at once in a verify round
@@ -45,26 +49,30 @@ class BatchMemory:
     logits: int
     weights: int
     runtime: int
+    views: int = 0
 
     @property
     def total(self) -> int:
-        return self.cache + self.state + self.step + self.logits + self.weights + self.runtime
+        return self.cache + self.state + self.step + self.logits + self.weights + self.runtime + self.views
 
     def describe(self) -> str:
         """The terms, for a one-line error."""
         parts = [f"KV cache {_fmt(self.cache)} ({self.max_batch} slots x {self.capacity} positions)",
                  f"step temporaries {_fmt(self.step)}", f"logits {_fmt(self.logits)}",
                  f"outputs {_fmt(self.state)}", f"weights {_fmt(self.weights)}"]
+        if self.views:
+            parts.append(f"paged cache views {_fmt(self.views)}")
         if self.runtime:
             parts.append(f"runtime and compiler {_fmt(self.runtime)}")
         return f"about {_fmt(self.total)}: " + ", ".join(parts)
 
 
 def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
-                 host: bool) -> BatchMemory:
+                 host: bool, request_capacity: int | None = None) -> BatchMemory:
     """The estimate for `max_batch` slots of `capacity` cache positions each, verify width
     `block_size` (1: classic), weights of `weight_bytes` (the files); `host`: the memory is the
-    CPU's, shared with the process and the compiler."""
+    CPU's, shared with the process and the compiler. `request_capacity`: positions one request may
+    hold (the paged engine's views; None: no views counted)."""
     from jaxspec import models
     from jaxspec.sampling import BIAS_SLOTS, TOP_LOGPROBS
 
@@ -75,18 +83,24 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
                + BIAS_SLOTS * 8 + 4 * tcfg.hidden_size + 64)  # bias rows, h_prev, the counters
     logits = LOGIT_COPIES * 4 * b * (block_size + 1) * tcfg.vocab_size
     weights = weight_bytes * (1 + (HOST_WEIGHT_COPIES if host else 0))
+    views = 0
+    if request_capacity:
+        full = [i for i in tcfg.cache_layers if not tcfg.is_sliding(i)] or list(tcfg.cache_layers)
+        widest = max(tcfg.layer_kv_heads[i] * tcfg.layer_head_dims[i] for i in full)
+        views = 2 * 2 * b * request_capacity * widest * np.dtype(dtype).itemsize  # K and V, two alive
     return BatchMemory(max_batch=b, capacity=capacity, cache=cache, state=b * per_row,
                        step=int(STEP_CACHE_COPIES * cache), logits=logits, weights=weights,
-                       runtime=HOST_RUNTIME if host else 0)
+                       runtime=HOST_RUNTIME if host else 0, views=views)
 
 
 def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *, capacity: int, host: bool,
-                  most: int) -> int:
+                  most: int, request_capacity: int | None = None) -> int:
     """The largest batch in 0..most whose estimate fits `limit` bytes (0: not even one slot)."""
     lo, hi = 0, most
     while lo < hi:  # the estimate grows with the batch
         mid = (lo + hi + 1) // 2
-        if batch_memory(tcfg, mid, block_size, dtype, weight_bytes, capacity=capacity, host=host).total <= limit:
+        if batch_memory(tcfg, mid, block_size, dtype, weight_bytes, capacity=capacity, host=host,
+                        request_capacity=request_capacity).total <= limit:
             lo = mid
         else:
             hi = mid - 1

@@ -7,10 +7,11 @@ Requests decode together, continuously batched (`jaxspec.batching.BatchEngine`):
 admits waiting requests into free slots between rounds (in arrival order), runs a round for every
 live slot, and retires finished ones. Every sampling setting shares the batch: temperature, top_p,
 top_k, min_p, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
-nothing. A request whose prompt and budget do not fit a slot is refused once the server has
-warmed up (a 400 naming the slot's limit: it would compile programs on the serving path while
-every other client waits); without the warm-up it runs alone (`streaming.stream_generate`) once
-the batch has drained. Either way its output is exactly what
+nothing. Long and short requests share the batch: the slots draw their KV cache from one pool of
+blocks (a request takes what its prompt and budget need), and a prompt is prefilled in chunks
+between decode steps, so a long prompt does not stop the other streams for its whole prefill. A
+request past a request's capacity or the whole pool is refused (a 400 naming the limit); one that
+fits waits in the queue until a slot and its blocks are free. Its output is exactly what
 `jaxspec generate` gives it (greedy: the CLI's text; sampled: the same for the same seed on CPU;
 on a GPU the same distribution, see `jaxspec.batching`). Between
 rounds the worker reads the tokens, stops at a stop string, and drops a request whose client went
@@ -39,11 +40,13 @@ from starlette.requests import ClientDisconnect
 from . import serve_guard
 from .batching import BatchEngine
 from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
+from .loop_config import slot_capacity
 from .openai_schema import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
 from .scheduler import Job, Scheduler
 from .serve_guard import Guard, error_json
 
-BATCH_CONTEXT = 4096  # cache positions per slot at most (longer requests: refused after the warm-up)
+BATCH_CONTEXT = 4096  # KV pool positions per slot (the pool: max_batch x this, shared by the slots)
+REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its prompt and output)
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
 LARGE_BODY = 64 << 10  # a body past this many bytes (or of unknown length) is a large one
 MAX_LARGE_BODIES = 4   # large bodies read and parsed at once; more wait (unread: the client's TCP window)
@@ -57,27 +60,34 @@ class Server:
     to it (12B: 1 round 183 tokens/s for one client, 4 rounds 173, as the first token waits a longer
     chunk); a small one is bound by it (the default pair: 4 rounds 2,169 tokens/s, 1 round 631).
     Hence 4 by default (docs/benchmark_results/serve-h200-2026-12-02.md). `max_queue`: requests
-    waiting for a slot at most; more are answered 429 with Retry-After.
+    waiting for a slot at most; more are answered 429 with Retry-After. `kv_positions`: the KV pool the
+    slots share, in cache positions (default: max_batch x min(context, BATCH_CONTEXT), the memory
+    check's); `prefill_chunk`: prompt tokens prefilled per step at most (a multiple of 16).
     Three layers: `openai_schema.OpenAISchema` (bodies -> requests, responses), `scheduler.Scheduler`
     (the worker and its batch engine), and here the routes."""
 
     def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
-                 rounds_per_chunk: int = 4, max_batch: int = 4, max_queue: int = 64):
+                 rounds_per_chunk: int = 4, max_batch: int = 4, max_queue: int = 64, kv_positions: int | None = None,
+                 prefill_chunk: int = 512):
         check_int("max_batch", max_batch, 1, 1 << 12)
         check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
         check_int("max_queue", max_queue, 1, 1 << 20)
         check_block_size(block_size, target.config.max_position_embeddings)
         self.target, self.tok, self.model_name = target, tokenizer, model_name
         self.context = target.config.max_position_embeddings
-        # per slot: the context (at most BATCH_CONTEXT positions), half of it for the budget
-        self.batch_capacity = min(self.context or BATCH_CONTEXT, BATCH_CONTEXT)
-        self.batch_tokens = max(1, self.batch_capacity // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
+        # per request: the context (at most REQUEST_CONTEXT positions), half of it for the budget; the
+        # slots share a pool of max_batch x BATCH_CONTEXT positions (the memory check's) by default
+        self.batch_capacity = slot_capacity(self.context, REQUEST_CONTEXT)
+        self.batch_tokens = max(1, min(self.batch_capacity, BATCH_CONTEXT) // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
+        if kv_positions is None:
+            kv_positions = max_batch * slot_capacity(self.context, BATCH_CONTEXT)
         self.schema = OpenAISchema(tokenizer, model_name=model_name, vocab=target.config.vocab_size,
                                    context=self.context, batch_capacity=self.batch_capacity,
                                    batch_tokens=self.batch_tokens)
         self.scheduler = Scheduler(target, assistant, tokenizer, block_size=block_size,
                                    rounds_per_chunk=rounds_per_chunk, max_batch=max_batch, max_queue=max_queue,
-                                   batch_capacity=self.batch_capacity, batch_tokens=self.batch_tokens)
+                                   batch_capacity=self.batch_capacity, batch_tokens=self.batch_tokens,
+                                   kv_positions=kv_positions, prefill_chunk=prefill_chunk)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
 
     # The scheduler's state, as the routes (and /health) read it.

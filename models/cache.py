@@ -19,6 +19,16 @@ last W + 1 positions below any such length (the target's window needs W - 1 of t
 assistant's W + 1). A forward of T > max_block tokens (a prefill) writes, per row, only its newest
 S valid positions (`valid` True; pass the true lengths as `valid` for a ragged prefill), so its
 lengths may only be set to that row's valid end (or up to max_block + 1 below it).
+
+Paged (`init_paged_cache`, continuous batching): the buffers that would hold `capacity` positions
+per row (the global layers; every layer when there is no ring) become pools of fixed-size blocks
+shared by all rows, `[(G,) num_blocks, block, H, D]`, and `table [B, capacity // block]` maps each
+row's logical block (position // block) to a pool block (`num_blocks`: none; a write there is dropped,
+a read gives zeros). A layer gathers its row view `[B, capacity, H, D]` through the table
+(`paged_view`), reads and writes it exactly as a contiguous buffer, and scatters the new positions back
+into the pool (`paged_write`): the attention sees the array a contiguous cache would hold, so the
+results are bitwise a contiguous cache's. The rings stay per row: their size is the window's, not
+the context's. Who owns a block is the host's business (`jaxspec.batching`).
 """
 from __future__ import annotations
 
@@ -48,6 +58,8 @@ class KVCache:
     lengths: jax.Array
     pos: jax.Array | None = None
     capacity: int = struct.field(pytree_node=False, default=0)
+    table: jax.Array | None = None  # int32 [B, capacity // block] pool block of each logical block (paged)
+    paged: tuple[int, ...] = struct.field(pytree_node=False, default=())  # the buffers that are block pools
 
     def __post_init__(self):
         if not self.capacity:  # built without one (a plain cache): every buffer is the capacity
@@ -67,7 +79,17 @@ class KVCache:
 
     def is_ring(self, j: int) -> bool:
         """Whether buffer j is a ring (fewer slots than the capacity)."""
-        return self.pos is not None and self.k[j].shape[-3] == self.pos.shape[1] < self.capacity
+        return j not in self.paged and self.pos is not None and self.k[j].shape[-3] == self.pos.shape[1] < self.capacity
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in each pool (paged caches; also the table's "no block" value)."""
+        return int(self.k[self.paged[0]].shape[-4])
+
+    @property
+    def block(self) -> int:
+        """Positions per block (paged caches)."""
+        return int(self.k[self.paged[0]].shape[-3])
 
 
 def ring_size(config: TargetConfig, capacity: int, max_block: int = ROW_TILE) -> int:
@@ -96,6 +118,59 @@ def init_cache(config: TargetConfig, batch: int, capacity: int, dtype=jnp.bfloat
                    lengths=jnp.zeros((batch,), jnp.int32),
                    pos=jnp.full((batch, ring_slots), EMPTY, jnp.int32) if ring_slots else None,
                    capacity=int(capacity))
+
+
+def init_paged_cache(config: TargetConfig, batch: int, capacity: int, num_blocks: int, block: int,
+                     dtype=jnp.bfloat16, *, max_block: int = ROW_TILE) -> KVCache:
+    """An empty paged cache: `batch` rows of up to `capacity` positions (a multiple of `block`), the
+    global layers' K/V in pools of `num_blocks` blocks of `block` positions (no row owns any: every
+    table entry is `num_blocks`), the sliding layers' rings per row as `init_cache` makes them."""
+    if block < 1 or capacity % block or num_blocks < 1:
+        raise ValueError(f"a paged cache needs block >= 1, capacity a multiple of it and num_blocks >= 1, got "
+                         f"block={block}, capacity={capacity}, num_blocks={num_blocks}")
+    if not config.cache_layers:
+        raise ValueError("config has no layer that owns K/V: that is an assistant config, not a target")
+    shapes, ring_slots = _layout(config, batch, capacity, max_block, True)
+    paged = tuple(j for j, x in enumerate(shapes) if x[-3] == capacity)  # the rings stay per row
+    pools = tuple(x[:-4] + (num_blocks, block) + x[-2:] if j in paged else x for j, x in enumerate(shapes))
+    return KVCache(k=tuple(jnp.zeros(x, dtype) for x in pools), v=tuple(jnp.zeros(x, dtype) for x in pools),
+                   lengths=jnp.zeros((batch,), jnp.int32),
+                   pos=jnp.full((batch, ring_slots), EMPTY, jnp.int32) if ring_slots else None,
+                   capacity=int(capacity), table=jnp.full((batch, capacity // block), num_blocks, jnp.int32),
+                   paged=paged)
+
+
+def paged_block_bytes(config: TargetConfig, block: int, dtype=jnp.bfloat16) -> int:
+    """Bytes of one block across every pool of a paged cache (K and V)."""
+    shapes, _ = _layout(config, 1, 1 << 30, ROW_TILE, True)  # a capacity past any ring: pools are the full ones
+    per = sum(2 * math.prod(x[:-4]) * x[-2] * x[-1] for x in shapes if x[-3] == 1 << 30)
+    return per * block * jnp.dtype(dtype).itemsize
+
+
+def paged_view(pool: jax.Array, table: jax.Array, layer=None) -> jax.Array:
+    """`[B, capacity, H, D]`: each row's positions gathered from `pool [(G,) N, block, H, D]` (layer
+    `layer` of a stack) through `table [B, capacity // block]`; zeros where a row has no block."""
+    b, nb = table.shape
+    if layer is None:
+        got = pool.at[table].get(mode="fill", fill_value=0)
+    else:
+        got = pool.at[jnp.asarray(layer, jnp.int32), table].get(mode="fill", fill_value=0)
+    return got.reshape((b, nb * pool.shape[-3]) + pool.shape[-2:])
+
+
+def paged_write(pool: jax.Array, table: jax.Array, new: jax.Array, start: jax.Array, layer=None) -> jax.Array:
+    """`pool` with `new [B, T, H, D]` written at positions `start [B] + arange(T)` of each row (through
+    its table); positions in no block of the row (or past the capacity) are dropped."""
+    b, t = new.shape[:2]
+    nb, block, n = table.shape[1], pool.shape[-3], pool.shape[-4]
+    p = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    logical = p // block
+    blk = jnp.where(logical < nb, jnp.take_along_axis(table, jnp.clip(logical, 0, nb - 1), axis=1), n)
+    blk = jnp.where(p >= 0, blk, n)
+    off = p % block
+    if layer is None:
+        return pool.at[blk, off].set(new.astype(pool.dtype), mode="drop")
+    return pool.at[jnp.full((b, t), layer, jnp.int32), blk, off].set(new.astype(pool.dtype), mode="drop")
 
 
 def _layout(config: TargetConfig, batch: int, capacity: int, max_block: int, ring: bool):

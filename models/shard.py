@@ -135,7 +135,8 @@ def cache_specs(target, cache, g: int, axis: str):
     entries = cache_entries(cfg)
     return cache.replace(k=tuple(buf(x, e) for x, e in zip(cache.k, entries)),
                          v=tuple(buf(x, e) for x, e in zip(cache.v, entries)),
-                         lengths=P(), pos=None if cache.pos is None else P())
+                         lengths=P(), pos=None if cache.pos is None else P(),
+                         table=None if cache.table is None else P())  # a paged cache's pools: heads at ndim - 2 too
 
 
 def _spec_at(x, dim: int | None, axis: str) -> P:

@@ -21,7 +21,7 @@ from jaxspec.kernels.config import ROW_TILE
 from jaxspec.kernels.xla import dense_rows
 from jaxspec.kernels.stack import take
 
-from .cache import EMPTY, KVCache, init_cache, ring_cols, write_cols, write_rows
+from .cache import EMPTY, KVCache, init_cache, paged_view, paged_write, ring_cols, write_cols, write_rows
 from .config import TargetConfig
 from .layer_scan import PREFIX, cache_entry, cache_entries, is_stacked, scan_plan, stack_params
 from .layers import (activation, apply_rope, attention, linear, linear_many, mlp, rms_norm,
@@ -240,7 +240,7 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     if cfg.final_logit_softcapping is not None:
         c = cfg.final_logit_softcapping
         out = jnp.tanh(out / c) * c
-    return out, hidden, KVCache(k=tuple(ks), v=tuple(vs), lengths=start + t, pos=ring_pos, capacity=cap)
+    return out, hidden, cache.replace(k=tuple(ks), v=tuple(vs), lengths=start + t, pos=ring_pos)
 
 
 class _Weights:
@@ -307,6 +307,11 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     cfg, mm = target.config, target.matmul
     b, t, pos, cache = step.b, step.t, step.pos, step.cache
     slot, index = entry
+    pool = None
+    if slot in cache.paged:  # a block pool: this layer reads and writes its rows' view (bitwise a contiguous buffer)
+        pool = (ks[slot], vs[slot], index)
+        ks[slot], vs[slot], index = (paged_view(ks[slot], cache.table, index),
+                                     paged_view(vs[slot], cache.table, index), None)
     eps = cfg.rms_norm_eps
     hd, nq = cfg.layer_head_dims[i], cfg.num_attention_heads
     cos, sin = step.tables[(cfg.is_sliding(i), hd)]
@@ -354,6 +359,13 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     else:
         a = attention(q, _at(ks[slot], index), _at(vs[slot], index), pos,
                       step.ring_keys_pos if ring else step.slot_pos, window, matmul=mm, rows=step.t_real)
+    if pool is not None:  # the new positions back into the pool; the view is dropped
+        pk, pv, at = pool
+        if not cfg.kv_shared(i):
+            cols = jnp.clip(step.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], 0, cache.capacity - 1)
+            pk, pv = (paged_write(p_, cache.table, jnp.take_along_axis(x, cols[:, :, None, None], axis=1), step.start,
+                                  at) for p_, x in ((pk, ks[slot]), (pv, vs[slot])))
+        ks[slot], vs[slot] = pk, pv
     o_proj, down = w.linear("self_attn.o_proj"), w.linear("mlp.down_proj")
     a = tp_shard.reduce_rows(target, linear(a, o_proj, mm), o_proj, nq * hd)
     h = h + rms_norm(a, norm_scale(cfg, w.vector("post_attention_layernorm")), eps)
@@ -381,6 +393,11 @@ def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array
         i = config.store_layer(t)
         if i is not None:
             j, index = cache_entry(config, i)
+            if j in cache.paged:  # a block pool: the rows' views, slot = position
+                n = cache.capacity
+                pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (cache.batch, n))
+                out[t] = (paged_view(cache.k[j], cache.table, index), paged_view(cache.v[j], cache.table, index), pos)
+                continue
             if cache.is_ring(j):
                 pos = cache.pos
             else:

@@ -67,3 +67,28 @@ def test_sampled_rows_of_a_mixed_batch_equal_their_runs_alone():
     _, _, _, _, got = batched()
     differ = [i for i, p in enumerate(SETTINGS) if not p.greedy and got[i] != _alone(i)]
     assert not differ, f"sampled requests {differ} left their runs alone"
+
+
+def test_a_long_prompt_gives_the_same_tokens_alone_and_beside_1_3_7_others():
+    """Issue 56: a prompt prefilled in chunks between other rows' decode steps gives bitwise the
+    same greedy tokens alone in the engine and beside 1, 3 and 7 other requests (Pallas path, K = 4):
+    its chunks run on its row alone and the decode step computes a row the same whatever the others."""
+    import numpy as np
+
+    target, assistant, _ = dp.load_default_pair()
+    prompts = [p["ids"] for p in dp.heldout_prompts()[:7]]
+    rng = np.random.default_rng(0)
+    long = rng.integers(3, target.config.vocab_size, 180).tolist()  # 3 chunks of 64 (the context is 256)
+    engine = BatchEngine(target, assistant, slots=8, max_new_tokens=48, capacity=256, block_size=4,
+                         prefill_chunk=64, eos_token_ids=())  # no stop: every run its whole budget
+    runs = []
+    for others in (0, 1, 3, 7):
+        got, where = {}, {}
+        where[engine.admit(long, 48)] = "long"
+        for i in range(others):
+            where[engine.admit(prompts[i], 48)] = i
+        while engine.live:
+            for ev in engine.step():
+                got.setdefault(where[ev.slot], []).extend(ev.tokens)
+        runs.append(got["long"])
+    assert len(runs[0]) == 48 and all(r == runs[0] for r in runs), runs

@@ -56,3 +56,17 @@ def test_http_rows_match_the_engine_rows(tmp_path, monkeypatch):
         assert sum(r["steps_per_program"][1:]) > 0 and r["steps_per_program"][0] == 0  # sampled: not the greedy program
     md = open(os.path.join(out, "serve.md")).read()
     assert "| http | mixed | 3 | 3 | 3 | 3 |" in md
+
+
+def test_long_request_workload(tmp_path):
+    """--long-prompt: streams, then a long prompt prefilled in chunks between their steps; the long
+    request completes with its whole budget and the report has gaps before and while it ran."""
+    out = str(tmp_path / "long")
+    serve_bench.main(["--target", "tiny", "--assistant", "tiny", "--layers", "2", "--long-prompt", "200",
+                      "--long-tokens", "5", "--clients", "2", "--prompt-len", "12", "--max-tokens", "6",
+                      "--k-values", "1", "--prefill-chunk", "32", "--baseline-s", "0.5", "--backend", "xla",
+                      "--out", out])
+    r, = json.load(open(os.path.join(out, "serve_long.json")))["rows"]
+    assert r["long_tokens"] == 5 and r["chunks"] >= 2 * 7  # the warm-up's long prompt and the measured one
+    assert r["gaps_before"] > 0 and r["gaps_during"] > 0 and r["long_total_s"] >= r["long_ttft_s"] > 0
+    assert "--long-prompt 200" in open(os.path.join(out, "serve_long.md")).read()

@@ -1,0 +1,179 @@
+"""One loop configuration: K, the verify width and the KV cache capacity of a run, resolved in one place.
+
+The three sizes depend on each other and on the model:
+
+- K (block_size): the K asked, or 1 without an assistant (classic decoding); at T = 0 the exactness
+  probe may lower it, to the row bucket or to 1 (`LoopConfig.probed`).
+- the verify width: the rows one verify forward runs, K or padded up to the tiled matmul
+  (`verify.verify_width` is the padding rule; verify_pad None reads the target's `matmul.verify_pad`).
+- the capacity: KV positions per row. A round writes `width` positions from the cache length,
+  which is at most prompt + N - 1 (every token but the bonus), so a derived capacity is
+  prompt width + budget - 1 + width, rounded up to CAPACITY_ROUND (one prefill serves many K); an
+  explicit `cache_size` is the capacity, checked against the same rule (`room`).
+
+`LoopConfig.derive` is the one computation. `resolve` (generate, stream_generate, the CLI's memory
+check: bucketed, validated), `for_slots` (BatchEngine) and `loop.LoopSpec.config` (a compiled
+program, which serves any batch and prompt width) build through it; every other site reads fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxspec import models
+from jaxspec.kernels import ROW_TILE
+
+from . import verify
+
+CAPACITY_ROUND = 64  # derived cache sizes are rounded up to this (one prefill serves many K)
+PROMPT_BUCKET = ROW_TILE  # prompts are right-padded to whole row tiles (the prefill's matmul rows)
+BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
+SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per request (the context, capped)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def asked_k(block_size: int, drafting: bool) -> int:
+    """The K a run asks for: block_size with an assistant, else 1 (classic decoding)."""
+    return int(block_size) if drafting else 1
+
+
+def slot_capacity(context: int | None, most: int = SLOT_CAPACITY) -> int:
+    """Cache positions per batch slot (a request's, in the paged engine) by default: the model's
+    context, at most `most`."""
+    return min(context or most, most)
+
+
+def _written(prompt_len: int, budget: int, width: int) -> int:
+    """Cache positions a run may write per row: a round writes `width` positions from the cache
+    length, which is at most prompt + budget - 1 (every token but the bonus)."""
+    return prompt_len + budget - 1 + width
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    block_size: int                 # K to run; 1 is classic decoding
+    verify_width: int               # rows one verify forward runs: K, or padded
+    capacity: int                   # KV cache positions per row
+    batch: int
+    prompt_width: int               # the prompt buffer's width
+    budget: int                     # N: the output buffer, the largest per-row budget
+    verify_pad: bool | int          # resolved (verify.resolve_verify_pad)
+    cache_size: int | None = None   # the caller's fixed capacity; None: derived from the prompt width
+    matmul: Any = None              # the target's DispatchConfig (the qmm threshold of verify_pad=True)
+    asked: int = 0                  # K asked (1 without an assistant); > block_size after a failed probe
+    drafting: bool = False          # an assistant was given
+    fallback: str | None = None     # why speculation was dropped or K shrunk
+    probe_logit_diff: float | None = None
+
+    @classmethod
+    def derive(cls, block_size: int, batch: int, prompt_width: int, budget: int, verify_pad, matmul,
+               cache_size: int | None = None, **rest) -> LoopConfig:
+        """The computation, unchecked and unbucketed: a compiled program's sizes for its shapes."""
+        pad = verify.resolve_verify_pad(verify_pad, matmul)
+        width = verify.verify_width(int(block_size), batch, pad, matmul)
+        capacity = cache_size if cache_size is not None else round_up(_written(prompt_width, budget, width),
+                                                                      CAPACITY_ROUND)
+        return cls(block_size=int(block_size), verify_width=width, capacity=capacity, batch=batch,
+                   prompt_width=prompt_width, budget=budget, verify_pad=pad, cache_size=cache_size,
+                   matmul=matmul, **rest)
+
+    @classmethod
+    def resolve(cls, *, block_size: int, batch: int, prompt_len: int, max_new_tokens: int, drafting: bool = True,
+                verify_pad=None, matmul=None, cache_size: int | None = None) -> LoopConfig:
+        """A request's sizes (generate, stream_generate): the longest prompt padded to PROMPT_BUCKET,
+        the budget to BUDGET_BUCKET. ValueError when an explicit cache_size is not an integer >= 1
+        or cannot hold the prompt, its max_new_tokens and the last round's verify width."""
+        if cache_size is not None:
+            if isinstance(cache_size, bool) or not _is_int(cache_size) or cache_size < 1:
+                raise ValueError(f"cache_size must be None or an integer >= 1, got {cache_size!r}")
+            if prompt_len > cache_size:
+                raise ValueError(f"prompt is longer than the cache: {prompt_len} tokens, cache_size={cache_size}")
+        k = asked_k(block_size, drafting)
+        prompt_width = round_up(prompt_len, PROMPT_BUCKET)
+        if cache_size is not None:
+            prompt_width = min(prompt_width, cache_size)
+        cfg = cls.derive(k, batch, prompt_width, round_up(max_new_tokens, BUDGET_BUCKET), verify_pad, matmul,
+                         cache_size, asked=k, drafting=drafting)
+        if cache_size is not None and max_new_tokens > cfg.room(prompt_len):
+            width = cfg.verify_width
+            what = f"block_size={block_size}" + (f" (verify width {width})" if width != block_size else "")
+            raise ValueError(f"{what} is larger than the cache allows: prompt {prompt_len} + "
+                             f"max_new_tokens {max_new_tokens} - 1 + {width} > cache_size {cache_size}")
+        return cfg
+
+    @classmethod
+    def for_slots(cls, target, assistant, *, slots: int, block_size: int, max_new_tokens: int,
+                  capacity: int | None, exactness_probe: bool = True, block_tokens: int = 1) -> LoopConfig:
+        """A BatchEngine's sizes: `slots` rows of up to `capacity` positions each (default: the
+        target's context, capped at SLOT_CAPACITY, rounded up to `block_tokens`), prompts of any
+        width up to it; K probed at T = 0 whatever the requests' sampling (greedy rows are exact
+        only if the K-wide verify is). ValueError when the capacity cannot hold max_new_tokens + K + 1
+        or is not a multiple of `block_tokens` (a paged cache's block: a row's table maps whole blocks)."""
+        k = asked_k(block_size, assistant is not None)
+        if capacity is None:
+            capacity = round_up(slot_capacity(target.config.max_position_embeddings), block_tokens)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max_new_tokens + k + 1:
+            raise ValueError(f"capacity must be an integer >= max_new_tokens + block_size + 1 = "
+                             f"{max_new_tokens + k + 1}, got {capacity!r}")
+        if capacity % block_tokens:
+            raise ValueError(f"capacity {capacity} must be a multiple of block_tokens {block_tokens}")
+        cfg = cls.derive(k, slots, PROMPT_BUCKET, round_up(max_new_tokens, BUDGET_BUCKET), None, target.matmul,
+                         capacity, asked=k, drafting=assistant is not None)
+        return cfg.probed(target, 0.0, exactness_probe)
+
+    def with_block_size(self, k: int, **rest) -> LoopConfig:
+        """The same run at K = k (its width, and a derived capacity, follow)."""
+        return LoopConfig.derive(k, self.batch, self.prompt_width, self.budget, self.verify_pad, self.matmul,
+                                 self.cache_size, asked=self.asked, drafting=self.drafting, **rest)
+
+    def positions(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache positions a request of this prompt length and budget may write (a paged engine's
+        blocks hold them all)."""
+        return _written(prompt_len, max_new_tokens, self.verify_width)
+
+    def room(self, prompt_len: int, capacity: int | None = None) -> int:
+        """The largest budget a prompt of this length fits `capacity` positions with (default: the
+        cache's; <= 0: none)."""
+        return (self.capacity if capacity is None else capacity) - self.positions(prompt_len, 0)
+
+    def probes(self, temperature, exactness_probe: bool) -> bool:
+        """Whether `probed` runs the exactness probe (speculative, T = 0, not turned off)."""
+        return self.asked > 1 and temperature == 0 and exactness_probe
+
+    def probed(self, target, temperature, exactness_probe: bool) -> LoopConfig:
+        """The K to run, why speculation was dropped or shrunk, and the probe's logit diff. At T = 0
+        the exactness probe checks once per shape that a K-wide verify is bit-identical to K single
+        steps. When it is not (on the H200 at B = 8, K = 4 the verify's 32 rows leave the multirow
+        window that decode's [8, 2] row bucket stays in), K drops to the row bucket, where verify
+        and decode are one computation, if that still drafts (K >= 2) and passes; else decoding
+        falls back to classic (K = 1). Either way with a warning."""
+        k, fallback, diff = self.asked, None, None
+        if self.drafting and k == 1:
+            fallback = "block_size=1: nothing to draft"
+        if self.probes(temperature, exactness_probe):
+            width = self.verify_width
+            exact, diff = verify.exactness_probe(target, self.batch, k, width)
+            if not exact:
+                first_diff, bucket = diff, models.row_bucket(target, self.batch)
+                if 2 <= bucket < k:
+                    exact, diff = verify.exactness_probe(target, self.batch, bucket,
+                                                         self.with_block_size(bucket).verify_width)
+                if exact:
+                    verify.warn_inexact(k, width, first_diff, instead=bucket)
+                    fallback = (f"exactness probe failed at K={k} (max |logit diff| {first_diff:.3g}): "
+                                f"ran K={bucket}, the row bucket at B={self.batch}")
+                    k = bucket
+                else:
+                    verify.warn_inexact(k, width, first_diff)
+                    fallback = f"exactness probe failed (max |logit diff| {first_diff:.3g})"
+                    k, diff = 1, first_diff
+        return self.with_block_size(k, fallback=fallback, probe_logit_diff=diff)
+
+
+def _is_int(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
