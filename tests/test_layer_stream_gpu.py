@@ -47,15 +47,25 @@ def _reference(x0, ws, ops):
 
 
 def _inputs(ops):
+    """Zero-mean weights (centered): with the benchmark's recipe, whose weights average ~0.075, the
+    chain's common component makes gate negative for most keys at 12B shapes, gelu then zeroes down
+    and qkv, and the check compares zeros with zeros (0/0: the 2026-12-04 H200 run's NaN)."""
     key = jax.random.PRNGKey(seeded_int(2**31))
-    ws = spike.layer_weights(key, ops)
+    ws = spike.layer_weights(key, ops, centered=True)
     x = jax.random.normal(jax.random.fold_in(key, 99), (4, ops[0].k), jnp.bfloat16)
     return ws, spike.mosaic_weights(ws, ops), x
+
+
+def _assert_informative(ops, refs):
+    """Every op's reference output finite and not all zero (else the relative error is 0/0)."""
+    for op, ref in zip(ops, refs):
+        assert np.isfinite(ref).all() and np.max(np.abs(ref)) > 0, f"{op.name}: degenerate reference"
 
 
 def _check(run, ops, ws, x):
     """run(x rows) -> each op's folded output; against float64, bitwise 1 vs 4 rows and run to run."""
     refs = _reference(np.asarray(x, np.float32), ws, ops)
+    _assert_informative(ops, refs)
     four, one = [np.asarray(o) for o in run(x)], [np.asarray(o) for o in run(x[:1])]
     for op, y, ref in zip(ops, four, refs):
         err = np.max(np.abs(y - ref)) / np.max(np.abs(ref))
@@ -80,6 +90,7 @@ def test_stream_kernels_match_float64_and_keep_rows_bitwise(variant):
 def test_persistent_kernel_at_a_12b_layer_matches_float64():
     ws, mw, x = _inputs(spike.OPS)
     refs = _reference(np.asarray(x[:1], np.float32), ws, spike.OPS)
+    _assert_informative(spike.OPS, refs)
     outs = spike.fold(spike.persistent(x[:1], mw, spike.OPS, 1, 2 * spike.sm_count(), 6))
     for op, y, ref in zip(spike.OPS, outs, refs):
         err = np.max(np.abs(np.asarray(y) - ref)) / np.max(np.abs(ref))
