@@ -77,6 +77,7 @@ def _per_layer_inputs(target: Target, tokens, h0):
 # more rows would make every B = 1 decode step run twice the rows through the non-matmul ops
 # (measured: a 16-token bucket cost 1.5% of classic decode on the 12B, H200).
 MAX_BUCKET = 8
+CPU_BUCKET = 4  # row_bucket at batch 1 with the xla backend on a CPU
 
 
 def row_bucket(target: Target, batch: int) -> int:
@@ -89,14 +90,16 @@ def row_bucket(target: Target, batch: int) -> int:
     construction. The bucket keeps batch * bucket within the model's multirow matmul window
     (`target.matmul.multirow_max_rows`, at most ROW_TILE), where extra rows cost no weight traffic
     (the kernel reads each weight tile once for all of them), and at most MAX_BUCKET; without
-    multirow it is 1. The xla backend on a CPU needs no bucket (1) at batch 1: its dots pad a lone
-    row to the 2 rows from which XLA's CPU dot gives every row the same bits (`dense_rows`), and the
-    rest of a forward computes each row alone (the parity tests and the exactness probe check it).
-    At batch 2 and more that is not so (the probe found a [B, 4] verify off by up to 0.12 from four
-    [B, 1] steps on the default pair, cause not found yet), so those keep the bucket."""
+    multirow it is 1. The xla backend on a CPU at batch 1 takes CPU_BUCKET rows (the loop's default
+    K). A lone row was faster (~10% of a classic step on Gemma 3 270M), but XLA's CPU code gives a
+    row other bits at 1 row than at 4 (op by op: the norms' reduce and their division), and the real
+    Gemma 3 270M's greedy text then differed from classic decoding's (the bfloat16 exactness probe
+    did not see it; tests/test_gemma3.py checks the verify against the steps). At batch 2 and more
+    the same happens (a [B, 4] verify off by up to 0.12 from four [B, 1] steps on the default pair),
+    so those keep the multirow bucket."""
     mm = target.matmul
     if mm.backend == "xla" and dense_rows() < ROW_TILE and batch == 1:
-        return 1
+        return CPU_BUCKET
     window = mm.multirow_max_rows if mm.multirow else 1
     return max(1, min(window // batch, MAX_BUCKET))
 

@@ -178,8 +178,8 @@ def test_loading_resolves_the_dispatch_env_once(tmp_path, monkeypatch):
     # the presets make models to save, train or shard: their weights stay quantized (dense off)
     for m, want in ((t2, auto), (a2, auto), (r, auto.replace(dense=False))):
         assert m.matmul == want and m.matmul.multirow_max_rows == 4
-    # a lone row needs no bucket on a CPU's xla backend (models.row_bucket); elsewhere the window's 4
-    alone = 1 if t2.matmul.backend == "xla" and jax.default_backend() == "cpu" else 4
+    # a lone row on a CPU's xla backend takes CPU_BUCKET (models.row_bucket); elsewhere the window's 4
+    alone = models.target.CPU_BUCKET if t2.matmul.backend == "xla" and jax.default_backend() == "cpu" else 4
     assert models.row_bucket(t2, 1) == alone and models.row_bucket(t2, 2) == 2
     direct = [models.Target(config=CFG, params=per_layer(t2)), models.make_target(CFG, per_layer(t2)),
               models.Assistant(config=acfg, params=a2.params), models.make_assistant(acfg, a2.params)]

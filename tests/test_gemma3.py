@@ -190,3 +190,37 @@ def test_270m_preset_shapes_and_trace():
     for n in (600, 1):  # a prefill past the window, a decode step
         lg, h, _ = jax.eval_shape(models.forward, t, jax.ShapeDtypeStruct((1, n), jnp.int32), cache)
         assert lg.shape == (1, n, 262_144) and h.shape == (1, n, 640)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_270m_shapes_verify_is_bitwise_four_steps_on_a_cpu(dtype):
+    """Greedy parity at batch 1 on a CPU rests on a [1, 4] verify giving each row the bits of a
+    [1, 1] decode step. With Gemma 3 270M's widths (q/k norms over 4 x 256, norms over 640) a lone
+    row did not (XLA's CPU reduce and division gave other bits at 1 row than at 4), and the real
+    model's greedy text differed from classic decoding's; models.row_bucket now computes both at
+    CPU_BUCKET rows. Random dense weights, the 270M widths, 2 layers, a small vocabulary."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU's row bucket")
+    import dataclasses
+
+    full = presets.target_config("gemma-3-270m")
+    keep = [4, 5]  # a sliding and a full layer
+    cfg = dataclasses.replace(full, vocab_size=2048, num_hidden_layers=2,
+                              **{f: tuple(getattr(full, f)[i] for i in keep)
+                                 for f in ("layer_types", "layer_head_dims", "layer_kv_heads")})
+    rng = seeded_rng()
+    t = presets.random_model(cfg, jax.random.PRNGKey(int(rng.integers(1 << 30))), dtype=dtype, quantize=None,
+                             matmul=DispatchConfig(backend="xla", dense=True))
+    assert models.row_bucket(t, 1) == 4
+    prefix = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 5)), jnp.int32)
+    block = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 4)), jnp.int32)
+    fwd = jax.jit(models.forward)
+    _, _, cache = fwd(t, prefix, models.init_cache(cfg, 1, 32, dtype))
+    wide_logits, wide_hidden, _ = fwd(t, block, cache)
+    steps = []
+    for j in range(4):
+        lg, h, cache = fwd(t, block[:, j:j + 1], cache)
+        steps.append((lg, h))
+    assert np.array_equal(np.asarray(wide_logits), np.concatenate([np.asarray(s[0]) for s in steps], axis=1))
+    assert np.array_equal(np.asarray(wide_hidden, np.float32),
+                          np.concatenate([np.asarray(s[1], np.float32) for s in steps], axis=1))
