@@ -12,7 +12,7 @@ from gpu_lowering import TRITON_CALL, lower_for_cuda
 from jaxspec.models.cache import EMPTY
 from jaxspec.kernels.decode_attention import dense_attention, visible
 from jaxspec.kernels.flash_attention import EMPTY as KERNEL_EMPTY
-from jaxspec.kernels.flash_attention import block_ranges, flash_attention
+from jaxspec.kernels.flash_attention import block_ranges, flash_attention, key_split
 from seeds import seeded_int
 
 
@@ -110,6 +110,48 @@ def test_d_split_matches_dense_and_float64(case, dtype):
     q = (q.astype(jnp.float32) * d ** -0.5).astype(dtype)  # scores ~ N(0, 1): many keys weigh in
     q_pos, k_pos = _ragged_positions(b, t, c, [c - t] + [3] * (b - 1), [t] + [t - 9] * (b - 1))
     _check(seed, q, k, v, q_pos, k_pos, window, d_split=d_split, block_q=bq, block_k=bk)
+
+
+KEY_SPLITS = [  # (b, t, c, hq, hkv, d, window, d_split, k_split, block_q, block_k)
+    (2, 20, 150, 4, 1, 64, None, 1, 3, 16, 16),  # parts of unequal length, row 2 short: empty parts
+    (2, 20, 150, 4, 2, 32, 24, 1, 4, 16, 16),    # a window: most parts see nothing
+    (1, 20, 90, 4, 1, 128, None, 2, 2, 16, 16),  # with the D split
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", KEY_SPLITS, ids=[f"k{c[8]}-d{c[7]}" for c in KEY_SPLITS])
+def test_key_split_matches_dense_and_float64(case, dtype):
+    """k_split programs per (row, head, query block), each over its share of the visible key blocks,
+    combined as one softmax: the same attention on ragged rows (a query chunk late in a long cache,
+    EMPTY slots, padded queries, parts that see no key)."""
+    b, t, c, hq, hkv, d, window, d_split, k_split, bq, bk = case
+    seed = seeded_int(1 << 30)
+    q, k, v = _inputs(seed, b, t, c, hq, hkv, d, dtype)
+    q = (q.astype(jnp.float32) * d ** -0.5).astype(dtype)
+    q_pos, k_pos = _ragged_positions(b, t, c, [c - t] + [7] * (b - 1), [t] + [t - 5] * (b - 1))
+    _check(seed, q, k, v, q_pos, k_pos, window, d_split=d_split, k_split=k_split, block_q=bq, block_k=bk)
+
+
+def test_key_split_default_fills_the_gpu_for_short_chunks_only():
+    """A 128-query chunk of the 12B's global layer (16 heads x 2 D parts) over a 16K cache is split
+    4 ways, a sliding layer's (16 heads, a 1,169-slot ring + chunk) 4 ways; a 512-token chunk and a
+    2048-token prefill (128, 512 programs) and a short cache (few key blocks) are not."""
+    assert key_split(16 * 2 * 1, 16480 // 64) == 4
+    assert key_split(16 * 1 * 1, 19) == 4
+    assert key_split(16 * 2 * 2, 16480 // 64) == 2
+    assert key_split(16 * 2 * 4, 16480 // 64) == 1
+    assert key_split(16 * 2 * 16, 2048 // 64) == 1
+    assert key_split(16 * 2 * 1, 7) == 1
+
+
+@pytest.mark.parametrize("k_split,match", [(0, "k_split=0"), (2.0, "k_split=2.0"), (6, r"\[1, 5\]")])
+def test_bad_k_split_raises(k_split, match):
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    k = jnp.ones((1, 80, 1, 16), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, k, jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 80), jnp.int32), k_split=k_split, block_k=16,
+                        interpret=True)
 
 
 @pytest.mark.parametrize("d", [64, 256])
@@ -228,6 +270,31 @@ def test_global_layer_default_lowers_split_in_d():
                  lower_for_cuda(stacked, q, stack, stack, pos, pos, jax.ShapeDtypeStruct((), jnp.int32))):
         assert TRITON_CALL in text and "flash_attention_d512_q128_k64_dsplit2" in text
         assert f"grid_x = {2 * hq} " in text
+
+
+def test_a_chunk_of_a_long_prompt_lowers_split_in_keys():
+    """A 128-query prefill chunk over the 12B's global layer at a 16K cache: 4 key parts per (head, D
+    part), 128 programs, one combine after."""
+    q, kv = jax.ShapeDtypeStruct((1, 128, 16, 512), jnp.bfloat16), jax.ShapeDtypeStruct((1, 16480, 1, 512), jnp.bfloat16)
+    text = lower_for_cuda(flash_attention, q, kv, kv, jax.ShapeDtypeStruct((1, 128), jnp.int32),
+                          jax.ShapeDtypeStruct((1, 16480), jnp.int32))
+    assert "flash_attention_d512_q128_k64_dsplit2_ksplit4" in text and "grid_z = 4 " in text
+
+
+@pytest.mark.gpu
+def test_gpu_key_split_matches_dense_on_a_chunk_late_in_a_long_cache():
+    """The default split (4 parts) on the 12B's global shape: 128 queries at positions 16000.., a
+    16,480-slot cache with its tail EMPTY."""
+    t, c, hq, d = 128, 16480, 16, 512
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    q, k, v = _inputs(seed, 1, t, c, hq, 1, d, jnp.bfloat16)
+    q_pos, k_pos = _ragged_positions(1, t, c, [16000], [t])
+    out = jax.jit(flash_attention)(q, k, v, q_pos, k_pos)
+    dense = dense_attention(q, k, v, visible(q_pos, k_pos, None)).reshape(q.shape)
+    ref = _ref64(q[:, -16:], k, v, q_pos[:, -16:], k_pos, None)
+    err, dense_err = _rel(out[:, -16:], ref), _rel(dense[:, -16:], ref)
+    assert err < 1e-2 and err < 2 * dense_err + 2e-3, f"seed {seed}: rel {err:.2e} (dense {dense_err:.2e})"
+    assert _rel(out, np.asarray(dense.astype(jnp.float32), np.float64)) < 1e-2
 
 
 @pytest.mark.gpu
