@@ -27,13 +27,20 @@ sharing one batch across settings costs.
 Writes DIR/serve.json and DIR/serve.md.
 
 `--long-prompt N` runs the long-request workload instead (issue 56): --clients[0] closed-loop clients
-of exactly --prompt-len-token prompts stream (--max-tokens each, one after another) for --baseline-s
-seconds, then one N-token request (--long-tokens new tokens) arrives and is prefilled in chunks of
---prefill-chunk tokens between their steps. Every token is stamped when the step that reports it
-returns; a stream's gaps are the times between its consecutive tokens within a request. Reported per
-K: the streams' p50 / p99 gap before the long request arrived and while it ran (arrival to its last
-token), their ratio, the long request's time to first token and to completion. The engine's KV pool
-holds every stream's blocks and the long request's. Writes DIR/serve_long.json and DIR/serve_long.md.
+of exactly --prompt-len-token prompts stream (--max-tokens each, one after another; client i starts
+after i x max-tokens / clients engine steps, so the streams' requests end in different steps, as
+independent clients' would) for --baseline-s seconds, then one N-token request (--long-tokens new
+tokens) arrives and is prefilled in chunks of --prefill-chunk tokens between their steps. Every token
+is stamped when the step that reports it returns; a stream's gaps are the times between its
+consecutive tokens within a request. Reported per K: the streams' p50 / p99 gap before the long
+request arrived and while it ran (arrival to its last token), their ratio, the long request's time
+to first token and to completion, and the stream requests' time to first token (p50, max) for those
+arriving before it and while it ran. The JSON rows also hold the 20 largest gaps while it ran
+(`top_gaps_during`: seconds since its arrival, gap ms, client; `long_chunk` / `chunks`: a chunk of
+the long prompt / how many chunks were queued in the step whose rounds made the token, the device
+time the gap mostly is; `long_chunk_reporting`: one was queued in the step that reported it, whose
+first-token reads wait for its chunks). The engine's KV pool holds every stream's blocks and the
+long request's. Writes DIR/serve_long.json and DIR/serve_long.md.
 
     python benchmarks/serve_bench.py --target 12b --long-prompt 16384 --clients 8 --prompt-len 64 \
         --max-tokens 64 --rounds-per-step 1 --k-values 1,4 --out DIR
@@ -212,32 +219,52 @@ def _pct(xs: list[float], q: float) -> float:
 def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: int, long_ids, long_tokens: int,
                  baseline_s: float) -> dict:
     """The long-request workload (see the module docstring): per-token timestamps of the streams,
-    their gaps before and while the long request runs."""
+    their gaps and their requests' times to first token before and while the long request runs, and
+    the largest gaps while it runs."""
     LONG = "long"
-    owner, gaps = {}, []  # slot -> (client, request stamps); gaps: (time of the later token, gap)
+    owner, gaps = {}, []  # slot -> (client, token stamps, request); gaps: (stamp, gap, client, step info)
+    requests = []  # the short requests: {"arrived", "first"} (first: None until its first token)
     sent = [0] * clients
+    # Client c's first request waits c * max_tokens / clients engine steps. Started together, equal
+    # requests end in the same step and every stream re-admits at once: a step with all the streams'
+    # prefills swings the p99 before, and a long request arriving then meets no stream mid-request.
+    starts = {c: c * max_tokens // clients for c in range(clients)}
     t0 = time.perf_counter()
-    queue = list(range(clients))
+    queue = []  # (client or LONG, arrival)
     arrive = t0 + baseline_s
     long_at = long_first = long_done = None
-    long_n = 0
-    while long_done is None:
+    long_slot, long_n, steps = None, 0, 0
+    queued = dict(long_chunk=False, chunks=0)  # what the previous step queued (its rounds' tokens come now)
+    while long_done is None or any(r["first"] is None and r["arrived"] <= long_done for r in requests):
         now = time.perf_counter()
-        if long_at is None and now >= arrive:
-            long_at = now
-            queue.insert(0, LONG)  # the next admission: ahead of the streams' next requests, as it arrived first
-        while queue and engine.can_admit(len(long_ids) if queue[0] == LONG else len(short_prompts[0]),
-                                         long_tokens if queue[0] == LONG else max_tokens):
-            c = queue.pop(0)
-            if c == LONG:
-                slot = engine.admit(long_ids, long_tokens, seed=0)
-            else:
-                slot = engine.admit(short_prompts[(c * 997 + sent[c]) % len(short_prompts)], max_tokens, seed=0)
-                sent[c] += 1
-            owner[slot] = (c, [])
-        for ev in engine.step():
+        if long_done is None:  # afterwards: only the requests that arrived while it ran get their first token
+            for c in [c for c, at in starts.items() if at <= steps]:
+                del starts[c]
+                queue.append((c, now))
+            if long_at is None and now >= arrive:
+                long_at = now
+                queue.insert(0, (LONG, now))  # admitted next: ahead of the streams' next requests (it arrived first)
+            while queue and engine.can_admit(len(long_ids) if queue[0][0] == LONG else len(short_prompts[0]),
+                                             long_tokens if queue[0][0] == LONG else max_tokens):
+                c, arrived = queue.pop(0)
+                if c == LONG:
+                    slot = long_slot = engine.admit(long_ids, long_tokens, seed=0)
+                    req = None
+                else:
+                    slot = engine.admit(short_prompts[(c * 997 + sent[c]) % len(short_prompts)], max_tokens, seed=0)
+                    sent[c] += 1
+                    req = dict(arrived=arrived, first=None)
+                    requests.append(req)
+                owner[slot] = (c, [], req)
+        was = engine.prefilling[long_slot][1] if long_slot in engine.prefilling else None
+        chunks = engine.chunks
+        events = engine.step()
+        steps += 1
+        this = dict(long_chunk=was is not None and engine.prefilling.get(long_slot, [0, len(long_ids)])[1] > was,
+                    chunks=engine.chunks - chunks)
+        for ev in events:
             now = time.perf_counter()
-            c, mine = owner[ev.slot]
+            c, mine, req = owner[ev.slot]
             if c == LONG:
                 long_n += len(ev.tokens)
                 if long_first is None and ev.tokens:
@@ -245,26 +272,39 @@ def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: i
                 if ev.done:
                     long_done = now
                 continue
+            if req["first"] is None and ev.tokens:
+                req["first"] = now
             for _ in ev.tokens:
                 if mine:
-                    gaps.append((now, now - mine[-1]))
+                    gaps.append((now, now - mine[-1], c, queued, this))
                 mine.append(now)
             if ev.done:
-                queue.append(c)
+                queue.append((c, now))
+        queued = this
     for slot in range(engine.slots):  # the streams still running: stopped here
         if engine.owner[slot] is not None:
             engine.cancel(slot)
     while engine.pending is not None:
         engine.step()
     warm = t0 + min(1.0, baseline_s / 4)  # the first requests' prefills are not the steady state
-    before = [g for t, g in gaps if warm <= t < long_at]
-    during = [g for t, g in gaps if long_at <= t <= long_done]
+    before = [g for t, g, *_ in gaps if warm <= t < long_at]
+    during = [g for t, g, *_ in gaps if long_at <= t <= long_done]
+    ttft_before = [r["first"] - r["arrived"] for r in requests if warm <= r["arrived"] < long_at]
+    ttft_during = [r["first"] - r["arrived"] for r in requests if long_at <= r["arrived"] <= long_done]
+    top = sorted((x for x in gaps if long_at <= x[0] <= long_done), key=lambda x: -x[1])[:20]
     p99b, p99d = _pct(before, 99), _pct(during, 99)
     return dict(gaps_before=len(before), gaps_during=len(during), gap_p50_before_ms=_pct(before, 50) * 1e3,
                 gap_p99_before_ms=p99b * 1e3, gap_p50_during_ms=_pct(during, 50) * 1e3,
                 gap_p99_during_ms=p99d * 1e3, p99_ratio=p99d / p99b if p99b else float("inf"),
                 gap_max_during_ms=max(during, default=0.0) * 1e3,
-                long_ttft_s=long_first - long_at, long_total_s=long_done - long_at, long_tokens=long_n)
+                long_ttft_s=long_first - long_at, long_total_s=long_done - long_at, long_tokens=long_n,
+                short_requests_before=len(ttft_before), short_ttft_p50_before_ms=_pct(ttft_before, 50) * 1e3,
+                short_ttft_max_before_ms=max(ttft_before, default=0.0) * 1e3,
+                short_requests_during=len(ttft_during), short_ttft_p50_during_ms=_pct(ttft_during, 50) * 1e3,
+                short_ttft_max_during_ms=max(ttft_during, default=0.0) * 1e3,
+                top_gaps_during=[dict(t_s=t - long_at, gap_ms=g * 1e3, client=c, long_chunk=m["long_chunk"],
+                                      chunks=m["chunks"], long_chunk_reporting=r["long_chunk"])
+                                 for t, g, c, m, r in top])
 
 
 def long_main(args, target, assistant, argv) -> None:
@@ -295,7 +335,9 @@ def long_main(args, target, assistant, argv) -> None:
                          warm_up_s=compile_s, chunks=engine.chunks, **r))
         print(f"K={engine.block_size} clients={clients} chunk={args.prefill_chunk}: p99 gap {r['gap_p99_before_ms']:.1f} "
               f"-> {r['gap_p99_during_ms']:.1f} ms ({r['p99_ratio']:.2f}x), long request TTFT "
-              f"{r['long_ttft_s']:.2f} s, done in {r['long_total_s']:.2f} s", flush=True)
+              f"{r['long_ttft_s']:.2f} s, done in {r['long_total_s']:.2f} s; short TTFT p50 "
+              f"{r['short_ttft_p50_before_ms']:.1f} -> {r['short_ttft_p50_during_ms']:.1f} ms, max "
+              f"{r['short_ttft_max_before_ms']:.1f} -> {r['short_ttft_max_during_ms']:.1f} ms", flush=True)
     lines = [f"# serve_bench long request — preset {args.target}, random 4-bit weights", "",
              environment_line(args.commit), "",
              f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
@@ -303,15 +345,22 @@ def long_main(args, target, assistant, argv) -> None:
              f"after {args.baseline_s} s one {args.long_prompt}-token request ({args.long_tokens} new tokens) arrives. "
              f"Prefill chunk {args.prefill_chunk} tokens, {args.rounds_per_step} round(s) per step, KV pool "
              f"{kv_blocks} blocks of {block}, {capacity} positions per request at most. Gaps: between a stream's "
-             "consecutive tokens (stamped when their step returns), before the long request and while it runs.", "",
+             "consecutive tokens (stamped when their step returns), before the long request and while it runs. "
+             f"Stream i starts after i x {args.max_tokens} / {clients} steps. Short TTFT: a stream request's arrival "
+             "(its previous request's end) to its first token, for requests arriving before the long one / while it "
+             "runs. The 20 largest gaps while it runs are in serve_long.json (top_gaps_during).", "",
              "| K asked | K run | streams | gaps before / during | p50 gap before ms | p99 gap before ms | "
-             "p50 gap during ms | p99 gap during ms | p99 ratio | max gap during ms | long TTFT s | long total s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "p50 gap during ms | p99 gap during ms | p99 ratio | max gap during ms | long TTFT s | long total s | "
+             "short requests before / during | short TTFT before p50 / max ms | short TTFT during p50 / max ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['k_asked']} | {r['k']} | {r['clients']} | {r['gaps_before']} / {r['gaps_during']} | "
                      f"{r['gap_p50_before_ms']:.1f} | {r['gap_p99_before_ms']:.1f} | {r['gap_p50_during_ms']:.1f} | "
                      f"{r['gap_p99_during_ms']:.1f} | {r['p99_ratio']:.2f} | {r['gap_max_during_ms']:.1f} | "
-                     f"{r['long_ttft_s']:.2f} | {r['long_total_s']:.2f} |")
+                     f"{r['long_ttft_s']:.2f} | {r['long_total_s']:.2f} | "
+                     f"{r['short_requests_before']} / {r['short_requests_during']} | "
+                     f"{r['short_ttft_p50_before_ms']:.1f} / {r['short_ttft_max_before_ms']:.1f} | "
+                     f"{r['short_ttft_p50_during_ms']:.1f} / {r['short_ttft_max_during_ms']:.1f} |")
     write_report(args.out, "serve_long", dict(environment(args.commit), args=vars(args)), rows, lines)
     print("\n".join(lines))
 

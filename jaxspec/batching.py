@@ -23,8 +23,15 @@ the free blocks waits (`can_admit`). Its end (finished, cancelled, failed) gives
 its table row points nowhere first, so what its row still computes in an in-flight step is dropped.
 
 A prompt is prefilled in chunks (`_prefill_chunk`): each step first queues up to `prefill_chunk`
-prompt tokens of the waiting prompts (admission order), then the decode rounds, so a long prompt
-delays the running streams by a chunk per step, not by its whole prefill. A chunk runs on the
+prompt tokens of the waiting prompts, then the decode rounds, so a long prompt delays the running
+streams by a chunk per step, not by its whole prefill. The prompts whose rest fits one chunk (they
+finish this step) go before the ones with more left, each class in admission order: a short request
+admitted behind a long prompt gets its first token after a step or two, not after the whole long
+prefill (a 16K-token prompt is 32 chunks of 512). After a step whose budget went to short ones
+while a long prompt waited, the long ones go first, so the oldest long prompt advances at least every
+other step however many short ones arrive. A chunk's width depends on its own prompt only
+(`prefill_chunk` unless it is the prompt's last: the rest rounded up to PROMPT_BUCKET), never on the
+order, so the order changes when a request's tokens come, not which tokens. A chunk runs on the
 request's row alone (batch 1: a [B, P] prefill's logits differ in the last bits from a [1, P] one on
 CPU, XLA blocks its dot by row count, and a request's output must not depend on what it was admitted
 with); its last chunk picks the first token as `loop.prefill` does and writes every per-row field of
@@ -258,7 +265,8 @@ class BatchEngine:
         self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
         self.free_blocks = list(range(kv_blocks - 1, -1, -1))  # a stack: the lowest block ids first
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  # the pool blocks each slot owns
-        self.prefilling: dict[int, list] = {}  # slot -> [prompt ids, tokens prefilled, key, limit, rows]; FIFO
+        self.prefilling: dict[int, list] = {}  # slot -> [ids, tokens prefilled, key, limit, rows]; admission order
+        self.long_passed = False  # the last step ran no chunk of a long prompt (short ones took the budget)
         self.admissions = 0
         self.steps = [0] * len(self.modes)  # steps run per program (what mixing costs)
         self.chunks = 0  # prefill chunks run
@@ -373,31 +381,39 @@ class BatchEngine:
         return slot
 
     def _prefill_step(self) -> None:
-        """Queue this step's prefill chunks: the waiting prompts in admission order, `prefill_chunk`
-        tokens in all at most (at least one chunk). A chunk is `prefill_chunk` tokens unless it is a
-        prompt's last: that one is the rest rounded up to PROMPT_BUCKET, the width `generate` gives
-        the whole prompt when it fits one chunk (the same computation as its prefill)."""
-        left = self.prefill_chunk
-        for slot in list(self.prefilling):
+        """Queue this step's prefill chunks, `prefill_chunk` tokens in all at most (at least one
+        chunk), one chunk per prompt. A chunk is `prefill_chunk` tokens unless it is a prompt's last:
+        that one is the rest rounded up to PROMPT_BUCKET, the width `generate` gives the whole prompt
+        when it fits one chunk (the same computation as its prefill). Short prompts (the rest fits one
+        chunk: they finish now) go first, then long ones (a full chunk each, so one runs only when no
+        short one did); each class in admission order, a short one that does not fit what is left
+        waits for the next step while a later, narrower one may fill it. After a step that passed the
+        long ones over, they go first (`long_passed`): the oldest advances at least every other step,
+        and the short ones wait a step at most for the long ones."""
+        c = self.prefill_chunk
+        long = [s for s, p in self.prefilling.items() if len(p[0]) - p[1] > c]
+        short = [s for s in self.prefilling if s not in long]
+        left, ran_long = c, False
+        for slot in (long + short if self.long_passed else short + long):
             ids, done, key, limit, rows = self.prefilling[slot]
-            while done < len(ids):
-                rest = len(ids) - done
-                width = self.prefill_chunk if rest > self.prefill_chunk else round_up(rest, PROMPT_BUCKET)
-                if width > left and left < self.prefill_chunk:
-                    return
-                n = min(rest, width)
-                last = done + n == len(ids)
-                chunk = np.zeros((1, width), np.int32)
-                chunk[0, :n] = ids[done:done + n]
-                self.state = _prefill_chunk(self.state, self.target, jnp.int32(slot), jnp.asarray(chunk),
-                                            jnp.int32(n), key, limit, rows, spec=self.pspec, last=last)
-                self.chunks += 1
-                done += n
-                left -= width
-                self.prefilling[slot][1] = done
-                if last:
-                    del self.prefilling[slot]
-                    self.fresh[slot] = _first(self.state, jnp.int32(slot))
+            rest = len(ids) - done
+            width = c if rest > c else round_up(rest, PROMPT_BUCKET)
+            if width > left:
+                continue
+            n = min(rest, width)
+            last = n == rest
+            chunk = np.zeros((1, width), np.int32)
+            chunk[0, :n] = ids[done:done + n]
+            self.state = _prefill_chunk(self.state, self.target, jnp.int32(slot), jnp.asarray(chunk),
+                                        jnp.int32(n), key, limit, rows, spec=self.pspec, last=last)
+            self.chunks += 1
+            left -= width
+            ran_long |= not last
+            self.prefilling[slot][1] = done + n
+            if last:
+                del self.prefilling[slot]
+                self.fresh[slot] = _first(self.state, jnp.int32(slot))
+        self.long_passed = bool(long) and not ran_long
 
     def _mode_index(self) -> int:
         """The cheapest program that covers every live request."""

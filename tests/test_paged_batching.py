@@ -2,7 +2,9 @@
 longer than a chunk is prefilled over several steps while other requests decode, and every request
 still gives what jaxspec.generate (a one-shot prefill) gives it alone, alone in the engine or beside
 others; a request that needs more blocks than are free waits (admit refuses it, naming the pool)
-without touching the running ones; a cancelled or finished request gives its blocks back."""
+without touching the running ones; a cancelled or finished request gives its blocks back. A short
+prompt is prefilled ahead of a long one's remaining chunks, and the long one still advances at least
+every other step."""
 import pytest
 
 import jaxspec
@@ -86,3 +88,50 @@ def test_pool_and_chunk_arguments_are_checked(engine):
         BatchEngine(TARGET, None, slots=1, max_new_tokens=8, capacity=72, block_tokens=16)
     small = BatchEngine(TARGET, None, slots=2, max_new_tokens=8, capacity=64, kv_blocks=2, block_tokens=16)
     assert small.fits(20, 8) and not small.fits(30, 8)  # past the whole pool: never fits
+
+
+def test_a_short_request_goes_ahead_of_a_long_prefill(engine):
+    """Issue 56: a short request admitted right behind a long prompt (5 chunks: 4 of 32 and a last of
+    16) gets its first token from the first step instead of waiting for the whole long prefill; the
+    long one pays the step it was passed over. Both outputs are what generate gives each alone."""
+    rng = seeded_rng()
+    vocab = TARGET.config.vocab_size
+    requests = [(rng.integers(2, vocab, 140).tolist(), 6), (rng.integers(2, vocab, 9).tolist(), 6)]
+    slots = [engine.admit(ids, n) for ids, n in requests]
+    got, first, steps = {s: [] for s in slots}, {}, 0
+    while engine.live:
+        steps += 1
+        for ev in engine.step():
+            if ev.tokens:
+                first.setdefault(ev.slot, steps)
+            got[ev.slot] += ev.tokens
+    assert first[slots[1]] == 1 and first[slots[0]] == 6  # in admission order: both at step 5
+    for slot, (ids, n) in zip(slots, requests):
+        assert got[slot] == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n).tokens[0]
+
+
+def test_a_long_prefill_advances_beside_a_new_short_request_every_step(engine):
+    """The starvation guard: a new short request each step (budget 1: its first token ends it) beside
+    a long prompt. Short ones go first, but a step that passed the long one over is followed by one
+    where it goes first: its prefill advances at least every other step and ends, and each short
+    request still gets its first token from the step it was admitted before or the next."""
+    rng = seeded_rng()
+    vocab = TARGET.config.vocab_size
+    long_ids = rng.integers(2, vocab, 140).tolist()
+    long = engine.admit(long_ids, 2)
+    admitted, first, progress, step = {}, {}, [0], 0  # admitted: (slot, admission) -> step it was admitted before
+    while long in engine.prefilling and step < 20:
+        step += 1
+        if engine.free:
+            slot = engine.admit(rng.integers(2, vocab, 9).tolist(), 1)
+            admitted[slot, engine.ticket[slot]] = step
+        for ev in engine.step():
+            if ev.slot != long and ev.tokens:
+                first[ev.slot, engine.ticket[ev.slot]] = step
+        progress.append(engine.prefilling[long][1] if long in engine.prefilling else len(long_ids))
+    assert progress[-1] == len(long_ids) and step <= 11  # 5 chunks, each at most a step after the last
+    assert all(b > a for a, b in zip(progress, progress[2:]))  # never two steps without a chunk
+    assert progress[1] == 0 and len(first) >= 5  # the first step went to a short one
+    assert all(first.get(r, step + 2) - s <= 1 for r, s in admitted.items() if s < step)
+    while engine.live:
+        engine.step()

@@ -59,8 +59,9 @@ def test_http_rows_match_the_engine_rows(tmp_path, monkeypatch):
 
 
 def test_long_request_workload(tmp_path):
-    """--long-prompt: streams, then a long prompt prefilled in chunks between their steps; the long
-    request completes with its whole budget and the report has gaps before and while it ran."""
+    """--long-prompt: streams (staggered), then a long prompt prefilled in chunks between their steps;
+    the long request completes with its whole budget and the report has gaps and the streams' TTFT
+    before and while it ran, and the largest gaps while it ran (largest first)."""
     out = str(tmp_path / "long")
     serve_bench.main(["--target", "tiny", "--assistant", "tiny", "--layers", "2", "--long-prompt", "200",
                       "--long-tokens", "5", "--clients", "2", "--prompt-len", "12", "--max-tokens", "6",
@@ -69,4 +70,11 @@ def test_long_request_workload(tmp_path):
     r, = json.load(open(os.path.join(out, "serve_long.json")))["rows"]
     assert r["long_tokens"] == 5 and r["chunks"] >= 2 * 7  # the warm-up's long prompt and the measured one
     assert r["gaps_before"] > 0 and r["gaps_during"] > 0 and r["long_total_s"] >= r["long_ttft_s"] > 0
-    assert "--long-prompt 200" in open(os.path.join(out, "serve_long.md")).read()
+    assert r["short_requests_before"] > 0 and r["short_ttft_max_before_ms"] >= r["short_ttft_p50_before_ms"] > 0
+    top = r["top_gaps_during"]
+    assert 0 < len(top) <= min(20, r["gaps_during"]) and [g["gap_ms"] for g in top] == sorted(
+        (g["gap_ms"] for g in top), reverse=True)
+    assert all(0 <= g["t_s"] <= r["long_total_s"] and g["client"] in (0, 1) and g["chunks"] >= g["long_chunk"]
+               for g in top)
+    md = open(os.path.join(out, "serve_long.md")).read()
+    assert "--long-prompt 200" in md and "short TTFT during p50 / max ms" in md
