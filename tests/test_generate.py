@@ -632,6 +632,8 @@ def _mismatched_assistant(**target_overrides):
     (dict(), [1, 256], r"token id 256 outside the vocabulary \[0, 256\)"),
     (dict(), [[3], [-1, 2]], r"row 1 has token id -1"),
     (dict(), [1, 2.5], "non-integer"),
+    (dict(), [1, True], "non-integer"),  # a bool is an int to Python: refused as a token id
+    (dict(), [[1, 2], (3, False)], "row 1 has non-integer"),
     (dict(temperature=-0.5), [1, 2], "temperature"),
     (dict(temperature=1.0, top_p=0.0), [1, 2], "top_p"),
     (dict(temperature=1.0, top_p=1.01), [1, 2], "top_p"),
