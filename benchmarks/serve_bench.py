@@ -65,6 +65,7 @@ from jaxspec import models  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
 from jaxspec import sampling  # noqa: E402
 from jaxspec.batching import BatchEngine  # noqa: E402
+from jaxspec.loop_config import PREFILL_CHUNK  # noqa: E402
 from jaxspec.serve_guard import Guard  # noqa: E402
 from jaxspec.tokenizer import load_tokenizer  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
@@ -391,7 +392,8 @@ def main(argv=None) -> None:
                     help="the long-request workload with a prompt of this many tokens (0: the sweep)")
     ap.add_argument("--long-tokens", type=int, default=64, help="--long-prompt: the long request's new tokens")
     ap.add_argument("--baseline-s", type=float, default=5.0, help="--long-prompt: streaming before it arrives")
-    ap.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step at most")
+    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                    help=f"prompt tokens prefilled per step at most (default {PREFILL_CHUNK}, the engine's)")
     ap.add_argument("--block-tokens", type=int, default=16, help="positions per KV pool block")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a terminal)")

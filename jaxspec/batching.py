@@ -27,7 +27,7 @@ prompt tokens of the waiting prompts, then the decode rounds, so a long prompt d
 streams by a chunk per step, not by its whole prefill. The prompts whose rest fits one chunk (they
 finish this step) go before the ones with more left, each class in admission order: a short request
 admitted behind a long prompt gets its first token after a step or two, not after the whole long
-prefill (a 16K-token prompt is 32 chunks of 512). After a step whose budget went to short ones
+prefill (a 16K-token prompt is 128 chunks of 128). After a step whose budget went to short ones
 while a long prompt waited, the long ones go first, so the oldest long prompt advances at least every
 other step however many short ones arrive. A chunk's width depends on its own prompt only
 (`prefill_chunk` unless it is the prompt's last: the rest rounded up to PROMPT_BUCKET), never on the
@@ -75,7 +75,7 @@ from jaxspec.kernels import EMPTY
 from . import loop, sampling
 from .generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
-from .loop_config import LoopConfig, round_up
+from .loop_config import PREFILL_CHUNK, LoopConfig, round_up
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -216,7 +216,7 @@ class BatchEngine:
     def __init__(self, target, assistant=None, *, slots: int, max_new_tokens: int, capacity: int | None = None,
                  block_size: int = 4, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
                  rounds_per_step: int = 1, modes=MODES, params: sampling.SamplingParams | None = None,
-                 kv_blocks: int | None = None, block_tokens: int = PROMPT_BUCKET, prefill_chunk: int = 512, **knobs):
+                 kv_blocks: int | None = None, block_tokens: int = PROMPT_BUCKET, prefill_chunk: int = PREFILL_CHUNK, **knobs):
         check_int("slots", slots, 1)
         check_int("max_new_tokens", max_new_tokens, 1)
         check_block_size(block_size, target.config.max_position_embeddings)

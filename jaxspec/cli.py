@@ -37,6 +37,7 @@ import warnings
 from . import compile_cache, sampling
 from .serve_guard import ACCEPT_BACKLOG
 from .generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
+from .loop_config import PREFILL_CHUNK
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_MESSAGE = 400  # characters of one error / warning line; longer ones are cut with a marker
@@ -1090,10 +1091,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting beyond the running batch, 1..100000 (default 64); more get HTTP 429")
     v.add_argument("--block-size", type=int, default=4, metavar="K",
                    help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
-    v.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
-                   help="prompt tokens prefilled per step at most, a multiple of 16 (default 512): a long prompt "
-                        "is prefilled in chunks between the decode steps, so the running streams wait a chunk per "
-                        "step, not the whole prefill")
+    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prompt tokens prefilled per step at most, a multiple of 16 (default {PREFILL_CHUNK}): a long "
+                        "prompt is prefilled in chunks between the decode steps, so the running streams wait a chunk "
+                        "per step, not the whole prefill; larger chunks prefill a long prompt faster and stall the "
+                        "others longer")
     v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "

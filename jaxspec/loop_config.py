@@ -31,6 +31,10 @@ CAPACITY_ROUND = 64  # derived cache sizes are rounded up to this (one prefill s
 PROMPT_BUCKET = ROW_TILE  # prompts are right-padded to whole row tiles (the prefill's matmul rows)
 BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
 SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per request (the context, capped)
+# BatchEngine's default prompt tokens per step: each chunk step delays the running streams. H200, 12B,
+# a 16K-token prompt beside 8 streams: chunk 128 -> their p99 gap 1.8x, the long request's first token
+# after 3.1 s; 256 -> 2.7x, 2.7 s; 512 -> 1.75 s, 64 ms chunk steps (docs/benchmark_results/serve-long-2026-12-04.md).
+PREFILL_CHUNK = 128
 
 
 def round_up(x: int, m: int) -> int:

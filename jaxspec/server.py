@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 from . import serve_guard
 from .batching import BatchEngine
 from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
-from .loop_config import slot_capacity
+from .loop_config import PREFILL_CHUNK, slot_capacity
 from .openai_schema import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
 from .scheduler import Job, Scheduler
 from .serve_guard import Guard, error_json
@@ -68,7 +68,7 @@ class Server:
 
     def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
                  rounds_per_chunk: int = 4, max_batch: int = 4, max_queue: int = 64, kv_positions: int | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = PREFILL_CHUNK):
         check_int("max_batch", max_batch, 1, 1 << 12)
         check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
         check_int("max_queue", max_queue, 1, 1 << 20)
