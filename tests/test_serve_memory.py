@@ -11,7 +11,8 @@ import pytest
 from jaxspec import cli, loop, models, sampling
 from jaxspec.generate import PROMPT_BUCKET, make_generate, stop_array
 from jaxspec.models import presets
-from jaxspec.serve_memory import HOST_RUNTIME, LOGIT_COPIES, STEP_CACHE_COPIES, batch_memory, largest_batch
+from jaxspec.serve_memory import (HOST_RUNTIME, LOGIT_COPIES, POOL_BLOCK, STEP_CACHE_COPIES, batch_memory, largest_batch,
+                                  largest_pool)
 from seeds import seeded_rng
 from test_serve_guard import memory_of, serve_fails
 
@@ -88,3 +89,32 @@ def test_largest_batch_is_the_last_that_fits(tiny_cfg):
     n = largest_batch(limit, tiny_cfg, k, jnp.bfloat16, w, capacity=cap, host=host, most=4096)
     assert total(n) <= limit < total(n + 1)
     assert largest_batch(total(1) - 1, tiny_cfg, k, jnp.bfloat16, w, capacity=cap, host=host, most=4096) == 0
+
+
+def test_a_pool_counts_the_paged_engines_arrays(tiny_cfg):
+    """With kv_positions (serve --kv-positions) the KV cache is the paged engine's: the pool of that
+    many positions, the slots' rings and block tables (init_paged_cache's arrays at the request's
+    capacity); the step's temporaries follow it, the other terms are the slots'."""
+    rng = seeded_rng()
+    b, k, cap, req = int(rng.integers(2, 9)), int(rng.integers(1, 6)), 256, int(rng.integers(300, 900))
+    kv = POOL_BLOCK * int(rng.integers(1, 200))
+    need = batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                        kv_positions=kv)
+    per_request = -(-req // PROMPT_BUCKET) * PROMPT_BUCKET
+    arrays = jax.eval_shape(lambda: models.init_paged_cache(tiny_cfg, b, per_request, kv // POOL_BLOCK, POOL_BLOCK,
+                                                            jnp.bfloat16))
+    assert POOL_BLOCK == PROMPT_BUCKET  # the scheduler's blocks
+    assert need.cache == _nbytes(arrays) and need.step == int(STEP_CACHE_COPIES * need.cache)
+    slots = batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req)
+    assert (need.logits, need.state, need.views, need.weights) == (slots.logits, slots.state, slots.views,
+                                                                  slots.weights)
+    assert f"a pool of {kv} positions for {b} slots" in need.describe()
+
+    def total(pool):
+        return batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                            kv_positions=pool).total
+    limit = need.total + int(rng.integers(0, 1 << 16))
+    fit = largest_pool(limit, tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                       most=1 << 20)
+    assert fit % POOL_BLOCK == 0 and total(fit) <= limit < total(fit + POOL_BLOCK)
+
