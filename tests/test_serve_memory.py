@@ -3,6 +3,8 @@ against the arrays the engine allocates (shapes only, nothing compiled), and the
 before anything loads. The estimate's factors were measured (peak RSS and XLA's memory_analysis,
 in serve_memory's docstring): compiling a step to measure here would take a minute on CI."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,3 +120,18 @@ def test_a_pool_counts_the_paged_engines_arrays(tiny_cfg):
                        most=1 << 20)
     assert fit % POOL_BLOCK == 0 and total(fit) <= limit < total(fit + POOL_BLOCK)
 
+
+def test_serve_checks_kv_positions_against_the_memory(capsys, monkeypatch):
+    """--kv-positions is the pool the memory check counts (not --max-batch x 4096): past the memory
+    it is refused before loading, in one line naming the flag and the largest pool that fits;
+    that pool goes on to load, one block more does not."""
+    port = memory_of(monkeypatch, 12 << 30, "host memory")
+    err = serve_fails(capsys, "--kv-positions", str(1 << 26), "--port", port)
+    for part in ("--kv-positions 67108864 with --max-batch 4", "a pool of 67108864 positions for 4 slots",
+                 "12.0 GiB of host memory", "lower --kv-positions (at most "):
+        assert part in err, err
+    fit = int(re.search(r"at most (\d+)\)", err).group(1))
+    assert fit % 16 == 0 and fit >= 4 * 4096  # the default pool fits where --max-batch 64 does
+    assert cli.main(["serve", "--kv-positions", str(fit), "--port", port]) == 1  # fits: it goes on to load
+    assert "a model was about to be loaded" in capsys.readouterr().err
+    assert "lower --kv-positions" in serve_fails(capsys, "--kv-positions", str(fit + 16), "--port", port)

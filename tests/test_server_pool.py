@@ -5,6 +5,7 @@ it gives alone; one that fits no pool at all is a 400; a client that leaves mid-
 blocks."""
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from jaxspec import models, sampling  # noqa: E402
+from jaxspec import cli, models, sampling, server  # noqa: E402
 from jaxspec.server import ApiError, Job, Server  # noqa: E402
 from jaxspec.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe  # noqa: E402
 from seeds import seeded_rng  # noqa: E402
@@ -119,3 +120,15 @@ def test_a_pool_of_one_block_warms_up_and_names_itself_in_its_400():
     with pytest.raises(ValueError, match="KV pool of 16 positions holds no request.*--kv-positions"):
         wide.warm_up()
 
+
+def test_serve_builds_its_server_with_kv_positions(pair, monkeypatch):
+    """`jaxspec serve --kv-positions N`: the server's engine gets a pool of N positions."""
+    built = []
+    monkeypatch.setattr(server, "serve", lambda srv, *a, **kw: built.append(srv))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert cli.main(["serve", "--model", pair[0], "--assistant", pair[1], "--max-batch", "2", "--kv-positions", "160",
+                     "--no-warmup", "--port", port]) == 0
+    engine = built[0].engine
+    assert engine.kv_blocks * engine.block_tokens == 160 and engine.slots == 2
