@@ -175,12 +175,14 @@ _GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""),
                     ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                     ("--stream-rounds", "stream_rounds", 1, MAX_ROUNDS_PER_CHUNK, ""),
                     ("--devices", "devices", 1, None, ""))
+MAX_KV_POSITIONS = 1 << 26  # serve --kv-positions at most (64 Mi positions: 4096 slots x 16384)
 _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30, ""),
                  ("--max-queue", "max_queue", 1, 100_000, ""),
                  ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
                  ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                  ("--max-batch", "max_batch", 1, 1 << 12, ""),
                  ("--prefill-chunk", "prefill_chunk", 16, 1 << 16, " (a multiple of 16)"),
+                 ("--kv-positions", "kv_positions", 16, MAX_KV_POSITIONS, " (a multiple of 16)"),
                  ("--max-connections", "max_connections", 1, 1 << 20, ""))
 
 
@@ -694,14 +696,15 @@ def cmd_serve(args) -> int:
     _check_backend()
     dtype = _dtype(args)
     _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir else 1, dtype,
-                        _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
+                        _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
+                        kv_positions=args.kv_positions)
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype)
     named = _pair_name(args)
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
                                else named or os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
                         max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue,
-                        prefill_chunk=args.prefill_chunk)
+                        kv_positions=args.kv_positions, prefill_chunk=args.prefill_chunk)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -718,12 +721,13 @@ def cmd_serve(args) -> int:
     return EXIT_OK
 
 
-def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int) -> None:
+def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int,
+                        kv_positions: int | None = None) -> None:
     """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
-    the KV pool (the server's positions per slot), the decode step's temporaries, the paged views, the verify logits,
-    the weights and on a CPU the process itself)."""
+    the KV pool (--kv-positions, else the server's positions per slot), the decode step's temporaries, the paged
+    views, the verify logits, the weights and on a CPU the process itself)."""
     from .loop_config import slot_capacity
-    from .serve_memory import batch_memory, largest_batch
+    from .serve_memory import batch_memory, largest_batch, largest_pool
     from .server import BATCH_CONTEXT, REQUEST_CONTEXT
 
     mem = device_memory()
@@ -733,7 +737,13 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
     capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
     kw = dict(capacity=capacity, host=what == "host memory",
               request_capacity=slot_capacity(tcfg.max_position_embeddings, REQUEST_CONTEXT))  # Server.batch_capacity
-    need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, **kw)
+    need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, kv_positions=kv_positions, **kw)
+    if need.total > limit and kv_positions is not None:
+        pool = largest_pool(limit, tcfg, max_batch, block_size, dtype, weight_bytes, most=kv_positions, **kw)
+        raise UsageError(f"--kv-positions {kv_positions} with --max-batch {max_batch} needs {need.describe()}; more "
+                         f"than the {_fmt_bytes(limit)} of {what}" +
+                         (f": lower --kv-positions (at most {pool})" if pool else
+                          ", and beside the other terms not even --kv-positions 16 fits: lower --max-batch"))
     if need.total > limit:
         fits = largest_batch(limit, tcfg, block_size, dtype, weight_bytes, most=max_batch, **kw)
         raise UsageError(f"--max-batch {max_batch} needs {need.describe()}; more than the {_fmt_bytes(limit)} of "
@@ -804,6 +814,9 @@ def _check_serve_flags(args) -> None:
     _check_ranges(args, _SERVE_RANGES)
     if args.prefill_chunk % 16:
         raise UsageError(f"--prefill-chunk {args.prefill_chunk}: expected a multiple of 16")
+    if args.kv_positions is not None and args.kv_positions % 16:
+        raise UsageError(f"--kv-positions {args.kv_positions}: expected a multiple of 16 (the KV pool's blocks of "
+                         "16 positions)")
     for o in args.allow_origin or ():
         m = _ORIGIN.match(o)
         if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
@@ -1099,10 +1112,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch", type=int, default=4, metavar="N",
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
-                        "context, at most 4096) positions, 3.5 times over with the decode step's temporaries, plus "
-                        "4 float32 logits of (K + 1) x vocabulary; checked at start (a CPU adds ~1.5 GiB for the "
-                        "process). The warm-up compiles the same programs whatever N (each one logged; minutes on "
+                        "context, at most 4096) positions (or --kv-positions), 3.5 times over with the decode step's "
+                        "temporaries, plus 4 float32 logits of (K + 1) x vocabulary; checked at start (a CPU adds "
+                        "~1.5 GiB for the process). The warm-up compiles the same programs whatever N (each one logged; minutes on "
                         "a CPU), then runs steps over all N slots")
+    v.add_argument("--kv-positions", type=int, default=None, metavar="N",
+                   help=f"the KV pool the slots share, in cache positions: a multiple of 16 (its blocks), "
+                        f"16..{MAX_KV_POSITIONS} (default: --max-batch x the context, at most 4096, e.g. 16384 at "
+                        "--max-batch 4). A request holds the blocks its prompt + max_tokens + K need while it runs: "
+                        "one that fits waits in the queue until enough blocks are free; one longer than the whole "
+                        "pool is refused with HTTP 400. The memory check at start counts this pool in place of "
+                        "--max-batch x 4096 positions")
     v.add_argument("--rounds-per-chunk", type=int, default=4, metavar="R",
                    help=f"decode rounds between two reads of the new tokens and two admissions, "
                         f"1..{MAX_ROUNDS_PER_CHUNK} (default 4; 1 suits a large model: on the H200 the 12B streams "

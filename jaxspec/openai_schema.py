@@ -140,11 +140,21 @@ def parse_body(raw: bytes):
         raise ApiError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
 
 
+def capacity_note(capacity: int, pool: int | None) -> str:
+    """What bounds the cache positions of one request, for a 400: a request's own capacity, or the
+    KV pool the slots share where that is smaller (with the flag that sizes it)."""
+    if pool is not None and pool < capacity:
+        return (f"the KV pool the slots share holds {pool} positions, fewer than a request's {capacity}: "
+                "jaxspec serve --kv-positions sets it")
+    return f"{capacity} positions per request" + ("" if pool is None else f", {pool} in the KV pool")
+
+
 class OpenAISchema:
     """The server's side of the API for one model: `request(raw, chat)` parses a body into the prompt's
     ids, the request and whether to stream; `usage` and `logprobs_json` build the response parts.
     `slot_room` (set after the server's warm-up: prompt length -> the largest budget a batch slot
-    takes) turns a request that fits no slot into a 400."""
+    takes) turns a request that fits no slot into a 400; `kv_pool` (set with it: the positions of
+    the KV pool the slots share) is named in it when the pool is what bounds the request."""
 
     def __init__(self, tok, *, model_name: str, vocab: int, context: int | None, batch_capacity: int,
                  batch_tokens: int):
@@ -154,6 +164,7 @@ class OpenAISchema:
         # concurrent 1 MB prompts, all tokenized, froze /health for 14.8 s: issue 51).
         self.token_bytes = max_token_bytes(tok)
         self.slot_room = None  # after warm_up: prompt length -> the largest budget a slot takes
+        self.kv_pool = None  # after warm_up: the positions of the KV pool the slots share
 
     def request(self, raw: bytes, chat: bool) -> tuple[list[int], sampling.SamplingParams, bool]:
         """A request body -> (prompt ids, the request, stream); ApiError for anything wrong, before
@@ -194,15 +205,16 @@ class OpenAISchema:
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         slot = None if self.slot_room is None else self.slot_room(len(ids))
         if slot is not None and slot < 1:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens, more than a batch slot of this server holds "
-                                f"({self.batch_capacity} positions for prompt and output)", what, "exceeds_batch_slot")
+            raise ApiError(400, f"the prompt is {len(ids)} tokens, more than a batch slot of this server holds for "
+                                f"prompt and output ({capacity_note(self.batch_capacity, self.kv_pool)})", what,
+                           "exceeds_batch_slot")
         default = min(default, room or default, slot or default)
         max_tokens = _knob(body, name, default, "max_new_tokens", hi=room or 1 << 20)
         if slot is not None and max_tokens > slot:
             # Running it alone would compile its programs while every other client waits.
             raise ApiError(400, f"'{name}' {max_tokens} does not fit a batch slot of this server: with this "
-                                f"{len(ids)}-token prompt at most {slot} (at most {self.batch_tokens} new tokens "
-                                f"and {self.batch_capacity} positions per request)", name, "exceeds_batch_slot")
+                                f"{len(ids)}-token prompt at most {slot} (at most {self.batch_tokens} new tokens; "
+                                f"{capacity_note(self.batch_capacity, self.kv_pool)})", name, "exceeds_batch_slot")
         if seed is None:  # as OpenAI: without a seed, sampling differs from call to call
             seed = random.getrandbits(63)
         try:  # the fields were checked above (naming them as the client spelled them): this cannot fail

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from . import compile_cache, sampling
 from .batching import BatchEngine
 from .loop_config import PROMPT_BUCKET, round_up
-from .openai_schema import ApiError
+from .openai_schema import ApiError, capacity_note
 from .tokenizer import IncrementalDecoder
 
 log = logging.getLogger("jaxspec.server")  # the warm-up's request (jaxspec serve shows INFO lines)
@@ -161,11 +161,17 @@ class Scheduler:
         Seconds."""
         t0 = time.perf_counter()
         engine = self.engine
+        pool = engine.kv_blocks * engine.block_tokens
+        if engine.room(1) < 1:  # no request could ever run: say so now, not in every client's 400
+            raise ValueError(f"a KV pool of {pool} positions holds no request: the smallest takes "
+                             f"{engine.config.positions(1, 1)} (a 1-token prompt, 1 new token, K = "
+                             f"{engine.block_size}): raise --kv-positions")
         engine.warm_up()  # the step programs of every sampling mode, a short prompt's prefill
         # One request through, and one cancelled: the small programs around them (insert, snapshot,
-        # retire), the same whatever the request's sampling.
+        # retire), the same whatever the request's sampling; its budget fits a small KV pool.
         ids = (self.tok.encode("Hello") or [1])[:8]
-        budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens)
+        ids = ids[:max(1, min(len(ids), engine.room(1)))]
+        budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens, engine.room(len(ids)))
         t1 = time.perf_counter()  # each step runs every slot: minutes at --max-batch 1024 on a CPU
         log.info("warm-up: one request through %d slots ...", engine.slots)
         engine.admit(ids, budget, seed=0)
@@ -231,8 +237,8 @@ class Scheduler:
                     self.queue.popleft()
                 job.emit(("error", f"a {len(job.ids)}-token prompt with max_tokens={job.max_tokens} does not fit "
                                    f"this server: at most {engine.room(len(job.ids))} new tokens for this prompt "
-                                   f"({engine.capacity} positions per request, "
-                                   f"{engine.kv_blocks * engine.block_tokens} in the KV pool)", 400))
+                                   f"({capacity_note(engine.capacity, engine.kv_blocks * engine.block_tokens)})",
+                          400))
                 continue
             if not engine.can_admit(len(job.ids), job.max_tokens):
                 return  # a slot or its KV blocks free up when a running request ends

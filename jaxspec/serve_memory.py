@@ -8,8 +8,10 @@
 The batch engine (jaxspec.batching) keeps one decode state of `max_batch` rows and runs one
 compiled step over it. Its peak, per term (XLA's `memory_analysis` of the step program and the
 process's peak RSS, default pair on CPU, K = 4 and K = 1):
-- the KV cache (`models.cache_bytes`) and the rest of the state (output tokens, their logprobs and
-  top-20 alternatives, the sampling rows): the step's arguments, donated;
+- the KV cache (`models.cache_bytes`; given `kv_positions`, `serve --kv-positions`, the paged
+  engine's pool of that many positions and the slots' sliding rings) and the rest of the state
+  (output tokens, their logprobs and top-20 alternatives, the sampling rows): the step's
+  arguments, donated;
 - the step's temporaries: 1.8x to 1.9x the KV cache per slot on the default pair (K = 1 and K = 4:
   2.29 to 2.37 MB per slot for a 1.27 MB bfloat16 cache, B = 8..4096), 2.5x on a tiny float32
   pair at B = 16, K = 4 (its activations weigh more beside its cache): counted as 2.5 caches;
@@ -35,6 +37,7 @@ STEP_CACHE_COPIES = 2.5   # the step's temporaries, in KV caches (measured 1.8 t
 LOGIT_COPIES = 4          # float32 [B, K + 1, V] arrays alive at once in a verify round
 HOST_RUNTIME = 3 << 29    # 1.5 GiB: the process, the runtime and the compiler on a CPU (1.2 GB measured)
 HOST_WEIGHT_COPIES = 2    # XLA's dequantized weights on a CPU, in weight files
+POOL_BLOCK = 16           # positions per block of the server's KV pool (jaxspec.generate.PROMPT_BUCKET)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,7 @@ class BatchMemory:
     weights: int
     runtime: int
     views: int = 0
+    kv_positions: int | None = None  # the shared pool's positions, when set apart from the slots'
 
     @property
     def total(self) -> int:
@@ -57,7 +61,9 @@ class BatchMemory:
 
     def describe(self) -> str:
         """The terms, for a one-line error."""
-        parts = [f"KV cache {_fmt(self.cache)} ({self.max_batch} slots x {self.capacity} positions)",
+        pool = (f"a pool of {self.kv_positions} positions for {self.max_batch} slots" if self.kv_positions
+                else f"{self.max_batch} slots x {self.capacity} positions")
+        parts = [f"KV cache {_fmt(self.cache)} ({pool})",
                  f"step temporaries {_fmt(self.step)}", f"logits {_fmt(self.logits)}",
                  f"outputs {_fmt(self.state)}", f"weights {_fmt(self.weights)}"]
         if self.views:
@@ -68,16 +74,24 @@ class BatchMemory:
 
 
 def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
-                 host: bool, request_capacity: int | None = None) -> BatchMemory:
+                 host: bool, request_capacity: int | None = None, kv_positions: int | None = None) -> BatchMemory:
     """The estimate for `max_batch` slots of `capacity` cache positions each, verify width
     `block_size` (1: classic), weights of `weight_bytes` (the files); `host`: the memory is the
     CPU's, shared with the process and the compiler. `request_capacity`: positions one request may
-    hold (the paged engine's views; None: no views counted)."""
+    hold (the paged engine's views; None: no views counted). `kv_positions`: the global layers' pool
+    shared by the slots, in positions (a multiple of POOL_BLOCK; `serve --kv-positions`): the KV
+    cache is then the paged engine's (`models.paged_cache_bytes`: that pool, each slot's sliding
+    rings and block table), not `max_batch` x `capacity` positions; the other terms are the same."""
     from jaxspec import models
     from jaxspec.sampling import BIAS_SLOTS, TOP_LOGPROBS
 
     b = max_batch
-    cache = models.cache_bytes(tcfg, b, capacity, dtype)
+    if kv_positions is None:
+        cache = models.cache_bytes(tcfg, b, capacity, dtype)
+    else:
+        per_request = -(-(request_capacity or capacity) // POOL_BLOCK) * POOL_BLOCK  # the engine's capacity
+        cache = models.paged_cache_bytes(tcfg, b, per_request, max(1, kv_positions // POOL_BLOCK), POOL_BLOCK,
+                                         dtype)
     width = capacity + block_size + 16  # the output buffer's positions, at most (a budget < capacity)
     per_row = (width * (4 + 4 + 2 * 4 * TOP_LOGPROBS)  # out, lp, top_ids, top_lp
                + BIAS_SLOTS * 8 + 4 * tcfg.hidden_size + 64)  # bias rows, h_prev, the counters
@@ -90,7 +104,7 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
         views = 2 * 2 * b * request_capacity * widest * np.dtype(dtype).itemsize  # K and V, two alive
     return BatchMemory(max_batch=b, capacity=capacity, cache=cache, state=b * per_row,
                        step=int(STEP_CACHE_COPIES * cache), logits=logits, weights=weights,
-                       runtime=HOST_RUNTIME if host else 0, views=views)
+                       runtime=HOST_RUNTIME if host else 0, views=views, kv_positions=kv_positions)
 
 
 def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *, capacity: int, host: bool,
@@ -105,6 +119,21 @@ def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *
         else:
             hi = mid - 1
     return lo
+
+
+def largest_pool(limit: int, tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
+                 host: bool, most: int, request_capacity: int | None = None) -> int:
+    """The largest `kv_positions` in 0..most, a multiple of POOL_BLOCK, whose estimate at `max_batch`
+    slots fits `limit` bytes (0: not even one block)."""
+    lo, hi = 0, most // POOL_BLOCK
+    while lo < hi:  # the estimate grows with the pool
+        mid = (lo + hi + 1) // 2
+        if batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, capacity=capacity, host=host,
+                        request_capacity=request_capacity, kv_positions=mid * POOL_BLOCK).total <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * POOL_BLOCK
 
 
 def _fmt(n: int) -> str:

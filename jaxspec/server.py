@@ -110,7 +110,8 @@ class Server:
         """`Scheduler.warm_up` (every program a request that fits a slot runs); from then on a
         request that fits no slot is refused. Seconds."""
         s = self.scheduler.warm_up()
-        self.schema.slot_room = self.scheduler.engine.room
+        engine = self.scheduler.engine
+        self.schema.slot_room, self.schema.kv_pool = engine.room, engine.kv_blocks * engine.block_tokens
         return s
 
     def job(self, raw: bytes, chat: bool) -> tuple[Job, bool]:

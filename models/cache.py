@@ -130,14 +130,30 @@ def init_paged_cache(config: TargetConfig, batch: int, capacity: int, num_blocks
                          f"block={block}, capacity={capacity}, num_blocks={num_blocks}")
     if not config.cache_layers:
         raise ValueError("config has no layer that owns K/V: that is an assistant config, not a target")
-    shapes, ring_slots = _layout(config, batch, capacity, max_block, True)
-    paged = tuple(j for j, x in enumerate(shapes) if x[-3] == capacity)  # the rings stay per row
-    pools = tuple(x[:-4] + (num_blocks, block) + x[-2:] if j in paged else x for j, x in enumerate(shapes))
+    pools, paged, ring_slots = _paged_layout(config, batch, capacity, num_blocks, block, max_block)
     return KVCache(k=tuple(jnp.zeros(x, dtype) for x in pools), v=tuple(jnp.zeros(x, dtype) for x in pools),
                    lengths=jnp.zeros((batch,), jnp.int32),
                    pos=jnp.full((batch, ring_slots), EMPTY, jnp.int32) if ring_slots else None,
                    capacity=int(capacity), table=jnp.full((batch, capacity // block), num_blocks, jnp.int32),
                    paged=paged)
+
+
+def paged_cache_bytes(config: TargetConfig, batch: int, capacity: int, num_blocks: int, block: int,
+                      dtype=jnp.bfloat16, *, max_block: int = ROW_TILE) -> int:
+    """Bytes of `init_paged_cache(config, batch, capacity, num_blocks, block, dtype, ...)`: the pools,
+    the rings per row, the lengths, the rings' positions and the block tables (int32)."""
+    pools, _, ring_slots = _paged_layout(config, batch, capacity, num_blocks, block, max_block)
+    kv = sum(2 * math.prod(x) for x in pools) * jnp.dtype(dtype).itemsize
+    return kv + 4 * batch * (1 + ring_slots + capacity // block)
+
+
+def _paged_layout(config: TargetConfig, batch: int, capacity: int, num_blocks: int, block: int, max_block: int):
+    """(each cache entry's K (= V) shape, the paged entries' indices, the ring's slot count): the
+    full-capacity entries (the global layers) become pools of `num_blocks` blocks of `block`."""
+    shapes, ring_slots = _layout(config, batch, capacity, max_block, True)
+    paged = tuple(j for j, x in enumerate(shapes) if x[-3] == capacity)  # the rings stay per row
+    pools = tuple(x[:-4] + (num_blocks, block) + x[-2:] if j in paged else x for j, x in enumerate(shapes))
+    return pools, paged, ring_slots
 
 
 def paged_block_bytes(config: TargetConfig, block: int, dtype=jnp.bfloat16) -> int:

@@ -394,7 +394,8 @@ def test_serve_port_in_use(capsys, no_loading):
 
 @pytest.mark.parametrize("argv", [("--rounds-per-chunk", "1000000"), ("--rounds-per-chunk", "0"),
                                   ("--max-body-bytes", "10"), ("--max-queue", "0"), ("--prefill-chunk", "8"),
-                                  ("--prefill-chunk", "40")])
+                                  ("--prefill-chunk", "40"), ("--kv-positions", "0"), ("--kv-positions", "8"),
+                                  ("--kv-positions", "40"), ("--kv-positions", str(1 << 27))])
 def test_serve_flags_out_of_range(capsys, no_loading, argv):
     assert argv[0] in serve_fails(capsys, *argv)
 

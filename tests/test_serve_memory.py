@@ -3,6 +3,8 @@ against the arrays the engine allocates (shapes only, nothing compiled), and the
 before anything loads. The estimate's factors were measured (peak RSS and XLA's memory_analysis,
 in serve_memory's docstring): compiling a step to measure here would take a minute on CI."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ import pytest
 from jaxspec import cli, loop, models, sampling
 from jaxspec.generate import PROMPT_BUCKET, make_generate, stop_array
 from jaxspec.models import presets
-from jaxspec.serve_memory import HOST_RUNTIME, LOGIT_COPIES, STEP_CACHE_COPIES, batch_memory, largest_batch
+from jaxspec.serve_memory import (HOST_RUNTIME, LOGIT_COPIES, POOL_BLOCK, STEP_CACHE_COPIES, batch_memory, largest_batch,
+                                  largest_pool)
 from seeds import seeded_rng
 from test_serve_guard import memory_of, serve_fails
 
@@ -88,3 +91,47 @@ def test_largest_batch_is_the_last_that_fits(tiny_cfg):
     n = largest_batch(limit, tiny_cfg, k, jnp.bfloat16, w, capacity=cap, host=host, most=4096)
     assert total(n) <= limit < total(n + 1)
     assert largest_batch(total(1) - 1, tiny_cfg, k, jnp.bfloat16, w, capacity=cap, host=host, most=4096) == 0
+
+
+def test_a_pool_counts_the_paged_engines_arrays(tiny_cfg):
+    """With kv_positions (serve --kv-positions) the KV cache is the paged engine's: the pool of that
+    many positions, the slots' rings and block tables (init_paged_cache's arrays at the request's
+    capacity); the step's temporaries follow it, the other terms are the slots'."""
+    rng = seeded_rng()
+    b, k, cap, req = int(rng.integers(2, 9)), int(rng.integers(1, 6)), 256, int(rng.integers(300, 900))
+    kv = POOL_BLOCK * int(rng.integers(1, 200))
+    need = batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                        kv_positions=kv)
+    per_request = -(-req // PROMPT_BUCKET) * PROMPT_BUCKET
+    arrays = jax.eval_shape(lambda: models.init_paged_cache(tiny_cfg, b, per_request, kv // POOL_BLOCK, POOL_BLOCK,
+                                                            jnp.bfloat16))
+    assert POOL_BLOCK == PROMPT_BUCKET  # the scheduler's blocks
+    assert need.cache == _nbytes(arrays) and need.step == int(STEP_CACHE_COPIES * need.cache)
+    slots = batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req)
+    assert (need.logits, need.state, need.views, need.weights) == (slots.logits, slots.state, slots.views,
+                                                                  slots.weights)
+    assert f"a pool of {kv} positions for {b} slots" in need.describe()
+
+    def total(pool):
+        return batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                            kv_positions=pool).total
+    limit = need.total + int(rng.integers(0, 1 << 16))
+    fit = largest_pool(limit, tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                       most=1 << 20)
+    assert fit % POOL_BLOCK == 0 and total(fit) <= limit < total(fit + POOL_BLOCK)
+
+
+def test_serve_checks_kv_positions_against_the_memory(capsys, monkeypatch):
+    """--kv-positions is the pool the memory check counts (not --max-batch x 4096): past the memory
+    it is refused before loading, in one line naming the flag and the largest pool that fits;
+    that pool goes on to load, one block more does not."""
+    port = memory_of(monkeypatch, 12 << 30, "host memory")
+    err = serve_fails(capsys, "--kv-positions", str(1 << 26), "--port", port)
+    for part in ("--kv-positions 67108864 with --max-batch 4", "a pool of 67108864 positions for 4 slots",
+                 "12.0 GiB of host memory", "lower --kv-positions (at most "):
+        assert part in err, err
+    fit = int(re.search(r"at most (\d+)\)", err).group(1))
+    assert fit % 16 == 0 and fit >= 4 * 4096  # the default pool fits where --max-batch 64 does
+    assert cli.main(["serve", "--kv-positions", str(fit), "--port", port]) == 1  # fits: it goes on to load
+    assert "a model was about to be loaded" in capsys.readouterr().err
+    assert "lower --kv-positions" in serve_fails(capsys, "--kv-positions", str(fit + 16), "--port", port)

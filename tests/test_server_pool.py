@@ -4,6 +4,8 @@ waits in the queue, the next one past --max-queue is a 429, and the running requ
 it gives alone; one that fits no pool at all is a 400; a client that leaves mid-prefill frees its
 blocks."""
 import asyncio
+import json
+import socket
 import threading
 import time
 
@@ -11,7 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from jaxspec import models, sampling  # noqa: E402
+from jaxspec import cli, models, sampling, server  # noqa: E402
 from jaxspec.server import ApiError, Job, Server  # noqa: E402
 from jaxspec.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe  # noqa: E402
 from seeds import seeded_rng  # noqa: E402
@@ -90,6 +92,7 @@ def test_a_request_past_the_pool_is_a_400_and_a_gone_client_frees_its_blocks():
         srv.cond.notify()
     assert too_long.ended.wait(60) and too_long.events[-1][0] == "error" and too_long.events[-1][2] == 400
     assert "KV pool" in too_long.events[-1][1]
+    assert "holds 128 positions" in too_long.events[-1][1] and "--kv-positions" in too_long.events[-1][1]
     engine = srv.engine
     deadline = time.time() + 60
     while engine.chunks == 0 and time.time() < deadline:
@@ -99,3 +102,33 @@ def test_a_request_past_the_pool_is_a_400_and_a_gone_client_frees_its_blocks():
         time.sleep(0.01)
     assert srv.dropped == 1 and not gone.ended.is_set()
     assert len(engine.free_blocks) == engine.kv_blocks
+
+
+def test_a_pool_of_one_block_warms_up_and_names_itself_in_its_400():
+    """The smallest --kv-positions (16) warms up (its request's budget fits the pool), and a request
+    past the pool is then refused by the schema, naming the pool's positions and the flag; a pool
+    that holds no request at all (K = 16 needs 17 positions) is refused at the warm-up."""
+    srv = Server(TARGET, ASSISTANT, TOK, model_name="m", max_batch=2, kv_positions=16, rounds_per_chunk=1)
+    srv.engine.warm_up = lambda: None  # the engine's own (every program of the ladder): not what is tested
+    srv.warm_up()  # the scheduler's request through the engine, its budget cut to what the pool holds
+    with pytest.raises(ApiError) as e:
+        srv.job(json.dumps({"prompt": "def fibonacci(n): return n", "max_tokens": 8}).encode(), False)
+    assert e.value.status == 400 and e.value.body()["error"]["code"] == "exceeds_batch_slot"
+    assert "KV pool the slots share holds 16 positions" in str(e.value) and "--kv-positions" in str(e.value)
+    srv.job(json.dumps({"prompt": "def", "max_tokens": 1}).encode(), False)  # one that fits the pool
+    wide = Server(TARGET, ASSISTANT, TOK, model_name="m", max_batch=2, kv_positions=16, block_size=16)
+    with pytest.raises(ValueError, match="KV pool of 16 positions holds no request.*--kv-positions"):
+        wide.warm_up()
+
+
+def test_serve_builds_its_server_with_kv_positions(pair, monkeypatch):
+    """`jaxspec serve --kv-positions N`: the server's engine gets a pool of N positions."""
+    built = []
+    monkeypatch.setattr(server, "serve", lambda srv, *a, **kw: built.append(srv))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert cli.main(["serve", "--model", pair[0], "--assistant", pair[1], "--max-batch", "2", "--kv-positions", "160",
+                     "--no-warmup", "--port", port]) == 0
+    engine = built[0].engine
+    assert engine.kv_blocks * engine.block_tokens == 160 and engine.slots == 2
