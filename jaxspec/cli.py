@@ -11,7 +11,7 @@
 mean accepted length, speedup over classic decoding with --compare). Progress, the compile notice
 and warnings go to stderr. Bad input (a missing model directory, a directory that is not a model,
 unreadable weight files, an assistant for another target, a prompt longer than the context or not
-valid UTF-8, a --max-tokens whose KV cache cannot fit the device's memory, a seed outside
+valid UTF-8, a --max-tokens whose run cannot fit the device's memory, a seed outside
 [0, 2**64), ...) is one line on stderr and exit status 2, found before anything is loaded or
 compiled where the config files can tell; --debug shows the traceback instead.
 
@@ -399,20 +399,26 @@ def device_memory() -> tuple[int, str] | None:
 
 def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, drafting: bool, dtype,
                   weight_bytes: int) -> None:
-    """UsageError when the KV cache of this run (models.cache_bytes: what init_cache allocates) and
-    the weights cannot fit the device's memory."""
-    from jaxspec import models
+    """UsageError when this run cannot fit the device's memory: `serve_memory.batch_memory` of one
+    row (its KV cache as init_cache allocates it, the step's temporaries, the verify's logits, the
+    outputs, the weights and on a CPU the process and XLA's dequantized weights), as `serve` checks
+    its slots. It counted the cache and the weight files only: on a CPU a run it let through could
+    need 3x the weights and 1.5 GiB more."""
+    from .serve_memory import batch_memory
 
-    capacity = cache_capacity(prompt_len, max_tokens, block_size, drafting)
-    cache = models.cache_bytes(tcfg, 1, capacity, dtype)
     mem = device_memory()
     if mem is None:
         return
     limit, what = mem
-    if cache + weight_bytes > limit:
-        raise UsageError(f"--max-tokens {max_tokens} needs a KV cache of {_fmt_bytes(cache)} ({capacity} positions) "
-                         f"plus {_fmt_bytes(weight_bytes)} of weights, more than the {_fmt_bytes(limit)} of "
-                         f"{what}: lower --max-tokens")
+
+    def need(tokens):
+        return batch_memory(tcfg, 1, block_size if drafting else 1, dtype, weight_bytes, host=what == "host memory",
+                            capacity=cache_capacity(prompt_len, tokens, block_size, drafting))
+    run = need(max_tokens)
+    if run.total > limit:
+        fix = "lower --max-tokens" if need(1).total <= limit else "even one new token does not fit: a smaller model"
+        raise UsageError(f"--max-tokens {max_tokens} needs {run.describe()}; more than the {_fmt_bytes(limit)} of "
+                         f"{what}: {fix}")
 
 
 # ---------------------------------------------------------------------------------------------

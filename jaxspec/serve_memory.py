@@ -62,6 +62,7 @@ class BatchMemory:
     def describe(self) -> str:
         """The terms, for a one-line error."""
         pool = (f"a pool of {self.kv_positions} positions for {self.max_batch} slots" if self.kv_positions
+                else f"{self.capacity} positions" if self.max_batch == 1
                 else f"{self.max_batch} slots x {self.capacity} positions")
         parts = [f"KV cache {_fmt(self.cache)} ({pool})",
                  f"step temporaries {_fmt(self.step)}", f"logits {_fmt(self.logits)}",
@@ -137,5 +138,5 @@ def largest_pool(limit: int, tcfg, max_batch: int, block_size: int, dtype, weigh
 
 
 def _fmt(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 

@@ -216,7 +216,7 @@ def test_bad_seed_before_loading(capsys, pair):
 
 
 def test_max_tokens_beyond_memory(capsys, tmp_path, pair, monkeypatch):
-    """A --max-tokens whose KV cache cannot fit the device's memory is exit 2 naming both numbers,
+    """A --max-tokens whose run cannot fit the device's memory is exit 2 naming the terms,
     before loading or compiling (the model here has no max_position_embeddings to lower it to)."""
     t = tmp_path / "t"
     shutil.copytree(pair[0], t)
@@ -227,13 +227,18 @@ def test_max_tokens_beyond_memory(capsys, tmp_path, pair, monkeypatch):
     err = _bad(capsys, "generate", "hi", "--model", str(t), "--max-tokens", "1000000000")
     assert time.perf_counter() - t0 < 2.0
     mem, what = cli.device_memory()
-    assert re.search(r"--max-tokens 1000000000 needs a KV cache of [\d.]+ GiB \(1000000\d+ positions\) plus "
-                     r"[\d.]+ KiB of weights, more than the " + re.escape(cli._fmt_bytes(mem)) + " of " + what, err), err
+    assert re.search(r"--max-tokens 1000000000 needs about [\d.]+ GiB: KV cache [\d.]+ GiB \(1000000\d+ positions\), "
+                     r"step temporaries [\d.]+ GiB, .*; more than the " + re.escape(cli._fmt_bytes(mem)) + " of " + what +
+                     ": lower --max-tokens", err), err
     assert cli.cache_capacity(3, 500, 4) == 576  # 16 + 512 - 1 + 4, rounded to 64
     # on a smaller device a moderate budget is refused as well, also where the context allows it
-    monkeypatch.setattr(cli, "device_memory", lambda: (100 << 10, "GPU memory"))
+    monkeypatch.setattr(cli, "device_memory", lambda: (350 << 10, "GPU memory"))  # the tiny pair: ~470 KiB at 200
     err = _bad(capsys, *gen_args(pair, "--max-tokens", "200"))
-    assert "more than the 100.0 KiB of GPU memory: lower --max-tokens" in err
+    assert "more than the 350.0 KiB of GPU memory: lower --max-tokens" in err
+    # the terms the old check left out: on a CPU the weights count 3x and the process 1.5 GiB
+    monkeypatch.setattr(cli, "device_memory", lambda: (1 << 30, "host memory"))
+    err = _bad(capsys, *gen_args(pair, "--max-tokens", "2"))
+    assert "runtime and compiler 1.5 GiB" in err and "even one new token does not fit" in err
 
 
 def test_prompt_not_utf8(tmp_path, pair):
