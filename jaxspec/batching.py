@@ -427,11 +427,11 @@ class BatchEngine:
         while the host reads the last ones, so the host's work between steps costs no device time
         (a step's fixed host cost was ~1.5 ms on the H200 when each call waited for its rounds); the
         first step after an idle engine reports nothing from the device yet. A request's first
-        token (its prefill's) is reported by the step after the one that ran its last chunk, with
-        the tokens of that step's rounds: read in its own step, it made the host wait for the chunk
-        just queued, and every stream's tokens of the step before waited with it (a 109 ms gap
-        against 64 on the H200 at 512-token chunks). A slot admitted or cancelled after a step was
-        dispatched is left out of that step's report."""
+        token (its prefill's) is reported by the step that ran its last chunk when that step has
+        nothing else to report; otherwise by the next step, with the tokens of its first rounds:
+        reading it waits for the chunk just queued, and every other stream's tokens would wait with
+        it (a 109 ms gap against 64 on the H200 at 512-token chunks). A slot admitted or cancelled
+        after a step was dispatched is left out of that step's report."""
         due, self.fresh = self.fresh, {}  # first tokens of the last step's final chunks: done by now
         if self.prefilling:
             self._prefill_step()
@@ -443,6 +443,9 @@ class BatchEngine:
             nxt = (loop.snapshot(self.state, self.window),
                    [None if s in self.prefilling else t for s, t in enumerate(self.ticket)])
         report, self.pending = self.pending, nxt
+        if not due and (report is None or not any(o is not None and report[1][s] == self.ticket[s]
+                                                  for s, o in enumerate(self.owner))):
+            due, self.fresh = self.fresh, {}  # nobody else's tokens would wait for these: read them now
         events, firsts = [], {}
         for slot, arrays in due.items():  # queued before this step's work: reading them does not wait for it
             first, done, finite, lps = jax.device_get(arrays)

@@ -106,26 +106,50 @@ def test_bad_input_is_refused_before_compute():
         BatchEngine(TARGET, ASSISTANT, slots=1, max_new_tokens=8, block_size=0)
 
 
-def test_first_token_comes_with_the_first_rounds_and_a_budget_of_one_ends_there():
-    """The prefill's token is reported by the second step after admission, at the head of the event
-    with its first rounds' tokens (one event per slot and step): read in the first step it would make
-    the host wait for the prefill just queued, and every other stream's tokens with it. A request with
-    max_new_tokens=1 finishes at that step and frees its slot. Both are generate's tokens."""
+def test_first_token_comes_with_the_first_step_and_a_budget_of_one_ends_there():
+    """With no other stream to report, the prefill's token is reported by the first step after
+    admission (before any round's tokens, which come a step later, pipelined); a request with
+    max_new_tokens=1 finishes at that step and frees its slot. Both tokens are generate's."""
     (ids, _), (ids2, _) = _requests(3, 2, TARGET.config.vocab_size)
     engine = BatchEngine(TARGET, ASSISTANT, slots=2, max_new_tokens=24, capacity=64)
     a, b = engine.admit(ids, 6), engine.admit(ids2, 1)
-    assert engine.step() == [] and engine.live == 2  # queued: prefills and a's first rounds
-    events = engine.step()
-    assert sorted(ev.slot for ev in events) == sorted((a, b))
-    events = {ev.slot: ev for ev in events}
+    events = {ev.slot: ev for ev in engine.step()}
     first = jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=6).tokens[0]
-    assert len(events[a].tokens) > 1 and events[a].tokens == first[:len(events[a].tokens)] and events[a].rounds == 1
+    assert events[a].tokens == first[:1] and not events[a].done and events[a].rounds == 0
     assert events[b].done and events[b].tokens == jaxspec.generate(TARGET, [ids2], max_new_tokens=1).tokens[0]
-    assert engine.free == 1
+    assert engine.live == 1 and engine.free == 1
     got = list(events[a].tokens)
     while engine.live:
         got += [t for ev in engine.step() for t in ev.tokens]
     assert got == first
+
+
+def test_beside_a_running_stream_a_first_token_comes_a_step_later_with_its_first_rounds():
+    """Reading a first token waits for the prefill chunk just queued: beside a running stream it is
+    read a step later, so the stream's tokens never wait for another request's prefill. The step that
+    ran the new request's prefill reports the stream only; the next one reports the new request once,
+    its first token ahead of its first rounds' tokens. Both requests are generate's."""
+    (ids, _), (ids2, _) = _requests(4, 2, TARGET.config.vocab_size)
+    engine = BatchEngine(TARGET, ASSISTANT, slots=2, max_new_tokens=24, capacity=64)
+    a = engine.admit(ids, 12)
+    got = {a: [t for ev in engine.step() for t in ev.tokens]}  # a's first token, nothing else to report
+    got[a] += [t for ev in engine.step() for t in ev.tokens]  # a is streaming
+    b = engine.admit(ids2, 6)
+    events = engine.step()  # b's prefill ran here
+    assert [ev.slot for ev in events] == [a]
+    got[a] += events[0].tokens
+    events = engine.step()
+    mine = [ev for ev in events if ev.slot == b]
+    assert len(mine) == 1 and len(mine[0].tokens) > 1 and mine[0].rounds == 1
+    got[b] = list(mine[0].tokens)
+    for ev in events:
+        if ev.slot == a:
+            got[a] += ev.tokens
+    while engine.live:
+        for ev in engine.step():
+            got[ev.slot] += ev.tokens
+    assert got[a] == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=12).tokens[0]
+    assert got[b] == jaxspec.generate(TARGET, [ids2], assistant=ASSISTANT, max_new_tokens=6).tokens[0]
 
 
 def test_more_slots_than_the_multirow_window_stay_exact():
@@ -142,14 +166,13 @@ def test_more_slots_than_the_multirow_window_stay_exact():
 
 def test_nan_prefill_logits_come_back_as_the_slots_error():
     """Admission only queues the prefill (nothing waits for it): NaN prefill logits (the final norm
-    made NaN, in memory) are reported by the second step as that slot's error event, and the slot is free."""
+    made NaN, in memory) are reported by the next step as that slot's error event, and the slot is free."""
     import jax.numpy as jnp
 
     (ids, n), = _requests(5, 1, TARGET.config.vocab_size)
     bad = TARGET.replace(params={**TARGET.params, "norm": jnp.full_like(TARGET.params["norm"], jnp.nan)})
     engine = BatchEngine(bad, None, slots=2, max_new_tokens=24, capacity=64, block_size=1, exactness_probe=False)
     slot = engine.admit(ids, n)
-    assert engine.step() == []
     events = engine.step()
     assert [(ev.slot, ev.done, ev.tokens) for ev in events] == [(slot, True, [])] and "NaN/inf" in events[0].error
     assert engine.live == 0 and engine.free == 2

@@ -92,9 +92,8 @@ def test_pool_and_chunk_arguments_are_checked(engine):
 
 def test_a_short_request_goes_ahead_of_a_long_prefill(engine):
     """Issue 56: a short request admitted right behind a long prompt (5 chunks: 4 of 32 and a last of
-    16) is prefilled by the first step instead of waiting for the whole long prefill (its first token
-    is reported by the next step, with its first round's); the long one pays the step it was passed
-    over. Both outputs are what generate gives each alone."""
+    16) gets its first token from the first step instead of waiting for the whole long prefill; the
+    long one pays the step it was passed over. Both outputs are what generate gives each alone."""
     rng = seeded_rng()
     vocab = TARGET.config.vocab_size
     requests = [(rng.integers(2, vocab, 140).tolist(), 6), (rng.integers(2, vocab, 9).tolist(), 6)]
@@ -106,7 +105,9 @@ def test_a_short_request_goes_ahead_of_a_long_prefill(engine):
             if ev.tokens:
                 first.setdefault(ev.slot, steps)
             got[ev.slot] += ev.tokens
-    assert first[slots[1]] == 2 and first[slots[0]] == 7  # in admission order: both at step 6
+    # in admission order: both at step 5. The long one's last chunk runs at step 6; its first token is
+    # read then, or a step later if the short one still streams (its tokens must not wait for the chunk)
+    assert first[slots[1]] == 1 and first[slots[0]] in (6, 7)
     for slot, (ids, n) in zip(slots, requests):
         assert got[slot] == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n).tokens[0]
 
