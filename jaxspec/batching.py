@@ -443,8 +443,7 @@ class BatchEngine:
             nxt = (loop.snapshot(self.state, self.window),
                    [None if s in self.prefilling else t for s, t in enumerate(self.ticket)])
         report, self.pending = self.pending, nxt
-        if not due and (report is None or not any(o is not None and report[1][s] == self.ticket[s]
-                                                  for s, o in enumerate(self.owner))):
+        if not due and not self._reported(report):
             due, self.fresh = self.fresh, {}  # nobody else's tokens would wait for these: read them now
         events, firsts = [], {}
         for slot, arrays in due.items():  # queued before this step's work: reading them does not wait for it
@@ -464,11 +463,8 @@ class BatchEngine:
             else:
                 firsts[slot] = ev  # goes out ahead of its first rounds' tokens, in their event
         if report is not None:
-            snap, tickets = report
-            got = loop.Snapshot.of(snap)
-            for slot, owner in enumerate(self.owner):
-                if owner is None or tickets[slot] != self.ticket[slot]:
-                    continue
+            got = loop.Snapshot.of(report[0])
+            for slot in self._reported(report):  # after the first tokens: a request they ended is not in it
                 n, seen = int(got.n_out[slot]), self.seen[slot]
                 top = self.need[slot].logprobs
                 lps = got.logprobs(slot, seen, n, top) if top >= 0 else None
@@ -484,6 +480,14 @@ class BatchEngine:
                 if got.done[slot]:
                     self._free(slot)
         return events + list(firsts.values())
+
+    def _reported(self, report) -> list[int]:
+        """The slots a dispatched step's (snapshot, tickets) reports: live, and still held by the
+        admission that held them when it was dispatched."""
+        if report is None:
+            return []
+        tickets = report[1]
+        return [s for s, o in enumerate(self.owner) if o is not None and tickets[s] == self.ticket[s]]
 
     def _free(self, slot: int) -> None:
         """The slot and its blocks back to the free lists; its row writes nothing from now on."""
