@@ -33,11 +33,13 @@ import dataclasses
 
 import numpy as np
 
+from .loop_config import PROMPT_BUCKET
+
 STEP_CACHE_COPIES = 2.5   # the step's temporaries, in KV caches (measured 1.8 to 2.5 on CPU)
 LOGIT_COPIES = 4          # float32 [B, K + 1, V] arrays alive at once in a verify round
 HOST_RUNTIME = 3 << 29    # 1.5 GiB: the process, the runtime and the compiler on a CPU (1.2 GB measured)
 HOST_WEIGHT_COPIES = 2    # XLA's dequantized weights on a CPU, in weight files
-POOL_BLOCK = 16           # positions per block of the server's KV pool (jaxspec.generate.PROMPT_BUCKET)
+POOL_BLOCK = PROMPT_BUCKET  # positions per block of the server's KV pool (the scheduler's block_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
