@@ -30,7 +30,7 @@ $(VENV)/.installed-notebook: pyproject.toml | $(BIN)/python
 venv: $(VENV)/.installed
 venv-dev: $(VENV)/.installed-dev
 
-# The real pair: Gemma 3 270M and its shipped drafter (jaxspec/drafters/gemma-3-270m), greedy, against
+# The real pair: Gemma 3 270M and its shipped drafter (jaxspec/data/drafters/gemma-3-270m), greedy, against
 # classic decoding (--compare: the speedup, and whether the output is identical). Without the drafter
 # (a checkout it was not trained into) one line says why and the target decodes classically.
 # The embedded toy pair: `jaxspec generate "def is_prime(n):" --pair default --compare`.

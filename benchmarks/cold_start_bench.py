@@ -8,7 +8,7 @@ Each measurement is a fresh Python process (nothing compiled in memory): build o
 (`--model DIR` / `--assistant-dir DIR` load checkpoints, else random weights of the preset), then
 `jaxspec.generate` twice on two random prompts of --prompt-len tokens: the first call's seconds
 (compilation included), the second's, and the programs the first compiled (name, trace + lower s,
-compile s; `jaxspec.compile_cache.CompileLog`). --disk-cache: "off" (no on-disk cache), "cold" (a
+compile s; `jaxspec.engine.compile_cache.CompileLog`). --disk-cache: "off" (no on-disk cache), "cold" (a
 new empty cache directory), "warm" (a cold run, then the same command again in a new process on the
 cache it filled). Writes DIR/cold_start.json and DIR/cold_start.md.
 """
@@ -38,7 +38,8 @@ def child(args) -> dict:
 
     from jaxspec import models
     from harness import Q4, random_pair
-    from jaxspec import compile_cache, generate
+    from jaxspec.engine import compile_cache
+    from jaxspec import generate
     from jaxspec.kernels import DispatchConfig
 
     matmul = DispatchConfig.from_env(**({"backend": args.backend} if args.backend else {}))

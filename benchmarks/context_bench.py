@@ -32,7 +32,7 @@ from jaxspec import models  # noqa: E402
 from harness import environment_line, random_pair, write_report  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
 
-from jaxspec.generate import plan, request_of  # noqa: E402
+from jaxspec.engine.generate import plan, request_of  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:

@@ -72,7 +72,7 @@ def jax_side(model: str, dtype: str, tokens: int):
 
     import jaxspec
     from jaxspec import models
-    from jaxspec.tokenizer import load_tokenizer
+    from jaxspec.text import load_tokenizer
     from jaxspec.models import gguf
 
     path = gguf.source(model) or model  # the .gguf file (transformers reads the same one)

@@ -5,7 +5,7 @@
     python benchmarks/serve_bench.py --target 12b --http --clients 32 --k-values 1 --sampling uniform,mixed --out DIR
 
 Each of N closed-loop clients sends its requests one after another (the next when the previous has
-finished), all starting at once; the server's scheduling core (`jaxspec.batching.BatchEngine` with
+finished), all starting at once; the server's scheduling core (`jaxspec.engine.batching.BatchEngine` with
 min(N, --max-slots) slots, admitting between steps in arrival order, --rounds-per-step rounds per
 step as the server's worker does per chunk) serves them. HTTP and JSON are not in the timed path
 (unless --http): this measures what the GPU and the engine do. Per configuration: aggregate
@@ -15,7 +15,7 @@ request's tokens after its first over the time since its first), the engine's K 
 exactness probe) and the speculative speedup against K = 1 at the same N.
 Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
 the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
-`--http` adds, per configuration, the same clients through the HTTP server (`jaxspec.server` behind
+`--http` adds, per configuration, the same clients through the HTTP server (`jaxspec.serve.app` behind
 its guard on a local port, streamed completions read with http.client by client threads in a process
 of their own, `http_clients.py`, as real clients would be): the engine row then uses
 the server's own engine (its cache size, budget and the tokenizer's stop ids), so the two rows
@@ -63,11 +63,11 @@ from harness import environment, environment_line, random_pair, write_report  # 
 
 from jaxspec import models  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
-from jaxspec import sampling  # noqa: E402
-from jaxspec.batching import BatchEngine  # noqa: E402
-from jaxspec.loop_config import PREFILL_CHUNK  # noqa: E402
-from jaxspec.serve_guard import Guard  # noqa: E402
-from jaxspec.tokenizer import load_tokenizer  # noqa: E402
+from jaxspec.engine import sampling  # noqa: E402
+from jaxspec.engine.batching import BatchEngine  # noqa: E402
+from jaxspec.engine.loop_config import PREFILL_CHUNK  # noqa: E402
+from jaxspec.serve.guard import Guard  # noqa: E402
+from jaxspec.text import load_tokenizer  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
 from jaxspec.progress import bar  # noqa: E402
 
@@ -95,7 +95,7 @@ def load(args, matmul):
 
 class IdTokenizer:
     """A stand-in tokenizer for presets (random weights have no vocabulary): text is the ids
-    written out, no stop ids. What `jaxspec.server` needs of one."""
+    written out, no stop ids. What `jaxspec.serve.app` needs of one."""
 
     eos_token_ids = ()
 
@@ -412,7 +412,7 @@ def main(argv=None) -> None:
     tokenizer = (load_tokenizer(os.path.join(dp.default_pair_path(), "target")) if args.target == "default"
                  else IdTokenizer())
     if args.http:
-        from jaxspec.server import Server
+        from jaxspec.serve.app import Server
     rows = []
     configs = len(args.k_values) * len(args.clients) * len(args.sampling) * (2 if args.http else 1)
     sweep = bar(total=configs, desc="configurations", unit="run", enabled=False if args.quiet else None)

@@ -49,9 +49,9 @@ from jaxspec.kernels import DispatchConfig, QuantizedWeight  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec import default_pair as dp  # noqa: E402
-from jaxspec import verify  # noqa: E402
-from jaxspec.generate import MAX_VERIFY_WIDTH, PROMPT_BUCKET  # noqa: E402
-from jaxspec.loop_config import LoopConfig, round_up  # noqa: E402
+from jaxspec.engine import verify  # noqa: E402
+from jaxspec.engine.generate import MAX_VERIFY_WIDTH, PROMPT_BUCKET  # noqa: E402
+from jaxspec.engine.loop_config import LoopConfig, round_up  # noqa: E402
 from jaxspec.progress import bar  # noqa: E402
 
 # The seed system's measured acceptance on its real Gemma pair at K = 4, for predicted speedups with
@@ -161,7 +161,7 @@ def text_prompts(args):
             ids.append([int(t) for t in p["ids"]])
         else:
             if tok is None:
-                from jaxspec.tokenizer import load_tokenizer
+                from jaxspec.text import load_tokenizer
                 src = args.tokenizer or args.target
                 try:
                     tok = load_tokenizer(os.path.dirname(src) if src.endswith(".json") else src,

@@ -4,12 +4,12 @@
     result.tokens, result.stats
 
 `make_generate(...)` returns the jitted function behind `generate` for reuse;
-`jaxspec.streaming.stream_generate` yields the tokens as rounds complete. `load_pair(NAME)` loads a
+`jaxspec.engine.streaming.stream_generate` yields the tokens as rounds complete. `load_pair(NAME)` loads a
 named (target, drafter) pair with its tokenizer ("default", "gemma-3-270m": jaxspec.pairs). The model families are
 `jaxspec.models`, the quantized-matmul and attention kernels `jaxspec.kernels`.
 """
-from .generate import GenerationResult, GenerationStats, Generator, generate, make_generate
-from .pairs import load_pair
-from .sampling import SamplingParams
+from jaxspec.engine.generate import GenerationResult, GenerationStats, Generator, generate, make_generate
+from jaxspec.pairs import load_pair
+from jaxspec.engine.sampling import SamplingParams
 
 __all__ = ["GenerationResult", "GenerationStats", "Generator", "SamplingParams", "generate", "load_pair", "make_generate"]

@@ -1,6 +1,6 @@
 """`python -m jaxspec ...` is the `jaxspec` command (see jaxspec/cli.py)."""
 import sys
 
-from .cli import main
+from jaxspec.cli import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """Named (target, drafter) pairs: `jaxspec generate "..." --pair NAME` and `jaxspec.load_pair(NAME)`.
 
-    target, assistant, tok = jaxspec.load_pair("gemma-3-270m")   # tok: a jaxspec.tokenizer.Tokenizer
+    target, assistant, tok = jaxspec.load_pair("gemma-3-270m")   # tok: a jaxspec.text.tokenizer.Tokenizer
     out = jaxspec.generate(target, tok.encode("The capital of France is"), assistant=assistant,
                            max_new_tokens=32, eos_token_ids=tok.eos_token_ids)
     print(tok.decode(out.tokens[0]))
@@ -10,7 +10,7 @@ The pairs:
 * "default": the embedded toy pair (jaxspec.default_pair: a 39.6M Gemma-4-style target trained on
   Python sources and its MTP assistant). Offline, what the tests run.
 * "gemma-3-270m": Gemma 3 270M from its GGUF (the `gemma3` extra, `models.load_target("gemma-3-270m")`)
-  and the drafter shipped in `jaxspec/drafters/gemma-3-270m/`, laid out as `jaxspec.train_assistant`
+  and the drafter shipped in `jaxspec/data/drafters/gemma-3-270m/`, laid out as `jaxspec.train.assistant`
   writes it: `config.json` naming the target it was trained for (`"target"`, `"target_fingerprint"`),
   `model.safetensors` without an embedding table (the drafter uses the target's), `NOTICE` (the
   Gemma terms: a drafter distilled from Gemma is a model derivative).
@@ -27,12 +27,12 @@ import json
 import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-DRAFTERS = os.path.join(_HERE, "drafters")  # package data: one directory per target name
+DRAFTERS = os.path.join(_HERE, "data", "drafters")  # package data: one directory per target name
 DRAFTER_FILES = ("config.json", "model.safetensors")
 DEFAULT = "default"
 REAL = ("gemma-3-270m",)  # targets known by name (models.gguf.KNOWN) with a shipped drafter
 NAMES = (DEFAULT, *REAL)
-TRAIN_COMMAND = "python -m jaxspec.train_assistant --target {name} --out DIR"
+TRAIN_COMMAND = "python -m jaxspec.train.assistant --target {name} --out DIR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ def resolve(name: str, assistant: str | None = None) -> Pair:
         if assistant is not None:
             raise ValueError("the default pair ships its own assistant: --assistant goes with --model or a real "
                              f"pair ({', '.join(REAL)})")
-        from . import default_pair
+        from jaxspec import default_pair
 
         missing = default_pair.missing_files()
         if missing:
@@ -97,7 +97,7 @@ def resolve(name: str, assistant: str | None = None) -> Pair:
 
 
 def load_pair(name: str = DEFAULT, dtype=None, *, assistant: str | None = None, matmul=None):
-    """Load a named pair -> (models.Target, models.Assistant, jaxspec.tokenizer.Tokenizer).
+    """Load a named pair -> (models.Target, models.Assistant, jaxspec.text.tokenizer.Tokenizer).
 
     dtype: activation / scale dtype (default bfloat16); matmul: a jaxspec.kernels.DispatchConfig for both
     models (None: the loaders' rule, XLA on a CPU, the Pallas kernels on a GPU); assistant: a drafter
@@ -107,11 +107,11 @@ def load_pair(name: str = DEFAULT, dtype=None, *, assistant: str | None = None, 
 
     from jaxspec import models
 
-    from .tokenizer import load_tokenizer
+    from jaxspec.text import load_tokenizer
 
     pair = resolve(name, assistant)
     if name == DEFAULT:  # its own loader (and its checks), with the pair's tokenizer as jaxspec's Tokenizer
-        from . import default_pair
+        from jaxspec import default_pair
 
         target, drafter, _ = default_pair.load_default_pair(dtype, matmul=matmul)
         return target, drafter, load_tokenizer(pair.target, pair.tokenizer)

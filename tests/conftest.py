@@ -46,7 +46,7 @@ def pytest_configure(config):
         # the run, where one worker finished them alone. SLOW_FILES' order is the one to keep.
         if getattr(config.option, "loadscopereorder", False):
             config.option.loadscopereorder = False
-    from jaxspec import compile_cache, programs
+    from jaxspec.engine import compile_cache, programs
 
     compile_cache.disable_default()
     # compile_cache.enable's settings, set here since JAX may have read the directory already
@@ -131,7 +131,7 @@ def _drop_compiled_programs():
     mappings, and one process running the whole suite reached the kernel's limit of 65,530
     (vm.max_map_count) and crashed inside a compile. The run's disk cache serves them again."""
     yield
-    from jaxspec import programs
+    from jaxspec.engine import programs
 
     jax.clear_caches()
     programs.clear()

@@ -1,4 +1,4 @@
-"""Continuous batching (jaxspec.batching.BatchEngine) on the tiny pair (CPU, XLA matmuls): requests
+"""Continuous batching (jaxspec.engine.batching.BatchEngine) on the tiny pair (CPU, XLA matmuls): requests
 admitted into free slots between rounds, each request's output equal to jaxspec.generate on it alone
 whatever shares the batch (greedy: speculative and classic; sampled: with its seed), cancelled slots
 reused, bad input refused before any compute."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.batching import BatchEngine
+from jaxspec.engine.batching import BatchEngine
 from test_generate import make_pair
 
 TARGET, ASSISTANT = make_pair(seed=7, layers=2)
@@ -187,8 +187,8 @@ def test_admission_writes_every_per_row_field():
 
     import jax
     import jax.numpy as jnp
-    from jaxspec import batching, loop, sampling
-    from jaxspec.generate import PROMPT_BUCKET
+    from jaxspec.engine import batching, loop, sampling
+    from jaxspec.engine.generate import PROMPT_BUCKET
     from seeds import seeded_rng
 
     rng = seeded_rng()

@@ -15,8 +15,8 @@ import pytest
 
 import jaxspec
 from jaxspec import default_pair as dp
-from jaxspec.batching import BatchEngine
-from jaxspec.sampling import SamplingParams
+from jaxspec.engine.batching import BatchEngine
+from jaxspec.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not dp.default_pair_available(), reason="the default pair is not installed")]

@@ -9,8 +9,8 @@ import time
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jaxspec import tokenizer
-from jaxspec.tokenizer import TokenizerError, render_chat_template
+from jaxspec.text import chat_template
+from jaxspec.text.chat_template import TokenizerError, render_chat_template
 from seeds import seeded_rng
 
 # A Gemma-style chat template, written for this test: an optional system turn folded into the first
@@ -98,7 +98,7 @@ def test_runaway_templates_end_with_the_limit_named(template, limit):
 
 
 def test_wall_clock_limit(monkeypatch):
-    monkeypatch.setattr(tokenizer, "TEMPLATE_MAX_SECONDS", 0.3)
+    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 0.3)
     t0 = time.perf_counter()
     finished, error = rendered_in_time("{% for i in range(100000) %}{{ range(20000) | sum }}{% endfor %}")
     assert finished and isinstance(error, TokenizerError) and "TEMPLATE_MAX_SECONDS" in str(error), error

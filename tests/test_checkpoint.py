@@ -331,7 +331,7 @@ def test_params_checked_when_building_a_model():
 def test_eos_and_context_length_survive_save_and_load(tmp_path):
     """eos_token_id (int or list, also from a multimodal config's top level) and
     max_position_embeddings are parsed, saved and reloaded; generate stops on them by default."""
-    from jaxspec.generate import _default_stop_ids
+    from jaxspec.engine.generate import _default_stop_ids
     text = {k: v for k, v in TDICT.items() if k not in ("eos_token_id", "max_position_embeddings")}
     d = {"model_type": "gemma4", "text_config": text, "tie_word_embeddings": False,
          "eos_token_id": [1, 106], "max_position_embeddings": 4096}

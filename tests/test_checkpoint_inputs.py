@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from jaxspec import models
 from jaxspec import cli
-from jaxspec.tokenizer import Tokenizer, TokenizerError, train_byte_bpe
+from jaxspec.text.tokenizer import Tokenizer, TokenizerError, train_byte_bpe
 from jaxspec.models import presets
 from seeds import seeded_rng
 

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from jaxspec import cli
-from jaxspec.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer, render_chat_template, train_byte_bpe
+from jaxspec.text.tokenizer import IncrementalDecoder, Tokenizer, render_chat_template, train_byte_bpe
+from jaxspec.text import load_tokenizer
 from cli_errors import one_line_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

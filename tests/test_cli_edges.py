@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jaxspec import cli
-from jaxspec.tokenizer import DEMO_CORPUS, TokenizerError, train_byte_bpe
+from jaxspec.text.tokenizer import DEMO_CORPUS, TokenizerError, train_byte_bpe
 from jaxspec.models import presets
 from seeds import seeded_rng
 

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from jaxspec import cli, models, programs
+from jaxspec import cli, models
+from jaxspec.engine import programs
 from jaxspec.models import presets
 
 
@@ -85,7 +86,7 @@ def test_tiny_pair_then_generate_with_pair(tmp_path, capsys):
     "lacks tokenizer.json"); its tokens are jaxspec.generate's on presets.tiny_pair, tokenized alike,
     and both ran the XLA matmul path (the loaders' and the CLI's rule on a CPU)."""
     import jaxspec
-    from jaxspec.tokenizer import load_tokenizer
+    from jaxspec.text import load_tokenizer
 
     d = str(tmp_path / "pair")
     assert cli.main(["tiny-pair", d]) == 0

@@ -1,4 +1,4 @@
-"""jaxspec.compile_cache: the programs a generate call compiles (named, each once, none on a second
+"""jaxspec.engine.compile_cache: the programs a generate call compiles (named, each once, none on a second
 call of the same shapes), the on-disk cache the Python API turns on by default (a new process is
 served from it) and its opt-out. The default is checked in subprocesses with HOME in a temp dir."""
 import json
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import compile_cache, models
-from jaxspec.compile_cache import CompileLog
+from jaxspec.engine import compile_cache
+from jaxspec import models
+from jaxspec.engine.compile_cache import CompileLog
 from jaxspec.models import presets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,7 @@ import json, sys
 import numpy as np
 import pytest
 import jaxspec
-from jaxspec import compile_cache
+from jaxspec.engine import compile_cache
 from jaxspec.models import presets
 if sys.argv[1] == "off":
     compile_cache.disable_default()
@@ -119,7 +120,7 @@ def test_cache_directories_others_can_write_are_refused(tmp_path, monkeypatch):
 _ATTACKED = """
 import json, sys, warnings
 import jaxspec
-from jaxspec import compile_cache
+from jaxspec.engine import compile_cache
 from jaxspec.models import presets
 refused = []
 for where in sys.argv[1:]:

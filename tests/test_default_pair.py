@@ -1,4 +1,4 @@
-"""The shipped default pair (jaxspec/default_pair, trained by jaxspec.default_pair.train).
+"""The shipped default pair (jaxspec/data/default_pair, trained by jaxspec.train.default_pair).
 
 The loader: `path=None` is the package directory, any other directory with the same files is read
 instead, a missing pair raises an error naming the files and the training command, and importing the
@@ -61,7 +61,7 @@ def pair():
 def test_missing_pair_raises_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="target/config.json") as e:
         dp.load_default_pair(path=str(tmp_path))
-    assert "python -m jaxspec.default_pair.train --out OUT" in str(e.value)
+    assert "python -m jaxspec.train.default_pair --out OUT" in str(e.value)
     assert not dp.default_pair_available(str(tmp_path))
     assert dp.missing_files(str(tmp_path)) == list(dp.REQUIRED)
 
@@ -88,7 +88,7 @@ def test_path_selects_the_directory(tmp_path):
 def test_loader_does_not_import_the_recipe():
     code = ("import sys, jaxspec.default_pair as dp; dp.default_pair_available(); "
             "print(sorted(m for m in sys.modules if m == 'optax' or m.startswith('optax.') "
-            "or m == 'jaxspec.default_pair.train'))")
+            "or m == 'jaxspec.train.default_pair'))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
@@ -171,7 +171,7 @@ def test_greedy_speculative_is_classic_and_accepts():
 def test_recipe_makes_the_shipped_configs():
     """The recipe's full preset gives exactly the shipped configs, sizes and special tokens."""
     pytest.importorskip("optax")
-    from jaxspec.default_pair import train
+    from jaxspec.train import default_pair as train
     path = dp.default_pair_path()
     with open(os.path.join(path, "target", "config.json")) as f:
         shipped_target = models.TargetConfig.from_dict(json.load(f))
@@ -212,7 +212,7 @@ def test_training_forward_is_draft_step():
     """The assistant's batched, teacher-forced training forward (every position, 3 unrolled steps)
     gives the logits models.draft_step gives when run as the loop runs it, on fresh random weights."""
     pytest.importorskip("optax")
-    from jaxspec.default_pair import train
+    from jaxspec.train import default_pair as train
     sizes = train.SMOKE_SIZES
     tcfg, acfg = train.target_config(sizes), train.assistant_config(sizes)
     keys = jax.random.split(jax.random.key(seeded_int(2 ** 31)), 5)
@@ -231,7 +231,7 @@ def test_training_progress_bar_only_when_asked(monkeypatch, capsys):
     losses the loop reads goes to stderr. The log lines (stdout) and the summary are the same
     either way."""
     pytest.importorskip("optax")
-    from jaxspec.default_pair import train
+    from jaxspec.train import default_pair as train
     losses = seeded_rng().uniform(1.0, 5.0, 40)
     kw = dict(budget_s=1e6, end_by=time.time() + 1e6, max_steps=40, fixed_steps=40, peak=1e-3, warmup=5,
               log_every=10)
@@ -257,7 +257,7 @@ def test_assistant_stage_needs_the_target_stage(tmp_path):
     """--stage assistant refuses, before any work, a directory the target stage did not finish, or
     one whose target has other sizes than the run asks for."""
     pytest.importorskip("optax")
-    from jaxspec.default_pair import train
+    from jaxspec.train import default_pair as train
     sizes = train.SMOKE_SIZES
     with pytest.raises(SystemExit, match="run --stage target"):
         train.check_target_stage(str(tmp_path), sizes)
@@ -276,7 +276,7 @@ def test_assistant_stage_needs_the_target_stage(tmp_path):
 
 
 def test_tiny_training_run(tmp_path):
-    """`python -m jaxspec.default_pair.train --smoke` with fixed small step counts: the files the loader
+    """`python -m jaxspec.train.default_pair --smoke` with fixed small step counts: the files the loader
     reads, metrics.json with every phase and no eval error, and a pair that load_default_pair(path=OUT)
     loads and that decodes speculatively (K=4) exactly as classically."""
     pytest.importorskip("optax")
@@ -285,7 +285,7 @@ def test_tiny_training_run(tmp_path):
             "--n-prompts", "2", "--eval-new-tokens", "8", "--ppl-windows", "8", "--val-windows", "4",
             "--no-deterministic-gpu"]
     for stage in ("target", "assistant"):  # the two runs the H200 recipe makes (each fits a 10-minute limit)
-        r = subprocess.run([sys.executable, "-m", "jaxspec.default_pair.train", *argv, "--stage", stage], cwd=REPO,
+        r = subprocess.run([sys.executable, "-m", "jaxspec.train.default_pair", *argv, "--stage", stage], cwd=REPO,
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         if stage == "target":

@@ -1,8 +1,8 @@
-"""jaxspec.default_pair.corpus on a small tree: which files count, the held-out rule on names,
+"""jaxspec.train.corpus on a small tree: which files count, the held-out rule on names,
 duplicates dropped across sources, what info records, and the installed packages found."""
 import itertools
 
-from jaxspec.default_pair import corpus
+from jaxspec.train import corpus
 
 
 def _write(root, rel, data):
@@ -50,7 +50,7 @@ def test_source_roots_finds_installed_packages():
 
 def test_quality_reads_a_collected_pairs_heldout_files(tmp_path, monkeypatch):
     """quality.heldout_files follows collect()'s names (<source>/<path>) to each source's root."""
-    from jaxspec.default_pair import quality
+    from jaxspec.train import quality
 
     src = tmp_path / "src"
     names = [f"m{i}.py" for i in range(200)]

@@ -1,10 +1,11 @@
-"""jaxspec.default_pair.quality: the plausibility procedure on hand-written completions (each rule
+"""jaxspec.train.quality: the plausibility procedure on hand-written completions (each rule
 of the cut and of the parse), its prompts from real source, and one scored run of the shipped pair."""
 import textwrap
 
 import pytest
 
-from jaxspec.default_pair import default_pair_available, quality
+from jaxspec.default_pair import default_pair_available
+from jaxspec.train import quality
 
 HEADER = "def area(width, height):"
 

@@ -23,11 +23,11 @@ import pytest
 import jaxspec
 from jaxspec import models
 import importlib
-G = importlib.import_module("jaxspec.generate")
-from jaxspec import loop
-from jaxspec import programs
-from jaxspec import streaming
-from jaxspec import verify
+G = importlib.import_module("jaxspec.engine.generate")
+from jaxspec.engine import loop
+from jaxspec.engine import programs
+from jaxspec.engine import streaming
+from jaxspec.engine import verify
 from jaxspec.models import presets
 from jaxspec.kernels import DispatchConfig
 

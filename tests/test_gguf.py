@@ -424,7 +424,7 @@ def test_convert_writes_a_checkpoint_that_loads_identically(tiny, tmp_path, caps
     got = capsys.readouterr()
     assert "wrote " + str(out) + " (with its tokenizer)" in got.out
     assert "\r" not in got.err and "decoding tensors" not in got.err  # stderr not a terminal: no progress bar
-    from jaxspec.tokenizer import load_tokenizer
+    from jaxspec.text import load_tokenizer
     text = "t1t2 t3<bos>t17"
     assert load_tokenizer(str(out)).encode(text) == load_tokenizer(tiny).encode(text)  # GGUFReader's read
     xla = DispatchConfig(backend="xla")

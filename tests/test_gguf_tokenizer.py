@@ -22,8 +22,9 @@ from seeds import seeded_rng
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from jaxspec.gguf_tokenizer import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED  # noqa: E402
-from jaxspec.tokenizer import IncrementalDecoder, TokenizerError, load_tokenizer  # noqa: E402
+from jaxspec.text.gguf import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED  # noqa: E402
+from jaxspec.text.tokenizer import IncrementalDecoder, TokenizerError  # noqa: E402
+from jaxspec.text import load_tokenizer
 
 
 # ---- the line set -----------------------------------------------------------------------------------

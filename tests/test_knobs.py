@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import cli, sampling, streaming
-from jaxspec.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, MAX_VERIFY_WIDTH
-from jaxspec.batching import BatchEngine
+from jaxspec import cli
+from jaxspec.engine import sampling, streaming
+from jaxspec.engine.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, MAX_VERIFY_WIDTH
+from jaxspec.engine.batching import BatchEngine
 from jaxspec import models
 from jaxspec.models import presets
 from seeds import seeded_rng
@@ -68,7 +69,7 @@ def test_block_size_is_bounded_everywhere(k, capsys, monkeypatch):
         streaming.stream_generate(NoModel(), prompt(), block_size=k)
     with pytest.raises(ValueError, match=want):
         BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=k)
-    server = pytest.importorskip("jaxspec.server")
+    server = pytest.importorskip("jaxspec.serve.app")
     with pytest.raises(ValueError, match=want):
         server.Server(NoModel(), None, None, model_name="m", block_size=k)
     for command in (["generate", "hi"], ["serve"]):
@@ -103,7 +104,7 @@ def test_rounds_per_chunk_is_bounded_everywhere(r, capsys, monkeypatch):
         streaming.stream_generate(NoModel(), prompt(), rounds_per_chunk=r)
     with pytest.raises(ValueError, match="rounds_per_step " + want):
         BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, rounds_per_step=r)
-    server = pytest.importorskip("jaxspec.server")
+    server = pytest.importorskip("jaxspec.serve.app")
     with pytest.raises(ValueError, match="rounds_per_chunk " + want):
         server.Server(NoModel(), None, None, model_name="m", rounds_per_chunk=r)
     rng = f"expected an integer in 1..{MAX_ROUNDS_PER_CHUNK}"
@@ -134,7 +135,7 @@ def test_sampling_values_are_refused_at_every_entry_point(name, value, flag, fie
     extra = [] if name in ("temperature", "seed") else ["--temperature", "1"]
     err = cli_refuses(capsys, monkeypatch, "generate", "hi", *extra, flag, str(value))
     assert name in err or flag in err
-    server = pytest.importorskip("jaxspec.server")
+    server = pytest.importorskip("jaxspec.serve.app")
     srv = server.Server(NoModel(), None, None, model_name="m")
     srv.compiles.__exit__()  # its compile log would otherwise record the rest of this process
     body = {"prompt": "x", **({} if name in ("temperature", "seed") else {"temperature": 1.0}), field: value}
@@ -178,7 +179,7 @@ def test_min_p_is_refused_at_every_entry_point(value, capsys, monkeypatch):
     with pytest.raises(ValueError, match="min_p"):
         BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, temperature=1.0, min_p=value)
     assert "min_p" in cli_refuses(capsys, monkeypatch, "generate", "hi", "--temperature", "1", "--min-p", str(value))
-    server = pytest.importorskip("jaxspec.server")
+    server = pytest.importorskip("jaxspec.serve.app")
     srv = server.Server(NoModel(), None, None, model_name="m")
     srv.compiles.__exit__()
     with pytest.raises(server.ApiError) as e:

@@ -6,9 +6,10 @@ import types
 import pytest
 
 import jaxspec
-from jaxspec import models, verify
+from jaxspec import models
+from jaxspec.engine import verify
 from jaxspec.kernels import DispatchConfig
-from jaxspec.loop_config import LoopConfig
+from jaxspec.engine.loop_config import LoopConfig
 
 # The documented rules' constants, as numbers: the prompt bucket (a row tile), the budget bucket,
 # the capacity rounding.

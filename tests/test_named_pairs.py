@@ -67,7 +67,7 @@ def test_drafter_problems_are_one_line(stand_in, capsys, tmp_path):
     os.remove(other / "model.safetensors")
     assert "lacks model.safetensors" in _bad(capsys, "generate", "hi", "--pair", NAME, "--assistant", str(other))
     err = _bad(capsys, "generate", "hi", "--pair", NAME, "--assistant", str(tmp_path / "none"))
-    assert f"no drafter for '{NAME}'" in err and "jaxspec.train_assistant --target gemma-3-270m" in err
+    assert f"no drafter for '{NAME}'" in err and "jaxspec.train.assistant --target gemma-3-270m" in err
     assert "neither a named pair (default, gemma-3-270m) nor a directory" in _bad(capsys, "generate", "hi",
                                                                                    "--pair", "gemma-9")
     assert "ships its own assistant" in _bad(capsys, "generate", "hi", "--pair", "default", "--assistant", str(drafter))
@@ -97,7 +97,7 @@ def test_bench_resolves_the_named_pair_and_its_prompts(stand_in):
     tokenizer (the loop's per-prompt rows: tests/test_speculative_bench.py)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import speculative_bench as sb
-    from jaxspec.tokenizer import load_tokenizer
+    from jaxspec.text import load_tokenizer
 
     texts = ["def add(a, b):", "The quick brown fox"]
     heldout = stand_in[1] / NAME / "heldout_prompts.json"
@@ -121,7 +121,7 @@ def test_bench_resolves_the_named_pair_and_its_prompts(stand_in):
 SHIPPED = os.path.isfile(os.path.join(pairs.drafter_dir(NAME), "config.json"))
 
 
-@pytest.mark.skipif(not SHIPPED, reason=f"no drafter shipped in jaxspec/drafters/{NAME} yet")
+@pytest.mark.skipif(not SHIPPED, reason=f"no drafter shipped in jaxspec/data/drafters/{NAME} yet")
 def test_the_shipped_drafter_fits_its_target():
     """The drafter shipped for Gemma 3 270M: complete, made for it, and fitting the GGUF's config (read
     from the file's header, nothing loaded); its NOTICE carries the Gemma terms."""

@@ -8,7 +8,7 @@ every other step."""
 import pytest
 
 import jaxspec
-from jaxspec.batching import BatchEngine
+from jaxspec.engine.batching import BatchEngine
 from seeds import seeded_rng
 from test_generate import make_pair
 

@@ -1,4 +1,4 @@
-"""jaxspec.programs: programs compiled at once (each lowered once per signature, compiled in its own
+"""jaxspec.engine.programs: programs compiled at once (each lowered once per signature, compiled in its own
 thread), kept per signature in memory, a lowering error raised to the caller. The on-disk half is
 tested in subprocesses (test_compile_cache.py: a new process loads generate's programs whole)."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import programs
+from jaxspec.engine import programs
 
 
 def _program(name, fn, args, lowered):

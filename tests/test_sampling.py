@@ -1,4 +1,4 @@
-"""jaxspec.sampling against independent numpy references.
+"""jaxspec.engine.sampling against independent numpy references.
 
 - filtering (temperature, top-k, top-p) against a direct numpy implementation;
 - the inverse-CDF sampler and the block accept/resample step against their formulas, exactly, with
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from scipy import stats as sstats
 
-from jaxspec import sampling
+from jaxspec.engine import sampling
 
 
 def np_filter_probs(logits, temperature, top_k=None, top_p=None, min_p=None):

@@ -13,12 +13,12 @@ import pytest
 
 import jaxspec
 from jaxspec import models
-from jaxspec import programs
-from jaxspec import sampling
+from jaxspec.engine import programs
+from jaxspec.engine import sampling
 from test_generate import make_pair
 from test_sampling import np_filter_probs
 
-G = importlib.import_module("jaxspec.generate")
+G = importlib.import_module("jaxspec.engine.generate")
 V_ = 8          # vocabulary
 N = 4000        # sampled sequences (one batch row each)
 PROMPT = [3, 1, 4, 1, 5]
@@ -72,7 +72,7 @@ def _generate(t, a, k, draft="sample", seed=1):
 @pytest.mark.parametrize("k,draft", [(1, "sample"), (3, "sample"), (3, "argmax")])
 def test_first_three_tokens_match_target_distribution(tiny_pair, exact, monkeypatch, k, draft):
     t, a = tiny_pair
-    monkeypatch.setattr(importlib.import_module("jaxspec.verify"), "exactness_probe",
+    monkeypatch.setattr(importlib.import_module("jaxspec.engine.verify"), "exactness_probe",
                         lambda *x, **kw: pytest.fail("the exactness probe is only for greedy decoding"))
     r = _generate(t, a, k, draft)
     emp = empirical(r.tokens)

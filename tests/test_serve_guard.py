@@ -1,4 +1,4 @@
-"""jaxspec.serve_guard.Guard over real HTTP (a uvicorn server in a thread serving a tiny FastAPI app;
+"""jaxspec.serve.guard.Guard over real HTTP (a uvicorn server in a thread serving a tiny FastAPI app;
 no model, no JAX): API key, Host check, CORS, content type, body limits, and a slow upload that
 must not stall other requests. Plus `jaxspec serve`'s listen / flag checks, made before any model
 is loaded.
@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 
 from jaxspec import cli
-from jaxspec.serve_guard import Guard
+from jaxspec.serve.guard import Guard
 
 KEY = "test-key-123"
 LIMIT = 64 * 1024

@@ -1,4 +1,4 @@
-"""`jaxspec serve --max-batch N` against the memory (jaxspec.serve_memory): the estimate's terms
+"""`jaxspec serve --max-batch N` against the memory (jaxspec.engine.memory): the estimate's terms
 against the arrays the engine allocates (shapes only, nothing compiled), and the CLI's refusal
 before anything loads. The estimate's factors were measured (peak RSS and XLA's memory_analysis,
 in serve_memory's docstring): compiling a step to measure here would take a minute on CI."""
@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import cli, loop, models, sampling
-from jaxspec.generate import PROMPT_BUCKET, make_generate, stop_array
+from jaxspec import cli, models
+from jaxspec.engine import loop, sampling
+from jaxspec.engine.generate import PROMPT_BUCKET, make_generate, stop_array
 from jaxspec.models import presets
-from jaxspec.serve_memory import (HOST_RUNTIME, LOGIT_COPIES, POOL_BLOCK, STEP_CACHE_COPIES, batch_memory, largest_batch,
+from jaxspec.engine.memory import (HOST_RUNTIME, LOGIT_COPIES, POOL_BLOCK, STEP_CACHE_COPIES, batch_memory, largest_batch,
                                   largest_pool)
 from seeds import seeded_rng
 from test_serve_guard import memory_of, serve_fails

@@ -274,9 +274,9 @@ def test_a_failing_admission_ends_that_request_only(monkeypatch, chat_pair):
     """In-process scheduler (no HTTP), on the tiny pair: a prefill that fails with an internal error
     ends its request with a 500 error event, a refused one with a 400, and the next request is served."""
     from jaxspec import models
-    from jaxspec.batching import BatchEngine
-    from jaxspec.server import Server
-    from jaxspec.tokenizer import load_tokenizer
+    from jaxspec.engine.batching import BatchEngine
+    from jaxspec.serve.app import Server
+    from jaxspec.text import load_tokenizer
     from jaxspec.kernels import DispatchConfig
 
     xla = DispatchConfig(backend="xla")

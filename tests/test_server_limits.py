@@ -157,8 +157,8 @@ def test_a_mid_body_disconnect_is_one_line_not_a_traceback(limited):
 @pytest.fixture(scope="module")
 def srv():
     from jaxspec import models
-    from jaxspec.server import Server
-    from jaxspec.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe
+    from jaxspec.serve.app import Server
+    from jaxspec.text.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe
 
     target, assistant = models.presets.tiny_pair(seed=0)
     tok = Tokenizer(train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size), eos_token_ids=(1,),
@@ -167,7 +167,7 @@ def srv():
 
 
 def _refused(srv, body: dict, chat: bool):
-    from jaxspec.server import ApiError
+    from jaxspec.serve.app import ApiError
 
     with pytest.raises(ApiError) as e:
         srv.job(json.dumps(body).encode(), chat)

@@ -13,9 +13,11 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from jaxspec import cli, models, sampling, server  # noqa: E402
-from jaxspec.server import ApiError, Job, Server  # noqa: E402
-from jaxspec.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe  # noqa: E402
+from jaxspec import cli, models  # noqa: E402
+from jaxspec.engine import sampling
+from jaxspec.serve import app as server
+from jaxspec.serve.app import ApiError, Job, Server  # noqa: E402
+from jaxspec.text.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe  # noqa: E402
 from seeds import seeded_rng  # noqa: E402
 
 TARGET, ASSISTANT = models.presets.tiny_pair(seed=0)

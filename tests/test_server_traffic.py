@@ -121,7 +121,7 @@ def test_an_oversized_body_is_413_while_health_answers(server):
 def _load(pair):
     """The server's models in process (the CLI's CPU choices: xla backend, bfloat16) and tokenizer."""
     from jaxspec import models
-    from jaxspec.tokenizer import load_tokenizer
+    from jaxspec.text import load_tokenizer
     from jaxspec.kernels import DispatchConfig
 
     xla = DispatchConfig(backend="xla")
@@ -190,7 +190,7 @@ def test_unsupported_fields_are_400_naming_them(server, field, value):
 
 
 def test_a_non_streaming_client_that_goes_away_is_cancelled(server, pair):
-    from jaxspec.tokenizer import load_tokenizer
+    from jaxspec.text import load_tokenizer
 
     before = server.health()
     no_eos = {str(t): -100 for t in load_tokenizer(pair[0]).eos_token_ids}  # it would run its whole budget
@@ -212,9 +212,9 @@ def test_a_non_streaming_client_that_goes_away_is_cancelled(server, pair):
 def test_a_full_queue_is_429_with_retry_after():
     """In process: with --max-queue 2 and two requests waiting, the next is refused before it queues."""
     from jaxspec import models
-    from jaxspec.server import ApiError, Job, Server
-    from jaxspec.tokenizer import DEMO_CORPUS, train_byte_bpe
-    from jaxspec import sampling
+    from jaxspec.serve.app import ApiError, Job, Server
+    from jaxspec.text.tokenizer import DEMO_CORPUS, train_byte_bpe
+    from jaxspec.engine import sampling
 
     target, assistant = models.presets.tiny_pair(seed=0)
     tok = train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size)

@@ -85,7 +85,7 @@ if g == 2:  # the loop's other cases, on one mesh
         models.draft_step(a, ts, c, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 256), jnp.float32), c.lengths)
     except ValueError as e:
         out["mixed_error"] = str(e)
-    from jaxspec import programs
+    from jaxspec.engine import programs
     programs._MEMO.clear()  # the same calls again, their programs now read back from the disk cache
     out["reloaded_equal"] = [jaxspec.generate(ts, ids, assistant=as_, block_size=4, **kw).tokens == spec_.tokens,
                              jaxspec.generate(t, ids, block_size=1, **kw).tokens == alone.tokens]

@@ -86,7 +86,7 @@ def test_prompt_text_needs_a_tokenizer(tmp_path):
 
 def test_exactness_probe_off_reaches_generate(tmp_path, monkeypatch):
     """--exactness-probe off: the probe is never run and K runs as asked (for the multirow-off A/B)."""
-    gen = sys.modules["jaxspec.generate"]  # (the package's `generate` attribute is the function)
+    gen = sys.modules["jaxspec.engine.generate"]  # (the package's `generate` attribute is the function)
 
     def no_probe(*a, **k):
         raise AssertionError("the exactness probe ran")

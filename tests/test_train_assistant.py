@@ -1,4 +1,4 @@
-"""jaxspec.train_assistant end to end on a tiny target: `main()` trains a drafter for a few hundred
+"""jaxspec.train.assistant end to end on a tiny target: `main()` trains a drafter for a few hundred
 steps on the target's greedy continuations, saves it (no embedding table of its own) and the tests
 load it back. Independent references: the untrained drafter of the same config (acceptance), classic
 decoding (greedy parity), a second tiny target (the refusal)."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxspec import models
-from jaxspec import train_assistant as ta
-from jaxspec.assistant_training import init_params
+from jaxspec.train import assistant as ta
+from jaxspec.train.shared import init_params
 from jaxspec.models import presets
 from jaxspec.models.checkpoint import SHARED_EMBEDDING
 from seeds import seeded_int

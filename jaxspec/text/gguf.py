@@ -6,7 +6,7 @@ flags, sometimes a chat template). Gemma's is a SentencePiece BPE vocabulary
 (`tokenizer.ggml.model = llama`) with scores and no merges; this module rebuilds it so that its ids
 equal transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)` on the same file:
 
-    tok = jaxspec.tokenizer.load_tokenizer("gemma-3-270m-q4_k_m.gguf")   # or a directory holding one
+    tok = jaxspec.text.tokenizer.load_tokenizer("gemma-3-270m-q4_k_m.gguf")   # or a directory holding one
     tok.save("converted/")                                               # tokenizer.json + tokenizer_config.json
 
 How the SentencePiece vocabulary becomes a BPE model:
@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from jaxspec.tokenizer import Tokenizer, TokenizerError
+from jaxspec.text.tokenizer import Tokenizer, TokenizerError
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -6,7 +6,7 @@ itself, in ~/.cache/jaxspec/jax, the first time it builds a program (a Generator
 probe), for the Python API as for the CLI. Opt out before that with `disable_default()` (the CLI:
 `--no-compile-cache`); a directory already set in JAX's configuration (`jax_compilation_cache_dir`,
 e.g. $JAX_COMPILATION_CACHE_DIR) wins and keeps its settings. generate's own programs are also kept
-whole in its `jaxspec-programs` folder (`jaxspec.programs`), so that a new process skips their tracing too.
+whole in its `jaxspec-programs` folder (`jaxspec.engine.programs`), so that a new process skips their tracing too.
 
 What the cache holds is loaded as code (pickles, executables), so a directory someone else could have
 written to is never used (`checked_dir`): the directory, jaxspec's `jaxspec-programs` folder in it
@@ -33,7 +33,7 @@ _auto = {"on": True, "done": False}
 _warned: set = set()  # unsafe directories already warned about (once each per process)
 
 
-PROGRAMS = "jaxspec-programs"  # generate's whole programs (jaxspec.programs), inside the cache directory
+PROGRAMS = "jaxspec-programs"  # generate's whole programs (jaxspec.engine.programs), inside the cache directory
 _JAX_SUFFIX = "-cache"  # the files JAX's persistent cache reads: <key>-cache
 
 
@@ -196,7 +196,7 @@ _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
-LOAD = "/jaxspec/programs/load_duration"  # a program loaded whole from disk (jaxspec.programs)
+LOAD = "/jaxspec/programs/load_duration"  # a program loaded whole from disk (jaxspec.engine.programs)
 _active: list["CompileLog"] = []
 _listening = {"on": False}
 
@@ -207,7 +207,7 @@ class Program:
     trace_s: float = 0.0
     lower_s: float = 0.0
     compile_s: float = 0.0  # XLA's compile, or the persistent cache's fetch when it held the program
-    load_s: float = 0.0     # loaded whole from disk instead (jaxspec.programs): no trace, lower or compile
+    load_s: float = 0.0     # loaded whole from disk instead (jaxspec.engine.programs): no trace, lower or compile
 
 
 class CompileLog:
@@ -260,7 +260,7 @@ class CompileLog:
 
     @property
     def loaded(self) -> list[str]:
-        """The names of the programs loaded whole from disk (`jaxspec.programs`)."""
+        """The names of the programs loaded whole from disk (`jaxspec.engine.programs`)."""
         return [p.name for p in self.programs if p.load_s > 0]
 
 

@@ -1,7 +1,7 @@
 """The OpenAI API's schema, both ways: a request body -> jaxspec's request (`sampling.SamplingParams`)
 and the prompt's token ids, refused with OpenAI's error JSON (`ApiError`, a 4xx) before anything
-runs; and the response objects (usage, logprobs). No model, no thread: `jaxspec.server` holds one
-`OpenAISchema` and routes to it, `jaxspec.scheduler` runs what it returns.
+runs; and the response objects (usage, logprobs). No model, no thread: `jaxspec.serve.app` holds one
+`OpenAISchema` and routes to it, `jaxspec.serve.scheduler` runs what it returns.
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 import math
 import random
 
-from . import sampling
-from .serve_guard import error_json
-from .tokenizer import TokenizerError
+from jaxspec.engine import sampling
+from jaxspec.serve.guard import error_json
+from jaxspec.text.tokenizer import TokenizerError
 
 
 class ApiError(Exception):

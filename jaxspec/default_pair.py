@@ -5,7 +5,7 @@
     out = jaxspec.generate(target, ids, assistant=assistant, max_new_tokens=64)
     print(tokenizer.decode(out.tokens[0]))
 
-A small Gemma-4-style target and its MTP assistant trained by `jaxspec.default_pair.train` on Python
+A small Gemma-4-style target and its MTP assistant trained by `jaxspec.train.default_pair` on Python
 source (the standard library and 27 installed packages, `corpus.py`), stored in the MLX 4-bit layout
 (see docs/default-pair.md for sizes, training and measured quality). Files, in this package's
 directory (`default_pair_path()`):
@@ -22,15 +22,16 @@ from __future__ import annotations
 import json
 import os
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# The files live in the package data folder jaxspec/data/default_pair/ (code and data in separate rooms).
+_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "default_pair")
 REQUIRED = ("target/config.json", "target/model.safetensors", "assistant/config.json",
             "assistant/model.safetensors", "tokenizer.json")
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2  # the tokenizer's first three tokens: <pad>, <eos>, <bos>
-TRAIN_COMMAND = "python -m jaxspec.default_pair.train --out OUT"
+TRAIN_COMMAND = "python -m jaxspec.train.default_pair --out OUT"
 
 
 def default_pair_path() -> str:
-    """The packaged pair's directory (this package's own directory)."""
+    """The packaged pair's directory (jaxspec/data/default_pair)."""
     return _HERE
 
 

@@ -16,13 +16,13 @@ import numpy as np
 from jaxspec import models
 from jaxspec.kernels import ROW_TILE
 
-from . import compile_cache
-from . import loop
-from . import programs
-from . import sampling
-from . import verify
-from .loop_config import BUDGET_BUCKET, PROMPT_BUCKET, LoopConfig, round_up as _round_up  # noqa: F401  (the buckets: named here too)
-from .verify import MAX_VERIFY_WIDTH  # noqa: F401  (the knobs' bounds are named here)
+from jaxspec.engine import compile_cache
+from jaxspec.engine import loop
+from jaxspec.engine import programs
+from jaxspec.engine import sampling
+from jaxspec.engine import verify
+from jaxspec.engine.loop_config import BUDGET_BUCKET, PROMPT_BUCKET, LoopConfig, round_up as _round_up  # noqa: F401  (the buckets: named here too)
+from jaxspec.engine.verify import MAX_VERIFY_WIDTH  # noqa: F401  (the knobs' bounds are named here)
 
 # The knobs' bounds, one per kind, checked by `check_int` wherever the knob is accepted (generate,
 # make_generate, streaming, BatchEngine, the server, the CLI before it loads anything).

@@ -3,7 +3,7 @@
     POST /v1/completions, POST /v1/chat/completions   (`stream: true` for server-sent events)
     GET /v1/models, GET /health
 
-Requests decode together, continuously batched (`jaxspec.batching.BatchEngine`): one worker thread
+Requests decode together, continuously batched (`jaxspec.engine.batching.BatchEngine`): one worker thread
 admits waiting requests into free slots between rounds (in arrival order), runs a round for every
 live slot, and retires finished ones. Every sampling setting shares the batch: temperature, top_p,
 top_k, min_p, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
@@ -13,7 +13,7 @@ between decode steps, so a long prompt does not stop the other streams for its w
 request past a request's capacity or the whole pool is refused (a 400 naming the limit); one that
 fits waits in the queue until a slot and its blocks are free. Its output is exactly what
 `jaxspec generate` gives it (greedy: the CLI's text; sampled: the same for the same seed on CPU;
-on a GPU the same distribution, see `jaxspec.batching`). Between
+on a GPU the same distribution, see `jaxspec.engine.batching`). Between
 rounds the worker reads the tokens, stops at a stop string, and drops a request whose client went
 away (streaming or not). Bad requests get OpenAI's error JSON with a 4xx status before anything
 runs; a field the server does not implement is a 400 naming it, never ignored. Responses carry
@@ -37,13 +37,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from . import serve_guard
-from .batching import BatchEngine
-from .generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
-from .loop_config import PREFILL_CHUNK, slot_capacity
-from .openai_schema import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
-from .scheduler import Job, Scheduler
-from .serve_guard import Guard, error_json
+from jaxspec.serve import guard as serve_guard
+from jaxspec.engine.batching import BatchEngine
+from jaxspec.engine.generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
+from jaxspec.engine.loop_config import PREFILL_CHUNK, slot_capacity
+from jaxspec.serve.protocol import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
+from jaxspec.serve.scheduler import Job, Scheduler
+from jaxspec.serve.guard import Guard, error_json
 
 BATCH_CONTEXT = 4096  # KV pool positions per slot (the pool: max_batch x this, shared by the slots)
 REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its prompt and output)

@@ -18,7 +18,7 @@ import numpy as np
 from jaxspec import models
 from jaxspec.kernels import ROW_TILE, DispatchConfig, select_path
 
-from . import programs
+from jaxspec.engine import programs
 
 PAD_TOKEN = 0
 # An explicit verify_pad width: padding exists to reach the tiled GEMM (past ROW_TILE rows); more

@@ -1,10 +1,10 @@
 """Train the default (target, assistant) pair that jaxspec ships and loads when no model is given.
 
-    python -m jaxspec.default_pair.train --out OUT --stage target      # ~10 min on one H200
-    python -m jaxspec.default_pair.train --out OUT --stage assistant   # ~10 min, same machine and OUT
-    python -m jaxspec.default_pair.train --out OUT                     # both stages in one run
-    python -m jaxspec.default_pair.train --out OUT --smoke    # tiny sizes, CPU, a few minutes
-    python -m jaxspec.default_pair.train --out OUT --eval-only   # re-measure the pair in OUT
+    python -m jaxspec.train.default_pair --out OUT --stage target      # ~10 min on one H200
+    python -m jaxspec.train.default_pair --out OUT --stage assistant   # ~10 min, same machine and OUT
+    python -m jaxspec.train.default_pair --out OUT                     # both stages in one run
+    python -m jaxspec.train.default_pair --out OUT --smoke    # tiny sizes, CPU, a few minutes
+    python -m jaxspec.train.default_pair --out OUT --eval-only   # re-measure the pair in OUT
 
 OUT then holds the files `jaxspec.default_pair` reads (`load_default_pair(path=OUT)`); copying them
 into the package directory makes them the shipped pair. The two stages exist so that each fits a
@@ -72,13 +72,14 @@ from jaxspec.models import layer_scan
 from jaxspec.models.config import FULL, SLIDING
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize
 
-from jaxspec import assistant_training as shared
-from jaxspec.assistant_training import (TRAIN_MATMUL, Metrics, _json_default, init_params, log, make_tx,  # noqa: F401
+from jaxspec.train import shared
+from jaxspec.train.shared import (TRAIN_MATMUL, Metrics, _json_default, init_params, log, make_tx,  # noqa: F401
                                         run_phase, sample_windows, self_check, target_logits, to_dtype, token_nll,
                                         unrolled_drafts)
 
-from . import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair, quality
-from . import corpus as corpus_mod
+from jaxspec.default_pair import BOS_ID, EOS_ID, PAD_ID, heldout_prompts, load_default_pair
+from jaxspec.train import quality
+from jaxspec.train import corpus as corpus_mod
 
 T_START = time.time()  # main() restarts it (and the shared log clock): --deadline counts from there
 SPECIALS = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID}  # the tokenizer's first ids, in this order
@@ -253,7 +254,7 @@ def assistant_config(s: Sizes) -> models.AssistantConfig:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jaxspec.default_pair.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxspec.train.default_pair", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and budgets (CPU check of the whole script)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -387,7 +388,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     metrics = Metrics(os.path.join(args.out, "metrics.json"), keep=resume)
     run_key = "assistant_stage" if resume else "run"
-    metrics.set("script", "jaxspec.default_pair.train")
+    metrics.set("script", "jaxspec.train.default_pair")
     metrics.set(run_key, dict(argv=sys.argv[1:] if argv is None else list(argv), args=vars(args)))
     metrics.set("sizes", dataclasses.asdict(sizes))
     xla_info, xla_flags = deterministic_xla_flags(args.deterministic_gpu, os.environ)
@@ -845,7 +846,7 @@ def evaluate(args, metrics, sizes, tok, train_data, held_data, prompts, on_gpu, 
                   "mean_accepted_drafts excludes it; speed = summed decode time, compile excluded"))
         return res
 
-    def plausibility():  # jaxspec.default_pair.quality's procedure on the held-out files (full: 40 x 64)
+    def plausibility():  # jaxspec.train.quality's procedure on the held-out files (full: 40 x 64)
         picked = quality.procedure_prompts(held_files, tok, seq, sizes.eval_new_tokens, 2 * sizes.n_prompts)
         r = quality.score(loaded["target"], tok, picked, sizes.eval_new_tokens)
         return dict(plausibility=round(r["plausibility"], 3), n=r["n"], max_tokens=r["max_tokens"],

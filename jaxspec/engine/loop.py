@@ -30,9 +30,9 @@ import numpy as np
 from flax import struct
 
 from jaxspec import models
-from . import sampling
-from . import verify
-from .loop_config import LoopConfig
+from jaxspec.engine import sampling
+from jaxspec.engine import verify
+from jaxspec.engine.loop_config import LoopConfig
 
 # Query position passed to models.draft_step, relative to the cache length L at the start of a
 # round (after rollback; the bonus token's position is L). 0 is HF's convention, the one
@@ -101,7 +101,7 @@ class DecodeState:
     limit: jax.Array        # int32 [B]: the row's token budget (1..N)
     stop_ids: jax.Array     # int32 [S]: EOS/stop ids, padded with -1
     done: jax.Array         # bool [B]
-    key: jax.Array          # one key for the batch, or one per row ([B]: jaxspec.batching's slots)
+    key: jax.Array          # one key for the batch, or one per row ([B]: jaxspec.engine.batching's slots)
     rounds: jax.Array       # int32 []: rounds in which some row was active (verify forwards that count)
     row_rounds: jax.Array   # int32 [B]: rounds in which the row was active
     drafted: jax.Array      # int32 [B]
@@ -116,7 +116,7 @@ class DecodeState:
 
 
 # The DecodeState fields the whole batch shares. Every other field is per row (leading axis B, the
-# cache's rows and the key's included), so admitting a request into a slot (`jaxspec.batching`)
+# cache's rows and the key's included), so admitting a request into a slot (`jaxspec.engine.batching`)
 # writes all of them from `row_fields()`: a new per-row field cannot keep the slot's previous request's value.
 SHARED_FIELDS = ("stop_ids", "rounds", "hist")
 
@@ -198,7 +198,7 @@ def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key, rows) -> 
 
 def blank_state(spec: LoopSpec, target, batch: int, prompt_width: int, stop_ids, key, rows, cache=None) -> DecodeState:
     """A decode state (decode's shapes, as `start(spec, prefill(...))` of `[batch, prompt_width]`
-    prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.batching`).
+    prompts) whose rows are all done: empty slots for continuous batching (`jaxspec.engine.batching`).
     `cache`: the state's cache (default: `init_cache` of the spec's capacity; the engine passes a
     paged one)."""
     return _blank(spec, target, batch, prompt_width, jnp.ones((batch,), jnp.int32), stop_ids, key, rows, cache)
@@ -340,7 +340,7 @@ def decode_rounds(spec: LoopSpec, target, assistant, state: DecodeState, rounds:
     """Exactly `rounds` (static) rounds; a row that is done stays as it is (as in `decode`), but the
     loop does not stop early. Without a condition to read there is no device-to-host copy per
     round, so on a GPU the call returns as soon as its work is queued: continuous batching reads the
-    last step's tokens while these rounds run (`jaxspec.batching`, `jaxspec.streaming`). Rounds
+    last step's tokens while these rounds run (`jaxspec.engine.batching`, `jaxspec.engine.streaming`). Rounds
     run after every row is done change nothing, and `state.rounds` does not count them."""
     _check_decode(spec, assistant, state)
     return jax.lax.fori_loop(0, rounds, lambda _, s: decode_round(spec, target, assistant, s), state)

@@ -25,7 +25,7 @@ import numpy as np
 from jaxspec import models
 from jaxspec.kernels import ROW_TILE
 
-from . import verify
+from jaxspec.engine import verify
 
 CAPACITY_ROUND = 64  # derived cache sizes are rounded up to this (one prefill serves many K)
 PROMPT_BUCKET = ROW_TILE  # prompts are right-padded to whole row tiles (the prefill's matmul rows)

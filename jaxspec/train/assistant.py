@@ -1,9 +1,9 @@
 """Train an MTP assistant (drafter) for a target jaxspec loads, by self-distillation.
 
-    python -m jaxspec.train_assistant --target gemma-3-270m --out DIR            # a model name, or a path
-    python -m jaxspec.train_assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
+    python -m jaxspec.train.assistant --target gemma-3-270m --out DIR            # a model name, or a path
+    python -m jaxspec.train.assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
         --out "$OUT/drafter" --work /tmp/drafter-work --minutes 9.5              # one H200 call (see below)
-    python -m jaxspec.train_assistant ... --resume     # continue the run in --work: its data and checkpoint
+    python -m jaxspec.train.assistant ... --resume     # continue the run in --work: its data and checkpoint
 
 The drafter directory (--out), what `models.load_assistant(DIR, target=target)` reads:
 
@@ -24,15 +24,15 @@ The drafter directory (--out), what `models.load_assistant(DIR, target=target)` 
     assistant = models.load_assistant(DIR, target=target)
     out = jaxspec.generate(target, ids, assistant=assistant, block_size=4)
 
-The recipe (generalised from the default pair's, `jaxspec.default_pair.train`; the shared pieces are
-`jaxspec.assistant_training`):
+The recipe (generalised from the default pair's, `jaxspec.train.default_pair`; the shared pieces are
+`jaxspec.train.shared`):
 
 1. Prompts, nothing downloaded, each --prompt-tokens long (BOS first): --self-share of them written
    by the target itself (BOS, then its samples at --self-temperature, top_p 0.95: the general prose
    it was trained on, which this machine's text lacks; without them the first drafter kept 5-15% of
    its drafts on held-out stories and letters), the rest windows of Python source and of prose
    (docstrings of that source, the installed packages' METADATA descriptions) from
-   `jaxspec.default_pair.corpus` (its held-out files excluded), half code, half prose. Any text
+   `jaxspec.train.corpus` (its held-out files excluded), half code, half prose. Any text
    containing a held-out prompt is dropped first (recorded: `data.dropped_for_heldout`).
    `--random-prompts` uses random token ids instead (a target without a tokenizer; the tests).
 2. The target's own greedy continuations of them (`jaxspec.generate`, classic, batched):
@@ -63,7 +63,7 @@ minutes and keeps /tmp while it stays warm, hence the single-call default below.
 
 One H200 call (the GGUF at /tmp/gemma-3-270m-q4_k_m.gguf), the drafter written under $OUT:
 
-    python -m jaxspec.train_assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
+    python -m jaxspec.train.assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
         --out "$OUT/drafter" --work /tmp/drafter-work --minutes 9.5
 
 Needs optax (`pip install -e '.[train]'`). Importing this module computes nothing.
@@ -86,9 +86,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-from jaxspec import assistant_training as shared
+from jaxspec.train import shared
 from jaxspec import models
-from jaxspec.assistant_training import TRAIN_MATMUL, Metrics, init_params, log, lr_at, make_tx, unrolled_hidden
+from jaxspec.train.shared import TRAIN_MATMUL, Metrics, init_params, log, lr_at, make_tx, unrolled_hidden
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize, take_rows
 from jaxspec.models import fingerprint as fp_mod
 from jaxspec.models.checkpoint import SHARED_EMBEDDING
@@ -96,11 +96,10 @@ from jaxspec.models.config import FULL, SLIDING, _rope_dict
 from jaxspec.models.layers import linear
 from jaxspec.models.params import assistant_shapes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DRAFTERS = os.path.join(HERE, "drafters")  # shipped drafters: drafters/<target name>/
+DRAFTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "drafters")  # shipped drafters: drafters/<target name>/
 DRAFT_STEPS = 3  # K - 1 at K = 4
 NOTICE = """\
-This drafter (MTP assistant) was trained by jaxspec (python -m jaxspec.train_assistant) on the
+This drafter (MTP assistant) was trained by jaxspec (python -m jaxspec.train.assistant) on the
 greedy outputs of Gemma 3 270M, whose weights are provided under and subject to the Gemma Terms of
 Use found at ai.google.dev/gemma/terms. As a model derivative of Gemma, it is distributed under
 those terms, including the Gemma Prohibited Use Policy (ai.google.dev/gemma/prohibited_use_policy).
@@ -170,8 +169,8 @@ def _metadata_texts():
 
 def corpus_texts(max_files: int | None = None):
     """(code [(name, text)], prose [(name, text)], info) from the training split of
-    jaxspec.default_pair.corpus (held-out files excluded by its name rule) plus METADATA prose."""
-    from jaxspec.default_pair import corpus
+    jaxspec.train.corpus (held-out files excluded by its name rule) plus METADATA prose."""
+    from jaxspec.train import corpus
     train, _held, info = corpus.collect(corpus.source_roots(corpus.PACKAGES), max_files)
     prose = []
     for name, text in train:
@@ -494,7 +493,7 @@ def step_costs(target, assistant, context: int = 128, reps: int = 30) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jaxspec.train_assistant", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m jaxspec.train.assistant", description=__doc__.split("\n")[0],
                                 epilog=__doc__[__doc__.index("One H200 call"):__doc__.index("Needs optax")],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="the target: a model name (gemma-3-270m), a .gguf or a checkpoint dir")
@@ -644,7 +643,7 @@ def main(argv=None) -> int:
             prompts = random_prompts(tcfg.vocab_size, args.prompts, P, args.seed, avoid=np.asarray(eval_prompts))
             info = dict(source="random token ids", heldout="random token prompts, removed from training")
         else:
-            from jaxspec.tokenizer import load_tokenizer
+            from jaxspec.text import load_tokenizer
             from jaxspec.models import gguf
             tok = load_tokenizer(gguf.source(args.target) or args.target)
             eval_prompts = [tok.encode(p["text"]) for p in heldout]
@@ -652,7 +651,7 @@ def main(argv=None) -> int:
             probes = heldout_probes(heldout)
             code, d1 = drop_heldout(code, probes)
             prose, d2 = drop_heldout(prose, probes)
-            info.update(dropped_for_heldout=d1 + d2, heldout_file=os.path.relpath(held_path, HERE),
+            info.update(dropped_for_heldout=d1 + d2, heldout_file=os.path.relpath(held_path, os.path.dirname(DRAFTERS)),
                         source="windows of corpus code and prose (docstrings, METADATA), half each")
             n_self = int(round(args.self_share * args.prompts / args.gen_batch)) * args.gen_batch
             prompts = text_prompts(tok, code, prose, args.prompts - n_self, P, args.seed)

@@ -1,5 +1,5 @@
-"""Training pieces shared by the drafter recipes: the default pair's (`jaxspec.default_pair.train`)
-and the general one for any supported target (`jaxspec.train_assistant`).
+"""Training pieces shared by the drafter recipes: the default pair's (`jaxspec.train.default_pair`)
+and the general one for any supported target (`jaxspec.train.assistant`).
 
 * logging with a run clock (`log`, `reset_clock`) and `Metrics` (a JSON file rewritten on every set);
 * the models code batched over every position of a window, as training differentiates it:
@@ -27,7 +27,7 @@ import optax
 
 from jaxspec import models
 from jaxspec.kernels import DispatchConfig
-from jaxspec.loop import DRAFT_POSITION_OFFSET
+from jaxspec.engine.loop import DRAFT_POSITION_OFFSET
 from jaxspec.models.layers import linear
 from jaxspec.models.params import LINEAR
 from jaxspec.progress import bar

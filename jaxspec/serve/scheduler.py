@@ -5,7 +5,7 @@ for every live slot (the waiting prompts' prefill chunks, then a round for the d
 each slot's tokens into text events (`_Text`: incremental decoding, stop strings, logprobs) and
 retires finished or abandoned jobs (their blocks go back to the pool at once). Every request runs in
 the batch: one that fits no slot (longer than a request's capacity or the whole pool) is refused
-with a 400. The events go to the job's `emit`; `jaxspec.server` turns them into responses.
+with a 400. The events go to the job's `emit`; `jaxspec.serve.app` turns them into responses.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import compile_cache, sampling
-from .batching import BatchEngine
-from .loop_config import PROMPT_BUCKET, round_up
-from .openai_schema import ApiError, capacity_note
-from .tokenizer import IncrementalDecoder
+from jaxspec.engine import compile_cache, sampling
+from jaxspec.engine.batching import BatchEngine
+from jaxspec.engine.loop_config import PROMPT_BUCKET, round_up
+from jaxspec.serve.protocol import ApiError, capacity_note
+from jaxspec.text.tokenizer import IncrementalDecoder
 
-log = logging.getLogger("jaxspec.server")  # the warm-up's request (jaxspec serve shows INFO lines)
+log = logging.getLogger("jaxspec.serve.app")  # the warm-up's request (jaxspec serve shows INFO lines)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Streaming generation: tokens reach the host as rounds complete.
 
-    for chunk in jaxspec.streaming.stream_generate(target, prompt_ids, assistant=assistant):
+    for chunk in jaxspec.engine.streaming.stream_generate(target, prompt_ids, assistant=assistant):
         print(tok.decode(chunk.tokens[0]), end="", flush=True)
     result = chunk.result          # the last chunk carries the GenerationResult (tokens + stats)
 
@@ -23,8 +23,8 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 
-from .generate import MAX_ROUNDS_PER_CHUNK, GenerationResult, check_int, plan, request_of
-from .loop import Snapshot, check_prefill, snapshot
+from jaxspec.engine.generate import MAX_ROUNDS_PER_CHUNK, GenerationResult, check_int, plan, request_of
+from jaxspec.engine.loop import Snapshot, check_prefill, snapshot
 
 
 @dataclasses.dataclass

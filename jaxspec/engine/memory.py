@@ -5,7 +5,7 @@
                         capacity=256, host=True)
     need.total, need.describe()
 
-The batch engine (jaxspec.batching) keeps one decode state of `max_batch` rows and runs one
+The batch engine (jaxspec.engine.batching) keeps one decode state of `max_batch` rows and runs one
 compiled step over it. Its peak, per term (XLA's `memory_analysis` of the step program and the
 process's peak RSS, default pair on CPU, K = 4 and K = 1):
 - the KV cache (`models.cache_bytes`; given `kv_positions`, `serve --kv-positions`, the paged
@@ -17,7 +17,7 @@ process's peak RSS, default pair on CPU, K = 4 and K = 1):
   pair at B = 16, K = 4 (its activations weigh more beside its cache): counted as 2.5 caches;
 - the verify's float32 logits [B, K + 1, V], four copies (K = 4 adds at most 3.9 copies' worth
   of temporaries per slot over K = 1 on the default pair): a large vocabulary's slots are heavy;
-- the paged cache's views (jaxspec.batching: a global layer gathers its rows' K and V, up to a
+- the paged cache's views (jaxspec.engine.batching: a global layer gathers its rows' K and V, up to a
   request's capacity each, from the shared pool): two K/V pairs of the widest global layer alive;
 - the weights, and on a CPU (host memory) the process itself: the runtime and the compiler
   (1.2 GB at B = 8 above the buffers) and XLA's dequantized weights (the step's temporaries at
@@ -33,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-from .loop_config import PROMPT_BUCKET
+from jaxspec.engine.loop_config import PROMPT_BUCKET
 
 STEP_CACHE_COPIES = 2.5   # the step's temporaries, in KV caches (measured 1.8 to 2.5 on CPU)
 LOGIT_COPIES = 4          # float32 [B, K + 1, V] arrays alive at once in a verify round
@@ -86,7 +86,7 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
     cache is then the paged engine's (`models.paged_cache_bytes`: that pool, each slot's sliding
     rings and block table), not `max_batch` x `capacity` positions; the other terms are the same."""
     from jaxspec import models
-    from jaxspec.sampling import BIAS_SLOTS, TOP_LOGPROBS
+    from jaxspec.engine.sampling import BIAS_SLOTS, TOP_LOGPROBS
 
     b = max_batch
     if kv_positions is None:

@@ -72,10 +72,10 @@ import numpy as np
 from jaxspec import models
 from jaxspec.kernels import EMPTY
 
-from . import loop, sampling
-from .generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
+from jaxspec.engine import loop, sampling
+from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
-from .loop_config import PREFILL_CHUNK, LoopConfig, round_up
+from jaxspec.engine.loop_config import PREFILL_CHUNK, LoopConfig, round_up
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -291,7 +291,7 @@ class BatchEngine:
     def warm_up(self) -> None:
         """Compile every program the engine may run (each step's ladder and the prefill of a
         PROMPT_BUCKET-token prompt; a longer prompt's chunk widths compile on first use). Logs (INFO,
-        logger jaxspec.batching) when it starts and how long it took."""
+        logger jaxspec.engine.batching) when it starts and how long it took."""
         t0 = time.perf_counter()
         log.info("batch engine warm-up: %d step programs and a prefill (%d slots, K=%d) ...", len(self.modes),
                  self.slots, self.block_size)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import compile_cache
+from jaxspec.engine import compile_cache
 
 # One line when compiling starts and one with how long it took (INFO: silent unless the user
 # configures logging; the CLI and the server show them). Programs already in memory log nothing.
@@ -135,7 +135,7 @@ def directory() -> str | None:
 @functools.cache
 def _sources_hash() -> str:
     h = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the jaxspec package, every room
     # followlinks: in a source checkout jaxspec/models and jaxspec/kernels link to models/ and
     # pallas_kernels/; in a wheel they are real folders. Either way they are part of the hash.
     for dirpath, dirnames, files in sorted(os.walk(here, followlinks=True)):

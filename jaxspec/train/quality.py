@@ -1,6 +1,6 @@
 """Does the default pair write Python? The plausibility of greedy completions of held-out functions.
 
-    python -m jaxspec.default_pair.quality [--path DIR] [--n 40] [--max-tokens 64] [--json]
+    python -m jaxspec.train.quality [--path DIR] [--n 40] [--max-tokens 64] [--json]
 
 The procedure, fixed so that two pairs' scores compare (docs/default-pair.md):
 1. Prompts: every function definition (`ast`) in the pair's held-out files, in (file, line) order,
@@ -150,8 +150,8 @@ def heldout_files(path: str | None = None, stdlib: str | None = None) -> list[tu
     it exists, else this interpreter's). Files this machine lacks are left out."""
     import sysconfig
 
-    from . import corpus as corpus_mod
-    from . import default_pair_metrics
+    from jaxspec.train import corpus as corpus_mod
+    from jaxspec.default_pair import default_pair_metrics
 
     corpus = default_pair_metrics(path)["corpus"]
     if "sources" in corpus:  # names are <source>/<path in source>
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
 
     from jaxspec.kernels import DispatchConfig
 
-    from . import load_default_pair
+    from jaxspec.default_pair import load_default_pair
 
     matmul = None if jax.default_backend() == "gpu" else DispatchConfig(backend="xla")  # Pallas interpret is slow
     target, _, tok = load_default_pair(matmul=matmul, path=args.path)

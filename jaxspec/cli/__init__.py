@@ -34,10 +34,10 @@ import time
 import traceback
 import warnings
 
-from . import compile_cache, sampling
-from .serve_guard import ACCEPT_BACKLOG
-from .generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
-from .loop_config import PREFILL_CHUNK
+from jaxspec.engine import compile_cache, sampling
+from jaxspec.serve.guard import ACCEPT_BACKLOG
+from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
+from jaxspec.engine.loop_config import PREFILL_CHUNK
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_MESSAGE = 400  # characters of one error / warning line; longer ones are cut with a marker
@@ -265,7 +265,7 @@ def _parse_configs(model_dir: str, assistant_dir: str | None):
 def default_pair_dirs(path: str | None = None) -> tuple[str, str] | None:
     """(target dir, assistant dir) of the pair in `path` (default: the packaged default pair, see
     jaxspec.default_pair), or None when it is incomplete."""
-    from . import default_pair
+    from jaxspec import default_pair
 
     if not default_pair.default_pair_available(path):
         return None
@@ -371,7 +371,7 @@ def cache_capacity(prompt_len: int, max_tokens: int, block_size: int, drafting: 
     """The cache positions `jaxspec.generate` allocates for one prompt (`LoopConfig.resolve`; checked
     before the model loads, so unpadded: the verify width taken as the block size). drafting: an
     assistant is given (else K is 1)."""
-    from .loop_config import LoopConfig
+    from jaxspec.engine.loop_config import LoopConfig
 
     return LoopConfig.resolve(block_size=block_size, batch=1, prompt_len=prompt_len, max_new_tokens=max_tokens,
                               drafting=drafting, verify_pad=False).capacity
@@ -404,7 +404,7 @@ def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, draft
     outputs, the weights and on a CPU the process and XLA's dequantized weights), as `serve` checks
     its slots. It counted the cache and the weight files only: on a CPU a run it let through could
     need 3x the weights and 1.5 GiB more."""
-    from .serve_memory import batch_memory
+    from jaxspec.engine.memory import batch_memory
 
     mem = device_memory()
     if mem is None:
@@ -467,7 +467,7 @@ def _by_name(model: str) -> str:
 
 def _pair_name(args) -> str | None:
     """--pair's value when it names a pair (jaxspec.pairs.NAMES) rather than a directory, else None."""
-    from .pairs import NAMES
+    from jaxspec.pairs import NAMES
 
     value = getattr(args, "pair", None)
     return value if value in NAMES and not os.path.lexists(value) else None
@@ -476,7 +476,7 @@ def _pair_name(args) -> str | None:
 def _resolve_named(args, name: str) -> tuple[str, str | None]:
     """A named pair's (target, drafter): jaxspec.pairs.resolve, its one-line errors as UsageError. With
     --no-assistant a real pair needs only its target (no drafter is looked for)."""
-    from . import pairs
+    from jaxspec import pairs
 
     if args.no_assistant and name in pairs.REAL:
         return _by_name(name), None
@@ -497,8 +497,8 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
                              "gemma-3-270m)")
         pair = default_pair_dirs(args.pair)
         if pair is None and args.pair is not None:
-            from .default_pair import missing_files
-            from .pairs import NAMES
+            from jaxspec.default_pair import missing_files
+            from jaxspec.pairs import NAMES
 
             if not os.path.lexists(args.pair):
                 raise UsageError(f"--pair {args.pair!r} is neither a named pair ({', '.join(NAMES)}) nor a directory")
@@ -550,8 +550,8 @@ def _flush_warnings(caught) -> None:
 
 def _generate_streamed(target, ids, assistant, tok, kw, rounds_per_chunk, show, caught):
     """Stream the text to stdout as rounds complete; returns the GenerationResult."""
-    from . import streaming
-    from .tokenizer import IncrementalDecoder
+    from jaxspec.engine import streaming
+    from jaxspec.text.tokenizer import IncrementalDecoder
 
     dec = IncrementalDecoder(tok)
     result = None
@@ -574,7 +574,8 @@ def _generate_streamed(target, ids, assistant, tok, kw, rounds_per_chunk, show, 
 
 def cmd_generate(args) -> int:
     import jaxspec
-    from .tokenizer import TokenizerError, load_tokenizer
+    from jaxspec.text.tokenizer import TokenizerError
+    from jaxspec.text import load_tokenizer
 
     _check_stdout()
     _check_ranges(args, _GENERATE_RANGES)
@@ -677,7 +678,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Load the pair and serve it over HTTP until interrupted (jaxspec.server)."""
+    """Load the pair and serve it over HTTP until interrupted (jaxspec.serve.app)."""
     import importlib.util
 
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
@@ -686,8 +687,9 @@ def cmd_serve(args) -> int:
                          "(in the jaxspec checkout)")
     _check_serve_flags(args)  # before importing the server (JAX) or loading anything: found in a second
     _check_cache_flag(args)
-    from . import server
-    from .tokenizer import TokenizerError, load_tokenizer
+    from jaxspec.serve import app as server
+    from jaxspec.text.tokenizer import TokenizerError
+    from jaxspec.text import load_tokenizer
 
     origins = tuple(args.allow_origin or ())
     api_key, _ = _api_key(args)
@@ -732,9 +734,9 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
     """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
     the KV pool (--kv-positions, else the server's positions per slot), the decode step's temporaries, the paged
     views, the verify logits, the weights and on a CPU the process itself)."""
-    from .loop_config import slot_capacity
-    from .serve_memory import batch_memory, largest_batch, largest_pool
-    from .server import BATCH_CONTEXT, REQUEST_CONTEXT
+    from jaxspec.engine.loop_config import slot_capacity
+    from jaxspec.engine.memory import batch_memory, largest_batch, largest_pool
+    from jaxspec.serve.app import BATCH_CONTEXT, REQUEST_CONTEXT
 
     mem = device_memory()
     if mem is None:
@@ -775,7 +777,7 @@ def _api_key(args) -> tuple[str | None, str]:
 def _check_bind(args) -> None:
     """A wildcard address (0.0.0.0, ::) listens on every interface: refused without an API key
     unless --insecure-no-key says so."""
-    from .serve_guard import is_wildcard
+    from jaxspec.serve.guard import is_wildcard
 
     if is_wildcard(args.host) and _api_key(args)[0] is None and not args.insecure_no_key:
         raise UsageError(f"--host {args.host} listens on every interface: give an API key (--api-key KEY or "
@@ -791,7 +793,7 @@ DEFAULT_MAX_CONNECTIONS = 512
 def _max_connections(args) -> int:
     """--max-connections, or the default, checked against the open-file limit: at the cap,
     accepting a connection must still find a descriptor."""
-    from .serve_guard import fd_limit
+    from jaxspec.serve.guard import fd_limit
 
     limit = fd_limit()
     room = None if limit is None else limit - FD_RESERVE
@@ -871,7 +873,7 @@ def cmd_tiny_pair(args) -> int:
     from jaxspec import models
     from jaxspec.models import pair_files
 
-    from .tokenizer import DEMO_CORPUS, train_byte_bpe
+    from jaxspec.text.tokenizer import DEMO_CORPUS, train_byte_bpe
 
     _check_output_dir(args.dir, args.force)  # before building anything
     target, assistant = models.presets.tiny_pair(seed=args.seed)
@@ -996,7 +998,7 @@ def _load_gguf(src: str, quiet: bool, **kw):
 def _save_gguf_tokenizer(src: str, out: str) -> str:
     """The GGUF's tokenizer saved into `out` (tokenizer.json, tokenizer_config.json): the tokenizer
     module reads it from the GGUF metadata. Returns a note for the summary line."""
-    from jaxspec.gguf_tokenizer import tokenizer_from_gguf
+    from jaxspec.text.gguf import tokenizer_from_gguf
     from jaxspec.models import gguf
 
     meta = gguf.plan(src)[1]  # jaxspec's parse of the metadata: seconds, where GGUFReader takes tens

@@ -1,0 +1,1 @@
+"""Drafter kinds: what proposes the K-1 tokens a round verifies."""
