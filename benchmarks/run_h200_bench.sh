@@ -32,8 +32,8 @@ step() {  # name timeout command...: run, log, re-pack
 }
 for s in $steps; do
     case $s in
-    pytest_gpu) step pytest_gpu 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gpu.py \
-        tests/test_decode_attention.py tests/test_flash_attention.py ;;
+    pytest_gpu) step pytest_gpu 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernels_gpu.py \
+        tests/kernels/test_decode_attention.py tests/kernels/test_flash_attention.py ;;
     # the rows of docs/kernels.md's table: the two MLP shapes and the tied head
     kernels) step kernels 380 python3 benchmarks/kernel_bench.py --commit "$commit" --phase check,table \
         --shapes 15360x3840,3840x15360,262144x3840 --table-rows 1,2,4,8,16,64,128,256 --deadline 330 \

@@ -94,7 +94,7 @@ def row_bucket(target: Target, batch: int) -> int:
     K). A lone row was faster (~10% of a classic step on Gemma 3 270M), but XLA's CPU code gives a
     row other bits at 1 row than at 4 (op by op: the norms' reduce and their division), and the real
     Gemma 3 270M's greedy text then differed from classic decoding's (the bfloat16 exactness probe
-    did not see it; tests/test_gemma3.py checks the verify against the steps). At batch 2 and more
+    did not see it; tests/models/test_gemma3.py checks the verify against the steps). At batch 2 and more
     the same happens (a [B, 4] verify off by up to 0.12 from four [B, 1] steps on the default pair),
     so those keep the multirow bucket."""
     mm = target.matmul

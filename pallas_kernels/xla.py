@@ -13,7 +13,7 @@ from .quant import QuantizedWeight, dequantize
 # XLA's CPU dot gives a row the same bits for every row count from 2 on (a GEMM library kernel
 # whose reduction order does not depend on the rows), while 1 row takes a GEMV that sums in another
 # order (measured on JAX 0.10.2, float32 and bfloat16, [2048, 640], [640, 2048], [4096, 512], 2..16
-# rows; tests/test_kernels.py checks it). So on a CPU one row is padded to 2, not to ROW_TILE.
+# rows; tests/kernels/test_kernels.py checks it). So on a CPU one row is padded to 2, not to ROW_TILE.
 CPU_DOT_ROWS = 2
 
 

@@ -4,7 +4,7 @@ import shutil
 import tempfile
 
 # Compile-bound on CPU: about 80% of a test's time is XLA compiling tiny programs, and LLVM's backend
-# optimisations are a quarter of that (tests/test_batching.py 48.5 -> 39.4 s without them). The few
+# optimisations are a quarter of that (tests/engine/test_batching.py 48.5 -> 39.4 s without them). The few
 # runs that execute a lot (the default pair's decoding) get ~2x slower; the suite as a whole is 15%
 # faster (1,385 -> 1,184 s on the 2-core CI machine). Set before JAX starts its backend (below), and
 # inherited by every subprocess a test starts.
@@ -15,7 +15,7 @@ if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from seeds import SEED_ENV, run_seed  # noqa: E402
+from support.seeds import SEED_ENV, run_seed  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -112,7 +112,7 @@ def tiny_server(pair):
     running test_server.Running, stopped when the module ends. Every server it starts has the same
     batch settings (16 slots, 2 rounds per chunk), so the first warm-up's programs serve the others
     from the run's compile cache; the modules differ only in their connection and guard flags."""
-    from test_server import Running
+    from support.server_proc import Running
 
     started = []
 

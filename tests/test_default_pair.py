@@ -30,8 +30,8 @@ from jaxspec import models
 from jaxspec.models import layer_scan
 from jaxspec import default_pair as dp
 from jaxspec.kernels import DispatchConfig, QuantizedWeight
-from fake_terminal import Terminal
-from seeds import seeded_int, seeded_rng
+from support.fake_terminal import Terminal
+from support.seeds import seeded_int, seeded_rng
 
 XLA = DispatchConfig(backend="xla", dense=False)  # the shipped (quantized) format; not dequantized at load
 N_PROMPTS = 8            # run one at a time (B=1): equal lengths, so one compilation serves all
@@ -50,7 +50,7 @@ needs_pair = pytest.mark.skipif(
     not dp.default_pair_available(),
     reason=(f"default pair not installed at {dp.default_pair_path()} (missing {dp.missing_files()}); "
             f"train it with `{dp.TRAIN_COMMAND}` and copy OUT there"))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ import re
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO  # noqa: E402
 PAGES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 MARK = re.compile(r"<!--\s*(not runnable|needs):\s*(.*?)\s*-->\s*\Z", re.S)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO  # noqa: E402
 CACHE = os.environ["JAXSPEC_TEST_COMPILE_CACHE"]  # this run's, made by conftest.py
 
 
@@ -27,7 +27,7 @@ def hostile_cwd(tmp_path_factory):
 
 
 def run(cwd, *args, timeout=300):
-    # the worktree first on the path (as tests/test_cli.py), yet after the working directory
+    # the worktree first on the path (as tests/cli/test_cli.py), yet after the working directory
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -7,6 +7,7 @@ run in seconds, offline: speculative decoding with --compare (greedy identical t
 line with exit status 2 for a missing drafter, an incomplete one, one made for another target, an
 unknown name. The shipped drafter on the real GGUF is the last test (skipped until it is shipped).
 """
+from support.paths import REPO  # noqa: E402
 import json
 import os
 import re
@@ -18,10 +19,10 @@ import pytest
 import jaxspec
 from jaxspec import cli, pairs
 from jaxspec.models import gguf
-from cli_errors import one_line_error
+from support.cli_errors import one_line_error
 
 CACHE = os.environ["JAXSPEC_TEST_COMPILE_CACHE"]  # this run's, made by conftest.py
-PROMPT = "def fibonacci(n):"  # tests/test_cli.py's prompt, budget and pair: the same compiled programs
+PROMPT = "def fibonacci(n):"  # tests/cli/test_cli.py's prompt, budget and pair: the same compiled programs
 NAME = "gemma-3-270m"
 
 
@@ -94,8 +95,8 @@ def test_load_pair_generates_as_the_cli(stand_in, capsys):
 def test_bench_resolves_the_named_pair_and_its_prompts(stand_in):
     """`speculative_bench --target gemma-3-270m`: the GGUF target (here the stand-in), the shipped
     drafter and the drafter directory's heldout_prompts.json, text tokenized with the target's
-    tokenizer (the loop's per-prompt rows: tests/test_speculative_bench.py)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    tokenizer (the loop's per-prompt rows: tests/bench/test_speculative_bench.py)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import speculative_bench as sb
     from jaxspec.text import load_tokenizer
 

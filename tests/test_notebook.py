@@ -1,7 +1,7 @@
 """Execute docs/notebooks/quickstart.ipynb on CPU (nbclient, the python3 kernel of this
 interpreter) so it never rots: with the packaged default pair when it is installed, and with the
 tiny random pair its first cell writes otherwise. It uses the test run's compilation cache
-(conftest.py; JAX's own cache setting, which jaxspec's default cache keeps), as tests/test_cli.py
+(conftest.py; JAX's own cache setting, which jaxspec's default cache keeps), as tests/cli/test_cli.py
 does, so the tiny pair reuses what that file compiled earlier in the same run."""
 import os
 
@@ -13,7 +13,7 @@ pytest.importorskip("ipykernel")
 
 from jaxspec import default_pair
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO  # noqa: E402
 NOTEBOOK = os.path.join(REPO, "docs", "notebooks", "quickstart.ipynb")
 CACHE = os.environ["JAXSPEC_TEST_COMPILE_CACHE"]  # this run's, made by conftest.py
 

@@ -43,11 +43,11 @@ a new request takes its slot; inactive rows cost compute, not correctness.
 
 Rows never see each other: each keeps its own cache, lengths and budget, and the kernels compute a
 row the same whatever the other rows hold. So a request's greedy output is what `jaxspec.generate`
-gives it alone (tests/test_batching.py checks it against generate, request by request). Each slot
+gives it alone (tests/engine/test_batching.py checks it against generate, request by request). Each slot
 draws its random numbers from its own key (`sampling.uniform`), so a sampled request with a seed is
 also what generate gives it alone with that seed, on CPU. On the H200 it is an exact sample of the
 same distribution but may leave its run alone after some tokens: XLA's fused softmax rounds a row
-by how many rows share the call (tests/test_batching_gpu.py; greedy rows are exact there too).
+by how many rows share the call (tests/engine/test_batching_gpu.py; greedy rows are exact there too).
 
 Each request brings its own sampling (temperature, top_k, top_p, logit_bias, logprobs): they are
 rows of the state (`sampling.RowParams`), not part of a program. The engine compiles a short ladder

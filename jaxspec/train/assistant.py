@@ -539,7 +539,7 @@ def parse_args(argv=None):
     p.add_argument("--no-eval", action="store_true")
     p.add_argument("--no-self-check", action="store_true",
                    help="skip the float32 check of the batched training forward against models.draft_step (its "
-                        "three float32 compiles take ~100 s on the H200; tests/test_train_assistant.py runs it)")
+                        "three float32 compiles take ~100 s on the H200; tests/train/test_train_assistant.py runs it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=None, help="corpus files per source (a quick run)")
     return p.parse_args(argv)

@@ -1,0 +1,138 @@
+"""`jaxspec serve --max-batch N` against the memory (jaxspec.engine.memory): the estimate's terms
+against the arrays the engine allocates (shapes only, nothing compiled), and the CLI's refusal
+before anything loads. The estimate's factors were measured (peak RSS and XLA's memory_analysis,
+in serve_memory's docstring): compiling a step to measure here would take a minute on CI."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import cli, models
+from jaxspec.engine import loop, sampling
+from jaxspec.engine.generate import PROMPT_BUCKET, make_generate, stop_array
+from jaxspec.models import presets
+from jaxspec.engine.memory import (HOST_RUNTIME, LOGIT_COPIES, POOL_BLOCK, STEP_CACHE_COPIES, batch_memory, largest_batch,
+                                  largest_pool)
+from support.seeds import seeded_rng
+from support.serve_cli import memory_of, serve_fails
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # a key: its two uint32
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    rng = seeded_rng()
+    vocab = int(rng.integers(200, 400))
+    td = presets.tiny_target_dict(vocab_size=vocab, num_hidden_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"])
+    return models.TargetConfig.from_dict(td)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_terms_match_the_engines_arrays(tiny_cfg, dtype):
+    """Cache: the bytes of init_cache's arrays; logits: LOGIT_COPIES float32 [B, K + 1, V]; the step's
+    temporaries: STEP_CACHE_COPIES caches; outputs: at least the decode state's other arrays (its
+    tokens, logprobs, top-20 alternatives, sampling rows) as the full sampling mode lays them out."""
+    rng = seeded_rng()
+    b, k, cap = int(rng.integers(3, 40)), int(rng.integers(1, 6)), int(rng.integers(64, 300))
+    w = int(rng.integers(1 << 20, 1 << 24))
+    need = batch_memory(tiny_cfg, b, k, dtype, w, capacity=cap, host=False)
+    cache = jax.eval_shape(lambda: models.init_cache(tiny_cfg, b, cap, dtype))
+    assert need.cache == _nbytes(cache)
+    assert need.logits == LOGIT_COPIES * np.zeros((b, k + 1, tiny_cfg.vocab_size), np.float32).nbytes
+    assert need.step == int(STEP_CACHE_COPIES * need.cache)
+    assert (need.weights, need.runtime) == (w, 0)
+    # The engine's own state (batching.BatchEngine: blank_state of the full mode, a budget below the
+    # capacity), shapes only: its arrays beside the cache fit the outputs term, not 3x over.
+    target = jax.eval_shape(lambda: presets.random_model(tiny_cfg, jax.random.key(0), dtype=dtype))
+    gen = make_generate(block_size=k, max_new_tokens=cap // 2, cache_size=cap, mode=sampling.FULL_MODE)
+    state = jax.eval_shape(lambda: loop.blank_state(gen.spec, target, b, PROMPT_BUCKET, stop_array((1,)),
+                                                     jax.random.split(jax.random.key(0), b), gen.rows(b)))
+    rest = _nbytes(state) - _nbytes(state.cache)
+    assert rest <= need.state <= 3 * rest
+    assert need.total == need.cache + need.state + need.step + need.logits + need.weights
+
+
+def test_host_memory_counts_the_process(tiny_cfg):
+    """On a CPU the runtime, the compiler and XLA's dequantized weights share the memory."""
+    dev = batch_memory(tiny_cfg, 8, 4, jnp.bfloat16, 1 << 24, capacity=256, host=False)
+    host = batch_memory(tiny_cfg, 8, 4, jnp.bfloat16, 1 << 24, capacity=256, host=True)
+    assert host.total - dev.total == HOST_RUNTIME + 2 * (1 << 24)
+    assert "runtime and compiler" in host.describe() and "runtime" not in dev.describe()
+
+
+def test_serve_refuses_a_batch_over_the_host_memory(capsys, monkeypatch):
+    """The default pair at --max-batch 4096 on a 12 GiB CPU: the old estimate (cache + 3 logits +
+    weights, 5.8 GiB) let it through, and its warm-up passed 12 GiB (issue 51). Refused in one line
+    naming the limit and the terms, exit 2, before loading; a batch that fits goes on to load."""
+    port = memory_of(monkeypatch, 12 << 30, "host memory")
+    err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
+    for part in ("--max-batch 4096", "12.0 GiB of host memory", "KV cache", "step temporaries",
+                 "runtime and compiler", "lower --max-batch (at most "):
+        assert part in err, err
+    assert cli.main(["serve", "--max-batch", "64", "--port", port]) == 1  # fits: it goes on to load
+    assert "a model was about to be loaded" in capsys.readouterr().err
+
+
+
+def test_largest_batch_is_the_last_that_fits(tiny_cfg):
+    """What the refusal offers instead: the largest batch whose estimate fits, checked one by one."""
+    rng = seeded_rng()
+    k, w, cap, host = int(rng.integers(1, 6)), int(rng.integers(1, 1 << 24)), int(rng.integers(64, 4096)), \
+        bool(rng.integers(0, 2))
+
+    def total(n):
+        return batch_memory(tiny_cfg, n, k, jnp.bfloat16, w, capacity=cap, host=host).total
+    limit = total(int(rng.integers(2, 500))) + int(rng.integers(0, 1000))
+    n = largest_batch(limit, tiny_cfg, k, jnp.bfloat16, w, capacity=cap, host=host, most=4096)
+    assert total(n) <= limit < total(n + 1)
+    assert largest_batch(total(1) - 1, tiny_cfg, k, jnp.bfloat16, w, capacity=cap, host=host, most=4096) == 0
+
+
+def test_a_pool_counts_the_paged_engines_arrays(tiny_cfg):
+    """With kv_positions (serve --kv-positions) the KV cache is the paged engine's: the pool of that
+    many positions, the slots' rings and block tables (init_paged_cache's arrays at the request's
+    capacity); the step's temporaries follow it, the other terms are the slots'."""
+    rng = seeded_rng()
+    b, k, cap, req = int(rng.integers(2, 9)), int(rng.integers(1, 6)), 256, int(rng.integers(300, 900))
+    kv = POOL_BLOCK * int(rng.integers(1, 200))
+    need = batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                        kv_positions=kv)
+    per_request = -(-req // PROMPT_BUCKET) * PROMPT_BUCKET
+    arrays = jax.eval_shape(lambda: models.init_paged_cache(tiny_cfg, b, per_request, kv // POOL_BLOCK, POOL_BLOCK,
+                                                            jnp.bfloat16))
+    assert POOL_BLOCK == PROMPT_BUCKET  # the scheduler's blocks
+    assert need.cache == _nbytes(arrays) and need.step == int(STEP_CACHE_COPIES * need.cache)
+    slots = batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req)
+    assert (need.logits, need.state, need.views, need.weights) == (slots.logits, slots.state, slots.views,
+                                                                  slots.weights)
+    assert f"a pool of {kv} positions for {b} slots" in need.describe()
+
+    def total(pool):
+        return batch_memory(tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                            kv_positions=pool).total
+    limit = need.total + int(rng.integers(0, 1 << 16))
+    fit = largest_pool(limit, tiny_cfg, b, k, jnp.bfloat16, 1 << 20, capacity=cap, host=False, request_capacity=req,
+                       most=1 << 20)
+    assert fit % POOL_BLOCK == 0 and total(fit) <= limit < total(fit + POOL_BLOCK)
+
+
+def test_serve_checks_kv_positions_against_the_memory(capsys, monkeypatch):
+    """--kv-positions is the pool the memory check counts (not --max-batch x 4096): past the memory
+    it is refused before loading, in one line naming the flag and the largest pool that fits;
+    that pool goes on to load, one block more does not."""
+    port = memory_of(monkeypatch, 12 << 30, "host memory")
+    err = serve_fails(capsys, "--kv-positions", str(1 << 26), "--port", port)
+    for part in ("--kv-positions 67108864 with --max-batch 4", "a pool of 67108864 positions for 4 slots",
+                 "12.0 GiB of host memory", "lower --kv-positions (at most "):
+        assert part in err, err
+    fit = int(re.search(r"at most (\d+)\)", err).group(1))
+    assert fit % 16 == 0 and fit >= 4 * 4096  # the default pool fits where --max-batch 64 does
+    assert cli.main(["serve", "--kv-positions", str(fit), "--port", port]) == 1  # fits: it goes on to load
+    assert "a model was about to be loaded" in capsys.readouterr().err
+    assert "lower --kv-positions" in serve_fails(capsys, "--kv-positions", str(fit + 16), "--port", port)
