@@ -4,7 +4,12 @@
 #   [COMMIT=<sha>] bash benchmarks/run_h200_bench.sh DEST [STEP ...]   (writes DEST/results.tgz, DEST/STEP.log)
 # COMMIT names the code in the reports where the tree has no .git (else `git rev-parse`).
 # Steps (default: all, in this order; about 1,800 s of step timeouts, so name a subset per call):
-#   pytest_gpu    the GPU-only tests (matmul and attention kernels)
+#   gpu_kernels   GPU tests, group 1: the matmul and attention kernels (tests/kernels, -m gpu)
+#   gpu_models    GPU tests, group 2: the batch engine, the default backend, tensor parallel and Gemma 3 on the
+#                 real kernels (tests/engine and tests/models, -m gpu, plus tests/models/test_gemma3_family.py)
+#   gpu_stream    GPU tests, group 3: the layer-stream spike (tests/bench, -m gpu)
+#   (each GPU group fits one device call; `-m gpu` anywhere else finds nothing: a new gpu test joins its
+#   folder's group)
 #   kernels       kernel_bench: GPU correctness checks and the table of the default paths
 #   decode12b     Gemma 4 12B shapes, random 4-bit weights: classic decode and a K = 4 round
 #   default_pair  the shipped pair on its 20 held-out prompts x 64 tokens: acceptance and speedup
@@ -16,7 +21,7 @@
 set -u
 dest=${1:-out}
 shift || true
-steps=${*:-pytest_gpu kernels decode12b default_pair profile attention context}
+steps=${*:-gpu_kernels gpu_models gpu_stream kernels decode12b default_pair profile attention context}
 out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
@@ -32,8 +37,10 @@ step() {  # name timeout command...: run, log, re-pack
 }
 for s in $steps; do
     case $s in
-    pytest_gpu) step pytest_gpu 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernels_gpu.py \
-        tests/kernels/test_decode_attention.py tests/kernels/test_flash_attention.py ;;
+    gpu_kernels) step gpu_kernels 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels ;;
+    gpu_models) step gpu_models 560 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine tests/models \
+        && python3 -m pytest -q -p no:cacheprovider tests/models/test_gemma3_family.py" ;;
+    gpu_stream) step gpu_stream 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bench ;;
     # the rows of docs/kernels.md's table: the two MLP shapes and the tied head
     kernels) step kernels 380 python3 benchmarks/kernel_bench.py --commit "$commit" --phase check,table \
         --shapes 15360x3840,3840x15360,262144x3840 --table-rows 1,2,4,8,16,64,128,256 --deadline 330 \
@@ -49,6 +56,6 @@ for s in $steps; do
     context) step context 580 python3 benchmarks/context_bench.py --commit "$commit" --target 12b --assistant 12b \
         --context 128,2048,8192,32768 --spec-context 128,32768 --max-tokens 32 --repeats 1 --time-budget 480 \
         --out "$out/context" ;;
-    *) echo "unknown step $s (steps: pytest_gpu kernels decode12b default_pair profile attention context)" ;;
+    *) echo "unknown step $s (steps: gpu_kernels gpu_models gpu_stream kernels decode12b default_pair profile attention context)" ;;
     esac
 done
