@@ -418,6 +418,20 @@ def bounded(seconds: float, memory: int):
         resource.setrlimit(resource.RLIMIT_DATA, limits)
 
 
+def test_bad_tokenizer_metadata_exit_2_nothing_written(tmp_path, tiny, monkeypatch, capsys):
+    """`convert` reads the tokenizer before it loads or writes anything: a file whose tokenizer
+    metadata has the wrong type (add_bos_token the string "false", once read as True) is refused
+    with nothing written, as `generate` refuses it."""
+    path = write_tiny(tmp_path / "flag.gguf", seeded_rng(), meta={"tokenizer.ggml.add_bos_token": (VT.STRING, "false")})
+    _no_decoding(monkeypatch)
+    out = tmp_path / "out"
+    for argv in (["convert", path, str(out)], ["generate", "hi", "--model", path, "--no-assistant"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "tokenizer.ggml.add_bos_token = 'false' is not a bool" in err[-1] and path in err[-1], err
+        assert not out.exists()
+
+
 def test_missing_package_names_the_pip_install(monkeypatch, capsys, tmp_path):
     import sys
 
