@@ -32,10 +32,15 @@ subtracts the 1 again (in float32) and so does this reader. Gemma's q/k rows are
 
 The file is parsed here (header, metadata, tensor table: well under a second, where
 `gguf.GGUFReader` takes tens of seconds on the 262,144-token vocabulary) and every problem is found
-before any tensor is decoded: not a GGUF file, a truncated or corrupt header or tensor table, data
-running past the end of the file, an architecture or tensor type this reader does not map, a
-missing or unexpected tensor, a shape that disagrees with the metadata. Each is one ValueError line
-naming the file. Tensor data are read from a memory map.
+before any tensor is decoded, within time and memory bounded by the file's size: not a GGUF file,
+a truncated or corrupt header or tensor table (every count and length bounded by the bytes left, a
+duplicate key, a bool neither 0 nor 1, arrays nested more than MAX_ARRAY_DEPTH deep,
+general.alignment not a UINT32 power of two), a tensor whose data are not where llama.cpp's layout
+puts them (in table order, each where the one before ends, padded to the alignment: no overlap, no
+gap, no unaligned offset, every size from its type and dims, nothing after the last), an
+architecture or tensor type this reader does not map, block_count or a width beyond the tensors
+the file holds, a missing or unexpected tensor, a shape that disagrees with the metadata. Each is
+one ValueError line naming the file. Tensor data are read from a memory map.
 """
 from __future__ import annotations
 
@@ -666,9 +671,13 @@ def plan(path: str) -> tuple[Any, dict, list[TensorInfo], dict, dict]:
                             f"(supported: {', '.join(ok)})")
         elif t.shape != shape:
             problems.append(f"tensor {t.name!r} has shape {list(t.shape)}, expected {list(shape)} from the metadata")
-    if problems:
-        raise ValueError(f"{path!r} cannot be loaded: " + "; ".join(problems))
+    if problems:  # the first few: a width off by one can make every tensor's shape wrong
+        more = f"; and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        raise ValueError(f"{path!r} cannot be loaded: " + "; ".join(problems[:MAX_PROBLEMS]) + more)
     return buf, meta, infos, config, names
+
+
+MAX_PROBLEMS = 4  # named in plan's one line
 
 
 # `<arch>.` keys that size tensors (llama.cpp's names, the same in every architecture)

