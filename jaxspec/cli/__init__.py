@@ -944,6 +944,7 @@ def cmd_convert(args) -> int:
                          f"({', '.join(sorted(gguf.KNOWN))})")
     _read_config(src, "GGUF model")  # the header, metadata and tensor table checked before "loading ..."
     _check_output_dir(args.out, args.force, "convert")
+    tok = _step("reading its tokenizer", lambda: _gguf_tokenizer(src))  # bad metadata: nothing written
     quantize = None
     if args.quantize is not None:
         bits, gs = (int(v) for v in re.fullmatch(r"(\d+)bit-g(\d+)", args.quantize).groups())
@@ -951,11 +952,11 @@ def cmd_convert(args) -> int:
     target = _load_gguf(src, quiet=args.quiet, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
     try:
         _step(f"writing {args.out}", lambda: models.save(target, args.out))
-        tok_note = _step("writing its tokenizer", lambda: _save_gguf_tokenizer(src, args.out))
+        _step("writing its tokenizer", lambda: tok.save(args.out))
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None
-    print(f"wrote {args.out}{tok_note}\ntry: jaxspec generate \"The capital of France is\" --model {args.out} "
+    print(f"wrote {args.out} (with its tokenizer)\ntry: jaxspec generate \"The capital of France is\" --model {args.out} "
           "--no-assistant")
     return EXIT_OK
 
@@ -995,15 +996,15 @@ def _load_gguf(src: str, quiet: bool, **kw):
     return model
 
 
-def _save_gguf_tokenizer(src: str, out: str) -> str:
-    """The GGUF's tokenizer saved into `out` (tokenizer.json, tokenizer_config.json): the tokenizer
-    module reads it from the GGUF metadata. Returns a note for the summary line."""
+def _gguf_tokenizer(src: str):
+    """The GGUF's tokenizer, rebuilt from its metadata (jaxspec.text.gguf) before anything is
+    loaded or written: unusable tokenizer metadata is a TokenizerError (bad input, exit 2) with
+    nothing written."""
     from jaxspec.text.gguf import tokenizer_from_gguf
     from jaxspec.models import gguf
 
     meta = gguf.plan(src)[1]  # jaxspec's parse of the metadata: seconds, where GGUFReader takes tens
-    tokenizer_from_gguf(src, reader=gguf.MetadataReader(meta)).save(out)
-    return " (with its tokenizer)"
+    return tokenizer_from_gguf(src, reader=gguf.MetadataReader(meta))
 
 
 # ---------------------------------------------------------------------------------------------

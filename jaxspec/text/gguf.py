@@ -52,6 +52,9 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SUPPORTED_ARCHITECTURES = ("gemma3",)
 SUPPORTED_MODELS = ("llama",)  # tokenizer.ggml.model: SentencePiece; "gpt2" (byte-level BPE) etc. are not handled
 SPACE = "\u2581"
+# The longest piece rebuilt (characters): every cut of every piece is a candidate merge, so the
+# rebuild takes the sum of the pieces' squared lengths; Gemma 3's longest is 31 (a run of tabs).
+MAX_PIECE = 256
 
 
 @dataclass
@@ -113,33 +116,55 @@ def read_vocab(path: str, reader=None) -> GGUFVocab:
     tokens = value("tokenizer.ggml.tokens")
     scores = value("tokenizer.ggml.scores")
     types = value("tokenizer.ggml.token_type")
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is str for t in tokens):
         raise TokenizerError(f"{path!r}: tokenizer.ggml.tokens is missing or not a list of strings")
     n = len(tokens)
+    longest = max(range(n), key=lambda i: len(tokens[i]))
+    if len(tokens[longest]) > MAX_PIECE:
+        raise TokenizerError(f"{path!r}: token {longest} is {len(tokens[longest]):,} characters long; jaxspec "
+                             f"rebuilds vocabularies of pieces up to {MAX_PIECE}")
     for key, arr in (("scores", scores), ("token_type", types)):
         if not isinstance(arr, list) or len(arr) != n:
             raise TokenizerError(f"{path!r}: tokenizer.ggml.{key} is missing or does not have one entry "
                                  f"per token ({n:,})")
+    for key, arr, kind, ok in (("scores", scores, float, lambda v: True),
+                               ("token_type", types, int, lambda v: 0 <= v <= BYTE)):
+        bad = next((i for i, v in enumerate(arr) if type(v) is not kind or not ok(v)), None)
+        if bad is not None:
+            want = "a number (FLOAT32)" if kind is float else f"a token type (an integer 0..{BYTE})"
+            raise TokenizerError(f"{path!r}: tokenizer.ggml.{key}[{bad}] = {_short(arr[bad])} is not {want}")
 
     def token_id(key):
         v = value(f"tokenizer.ggml.{key}")
         if v is None:
             return None
-        if not isinstance(v, int) or not 0 <= v < n:
-            raise TokenizerError(f"{path!r}: tokenizer.ggml.{key} = {v!r} is not a token id (0..{n - 1})")
+        if type(v) is not int or not 0 <= v < n:
+            raise TokenizerError(f"{path!r}: tokenizer.ggml.{key} = {_short(v)} is not a token id (0..{n - 1})")
+        return v
+
+    def flag(key, default):
+        v = value(f"tokenizer.ggml.{key}", default)
+        if type(v) is not bool:  # no coercion: the string "false" is not False
+            raise TokenizerError(f"{path!r}: tokenizer.ggml.{key} = {_short(v)} is not a bool")
         return v
 
     extra = tuple(i for k in ("eot_token_id", "eom_token_id") if (i := token_id(k)) is not None)
     template = value("tokenizer.chat_template")
+    if template is not None and type(template) is not str:
+        raise TokenizerError(f"{path!r}: tokenizer.chat_template = {_short(template)} is not a string")
     return GGUFVocab(path=path, architecture=arch, model=model, tokens=tokens, scores=scores,
-                     token_types=[int(t) for t in types], bos_id=token_id("bos_token_id"),
+                     token_types=types, bos_id=token_id("bos_token_id"),
                      eos_id=token_id("eos_token_id"), unk_id=token_id("unknown_token_id"),
                      pad_id=token_id("padding_token_id"), extra_eos_ids=extra,
                      # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
-                     add_bos=bool(value("tokenizer.ggml.add_bos_token", True)),
-                     add_eos=bool(value("tokenizer.ggml.add_eos_token", False)),
-                     add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", False)),
-                     chat_template=template if isinstance(template, str) else None)
+                     add_bos=flag("add_bos_token", True), add_eos=flag("add_eos_token", False),
+                     add_space_prefix=flag("add_space_prefix", False), chat_template=template)
+
+
+def _short(v) -> str:
+    """repr(v) cut to a length an error line can hold."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def _spelling(piece: str) -> str:

