@@ -67,8 +67,8 @@ def test_missing_pair_raises_clear_error(tmp_path):
 
 
 def test_path_selects_the_directory(tmp_path):
-    """path=None is the package's own directory; another path is read instead of it."""
-    assert dp.default_pair_path() == os.path.dirname(os.path.abspath(dp.__file__))
+    """path=None is the package data's folder (jaxspec/data/default_pair); another path is read instead of it."""
+    assert dp.default_pair_path() == os.path.join(os.path.dirname(os.path.abspath(dp.__file__)), "data", "default_pair")
     for f in dp.REQUIRED:
         os.makedirs(os.path.dirname(tmp_path / f), exist_ok=True)
         (tmp_path / f).write_bytes(b"")

@@ -33,7 +33,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from jaxspec.models.checkpoint_files import read_regular
+from jaxspec.models.checkpoint_files import FileProblem, read_regular
 
 from jaxspec.text.chat_template import TokenizerError, render_chat_template  # noqa: F401  (TokenizerError: named here too)
 
