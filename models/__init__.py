@@ -8,8 +8,9 @@
 
 Loaders and random_model resolve the matmul dispatch once (`DispatchConfig.from_env(backend="auto")`:
 XLA on a CPU, the Pallas kernels on a GPU, unless given `matmul=`); a Target/Assistant built directly
-holds `DispatchConfig()`. Imports run one way:
-checkpoint, presets -> assistant -> target -> layers, cache, params -> config (and pallas_kernels).
+holds `DispatchConfig()`. Imports run one way (tests/test_import_graph.py):
+checkpoint, presets -> assistant -> target -> layers, cache, params -> config -> families -> the
+family modules (gemma4, gemma3) -> family_spec, config_fields; and everything -> pallas_kernels.
 See docs/models.md for the design and the draft position convention.
 """
 from . import presets

@@ -42,11 +42,6 @@ from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, check_
                      quantize_params, target_shapes)
 from .target import Target
 
-_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "language_model.", "")
-_IGNORED_PARTS = {"vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector",
-                  "vision_model", "audio_model", "rotary_emb"}
-
-
 def _ignorable(name: str, cfg: TargetConfig) -> bool:
     """Tensors HF itself ignores on load: k/v projections and norms of KV-shared layers."""
     parts = name.split(".")
@@ -115,8 +110,9 @@ def _module_format(qcfg: dict | None, ckpt_module: str, name: str, n_words: int,
     return int(bits), int(gs)
 
 
-def _plan(path: str, files: list[str], shapes: dict, qcfg: dict | None, skip) -> tuple[dict, list, int]:
-    """Match every tensor of the shards `files` to a param from the headers only. Returns
+def _plan(path: str, files: list[str], shapes: dict, qcfg: dict | None, skip, family) -> tuple[dict, list, int]:
+    """Match every tensor of the shards `files` to a param from the headers only, by the names of
+    the model's family (its `weight_prefixes` and `ignored_modules`). Returns
     (plan: name -> dict(kind, keys, bits, group_size), handles, total bytes)."""
     handles, where = [], {}
     for fn in files:
@@ -129,14 +125,14 @@ def _plan(path: str, files: list[str], shapes: dict, qcfg: dict | None, skip) ->
     found: dict[str, dict[str, tuple[str, Any]]] = {}
     unexpected = []
     for key in sorted(where):
-        if any(part in _IGNORED_PARTS for part in key.split(".")):
+        if any(part in family.ignored_modules for part in key.split(".")):
             continue
         stem, suffix = key, ""
         for sfx in (".weight", ".scales", ".biases"):
             if key.endswith(sfx):
                 stem, suffix = key[: -len(sfx)], sfx
         match = None
-        for pre in _PREFIXES:
+        for pre in family.weight_prefixes:
             if stem.startswith(pre) and stem[len(pre):] in shapes:
                 match = stem[len(pre):]
                 break
@@ -240,7 +236,7 @@ def _scale_dtype(a, dtype):
     return a if a.dtype == jnp.float32 else a.astype(dtype)
 
 
-def _load_params(path, files, shapes, qcfg, skip, dtype, quantize_spec, progress, label) -> dict:
+def _load_params(path, files, shapes, qcfg, skip, family, dtype, quantize_spec, progress, label) -> dict:
     """Read the planned tensors one at a time. Quantized tensors become QuantizedWeights in the
     kernels' layout (built from the file's MLX arrays), their scales and biases cast to `dtype`
     unless float32 (`_scale_dtype`);
@@ -249,7 +245,7 @@ def _load_params(path, files, shapes, qcfg, skip, dtype, quantize_spec, progress
 
     Every float tensor is checked for NaN / inf as uploaded (after the cast to `dtype`): one fused
     reduction per tensor on device, gathered once at the end; ValueError names the checkpoint keys."""
-    plan, handles, total = _plan(path, files, shapes, qcfg, skip)
+    plan, handles, total = _plan(path, files, shapes, qcfg, skip, family)
     bits, gs = quant_spec(quantize_spec)
     prog = _Progress(total, label, progress)
     params, finite = {}, []  # (checkpoint key, the array as held in params, its layout transposed?, flag)
@@ -316,7 +312,8 @@ def load_target(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Dispatc
         raise ValueError("every layer of this config is KV-shared: that is an assistant stack, not a target")
     shapes = target_shapes(cfg)
     skip = lambda name: _ignorable(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head")
-    params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_target")
+    params = _load_params(path, files, shapes, quantization_format(d), skip, cfg.family, dtype, quantize, progress,
+                          "load_target")
     return prepared(Target(config=cfg, params=stack_params(cfg, params), matmul=matmul))
 
 
@@ -426,7 +423,8 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
                                       f"target hidden_size={tcfg.hidden_size}")
         shapes = {k: v for k, v in shapes.items() if k != "embed_tokens"}
     skip = lambda name: _ignorable(name, cfg.text) or (cfg.tie_word_embeddings and name == "lm_head")
-    params = _load_params(path, files, shapes, quantization_format(d), skip, dtype, quantize, progress, "load_assistant")
+    params = _load_params(path, files, shapes, quantization_format(d), skip, cfg.text.family, dtype, quantize, progress,
+                          "load_assistant")
     assistant = prepared(Assistant(config=cfg, params=params, matmul=matmul))
     if shared:  # the target's table as the target holds it (dense or quantized: the dispatch takes either)
         assistant = assistant.replace(params=dict(assistant.params, embed_tokens=target.params["embed_tokens"]))
@@ -492,11 +490,7 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | N
                 q[mod] = {"group_size": f[1], "bits": f[0]}
         d["quantization"] = q
         d["quantization_config"] = dict(q)
-    if isinstance(model, Assistant):
-        d["architectures"] = ["Gemma4UnifiedAssistantForCausalLM" if cfg.model_type.startswith("gemma4_unified")
-                              else "Gemma4AssistantForCausalLM"]
-    else:
-        d["architectures"] = [cfg.family.architecture]
+    d["architectures"] = [cfg.architecture if isinstance(model, Assistant) else cfg.family.architecture]
     shards, cur, size = [], [], 0
     for key, arr in tensors:
         nbytes = int(np.prod(arr.shape)) * jnp.dtype(arr.dtype).itemsize

@@ -59,6 +59,7 @@ from jaxspec.kernels import QuantizedWeight
 from jaxspec.kernels.quant import TILE_ROWS
 
 from .checkpoint_files import CONFIG, FileProblem, list_dir, stat_regular, why_not
+from .families import gguf_architectures
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -444,109 +445,9 @@ def decode(buf, info: TensorInfo):
 
 
 # ---- architectures -------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """How one `general.architecture` maps onto HF: config(meta, infos) -> config.json dict,
-    tensors(config) -> {GGUF tensor name: (HF name, HF shape)}, and the float32 fix-up a tensor
-    needs after decoding (Gemma's `1 + w` norms)."""
-
-    config: Any
-    names: Any
-    fixup: Any = None
-
-
-def _meta(meta: dict, key: str, kind=int):
-    if key not in meta:
-        raise KeyError(key)
-    v = meta[key]
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-        raise TypeError(f"{key} must be an integer, got {v!r}")
-    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise TypeError(f"{key} must be a number, got {v!r}")
-    return v
-
-
-# Gemma 3's constants that the GGUF does not carry (transformers' Gemma3TextConfig defaults):
-GEMMA3_LOCAL_ROPE_THETA = 10_000.0
-GEMMA3_SLIDING_PATTERN = 6  # five sliding layers, then a full one
-GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
-
-
-def gemma3_config(meta: dict, infos: list[TensorInfo]) -> dict:
-    """config.json of a `gemma3` GGUF as transformers reads it (AutoConfig.from_pretrained with
-    gguf_file): the file's sizes, its one rope base (the full layers'), the family's constants."""
-    a = "gemma3."
-    layers = _meta(meta, a + "block_count")
-    theta = float(_meta(meta, a + "rope.freq_base", float))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta[a + "vocab_size"] if a + "vocab_size" in meta else len(tokens) if isinstance(tokens, list) else None
-    if vocab is None:
-        raise KeyError("tokenizer.ggml.tokens")
-    d = dict(
-        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-        vocab_size=vocab, hidden_size=_meta(meta, a + "embedding_length"),
-        intermediate_size=_meta(meta, a + "feed_forward_length"), num_hidden_layers=layers,
-        num_attention_heads=_meta(meta, a + "attention.head_count"),
-        num_key_value_heads=_meta(meta, a + "attention.head_count_kv"),
-        head_dim=_meta(meta, a + "attention.key_length"), hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=_meta(meta, a + "context_length"),
-        rms_norm_eps=float(_meta(meta, a + "attention.layer_norm_rms_epsilon", float)),
-        sliding_window=_meta(meta, a + "attention.sliding_window"),
-        layer_types=["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
-                     for i in range(layers)],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA},
-                         "full_attention": {"rope_type": "default", "rope_theta": theta}},
-        # transformers 4's spelling of the same two bases (Gemma3TextConfig reads either)
-        rope_theta=theta, rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA,
-        query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, final_logit_softcapping=None,
-        attn_logit_softcapping=None, attention_bias=False, attention_dropout=0.0,
-        use_bidirectional_attention=False,
-        tie_word_embeddings=all(t.name != "output.weight" for t in infos),
-    )
-    for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                    ("padding_token_id", "pad_token_id"), ("unknown_token_id", "unk_token_id")):
-        if "tokenizer.ggml." + key in meta:
-            d[hf] = meta["tokenizer.ggml." + key]
-    return d
-
-
-_GEMMA3_LAYER = {  # GGUF name in block i -> (HF module, shape from the config)
-    "attn_norm": ("input_layernorm", lambda c: (c["hidden_size"],)),
-    "attn_q": ("self_attn.q_proj", lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"])),
-    "attn_k": ("self_attn.k_proj", lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"])),
-    "attn_v": ("self_attn.v_proj", lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"])),
-    "attn_output": ("self_attn.o_proj", lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"])),
-    "attn_q_norm": ("self_attn.q_norm", lambda c: (c["head_dim"],)),
-    "attn_k_norm": ("self_attn.k_norm", lambda c: (c["head_dim"],)),
-    "post_attention_norm": ("post_attention_layernorm", lambda c: (c["hidden_size"],)),
-    "ffn_norm": ("pre_feedforward_layernorm", lambda c: (c["hidden_size"],)),
-    "ffn_gate": ("mlp.gate_proj", lambda c: (c["intermediate_size"], c["hidden_size"])),
-    "ffn_up": ("mlp.up_proj", lambda c: (c["intermediate_size"], c["hidden_size"])),
-    "ffn_down": ("mlp.down_proj", lambda c: (c["hidden_size"], c["intermediate_size"])),
-    "post_ffw_norm": ("post_feedforward_layernorm", lambda c: (c["hidden_size"],)),
-}
-
-
-def gemma3_names(c: dict) -> dict:
-    out = {"token_embd.weight": ("model.embed_tokens.weight", (c["vocab_size"], c["hidden_size"])),
-           "output_norm.weight": ("model.norm.weight", (c["hidden_size"],))}
-    if not c["tie_word_embeddings"]:
-        out["output.weight"] = ("lm_head.weight", (c["vocab_size"], c["hidden_size"]))
-    for i in range(c["num_hidden_layers"]):
-        for g, (hf, shape) in _GEMMA3_LAYER.items():
-            out[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", shape(c))
-    return out
-
-
-def gemma_norm(hf_name: str, w):
-    """llama.cpp stores Gemma's norm weights as `1 + w`; HF's convention is `w` (transformers
-    subtracts 1 in float32 on load)."""
-    if hf_name.endswith("norm.weight"):
-        return w - np.float32(1)
-    return w
-
-
-ARCHITECTURES = {"gemma3": Architecture(gemma3_config, gemma3_names, gemma_norm)}
+# `general.architecture` -> how it maps onto HF (models/family_spec.GGUFArchitecture): the model
+# families' own entries (models/families.py), e.g. "gemma3" in models/gemma3.py.
+ARCHITECTURES = gguf_architectures()
 
 
 class _Field:

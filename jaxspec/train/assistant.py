@@ -92,7 +92,8 @@ from jaxspec.train.shared import TRAIN_MATMUL, Metrics, init_params, log, lr_at,
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize, take_rows
 from jaxspec.models import fingerprint as fp_mod
 from jaxspec.models.checkpoint import SHARED_EMBEDDING
-from jaxspec.models.config import FULL, SLIDING, _rope_dict
+from jaxspec.models.config import FULL, SLIDING
+from jaxspec.models.gemma4 import rope_dict
 from jaxspec.models.layers import linear
 from jaxspec.models.params import assistant_shapes
 
@@ -128,7 +129,7 @@ def assistant_config(tcfg: models.TargetConfig, layers: int, ffn: int, centroids
                 global_head_dim=tcfg.layer_head_dims[ref], attention_k_eq_v=False,
                 layer_types=[SLIDING] * (layers - 1) + [FULL] if full is not None else [SLIDING] * layers,
                 sliding_window=tcfg.sliding_window,
-                rope_parameters={SLIDING: _rope_dict(tcfg.rope_sliding), FULL: _rope_dict(tcfg.rope_full)},
+                rope_parameters={SLIDING: rope_dict(tcfg.rope_sliding), FULL: rope_dict(tcfg.rope_full)},
                 rms_norm_eps=tcfg.rms_norm_eps, hidden_activation=tcfg.hidden_activation,
                 final_logit_softcapping=None, tie_word_embeddings=True, num_kv_shared_layers=layers,
                 hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
