@@ -923,9 +923,11 @@ def _check_output_dir(path: str, force: bool, command: str = "tiny-pair") -> Non
 
 def cmd_convert(args) -> int:
     """A GGUF (file, directory holding one, or a model name) written as a jaxspec checkpoint directory
-    (models.save: config.json + safetensors, float32 scales kept exact) plus its tokenizer, so later
+    (models.save: config.json + safetensors, float32 scales kept exact) with its tokenizer, so later
     loads read safetensors and skip the GGUF decoding. Loaded in float32, so that the directory
-    loads, at any dtype, exactly as the GGUF does."""
+    loads, at any dtype, exactly as the GGUF does. Weights, config and tokenizer switch in as one
+    (models.save's extra_files): a failure or a kill leaves the previous directory whole, and the
+    loaders refuse the directory if its tokenizer goes missing."""
     import jax.numpy as jnp
 
     from jaxspec import models
@@ -946,15 +948,16 @@ def cmd_convert(args) -> int:
     if args.quantize is not None:
         bits, gs = (int(v) for v in re.fullmatch(r"(\d+)bit-g(\d+)", args.quantize).groups())
         quantize = {"bits": bits, "group_size": gs}
+    tok = _step("reading its tokenizer", lambda: _gguf_tokenizer(src))  # before minutes of decoding
     target = _load_gguf(src, quiet=args.quiet, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
     try:
-        _step(f"writing {args.out}", lambda: models.save(target, args.out))
-        tok_note = _step("writing its tokenizer", lambda: _save_gguf_tokenizer(src, args.out))
+        _step(f"writing {args.out} (weights, config and tokenizer)",
+              lambda: models.save(target, args.out, extra_files=tok.save))
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None
-    print(f"wrote {args.out}{tok_note}\ntry: jaxspec generate \"The capital of France is\" --model {args.out} "
-          "--no-assistant")
+    print(f"wrote {args.out} (with its tokenizer)\ntry: jaxspec generate \"The capital of France is\" --model "
+          f"{args.out} --no-assistant")
     return EXIT_OK
 
 
@@ -993,15 +996,14 @@ def _load_gguf(src: str, quiet: bool, **kw):
     return model
 
 
-def _save_gguf_tokenizer(src: str, out: str) -> str:
-    """The GGUF's tokenizer saved into `out` (tokenizer.json, tokenizer_config.json): the tokenizer
-    module reads it from the GGUF metadata. Returns a note for the summary line."""
+def _gguf_tokenizer(src: str):
+    """The GGUF's tokenizer (its `save(dir)` writes tokenizer.json and tokenizer_config.json), read
+    from the GGUF metadata by the tokenizer module."""
     from jaxspec.gguf_tokenizer import tokenizer_from_gguf
     from jaxspec.models import gguf
 
     meta = gguf.plan(src)[1]  # jaxspec's parse of the metadata: seconds, where GGUFReader takes tens
-    tokenizer_from_gguf(src, reader=gguf.MetadataReader(meta)).save(out)
-    return " (with its tokenizer)"
+    return tokenizer_from_gguf(src, reader=gguf.MetadataReader(meta))
 
 
 # ---------------------------------------------------------------------------------------------

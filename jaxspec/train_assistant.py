@@ -418,17 +418,19 @@ def to_assistant(acfg, params: dict, frozen: dict, ordering, dtype, matmul=None)
 
 
 def save_drafter(out: str, assistant: models.Assistant, target, target_name: str, bits: int) -> dict:
-    """models.save (linear weights quantized to `bits`, no embedding table) + NOTICE; -> file sizes."""
+    """models.save (linear weights quantized to `bits`, no embedding table) with its NOTICE, switched in
+    together; -> file sizes."""
     os.makedirs(out, exist_ok=True)
     model = assistant
     if bits:
         own = {k: v for k, v in assistant.params.items() if k != "embed_tokens"}
         q = models.quantize_model(assistant.replace(params=own), bits=bits, group_size=64)
         model = q.replace(params=dict(q.params, embed_tokens=assistant.params["embed_tokens"]))
+    def notice(directory):
+        with open(os.path.join(directory, "NOTICE"), "w") as f:
+            f.write(NOTICE)
     models.save(model, out, config_extra={"target": target_name, "target_fingerprint": fp_mod.target_fingerprint(target),
-                                          "shared_embedding": SHARED_EMBEDDING})
-    with open(os.path.join(out, "NOTICE"), "w") as f:
-        f.write(NOTICE)
+                                          "shared_embedding": SHARED_EMBEDDING}, extra_files=notice)
     return {fn: os.path.getsize(os.path.join(out, fn)) for fn in sorted(os.listdir(out))
             if os.path.isfile(os.path.join(out, fn))}
 
