@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 
-from jaxspec import cli
+from jaxspec import cli, serve_memory
 from jaxspec.serve_guard import Guard
 
 KEY = "test-key-123"
@@ -447,6 +447,8 @@ def memory_of(monkeypatch, total: int, label: str) -> str:
         raise AssertionError("a model was about to be loaded")
     monkeypatch.setattr(cli, "_load_pair", reached)
     monkeypatch.setattr(cli, "device_memory", lambda: (total, label))
+    monkeypatch.setattr(serve_memory, "cgroup_limit", lambda: None)  # the machine's own, whatever runs beside
+    monkeypatch.setattr(serve_memory, "available_now", lambda: None)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])
