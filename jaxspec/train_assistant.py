@@ -54,8 +54,10 @@ The recipe (generalised from the default pair's, `jaxspec.default_pair.train`; t
    (how often draft 1, 2, 3 is kept), identical output; and a draft step's cost against a target
    step (ordered head and full head).
 
-Time: --minutes bounds this call's wall time (load, data, training, save, evaluation); training stops
---eval-reserve seconds before the end. Everything reusable is cached under --work (prompts, greedy
+Time: --minutes bounds this call's wall time (load, data, training, save, evaluation): the data stop
+at their share, training stops --eval-reserve seconds before the end, and the evaluation starts no
+held-out prompt after it. Everything reusable is cached under --work, a directory only this user can
+write (default: jaxspec/drafter-work/<target name> in the user's cache; prompts, greedy
 rows, token ordering, a checkpoint every --ckpt-seconds and at the end): `--resume` continues the
 same run (the step count and schedule are fixed by the first call and kept in the checkpoint), and
 writes the drafter when its steps are done or its time is up. The GPU machine gives a command <= 10
@@ -66,7 +68,9 @@ One H200 call (the GGUF at /tmp/gemma-3-270m-q4_k_m.gguf), the drafter written u
     python -m jaxspec.train_assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
         --out "$OUT/drafter" --work /tmp/drafter-work --minutes 9.5
 
-Needs optax (`pip install -e '.[train]'`). Importing this module computes nothing.
+Every mistake in the flags or the files they name is one line on stderr and exit status 2, found
+before the target loads (jaxspec.train_assistant_inputs). Needs optax (`pip install -e '.[train]'`).
+Importing this module computes nothing.
 """
 from __future__ import annotations
 
