@@ -527,6 +527,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=__doc__.split("\n")[0],
                 epilog=__doc__[__doc__.index("One H200 call"):__doc__.index("Needs optax")],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -578,7 +582,7 @@ def parse_args(argv=None):
                         "three float32 compiles take ~100 s on the H200; tests/test_train_assistant.py runs it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=None, help="corpus files per source (a quick run)")
-    return p.parse_args(argv)
+    return p
 
 
 def target_name_of(arg: str, given: str | None) -> str:
@@ -629,13 +633,19 @@ def main(argv=None) -> int:
 
 def _checked(args, on_gpu: bool) -> tuple[str, str, models.TargetConfig, float]:
     """Every check before the run starts (inputs): (the target's name, the work folder, its config,
-    the evaluation's reserve in seconds); a resumed run's recipe set on `args`."""
+    the evaluation's reserve in seconds); a resumed run's recipe and the device's defaults set on
+    `args`."""
     name = target_name_of(args.target, args.target_name)
     inputs.check_name(name)
     work = args.work or inputs.default_work(name)
     inputs.check_work(work, args.resume)
     if args.resume:  # the first call's recipe, not this one's flags
-        inputs.read_run(work, args)
+        parser = build_parser()
+        inputs.read_run(work, args, {k: parser.get_default(k) for k in vars(args)})
+    defaults = dict(prompts=24576 if on_gpu else 64, gen_batch=512 if on_gpu else 16, batch=32 if on_gpu else 2)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     inputs.check_flags(args)
     tcfg = inputs.target_config(args.target)
     reserve = 0.0 if args.no_eval else (args.eval_reserve if args.eval_reserve is not None else
@@ -655,10 +665,6 @@ def _run(argv) -> int:
     start = shared.reset_clock()
     args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    defaults = dict(prompts=24576 if on_gpu else 64, gen_batch=512 if on_gpu else 16, batch=32 if on_gpu else 2)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
     name, work, _, reserve = _checked(args, on_gpu)
     heldout, held_path = load_heldout(args.heldout, name)
     try:

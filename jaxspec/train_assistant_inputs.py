@@ -255,9 +255,11 @@ def prepare_work(path: str, resume: bool) -> None:
 
 
 # ---- the recorded run (--resume) ------------------------------------------------------------------
-def read_run(work: str, args) -> dict:
+def read_run(work: str, args, defaults: dict) -> dict:
     """The run recorded in `work` (run.json), its recipe set on `args` (every flag but THIS_CALL's),
-    after checking that it is a run's record for the same --target. UsageError otherwise."""
+    after checking that it is a run's record for the same --target, and that no flag this call was
+    given (a value other than its default, `defaults`) differs from the run's: it would be ignored
+    silently. UsageError otherwise."""
     path = os.path.join(work, RUN)
     try:
         with open(path, encoding="utf-8") as f:
@@ -275,6 +277,13 @@ def read_run(work: str, args) -> dict:
     if first is not None and not _same_target(first, args.target):
         raise UsageError(f"--resume: the run in {work!r} trains a drafter for --target {first!r}, not {args.target!r}: "
                          "pass its --target, or another --work for a new run")
+    for k, v in stored.items():
+        mine = getattr(args, k)
+        if k not in THIS_CALL and k != "target" and mine != defaults.get(k) and mine != v:
+            flag = "--" + k.replace("_", "-")
+            raise UsageError(f"--resume: the run in {work!r} was started with {flag} {v!r}; this call's {flag} "
+                             f"{mine!r} cannot change it (a run's recipe is its first call's): drop the flag, or "
+                             "start a new run without --resume")
     for k, v in stored.items():
         if k not in THIS_CALL:
             setattr(args, k, v)

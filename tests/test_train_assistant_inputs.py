@@ -153,7 +153,9 @@ def test_a_resumed_run_is_checked_before_loading(capsys, target_dir, tmp_path):
                         (json.dumps(dict(good, args=dict(vars(args), lr="abc"))), "--lr must be a number > 0, got 'abc'"),
                         (json.dumps(dict(good, args=dict(vars(args), surprise=1))), "is not the record of a train_"),
                         (json.dumps(dict(good, args=dict(vars(args), target="/elsewhere/model"))),
-                         "trains a drafter for --target '/elsewhere/model', not")):
+                         "trains a drafter for --target '/elsewhere/model', not"),
+                        (json.dumps(dict(good, args=dict(vars(args), ffn=128))),  # this call says --ffn 64
+                         "was started with --ffn 128; this call's --ffn 64 cannot change it")):
         (work / "run.json").write_text(record)
         assert why in refused(capsys, argv)
     (work / "run.json").write_text(json.dumps(good))
