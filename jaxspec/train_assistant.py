@@ -430,6 +430,7 @@ def save_drafter(out: str, assistant: models.Assistant, target, target_name: str
         own = {k: v for k, v in assistant.params.items() if k != "embed_tokens"}
         q = models.quantize_model(assistant.replace(params=own), bits=bits, group_size=64)
         model = q.replace(params=dict(q.params, embed_tokens=assistant.params["embed_tokens"]))
+
     def notice(directory):
         with open(os.path.join(directory, "NOTICE"), "w") as f:
             f.write(NOTICE)
@@ -667,6 +668,8 @@ def _run(argv) -> int:
     on_gpu = jax.default_backend() == "gpu"
     name, work, _, reserve = _checked(args, on_gpu)
     heldout, held_path = load_heldout(args.heldout, name)
+    cached = args.resume and os.path.isfile(os.path.join(work, "data.npz"))
+    tok = inputs.tokenizer_of(args.target) if heldout and not args.random_prompts and not cached else None
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
@@ -711,9 +714,6 @@ def _run(argv) -> int:
             prompts = random_prompts(tcfg.vocab_size, args.prompts, P, args.seed, avoid=np.asarray(eval_prompts))
             info = dict(source="random token ids", heldout="random token prompts, removed from training")
         else:
-            from jaxspec.tokenizer import load_tokenizer
-            from jaxspec.models import gguf
-            tok = load_tokenizer(gguf.source(args.target) or args.target)
             eval_prompts = [tok.encode(p["text"]) for p in heldout]
             code, prose, info = corpus_texts(args.max_files)
             probes = heldout_probes(heldout)

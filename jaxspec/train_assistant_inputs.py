@@ -135,6 +135,20 @@ def target_config(arg: str):
         raise UsageError(f"--target {arg!r} is not a target jaxspec can load: {one_line(e, 300)}{hint}") from None
 
 
+def tokenizer_of(arg: str):
+    """The target's tokenizer (text prompts need it): its tokenizer.json, or its GGUF's; UsageError
+    naming --target when there is none (--random-prompts needs none)."""
+    from jaxspec.models import gguf
+    from jaxspec.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(gguf.source(arg) or arg)
+    except (ValueError, OSError) as e:  # TokenizerError is a ValueError
+        why = one_line(e, 200).replace(" (pass --tokenizer FILE)", "")  # the CLI's flag, not one of ours
+        raise UsageError(f"--target {arg!r} has no tokenizer to make text prompts with ({why}): pass "
+                         "--random-prompts, or a target with one") from None
+
+
 def check_name(name: str) -> None:
     """The target's name names folders (drafters/<name>, the default work folder): a plain name."""
     if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:

@@ -104,6 +104,18 @@ def test_a_mistake_is_one_line_and_exit_2_before_loading(capsys, target_dir, tmp
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()  # nothing written
 
 
+def test_text_prompts_need_the_targets_tokenizer(capsys, target_dir, tmp_path):
+    """Held-out prompts are text: a target without a tokenizer is refused before it loads (it was a
+    traceback after loading), and nothing is written."""
+    held = tmp_path / "held.json"
+    held.write_text(json.dumps({"prompts": [{"text": "The history of the printing press begins"}]}))
+    argv = [a for a in base(target_dir, tmp_path, "--heldout", str(held)) if a != "--random-prompts"]
+    err = refused(capsys, argv)
+    assert err == f"--target '{target_dir}' has no tokenizer to make text prompts with (no tokenizer.json in " \
+                  f"'{target_dir}'): pass --random-prompts, or a target with one"
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
 def test_the_default_work_folder_is_the_users_own(capsys, target_dir, tmp_path, monkeypatch):
     """Without --work the folder is jaxspec/drafter-work/<name> in the user's cache, made 0700 (it
     was a fixed /tmp/jaxspec-drafter-<name>, which another user could make first). One that is
