@@ -1138,7 +1138,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "context, at most 4096) positions (or --kv-positions), 3.5 times over with the decode step's "
                         "temporaries, plus 4 float32 logits of (K + 1) x vocabulary; checked at start, on a CPU "
                         "with ~1.5 GiB for the process, against the host memory less a tenth for the system, the "
-                        "cgroup's limit and what is available now (the warm-up stays under it). The warm-up compiles the same programs whatever N (each one logged; minutes on "
+                        "cgroup's limit and what is available now (the warm-up stays under it). The warm-up "
+                        "compiles the same programs whatever N (each one logged; minutes on "
                         "a CPU), then runs steps over all N slots")
     v.add_argument("--kv-positions", type=int, default=None, metavar="N",
                    help=f"the KV pool the slots share, in cache positions: a multiple of 16 (its blocks), "

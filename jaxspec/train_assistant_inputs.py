@@ -222,7 +222,8 @@ def _not_own(path: str) -> str | None:
     parent = os.path.dirname(os.path.abspath(path))
     pst = os.stat(parent)
     if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
-        return f"its folder {parent!r} is writable by others (mode {stat.S_IMODE(pst.st_mode):04o}), who could replace it"
+        return (f"its folder {parent!r} is writable by others (mode {stat.S_IMODE(pst.st_mode):04o}), who could "
+                "replace it")
     return None
 
 

@@ -10,7 +10,8 @@ block a reader).
 
 The manifest (`jaxspec_manifest.json`, written by `save_files`) lists the files a save wrote (the
 weights, config.json, and any other files of the checkpoint, e.g. the tokenizer `jaxspec convert`
-writes: a loader refuses the directory when one of them is missing) and the sizes of its weight files. A save switches versions with one atomic rename of the manifest:
+writes: a loader refuses the directory when one of them is missing) and the sizes of its weight
+files. A save switches versions with one atomic rename of the manifest:
 1. the new files are written and fsynced under `.saving-<token>/` inside the directory;
 2. the manifest naming them (`staged`) and the previous save's files it makes stale (`stale`) is
    renamed in: from here on the directory holds the new checkpoint;

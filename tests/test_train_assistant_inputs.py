@@ -162,7 +162,8 @@ def test_a_resumed_run_is_checked_before_loading(capsys, target_dir, tmp_path):
     args = ta.parse_args(base(target_dir, tmp_path))
     good = dict(args=vars(args), target="target")
     for record, why in (("{bad", "run.json' cannot be read (Expecting property name"),
-                        (json.dumps(dict(good, args=dict(vars(args), lr="abc"))), "--lr must be a number > 0, got 'abc'"),
+                        (json.dumps(dict(good, args=dict(vars(args), lr="abc"))),
+                         "--lr must be a number > 0, got 'abc'"),
                         (json.dumps(dict(good, args=dict(vars(args), surprise=1))), "is not the record of a train_"),
                         (json.dumps(dict(good, args=dict(vars(args), target="/elsewhere/model"))),
                          "trains a drafter for --target '/elsewhere/model', not"),
