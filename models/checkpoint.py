@@ -438,7 +438,8 @@ def _ckpt_module(model, name: str) -> str:
     return name if name == "lm_head" else "model." + name
 
 
-def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | None = None) -> None:
+def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | None = None,
+         extra_files=None) -> None:
     """Write `model` (Target or Assistant) as config.json + safetensors in the MLX layout: quantized
     modules as `.weight` (uint32) / `.scales` / `.biases`, float ones as `.weight`, buffers bare; the
     `quantization` config (and its `quantization_config` copy) gives the common bits/group_size with
@@ -458,7 +459,12 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | N
 
     `config_extra`: keys added to config.json (an assistant's `"target"`, `"target_fingerprint"`);
     with `"shared_embedding": "target"` the assistant's `embed_tokens` (its target's table) is not
-    written (load_assistant takes it from the target)."""
+    written (load_assistant takes it from the target).
+
+    `extra_files(directory)`: writes the checkpoint's other files into `directory` (e.g. `tok.save`, as
+    `jaxspec convert` does): they switch in with the weights and config in the same step, the
+    manifest lists them, and the loaders refuse the directory if one goes missing. Whatever it
+    raises leaves the previous checkpoint as it was."""
     if is_dense(model):
         raise ValueError("this model's weights were dequantized for the CPU at load (DenseWeight: "
                          "DispatchConfig.dense_weights); load it with DispatchConfig(backend='xla', dense=False) "
@@ -501,7 +507,7 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | N
         size += nbytes
     shards.append(cur)
 
-    save_files(path, shards, d)
+    save_files(path, shards, d, extra_files)
 
 
 def quantize_model(model, *, bits: int = 4, group_size: int = 64):

@@ -8,8 +8,10 @@ what is wrong: it does not exist, permission denied, a symlink loop, or it is a 
 device where a regular file belongs (nothing but a regular file is ever opened, so a FIFO cannot
 block a reader).
 
-The manifest (`jaxspec_manifest.json`, written by `save_files`) lists the files a save wrote and
-the sizes of its weight files. A save switches versions with one atomic rename of the manifest:
+The manifest (`jaxspec_manifest.json`, written by `save_files`) lists the files a save wrote (the
+weights, config.json, and any other files of the checkpoint, e.g. the tokenizer `jaxspec convert`
+writes: a loader refuses the directory when one of them is missing) and the sizes of its weight
+files. A save switches versions with one atomic rename of the manifest:
 1. the new files are written and fsynced under `.saving-<token>/` inside the directory;
 2. the manifest naming them (`staged`) and the previous save's files it makes stale (`stale`) is
    renamed in: from here on the directory holds the new checkpoint;
@@ -174,6 +176,18 @@ def _located(path: str, m: dict, name: str) -> str:
     return os.path.join(path, name)
 
 
+def located(path: str, name: str) -> str:
+    """Where file `name` of directory `path` is read from: for a checkpoint whose save was cut short
+    after its switch (its manifest still names a staging directory), the staged copy while it is
+    there; else `path/name`. A reader of a checkpoint's other files (its tokenizer) goes through
+    this, as the loaders do, so that it reads the same version as the weights."""
+    try:
+        m = read_manifest(path)
+    except (FileProblem, OSError):
+        m = None
+    return os.path.join(path, name) if m is None or name not in m["files"] else _located(path, m, name)
+
+
 def _is_regular(path: str) -> bool:
     """Whether `path` itself (not a symlink's target) is a regular file."""
     try:
@@ -220,6 +234,16 @@ def checkpoint_files(path: str, complete: bool = True) -> tuple[str, list[str]]:
             weights.append(where)
         config = _located(path, m, CONFIG)
         probe_regular(config)
+        if complete:  # the save's other files (a converted model's tokenizer): part of the checkpoint
+            for fn in m["files"]:
+                where = _located(path, m, fn)
+                if fn in m["weights"] or fn in (CONFIG, INDEX_FILE):
+                    continue
+                if not os.path.lexists(where):
+                    raise FileProblem(f"{fn!r} is missing from {path!r}: it is part of the checkpoint models.save "
+                                      f"wrote there ({MANIFEST} lists it); write the directory again (e.g. jaxspec "
+                                      "convert --force)")
+                probe_regular(where)
         return config, weights
     config = os.path.join(path, CONFIG)
     if CONFIG not in names:
@@ -369,13 +393,29 @@ def _owned(path: str, m: dict | None) -> set[str]:
     return owned
 
 
-def save_files(path: str, shards: list[list[tuple[str, object]]], config: dict) -> None:
+def _check_targets(path: str, names) -> None:
+    """ValueError when a directory or other non-file holds a name the save writes in `path`."""
+    for fn in names:
+        try:
+            mode = os.lstat(os.path.join(path, fn)).st_mode
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            raise ValueError(f"cannot save to {path!r}: {os.path.join(path, fn)!r} is {_kind(mode)}, where the "
+                             "checkpoint's file goes (move it away)")
+
+
+def save_files(path: str, shards: list[list[tuple[str, object]]], config: dict, extra_files=None) -> None:
     """Write checkpoint directory `path`: `shards` (lists of (tensor name, array)) as
     `model.safetensors` or `model-0000i-of-0000n.safetensors` + index, `config` as config.json,
     and the manifest, switching from the previous checkpoint atomically (module docstring). Arrays
-    are converted with np.asarray one shard at a time. ValueError (before anything is written) for
-    a `path` that is not a directory or a name the save must write held by a directory or other
-    non-file; OSError for a failed write (ENOSPC for a full disk), the previous checkpoint intact."""
+    are converted with np.asarray one shard at a time. `extra_files(directory)`: writes the checkpoint's
+    other files (e.g. its tokenizer) into `directory` (plain files, not the names above); they are
+    part of the checkpoint: switched in with the weights and config, listed in the manifest (a
+    loader then requires them). ValueError (before the switch) for a `path` that is not a
+    directory, a name the save must write held by a directory or other non-file, or an
+    `extra_files` that writes anything but files; OSError for a failed write (ENOSPC for a full
+    disk), and whatever `extra_files` raises: the previous checkpoint intact."""
     path = os.fspath(path)
     try:
         st = os.stat(path)
@@ -393,20 +433,24 @@ def save_files(path: str, shards: list[list[tuple[str, object]]], config: dict) 
     n = len(shards)
     weights = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     names = weights + ([INDEX_FILE] if n > 1 else []) + [CONFIG]
-    for fn in names:
-        try:
-            mode = os.lstat(os.path.join(path, fn)).st_mode
-        except FileNotFoundError:
-            continue
-        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-            raise ValueError(f"cannot save to {path!r}: {os.path.join(path, fn)!r} is {_kind(mode)}, where the "
-                             "checkpoint's file goes (move it away)")
+    _check_targets(path, names)
     m_old = _recover(path)
-    stale = sorted(_owned(path, m_old) - set(names))
     token = ".saving-" + secrets.token_hex(8)
     staging = os.path.join(path, token)
     os.mkdir(staging)
     try:
+        if extra_files is not None:  # first: the checkpoint's other files (quick), then the weights
+            extra_files(staging)
+            added = sorted(os.listdir(staging))
+            for fn in added:
+                where = os.path.join(staging, fn)
+                if fn in names or fn == MANIFEST or not _is_regular(where):
+                    raise ValueError(f"cannot save to {path!r}: its extra files must be plain files other than the "
+                                     f"checkpoint's own, not {fn!r}")
+                _fsync(where)
+            _check_targets(path, added)
+            names = names + added
+        stale = sorted(_owned(path, m_old) - set(names))
         sizes, weight_map = {}, {}
         for fn, shard in zip(weights, shards):
             _write_shard(os.path.join(staging, fn), {k: np.asarray(a) for k, a in shard}, {"format": "mlx"},

@@ -397,6 +397,20 @@ def device_memory() -> tuple[int, str] | None:
         return None
 
 
+def memory_limit() -> tuple[int, str, bool] | None:
+    """(bytes, what they are, on the host?) a run may plan to fill: the device's limit (a GPU), or on a
+    CPU the host memory it may use (`serve_memory.host_usable`: less a tenth for the system, within
+    the cgroup's limit and what is available now); None when nothing can be read."""
+    from jaxspec.engine.memory import host_usable
+
+    mem = device_memory()
+    if mem is None:
+        return None
+    limit, what = mem
+    host = what == "host memory"
+    return (*host_usable(limit), True) if host else (limit, what, False)
+
+
 def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, drafting: bool, dtype,
                   weight_bytes: int) -> None:
     """UsageError when this run cannot fit the device's memory: `serve_memory.batch_memory` of one
@@ -406,13 +420,13 @@ def _check_memory(tcfg, prompt_len: int, max_tokens: int, block_size: int, draft
     need 3x the weights and 1.5 GiB more."""
     from jaxspec.engine.memory import batch_memory
 
-    mem = device_memory()
+    mem = memory_limit()
     if mem is None:
         return
-    limit, what = mem
+    limit, what, host = mem
 
     def need(tokens):
-        return batch_memory(tcfg, 1, block_size if drafting else 1, dtype, weight_bytes, host=what == "host memory",
+        return batch_memory(tcfg, 1, block_size if drafting else 1, dtype, weight_bytes, host=host,
                             capacity=cache_capacity(prompt_len, tokens, block_size, drafting))
     run = need(max_tokens)
     if run.total > limit:
@@ -731,19 +745,20 @@ def cmd_serve(args) -> int:
 
 def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int,
                         kv_positions: int | None = None) -> None:
-    """UsageError when --max-batch slots cannot fit the device's memory (serve_memory.batch_memory:
-    the KV pool (--kv-positions, else the server's positions per slot), the decode step's temporaries, the paged
-    views, the verify logits, the weights and on a CPU the process itself)."""
+    """UsageError when --max-batch slots cannot fit the memory the run may fill (`memory_limit`; the
+    estimate, serve_memory.batch_memory, bounds the warm-up's peak too: the KV pool (--kv-positions,
+    else the server's positions per slot), the decode step's temporaries, the paged views, the verify
+    logits, the weights and on a CPU the process itself)."""
     from jaxspec.engine.loop_config import slot_capacity
     from jaxspec.engine.memory import batch_memory, largest_batch, largest_pool
     from jaxspec.serve.app import BATCH_CONTEXT, REQUEST_CONTEXT
 
-    mem = device_memory()
+    mem = memory_limit()
     if mem is None:
         return
-    limit, what = mem
+    limit, what, host = mem
     capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
-    kw = dict(capacity=capacity, host=what == "host memory",
+    kw = dict(capacity=capacity, host=host,
               request_capacity=slot_capacity(tcfg.max_position_embeddings, REQUEST_CONTEXT))  # Server.batch_capacity
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, kv_positions=kv_positions, **kw)
     if need.total > limit and kv_positions is not None:
@@ -925,9 +940,11 @@ def _check_output_dir(path: str, force: bool, command: str = "tiny-pair") -> Non
 
 def cmd_convert(args) -> int:
     """A GGUF (file, directory holding one, or a model name) written as a jaxspec checkpoint directory
-    (models.save: config.json + safetensors, float32 scales kept exact) plus its tokenizer, so later
+    (models.save: config.json + safetensors, float32 scales kept exact) with its tokenizer, so later
     loads read safetensors and skip the GGUF decoding. Loaded in float32, so that the directory
-    loads, at any dtype, exactly as the GGUF does."""
+    loads, at any dtype, exactly as the GGUF does. Weights, config and tokenizer switch in as one
+    (models.save's extra_files): a failure or a kill leaves the previous directory whole, and the
+    loaders refuse the directory if its tokenizer goes missing."""
     import jax.numpy as jnp
 
     from jaxspec import models
@@ -949,15 +966,16 @@ def cmd_convert(args) -> int:
     if args.quantize is not None:
         bits, gs = (int(v) for v in re.fullmatch(r"(\d+)bit-g(\d+)", args.quantize).groups())
         quantize = {"bits": bits, "group_size": gs}
+    tok = _step("reading its tokenizer", lambda: _gguf_tokenizer(src))  # before minutes of decoding
     target = _load_gguf(src, quiet=args.quiet, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
     try:
-        _step(f"writing {args.out}", lambda: models.save(target, args.out))
-        _step("writing its tokenizer", lambda: tok.save(args.out))
+        _step(f"writing {args.out} (weights, config and tokenizer)",
+              lambda: models.save(target, args.out, extra_files=tok.save))
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or _one_line(e)}"
                          + (f" ({e.filename!r})" if e.filename else "")) from None
-    print(f"wrote {args.out} (with its tokenizer)\ntry: jaxspec generate \"The capital of France is\" --model {args.out} "
-          "--no-assistant")
+    print(f"wrote {args.out} (with its tokenizer)\ntry: jaxspec generate \"The capital of France is\" --model "
+          f"{args.out} --no-assistant")
     return EXIT_OK
 
 
@@ -1122,8 +1140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
                         "context, at most 4096) positions (or --kv-positions), 3.5 times over with the decode step's "
-                        "temporaries, plus 4 float32 logits of (K + 1) x vocabulary; checked at start (a CPU adds "
-                        "~1.5 GiB for the process). The warm-up compiles the same programs whatever N (each one logged; minutes on "
+                        "temporaries, plus 4 float32 logits of (K + 1) x vocabulary; checked at start, on a CPU "
+                        "with ~1.5 GiB for the process, against the host memory less a tenth for the system, the "
+                        "cgroup's limit and what is available now (the warm-up stays under it). The warm-up "
+                        "compiles the same programs whatever N (each one logged; minutes on "
                         "a CPU), then runs steps over all N slots")
     v.add_argument("--kv-positions", type=int, default=None, metavar="N",
                    help=f"the KV pool the slots share, in cache positions: a multiple of 16 (its blocks), "

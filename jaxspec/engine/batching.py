@@ -499,9 +499,12 @@ class BatchEngine:
         self.fresh.pop(slot, None)
 
     def cancel(self, slot: int) -> None:
-        """Stop the request in `slot` now (also mid-prefill) and free the slot and its blocks."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.slots:
+        """Stop the request in `slot` now (also mid-prefill) and free the slot and its blocks. `slot`:
+        an integer, Python's or numpy's (as `admit` and the events give it), not a bool."""
+        integer = isinstance(slot, (int, np.integer)) and not isinstance(slot, (bool, np.bool_))
+        if not integer or not 0 <= slot < self.slots:
             raise ValueError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
+        slot = int(slot)
         if self.owner[slot] is not None:
             self._free(slot)
 

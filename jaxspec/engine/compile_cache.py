@@ -13,7 +13,8 @@ written to is never used (`checked_dir`): the directory, jaxspec's `jaxspec-prog
 and every file either reads must be owned by this user and not writable by its group or by others
 (JAX's own files may be, when nobody else can enter the directory: JAX writes them with the umask's
 mode), and a directory others can enter is refused while the umask would let JAX write files they
-could change. jaxspec creates its directories 0700 and its program files 0600. An explicit directory
+could change; so is one in a folder others can write (not sticky, as /tmp is), where they could put
+a link to their own in its place. jaxspec creates its directories 0700 and its program files 0600. An explicit directory
 (`enable(path)`, the CLI's --compile-cache) that is unsafe is a ValueError; the default one is created
 0700 and, if found unsafe, skipped with a warning (everything runs without the cache).
 
@@ -44,13 +45,17 @@ def checked_dir(path: str, create: bool = True) -> str:
     enter `path`), and not enterable by others while the umask would let JAX write files they can
     change. Missing: created 0700 (parents as the umask says), or with create=False returned as it
     is (nothing to load yet). ValueError (one line, naming the path and what is wrong) otherwise;
-    OSError when it cannot be created."""
-    if not os.path.exists(path):
+    OSError when it cannot be created. A directory whose path others can change is refused too: a
+    folder on the way (of the path as given, or as its links resolve) that others can write and that
+    is not sticky lets them put their own directory, or a link to it, in its place at any time."""
+    where, why = path, _replaceable(path)
+    if why is None and not os.path.exists(path):
         if create:
             os.makedirs(path, mode=0o700, exist_ok=True)
         return path
-    st = os.stat(path)
-    where, why = path, (_unsafe(st, "a directory") if stat.S_ISDIR(st.st_mode) else "it is not a directory")
+    if why is None:
+        st = os.stat(path)
+        where, why = path, (_unsafe(st, "a directory") if stat.S_ISDIR(st.st_mode) else "it is not a directory")
     if why is None and st.st_mode & 0o011 and _umask() & 0o022 != 0o022:
         why = (f"others can enter it (mode {stat.S_IMODE(st.st_mode):04o}) and the umask ({_umask():04o}) makes JAX "
                "write cache files they can change (chmod 700 it, or use umask 022)")
@@ -61,6 +66,27 @@ def checked_dir(path: str, create: bool = True) -> str:
         raise ValueError(f"compile cache {what} {where!r} is unsafe: {why}; what the cache holds is loaded as code, "
                          f"so use a directory only you can write (e.g. chmod go-w, or another directory)")
     return path
+
+
+def _replaceable(path: str) -> str | None:
+    """Why someone else could replace `path`: a folder above it (as given, or where its links lead)
+    that others can write and that is not sticky; None when there is none."""
+    seen = set()
+    for p in (os.path.abspath(path), os.path.realpath(path)):
+        folder = os.path.dirname(p)
+        while folder not in seen:
+            seen.add(folder)
+            try:
+                mode = os.stat(folder).st_mode
+            except OSError:  # not there (yet): nothing to replace in it
+                mode = 0
+            if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+                return (f"its folder {folder!r} is writable by others (mode {stat.S_IMODE(mode):04o}, not sticky), "
+                        "who could put their own directory or a link in its place")
+            if os.path.dirname(folder) == folder:
+                break
+            folder = os.path.dirname(folder)
+    return None
 
 
 def _unsafe(st: os.stat_result, kind: str) -> str | None:

@@ -26,15 +26,25 @@ The estimate is an upper bound within 1.35x of the measured peak on CPU: B = 8, 
 at 1.35, 1.58, 2.16, 5.03 GB (estimated 1.73, 2.00, 2.92, 6.62); at 4096 XLA's buffers plus the
 runtime come to ~16.2 GB (estimated 21.4; the old estimate said 6.2 and the warm-up passed 12). On a
 GPU the runtime reserve is not counted (the device's limit leaves the runtime's own memory out).
+The whole warm-up stays under it (peak RSS through Server.warm_up, bfloat16, 2026-12-04: the default
+pair at B = 64 and 1024, 1.69 and 5.58 GiB, estimated 1.9 and 6.7; the tiny pair at B = 4096, 2.34
+GiB, estimated 3.3).
+
+On a CPU the estimate is checked against what the run may fill (`host_usable`): the host's memory
+less SYSTEM_SHARE, no more than the memory cgroup's limit, nor than what is available now. Against
+the whole of it, --max-batch 4096 (estimated 21.9 GiB) passed on a 23.5 GiB host, and its warm-up
+then grew past what the machine could spare.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
 from jaxspec.engine.loop_config import PROMPT_BUCKET
 
+SYSTEM_SHARE = 0.1        # of the host's memory, left to the system (kernel, page cache, other processes)
 STEP_CACHE_COPIES = 2.5   # the step's temporaries, in KV caches (measured 1.8 to 2.5 on CPU)
 LOGIT_COPIES = 4          # float32 [B, K + 1, V] arrays alive at once in a verify round
 HOST_RUNTIME = 3 << 29    # 1.5 GiB: the process, the runtime and the compiler on a CPU (1.2 GB measured)
@@ -142,3 +152,62 @@ def largest_pool(limit: int, tcfg, max_batch: int, block_size: int, dtype, weigh
 def _fmt(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
+
+
+def host_usable(physical: int) -> tuple[int, str]:
+    """(bytes, what they are) of host memory a run may plan to fill, for a host of `physical` bytes:
+    that less SYSTEM_SHARE for the system, no more than this process's memory cgroup allows
+    (`cgroup_limit`), nor than what is available now (`available_now`: other processes' memory is
+    not there to take)."""
+    usable = int(physical * (1 - SYSTEM_SHARE))
+    what = f"host memory ({_fmt(physical)} less a tenth for the system)"
+    limit = cgroup_limit()
+    if limit is not None and limit < usable:
+        usable, what = limit, "host memory (this process's memory cgroup limit)"
+    now = available_now()
+    if now is not None and now < usable:
+        usable, what = now, f"host memory available now (of {_fmt(physical)}; other processes hold the rest)"
+    return usable, what
+
+
+def cgroup_limit(proc: str = "/proc/self/cgroup", fs: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`, the
+    lowest on its path), or None when there is none or it cannot be read. `proc`, `fs`: where the
+    process's cgroup list and the cgroup file system are (tests)."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, name = fs, "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = os.path.join(fs, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for i in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(root, *parts[:i], name)) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < 1 << 60:  # "max", or v1's page-rounded 2**63: no limit
+                found.append(int(text))
+    return min(found) if found else None
+
+
+def available_now() -> int | None:
+    """The host memory this process could fill now: MemAvailable (/proc/meminfo) and what it
+    already holds (its resident set); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return avail + rss

@@ -199,16 +199,32 @@ def _load(program: Program, sig: tuple, path: str | None) -> bool:
         return False
     try:
         payload, in_tree, out_tree = pickle.loads(blob)
-        _MEMO[sig] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                               execution_devices=_execution_devices(program))
+        loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                           execution_devices=_execution_devices(program))
     except Exception:  # a damaged or foreign file: drop it and compile instead
         try:
             os.remove(path)
         except OSError:
             pass
         return False
+    if not _takes(loaded, program):  # its key matched, its inputs do not: a miss (compiled afresh, saved over)
+        return False
+    _MEMO[sig] = loaded
     jax.monitoring.record_event_duration_secs(compile_cache.LOAD, time.perf_counter() - t0, fun_name=program.name)
     return True
+
+
+def _takes(loaded, program: Program) -> bool:
+    """Whether a program read from disk takes `program`'s arguments: the same tree (its metadata, e.g. a
+    model's static config, included: a key is a hash of its text, which need not tell two apart) and
+    the same shapes and dtypes. Calling one that does not fails inside generate."""
+    try:
+        leaves, tree = jax.tree_util.tree_flatten((program.args, {}))
+        avals = jax.tree_util.tree_leaves(loaded.in_avals)
+        return loaded.in_tree == tree and len(avals) == len(leaves) and all(
+            a.shape == x.shape and a.dtype == x.dtype for a, x in zip(avals, leaves))
+    except Exception:  # metadata that cannot even be compared: not this program's
+        return False
 
 
 def _save(path: str | None, compiled: jax.stages.Compiled) -> None:

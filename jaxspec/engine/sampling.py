@@ -46,7 +46,9 @@ class Range:
     lo_open: bool = False
 
     def holds(self, v) -> bool:
-        if not (_is_int(v) if self.integer else _is_number(v) and math.isfinite(v)):
+        # an integer is compared as it is: math.isfinite would convert it to a float, which overflows
+        # past 1e308 (a JSON integer of 309 digits)
+        if not (_is_int(v) if self.integer else _is_int(v) or _is_number(v) and math.isfinite(v)):
             return False
         return (v > self.lo if self.lo_open else v >= self.lo) and (self.hi is None or v <= self.hi)
 
@@ -181,13 +183,10 @@ def _checked(name: str, value, why: str = ""):
 
 
 def validate_stop(stop) -> tuple:
-    """Stop strings as a tuple: one string or a sequence of at most MAX_STOPS non-empty strings of at
-    most MAX_STOP_CHARS characters; ValueError otherwise."""
-    stop = (stop,) if isinstance(stop, str) else stop
-    try:
-        stop = tuple(stop or ())
-    except TypeError:
-        stop = None
+    """Stop strings as a tuple: None (none), one string, or a list or tuple of at most MAX_STOPS
+    non-empty strings of at most MAX_STOP_CHARS characters; ValueError otherwise."""
+    stop = (stop,) if isinstance(stop, str) else () if stop is None else stop
+    stop = tuple(stop) if isinstance(stop, (list, tuple)) else None  # not a dict's keys, not 0 or False as none
     if stop is None or len(stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
                                                          for s in stop):
         raise ValueError(f"stop must be a non-empty string of at most {MAX_STOP_CHARS} characters or a list of at "

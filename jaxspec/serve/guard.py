@@ -104,6 +104,21 @@ def _host_name(value: str) -> str | None:
     return name or None
 
 
+SHOWN_CHARS = 60  # of a value a refusal echoes; a longer one is cut with a marker saying how long it was
+
+
+def shown(value) -> str:
+    """A value from the client as it was sent, for a refusal: its JSON text (`"1"` for the string,
+    `1` for the number), cut visibly past SHOWN_CHARS characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # not JSON (a header's text is a str: always is)
+        text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def error_json(message: str, *, code: str | None = None, param: str | None = None,
                kind: str = "invalid_request_error") -> dict:
     """OpenAI's error object (the guard's refusals and the server's errors alike)."""
@@ -172,10 +187,10 @@ class Guard:
             if scope.get("http_version", "1.1") != "1.0":
                 return await refuse(400, "invalid Host header: none was sent", "invalid_host")
         elif len(hosts) > 1 or not self._host_allowed(_host_name(hosts[0])):
-            shown = (hosts[0] if len(hosts) == 1 else ", ".join(hosts))[:200]
+            sent = shown(hosts[0] if len(hosts) == 1 else ", ".join(hosts))
             which = ("this server, bound to a loopback address, answers only to localhost" if self.loopback else
                      "this server answers only to its machine's names and addresses")
-            return await refuse(400, f"invalid Host header {shown!r}: {which} (--allowed-host NAME adds a "
+            return await refuse(400, f"invalid Host header {sent}: {which} (--allowed-host NAME adds a "
                                      "name)", "invalid_host")
 
         # Preflights carry no credentials, so they are answered before the key is asked for.
@@ -216,7 +231,7 @@ class Guard:
                     raise ValueError
                 declared = int(length)
             except ValueError:
-                return await refuse(400, f"invalid Content-Length {length!r}", "invalid_content_length")
+                return await refuse(400, f"invalid Content-Length {shown(length)}", "invalid_content_length")
             if declared > self.max_body_bytes:
                 return await refuse(413, f"request body of {declared} bytes is over the limit of "
                                          f"{self.max_body_bytes} bytes", "request_too_large")

@@ -10,7 +10,7 @@ import math
 import random
 
 from jaxspec.engine import sampling
-from jaxspec.serve.guard import error_json
+from jaxspec.serve.guard import error_json, shown
 from jaxspec.text.tokenizer import TokenizerError
 
 
@@ -54,14 +54,19 @@ def _check_fields(body: dict, chat: bool) -> None:
 
 
 def _number(body, name, default, lo, hi, *, integer=False, lo_open=False):
+    """A numeric field in its range. An integer is compared as it is (a JSON integer may have hundreds
+    of digits: no float conversion, which overflows past 1e308), a float checked finite first."""
     v = body.get(name, default)
     if v is None:
         return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        ok = False
+    else:
+        ok = (isinstance(v, int) or math.isfinite(v)) and lo <= v <= hi and not (lo_open and v == lo)
+    if not ok:
         kind = "an integer" if integer else "a number"
         rng = f"in ({lo}, {hi}]" if lo_open else f"in [{lo}, {hi}]"
-        raise ApiError(400, f"'{name}' must be {kind} {rng}, got {str(v)[:40]}", name)
+        raise ApiError(400, f"'{name}' must be {kind} {rng}, got {shown(v)}", name)
     return v
 
 
@@ -72,14 +77,17 @@ def _knob(body, name, default, knob=None, hi=None):
 
 
 def _stops(body) -> list[str]:
+    """The stop strings: null, a string or a list of strings (a value of another type is a 400, never
+    dropped: the client would get text past where it asked to stop)."""
     stop = body.get("stop")
     if stop is None:
         return []
-    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (str, list)):
+        raise ApiError(400, f"'stop' must be a string or a list of strings, got {shown(stop)}", "stop")
     try:
-        return list(sampling.validate_stop(stop if isinstance(stop, list) else None))
+        return list(sampling.validate_stop(stop))
     except ValueError as e:
-        raise ApiError(400, f"'stop' {str(e).removeprefix('stop ')}", "stop") from None
+        raise ApiError(400, f"'stop' {str(e).removeprefix('stop ')}, got {shown(stop)}", "stop") from None
 
 
 def _logit_bias(body, vocab: int) -> tuple:
@@ -92,7 +100,7 @@ def _logit_bias(body, vocab: int) -> tuple:
     for k, v in bias.items():
         t = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12 else -1
         if not 0 <= t < vocab:
-            raise ApiError(400, f"'logit_bias' keys must be token ids in [0, {vocab}), got {k[:40]!r}", "logit_bias")
+            raise ApiError(400, f"'logit_bias' keys must be token ids in [0, {vocab}), got {shown(k)}", "logit_bias")
         pairs.append((t, v))
     try:
         return sampling.validate_bias(pairs)
@@ -177,8 +185,8 @@ class OpenAISchema:
         _check_text(body)
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model '{str(model)[:100]}' does not exist: this server serves "
-                                f"'{self.model_name}'", "model", "model_not_found")
+            raise ApiError(404, f"the model {shown(model)} does not exist: this server serves "
+                                f"{shown(self.model_name)}", "model", "model_not_found")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", "stream")

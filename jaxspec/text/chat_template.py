@@ -4,8 +4,6 @@ them (`messages`, `add_generation_prompt`, the special tokens, `raise_exception`
 from __future__ import annotations
 
 import json
-import re
-import time
 
 
 class TokenizerError(ValueError):

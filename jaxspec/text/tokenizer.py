@@ -33,7 +33,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from jaxspec.models.checkpoint_files import FileProblem, read_regular
+from jaxspec.models.checkpoint_files import FileProblem, located, read_regular
 
 from jaxspec.text.chat_template import TokenizerError, render_chat_template  # noqa: F401  (TokenizerError: named here too)
 
@@ -86,14 +86,14 @@ def _ids(v) -> list[int]:
 def find_chat_template(model_dir: str, tokenizer_config: dict | None = None) -> str | None:
     """The chat template of a model directory, or None: `chat_template.jinja`, then
     `chat_template.json`, then `tokenizer_config.json`'s `chat_template`."""
-    path = os.path.join(model_dir, "chat_template.jinja")
+    path = located(model_dir, "chat_template.jinja")
     if os.path.lexists(path):
         return _read_text(path)
-    d = _read_json(os.path.join(model_dir, "chat_template.json"))
+    d = _read_json(located(model_dir, "chat_template.json"))
     if d and isinstance(d.get("chat_template"), str):
         return d["chat_template"]
     tc = tokenizer_config if tokenizer_config is not None else _read_json(
-        os.path.join(model_dir, "tokenizer_config.json"))
+        located(model_dir, "tokenizer_config.json"))
     t = (tc or {}).get("chat_template")
     if isinstance(t, str):
         return t
@@ -110,7 +110,7 @@ PAIR_MEMBERS = ("target", "assistant")
 def _find_tokenizer_file(model_dir: str) -> str:
     """model_dir/tokenizer.json; for a member of a pair directory (PAIR/target, PAIR/assistant)
     without one, the pair's shared PAIR/tokenizer.json."""
-    path = os.path.join(model_dir, TOKENIZER_FILE)
+    path = located(model_dir, TOKENIZER_FILE)
     if os.path.lexists(path):  # whatever is there: from_dir names it if it is not a readable file
         return path
     norm = os.path.normpath(os.path.abspath(model_dir))
@@ -155,11 +155,11 @@ class Tokenizer:
             backend = _Tok.from_str(text)
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise TokenizerError(f"{path!r} is not a tokenizers JSON file: {str(e).splitlines()[0]}") from None
-        tc = _read_json(os.path.join(model_dir, "tokenizer_config.json")) or {}
+        tc = _read_json(located(model_dir, "tokenizer_config.json")) or {}
         special = {k: s for k in _SPECIAL_KEYS if (s := _token_str(tc.get(k))) is not None}
         eos: list[int] = []
         for name in ("config.json", "generation_config.json"):
-            d = _read_json(os.path.join(model_dir, name)) or {}
+            d = _read_json(located(model_dir, name)) or {}
             eos += _ids(d.get("eos_token_id"))
             eos += _ids((d.get("text_config") or {}).get("eos_token_id"))
         if not eos and "eos_token" not in special:  # nothing declared: the conventional name, if any

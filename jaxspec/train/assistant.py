@@ -54,8 +54,10 @@ The recipe (generalised from the default pair's, `jaxspec.train.default_pair`; t
    (how often draft 1, 2, 3 is kept), identical output; and a draft step's cost against a target
    step (ordered head and full head).
 
-Time: --minutes bounds this call's wall time (load, data, training, save, evaluation); training stops
---eval-reserve seconds before the end. Everything reusable is cached under --work (prompts, greedy
+Time: --minutes bounds this call's wall time (load, data, training, save, evaluation): the data stop
+at their share, training stops --eval-reserve seconds before the end, and the evaluation starts no
+held-out prompt after it. Everything reusable is cached under --work, a directory only this user can
+write (default: jaxspec/drafter-work/<target name> in the user's cache; prompts, greedy
 rows, token ordering, a checkpoint every --ckpt-seconds and at the end): `--resume` continues the
 same run (the step count and schedule are fixed by the first call and kept in the checkpoint), and
 writes the drafter when its steps are done or its time is up. The GPU machine gives a command <= 10
@@ -66,7 +68,9 @@ One H200 call (the GGUF at /tmp/gemma-3-270m-q4_k_m.gguf), the drafter written u
     python -m jaxspec.train.assistant --target /tmp/gemma-3-270m-q4_k_m.gguf --target-name gemma-3-270m \\
         --out "$OUT/drafter" --work /tmp/drafter-work --minutes 9.5
 
-Needs optax (`pip install -e '.[train]'`). Importing this module computes nothing.
+Every mistake in the flags or the files they name is one line on stderr and exit status 2, found
+before the target loads (jaxspec.train.assistant_inputs). Needs optax (`pip install -e '.[train]'`).
+Importing this module computes nothing.
 """
 from __future__ import annotations
 
@@ -74,9 +78,9 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import re
-import shutil
 import sys
 import time
 import traceback
@@ -87,6 +91,7 @@ import numpy as np
 
 import jaxspec
 from jaxspec.train import shared
+from jaxspec.train import assistant_inputs as inputs
 from jaxspec import models
 from jaxspec.train.shared import TRAIN_MATMUL, Metrics, init_params, log, lr_at, make_tx, unrolled_hidden
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize, take_rows
@@ -237,14 +242,18 @@ def random_prompts(vocab: int, n: int, length: int, seed: int, avoid=()) -> np.n
 
 
 def self_prompts(target, bos: int, n: int, length: int, batch: int, temperature: float, seed: int,
-                 bad_ids=()) -> np.ndarray:
+                 bad_ids=(), end_by: float | None = None) -> np.ndarray:
     """n prompts of `length` tokens the target writes itself: BOS, then length-1 tokens sampled from it
     (`temperature`, top_p 0.95; one seed per batch call, so the batch's rows differ). Text of the kind
     the target was trained on (general web prose, stories, letters, lists), which the corpus (code,
     docstrings, package descriptions) lacks. Rows holding one of `bad_ids` (EOS, pad: the text ended
-    and what follows is not a continuation) are dropped, and batches are drawn until n remain."""
+    and what follows is not a continuation) are dropped, and batches are drawn until n remain, or
+    until `end_by` (time.time()) has passed after a batch that kept rows (then fewer than n)."""
     out, call = [], 0
     while sum(len(r) for r in out) < n:
+        if end_by is not None and sum(len(r) for r in out) and time.time() > end_by:
+            log(f"self-written prompts: time is up after {sum(len(r) for r in out)} of {n}")
+            break
         if call > 4 * (n // batch + 1):
             raise RuntimeError(f"only {sum(len(r) for r in out)} of {n} self-written prompts without EOS")
         r = jaxspec.generate(target, [[bos]] * batch, max_new_tokens=length - 1, temperature=temperature,
@@ -385,12 +394,21 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 def load_checkpoint(path: str, p_like, o_like) -> dict:
-    z = np.load(path)
+    """save_checkpoint's state, its arrays checked against the run's (`p_like`, `o_like`): ValueError
+    for a checkpoint of another drafter (another --ffn, --layers, ...)."""
+    z = np.load(path, allow_pickle=False)
     meta = json.loads(str(z["meta"]))
     pl, pt = jax.tree.flatten(p_like)
     ol, ot = jax.tree.flatten(o_like)
-    p = jax.tree.unflatten(pt, [jnp.asarray(z[f"p{i}"]) for i in range(len(pl))])
-    o = jax.tree.unflatten(ot, [jnp.asarray(z[f"o{i}"]) for i in range(len(ol))])
+    want = {f"p{i}": x for i, x in enumerate(pl)} | {f"o{i}": x for i, x in enumerate(ol)}
+    if set(z.files) != set(want) | {"meta"}:
+        raise ValueError(f"it holds {len(z.files) - 1} arrays, the run's drafter and optimizer {len(want)}")
+    got = {k: z[k] for k in want}
+    for k, x in want.items():
+        if got[k].shape != x.shape or got[k].dtype != x.dtype:
+            raise ValueError(f"array {k} is {got[k].dtype} {got[k].shape}, the run's is {x.dtype} {x.shape}")
+    p = jax.tree.unflatten(pt, [jnp.asarray(got[f"p{i}"]) for i in range(len(pl))])
+    o = jax.tree.unflatten(ot, [jnp.asarray(got[f"o{i}"]) for i in range(len(ol))])
     return dict(p=p, o=o, **meta)
 
 
@@ -404,17 +422,20 @@ def to_assistant(acfg, params: dict, frozen: dict, ordering, dtype, matmul=None)
 
 
 def save_drafter(out: str, assistant: models.Assistant, target, target_name: str, bits: int) -> dict:
-    """models.save (linear weights quantized to `bits`, no embedding table) + NOTICE; -> file sizes."""
+    """models.save (linear weights quantized to `bits`, no embedding table) with its NOTICE, switched in
+    together; -> file sizes."""
     os.makedirs(out, exist_ok=True)
     model = assistant
     if bits:
         own = {k: v for k, v in assistant.params.items() if k != "embed_tokens"}
         q = models.quantize_model(assistant.replace(params=own), bits=bits, group_size=64)
         model = q.replace(params=dict(q.params, embed_tokens=assistant.params["embed_tokens"]))
+
+    def notice(directory):
+        with open(os.path.join(directory, "NOTICE"), "w") as f:
+            f.write(NOTICE)
     models.save(model, out, config_extra={"target": target_name, "target_fingerprint": fp_mod.target_fingerprint(target),
-                                          "shared_embedding": SHARED_EMBEDDING})
-    with open(os.path.join(out, "NOTICE"), "w") as f:
-        f.write(NOTICE)
+                                          "shared_embedding": SHARED_EMBEDDING}, extra_files=notice)
     return {fn: os.path.getsize(os.path.join(out, fn)) for fn in sorted(os.listdir(out))
             if os.path.isfile(os.path.join(out, fn))}
 
@@ -423,15 +444,19 @@ def save_drafter(out: str, assistant: models.Assistant, target, target_name: str
 # Evaluation
 
 
-def acceptance_stats(target, assistant, prompts, new_tokens: int, block_size: int = 4, eos=None) -> dict:
+def acceptance_stats(target, assistant, prompts, new_tokens: int, block_size: int = 4, eos=None,
+                     end_by: float | None = None) -> dict:
     """Greedy speculative decoding of every prompt against classic: tokens per round, acceptance,
-    per-position acceptance (share of rounds keeping draft i), identical outputs, decode times."""
+    per-position acceptance (share of rounds keeping draft i), identical outputs, decode times.
+    `end_by` (time.time()): no prompt is started after it (`skipped_for_time` counts those left)."""
     tot = dict(drafted=0, accepted=0, rounds=0, new=0, identical=0, cls_s=0.0, spec_s=0.0)
     # one cache size for every prompt: a program per prompt-length bucket, not per prompt
     cache = -(-max(len(x) for x in prompts) // 16) * 16 + new_tokens + 2 * block_size
     hist = np.zeros(block_size, np.int64)
     per = []
     for ids in prompts:
+        if end_by is not None and time.time() > end_by:
+            break
         c = jaxspec.generate(target, list(ids), max_new_tokens=new_tokens, block_size=1, eos_token_ids=eos,
                              cache_size=cache)
         s = jaxspec.generate(target, list(ids), assistant=assistant, max_new_tokens=new_tokens,
@@ -451,7 +476,8 @@ def acceptance_stats(target, assistant, prompts, new_tokens: int, block_size: in
                         identical=bool(same), mode=st.mode))
     rounds = max(1, tot["rounds"])
     kept = [float(hist[i + 1:].sum() / max(1, hist.sum())) for i in range(block_size - 1)]
-    return dict(prompts=len(per), block_size=block_size, new_tokens=new_tokens,
+    return dict(prompts=len(per), skipped_for_time=len(prompts) - len(per), block_size=block_size,
+                new_tokens=new_tokens,
                 tokens_per_round=round(tot["new"] / rounds, 3),
                 acceptance_rate=round(tot["accepted"] / max(1, tot["drafted"]), 4),
                 per_position_acceptance=[round(x, 3) for x in kept], accepted_hist=hist.tolist(),
@@ -493,19 +519,33 @@ def step_costs(target, assistant, context: int = 128, reps: int = 30) -> dict:
 # Main
 
 
+PROG = "python -m jaxspec.train.assistant"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the whole usage (argparse prints ~40 lines of it)
+        raise inputs.UsageError(f"{message} (--help lists the flags)")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jaxspec.train.assistant", description=__doc__.split("\n")[0],
-                                epilog=__doc__[__doc__.index("One H200 call"):__doc__.index("Needs optax")],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0],
+                epilog=__doc__[__doc__.index("One H200 call"):__doc__.index("Needs optax")],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="the target: a model name (gemma-3-270m), a .gguf or a checkpoint dir")
     p.add_argument("--target-name", default=None,
                    help="the name recorded in the drafter's config (default: --target when it is a model name, "
                         "else the file or directory name)")
     p.add_argument("--out", required=True, help="the drafter directory to write")
-    p.add_argument("--work", default=None, help="cache of prompts, greedy rows, ordering and checkpoints "
-                   "(default /tmp/jaxspec-drafter-<target name>)")
+    p.add_argument("--work", default=None, help="cache of prompts, greedy rows, ordering and checkpoints: a "
+                   "directory of yours that only you can write (default: jaxspec/drafter-work/<target name> in "
+                   "$XDG_CACHE_HOME or ~/.cache, made 0700)")
     p.add_argument("--resume", action="store_true", help="continue the run cached in --work")
-    p.add_argument("--minutes", type=float, default=9.5, help="wall-time budget of this call")
+    p.add_argument("--minutes", type=float, default=9.5,
+                   help="wall-time budget of this whole call: data, training, save and evaluation (> 0)")
     p.add_argument("--eval-reserve", type=float, default=None, help="seconds kept for save + eval (GPU 120, CPU 240)")
     p.add_argument("--heldout", default=None, help="held-out prompts JSON (default: drafters/<name>/heldout_prompts.json)")
     p.add_argument("--random-prompts", action="store_true", help="random token prompts (no tokenizer needed)")
@@ -543,7 +583,7 @@ def parse_args(argv=None):
                         "three float32 compiles take ~100 s on the H200; tests/train/test_train_assistant.py runs it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=None, help="corpus files per source (a quick run)")
-    return p.parse_args(argv)
+    return p
 
 
 def target_name_of(arg: str, given: str | None) -> str:
@@ -557,12 +597,9 @@ def target_name_of(arg: str, given: str | None) -> str:
 
 
 def load_heldout(path: str | None, name: str) -> tuple[list[dict], str | None]:
-    path = path or os.path.join(DRAFTERS, name, "heldout_prompts.json")
-    if not os.path.isfile(path):
-        return [], None
-    with open(path) as f:
-        d = json.load(f)
-    return list(d["prompts"]), path
+    """(the held-out prompts, their file): --heldout, else drafters/<name>/heldout_prompts.json if
+    there is one (else none: random prompts); UsageError for a file that is not such a list."""
+    return inputs.load_heldout(path, os.path.join(DRAFTERS, name, "heldout_prompts.json"))
 
 
 class _Tee:
@@ -581,39 +618,72 @@ class _Tee:
 
 
 def main(argv=None) -> int:
-    start = shared.reset_clock()
-    args = parse_args(argv)
-    on_gpu = jax.default_backend() == "gpu"
+    """The run (module docstring); a mistake in the flags or the files they name is one line on
+    stderr and exit status 2, found before anything heavy runs (jaxspec.train.assistant_inputs)."""
+    stdout = sys.stdout
+    try:
+        return _run(argv)
+    except inputs.UsageError as e:
+        print(f"{PROG}: error: {inputs.one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if isinstance(sys.stdout, _Tee):
+            sys.stdout.f.close()
+        sys.stdout = stdout
+
+
+def _checked(args, on_gpu: bool) -> tuple[str, str, models.TargetConfig, float]:
+    """Every check before the run starts (inputs): (the target's name, the work folder, its config,
+    the evaluation's reserve in seconds); a resumed run's recipe and the device's defaults set on
+    `args`."""
     name = target_name_of(args.target, args.target_name)
-    work = args.work or f"/tmp/jaxspec-drafter-{name}"
-    if args.resume and not os.path.isfile(os.path.join(work, "run.json")):
-        raise SystemExit(f"--resume: {work!r} holds no run (run.json); start one without --resume")
-    if not args.resume and os.path.isdir(work):
-        shutil.rmtree(work)
-    os.makedirs(work, exist_ok=True)
-    os.makedirs(args.out, exist_ok=True)
-    sys.stdout = _Tee(sys.stdout, os.path.join(args.out, "train_log.txt"))
-    reserve = args.eval_reserve if args.eval_reserve is not None else (120.0 if on_gpu else 240.0)
-    end = start + 60.0 * args.minutes
-    end_train = end - (0.0 if args.no_eval else reserve) - 20.0
-    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    inputs.check_name(name)
+    work = args.work or inputs.default_work(name)
+    inputs.check_work(work, args.resume)
+    if args.resume:  # the first call's recipe, not this one's flags
+        parser = build_parser()
+        inputs.read_run(work, args, {k: parser.get_default(k) for k in vars(args)})
     defaults = dict(prompts=24576 if on_gpu else 64, gen_batch=512 if on_gpu else 16, batch=32 if on_gpu else 2)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    inputs.check_flags(args)
+    tcfg = inputs.target_config(args.target)
+    reserve = 0.0 if args.no_eval else (args.eval_reserve if args.eval_reserve is not None else
+                                        120.0 if on_gpu else 240.0)
+    inputs.check_recipe(args, tcfg, reserve)
+    try:
+        assistant_config(tcfg, args.layers, args.ffn, args.centroids, args.top_k)
+    except ValueError as e:
+        raise inputs.UsageError(f"the drafter these flags ask for is not valid: {inputs.one_line(e, 300)}") from None
+    inputs.check_out(args.out)
+    if args.resume:
+        inputs.check_cached(work, args.prompt_tokens + args.new_tokens)
+    return name, work, tcfg, reserve
+
+
+def _run(argv) -> int:
+    start = shared.reset_clock()
+    args = parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    name, work, _, reserve = _checked(args, on_gpu)
+    heldout, held_path = load_heldout(args.heldout, name)
+    cached = args.resume and os.path.isfile(os.path.join(work, "data.npz"))
+    tok = inputs.tokenizer_of(args.target) if heldout and not args.random_prompts and not cached else None
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise inputs.UsageError(f"--out {args.out!r} cannot be made: {e.strerror or e}") from None
+    inputs.prepare_work(work, args.resume)
+    sys.stdout = _Tee(sys.stdout, os.path.join(args.out, "train_log.txt"))
+    end = start + 60.0 * args.minutes  # the whole call: data, training, save and evaluation
+    end_train = end - reserve - inputs.AFTER_TRAIN_S
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
     metrics = Metrics(os.path.join(args.out, "metrics.json"), keep=args.resume)
-    run_path = os.path.join(work, "run.json")
-    if args.resume:  # the first call's recipe, not this one's flags
-        with open(run_path) as f:
-            run = json.load(f)
-        for k, v in run["args"].items():
-            if k not in ("resume", "minutes", "eval_reserve", "out", "work", "no_eval", "no_self_check", "eval_prompts",
-                         "stop_after", "eval_new_tokens"):
-                setattr(args, k, v)
-    else:
-        run = dict(args=vars(args), target=name)
+    run_path = os.path.join(work, inputs.RUN)
+    if not args.resume:
         with open(run_path, "w") as f:
-            json.dump(run, f, indent=1)
+            json.dump(dict(args=vars(args), target=name), f, indent=1)
     log(f"train_assistant: target {args.target!r} ({name}) on {jax.devices()[0]}, work {work}, out {args.out}, "
         f"{args.minutes} min{' (resume)' if args.resume else ''}")
     metrics.set("run", dict(args=vars(args), device=str(jax.devices()[0]), jax=jax.__version__,
@@ -627,7 +697,6 @@ def main(argv=None) -> int:
     log(f"target loaded in {time.time() - t:.1f}s: {tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
         f"vocab {tcfg.vocab_size}")
     acfg = assistant_config(tcfg, args.layers, args.ffn, args.centroids, args.top_k)
-    heldout, held_path = load_heldout(args.heldout, name)
 
     # ---- prompts and greedy rows (cached) ----------------------------------------------------------
     data_path = os.path.join(work, "data.npz")
@@ -637,6 +706,7 @@ def main(argv=None) -> int:
         log(f"data: {rows.shape[0]} cached rows of {rows.shape[1]} tokens")
     else:
         t = time.time()
+        data_end = min(end_train - 60.0, t + args.gen_seconds)  # the data's share of the budget, at most
         P = args.prompt_tokens
         if args.random_prompts or not heldout:
             eval_prompts = [list(map(int, r)) for r in random_prompts(tcfg.vocab_size, args.eval_prompts or 8, P,
@@ -644,9 +714,6 @@ def main(argv=None) -> int:
             prompts = random_prompts(tcfg.vocab_size, args.prompts, P, args.seed, avoid=np.asarray(eval_prompts))
             info = dict(source="random token ids", heldout="random token prompts, removed from training")
         else:
-            from jaxspec.text import load_tokenizer
-            from jaxspec.models import gguf
-            tok = load_tokenizer(gguf.source(args.target) or args.target)
             eval_prompts = [tok.encode(p["text"]) for p in heldout]
             code, prose, info = corpus_texts(args.max_files)
             probes = heldout_probes(heldout)
@@ -661,7 +728,7 @@ def main(argv=None) -> int:
             if n_self:
                 t = time.time()
                 own = self_prompts(target, tok.encode("")[0], n_self, P, args.gen_batch, args.self_temperature,
-                                   args.seed, bad_ids=(0, *tok.eos_token_ids))
+                                   args.seed, bad_ids=(0, *tok.eos_token_ids), end_by=data_end)
                 kept, d3 = drop_heldout([(i, tok.decode(r)) for i, r in enumerate(own)], probes)
                 keep = [i for i, _ in kept]
                 prompts = np.concatenate([prompts, own[keep]])
@@ -675,8 +742,7 @@ def main(argv=None) -> int:
             # mixed, so the held-out loss's rows (the last ones) hold every kind
             prompts = prompts[np.random.default_rng(args.seed + 2).permutation(len(prompts))]
         t = time.time()
-        rows = greedy_rows(target, prompts, args.new_tokens, args.gen_batch,
-                           min(end_train - 60.0, time.time() + args.gen_seconds))
+        rows = greedy_rows(target, prompts, args.new_tokens, args.gen_batch, data_end)
         gen_s = time.time() - t
         log(f"greedy data: {rows.shape[0]} rows of {rows.shape[1]} tokens in {gen_s:.1f}s")
         np.savez(data_path, rows=rows, eval_prompts=np.asarray(json.dumps(eval_prompts)))
@@ -684,6 +750,10 @@ def main(argv=None) -> int:
                                  seconds=round(gen_s, 1), gen_batch=args.gen_batch))
     seq = rows.shape[1]
     n_val = max(2 * args.batch, rows.shape[0] // 50)
+    if rows.shape[0] - n_val < args.batch:  # the time ran out before enough rows were generated
+        raise inputs.UsageError(f"only {rows.shape[0]} greedy rows were generated in the time given (--minutes "
+                                f"{args.minutes:g}, --gen-seconds {args.gen_seconds:g}): fewer than --batch "
+                                f"{args.batch} beside the {n_val} held out; give the run more time")
     train_rows, val_rows = jnp.asarray(rows[:-n_val]), jnp.asarray(rows[-n_val:][:4 * args.batch])
 
     # ---- token ordering (cached) ---------------------------------------------------------------------
@@ -752,7 +822,10 @@ def main(argv=None) -> int:
 
     ck_path = os.path.join(work, "ckpt.npz")
     if args.resume and os.path.isfile(ck_path):
-        st = load_checkpoint(ck_path, p0, tx.init(p0))
+        try:
+            st = load_checkpoint(ck_path, p0, tx.init(p0))
+        except Exception as e:  # a cut file, or another recipe's drafter: numpy's, zipfile's or JAX's error
+            raise inputs.damaged(ck_path, e) from None
         log(f"resumed at step {st['step']}/{st['total']}")
     else:
         st = dict(p=p0, o=tx.init(p0), step=0, total=args.steps, history=[], evals=[])
@@ -768,18 +841,26 @@ def main(argv=None) -> int:
                                                  jnp.float32(lr))
         return loss, aux
 
+    def finite(loss) -> float:
+        """The loss as read (where the loop reads it anyway); a diverged run stops here, unsaved."""
+        value = float(loss)
+        if not math.isfinite(value):
+            raise inputs.UsageError(f"training diverged: the loss is {value} at step {st['step']} (--lr {args.lr:g}: "
+                                    "lower it)")
+        return value
+
     t = time.time()
     if st["total"] is None or st["step"] < st["total"]:  # (a finished run resumed trains no more)
         loss, aux = one(st["step"], st["total"] or 10 ** 6)
         st["step"] += 1
-        log(f"train step compiled + run in {time.time() - t:.1f}s, loss {float(loss):.4f}")
+        log(f"train step compiled + run in {time.time() - t:.1f}s, loss {finite(loss):.4f}")
     if st["total"] is None:  # calibrate the step count to the time left (once: kept in the checkpoint)
         t = time.time()
         n = min(10, max(1, args.warmup - 1))
         for _ in range(n):
             loss, aux = one(st["step"], 10 ** 6)
             st["step"] += 1
-        loss = float(loss)
+        loss = finite(loss)
         step_s = (time.time() - t) / n
         budget = 60.0 * args.train_minutes if args.train_minutes else end_train - time.time()
         st["total"] = int(min(args.max_steps, max(st["step"], st["step"] + budget * 0.95 / step_s)))
@@ -795,7 +876,7 @@ def main(argv=None) -> int:
         loss, aux = one(st["step"], total)
         st["step"] += 1
         if st["step"] % 50 == 0 or st["step"] == total:
-            lv = float(loss)
+            lv = finite(loss)
             st["history"].append((st["step"], lv))
             if time.time() - last_log > 10 or st["step"] == total:
                 rate = (st["step"] - steps0) / max(1e-9, time.time() - t_train)
@@ -841,8 +922,12 @@ def main(argv=None) -> int:
                                                                                    for k, v in files.items()))
     if args.no_eval:
         return 0
+    if time.time() > end - 10.0:  # --minutes bounds the whole call: no evaluation past it
+        log(f"no time left to evaluate (--minutes {args.minutes:g}); done in {time.time() - start:.1f}s")
+        metrics.set("eval_skipped", "no time left (--minutes)")
+        return 0
 
-    # ---- evaluate what was saved ----------------------------------------------------------------------
+    # ---- evaluate what was saved (held-out prompts measured while --minutes lasts) --------------------
     errors = 0
     try:
         t = time.time()
@@ -852,9 +937,10 @@ def main(argv=None) -> int:
         log(f"step costs: {ev['step_costs']}")
         metrics.set("eval", ev)
         n = args.eval_prompts or len(eval_prompts)
-        ev["heldout"] = acceptance_stats(target, loaded, eval_prompts[:n], args.eval_new_tokens)
+        ev["heldout"] = acceptance_stats(target, loaded, eval_prompts[:n], args.eval_new_tokens, end_by=end)
         h = ev["heldout"]
-        log(f"held-out, greedy K=4, {h['prompts']} prompts x {h['new_tokens']} tokens: tokens/round "
+        cut = f" (time was up for {h['skipped_for_time']} more)" if h["skipped_for_time"] else ""
+        log(f"held-out, greedy K=4, {h['prompts']} prompts x {h['new_tokens']} tokens{cut}: tokens/round "
             f"{h['tokens_per_round']}, acceptance {h['acceptance_rate']}, per position {h['per_position_acceptance']}, "
             f"identical {h['identical']}, speedup {h['speedup']} ({time.time() - t:.1f}s)")
         metrics.set("eval", ev)

@@ -94,10 +94,12 @@ def test_bad_input_is_refused_before_compute():
     engine.admit([3, 4], 4)
     with pytest.raises(ValueError, match="slots are taken"):
         engine.admit([3, 4], 4)
-    for bad in (-1, 1, True):  # -1 once cancelled the last slot (Python's negative index)
-        with pytest.raises(ValueError, match=r"slot must be an integer in \[0, 1\)"):
+    for bad in (-1, 1, True, np.int64(1), np.bool_(False), 0.0):  # -1 once cancelled the last slot (Python's
+        with pytest.raises(ValueError, match=r"slot must be an integer in \[0, 1\)"):  # negative index)
             engine.cancel(bad)
     assert engine.live == 1
+    engine.cancel(np.int64(0))  # a numpy integer is a slot (it was refused, naming the valid slot as bad)
+    assert engine.live == 0 and engine.free == 1
     with pytest.raises(ValueError, match="capacity"):
         BatchEngine(TARGET, None, slots=1, max_new_tokens=40, capacity=32)
     with pytest.raises(ValueError, match="slots"):

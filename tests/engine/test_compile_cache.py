@@ -221,3 +221,36 @@ def test_jax_cache_files_others_can_change_are_refused(tmp_path):
     os.symlink(tmp_path / "elsewhere", d / "jit_g-4567-cache")
     with pytest.raises(ValueError, match=r"jit_g-4567-cache' is unsafe: it is a symbolic link"):
         compile_cache.checked_dir(str(d))
+
+
+# ---- issue 65: a cache directory in a folder others can write -------------------------------------
+def test_a_cache_in_a_folder_others_can_write_is_refused(tmp_path, monkeypatch):
+    """~/.cache/jaxspec/jax as a link another user planted, its folder writable by others: it was
+    used (the link's target passed every check). Such a folder lets them swap in their own directory
+    at any time, so the cache in it is refused, a link or not: an explicit one is a ValueError, the
+    default is skipped with one warning. With the sticky bit (as /tmp) nobody else can replace it."""
+    home = tmp_path / "home"
+    folder = home / ".cache" / "jaxspec"
+    folder.mkdir(parents=True)
+    target = tmp_path / "looks-fine"
+    target.mkdir(mode=0o700)
+    (folder / "jax").symlink_to(target)
+    folder.chmod(0o777)
+    monkeypatch.setenv("HOME", str(home))
+    why = rf"is unsafe: its folder '{folder}' is writable by others \(mode 0777, not sticky\)"
+    with pytest.warns(RuntimeWarning, match="running without the on-disk compile cache: .*" + why):
+        assert compile_cache.default_dir() is None
+    with pytest.raises(ValueError, match=why):
+        compile_cache.checked_dir(str(folder / "jax"))
+    (folder / "jax").unlink()
+    with pytest.raises(ValueError, match=why):  # not made there either
+        compile_cache.checked_dir(str(folder / "jax"))
+    assert not (folder / "jax").exists()
+    (folder / "jax").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match=why):  # a real directory of this user's, but replaceable
+        compile_cache.checked_dir(str(folder / "jax"))
+    folder.chmod(0o1777)
+    assert compile_cache.checked_dir(str(folder / "jax")) == str(folder / "jax")
+    (folder / "jax").rmdir()
+    (folder / "jax").symlink_to(target)  # a link in a sticky folder: only its owner could change it
+    assert compile_cache.checked_dir(str(folder / "jax")) == str(folder / "jax")

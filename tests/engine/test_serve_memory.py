@@ -12,6 +12,7 @@ import pytest
 
 from jaxspec import cli, models
 from jaxspec.engine import loop, sampling
+from jaxspec.engine import memory as serve_memory
 from jaxspec.engine.generate import PROMPT_BUCKET, make_generate, stop_array
 from jaxspec.models import presets
 from jaxspec.engine.memory import (HOST_RUNTIME, LOGIT_COPIES, POOL_BLOCK, STEP_CACHE_COPIES, batch_memory, largest_batch,
@@ -72,7 +73,7 @@ def test_serve_refuses_a_batch_over_the_host_memory(capsys, monkeypatch):
     naming the limit and the terms, exit 2, before loading; a batch that fits goes on to load."""
     port = memory_of(monkeypatch, 12 << 30, "host memory")
     err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
-    for part in ("--max-batch 4096", "12.0 GiB of host memory", "KV cache", "step temporaries",
+    for part in ("--max-batch 4096", "10.8 GiB of host memory (12.0 GiB less a tenth", "KV cache", "step temporaries",
                  "runtime and compiler", "lower --max-batch (at most "):
         assert part in err, err
     assert cli.main(["serve", "--max-batch", "64", "--port", port]) == 1  # fits: it goes on to load
@@ -129,10 +130,59 @@ def test_serve_checks_kv_positions_against_the_memory(capsys, monkeypatch):
     port = memory_of(monkeypatch, 12 << 30, "host memory")
     err = serve_fails(capsys, "--kv-positions", str(1 << 26), "--port", port)
     for part in ("--kv-positions 67108864 with --max-batch 4", "a pool of 67108864 positions for 4 slots",
-                 "12.0 GiB of host memory", "lower --kv-positions (at most "):
+                 "10.8 GiB of host memory (12.0 GiB less a tenth", "lower --kv-positions (at most "):
         assert part in err, err
     fit = int(re.search(r"at most (\d+)\)", err).group(1))
     assert fit % 16 == 0 and fit >= 4 * 4096  # the default pool fits where --max-batch 64 does
     assert cli.main(["serve", "--kv-positions", str(fit), "--port", port]) == 1  # fits: it goes on to load
     assert "a model was about to be loaded" in capsys.readouterr().err
     assert "lower --kv-positions" in serve_fails(capsys, "--kv-positions", str(fit + 16), "--port", port)
+
+
+# ---- issue 65: the memory the run may fill, not the whole host --------------------------------------
+PROBE_HOST = 25276194816  # the 23.5 GiB host where --max-batch 4096 (estimated 21.9 GiB) passed
+
+
+def test_serve_checks_the_memory_the_host_can_spare(capsys, monkeypatch):
+    """The default pair at --max-batch 4096: its estimate (which bounds the warm-up's peak) fitted
+    the probe's whole 23.5 GiB host, and the warm-up grew past what the machine could spare. On a
+    CPU it is checked against the host memory less a tenth for the system, the memory cgroup's
+    limit and what is available now (each named when it is the bound): refused in one line before
+    loading; the largest batch offered goes on to load."""
+    port = memory_of(monkeypatch, PROBE_HOST, "host memory")
+    err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
+    assert "more than the 21.2 GiB of host memory (23.5 GiB less a tenth for the system): lower --max-batch" in err
+    monkeypatch.setattr(serve_memory, "cgroup_limit", lambda: 8 << 30)
+    err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
+    assert "more than the 8.0 GiB of host memory (this process's memory cgroup limit)" in err
+    monkeypatch.setattr(serve_memory, "available_now", lambda: 5 << 30)  # others hold the rest
+    err = serve_fails(capsys, "--max-batch", "4096", "--port", port)
+    assert "more than the 5.0 GiB of host memory available now (of 23.5 GiB; other processes hold the rest)" in err
+    fits = int(re.search(r"at most (\d+)\)", err).group(1))
+    assert 64 < fits < 4096 and f"--max-batch {fits + 1} needs" in serve_fails(
+        capsys, "--max-batch", str(fits + 1), "--port", port)
+    assert cli.main(["serve", "--max-batch", str(fits), "--port", port]) == 1  # fits: it goes on to load
+    assert "a model was about to be loaded" in capsys.readouterr().err
+
+
+def test_cgroup_limit_reads_v1_and_v2(tmp_path):
+    """The lowest memory limit on the process's cgroup path, v2 (`memory.max`, "max": none) or v1
+    (`memory.limit_in_bytes`, 2**63 rounded to a page: none); None without a memory controller."""
+    rng = seeded_rng()
+    a, b = (int(x) << 20 for x in rng.integers(64, 1 << 14, 2))
+    fs = tmp_path / "fs"
+    for where, text in (("a", str(a)), ("a/b", str(b)), ("a/b/c", "max")):
+        (fs / where).mkdir(parents=True)
+        (fs / where / "memory.max").write_text(text + "\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/a/b/c\n")
+    assert serve_memory.cgroup_limit(str(proc), str(fs)) == min(a, b)
+    (fs / "memory" / "x").mkdir(parents=True)
+    (fs / "memory" / "x" / "memory.limit_in_bytes").write_text(str(a))
+    (fs / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")
+    proc.write_text("4:memory:/x\n3:cpu:/y\n")
+    assert serve_memory.cgroup_limit(str(proc), str(fs)) == a
+    (fs / "memory" / "x" / "memory.limit_in_bytes").write_text("9223372036854771712")
+    assert serve_memory.cgroup_limit(str(proc), str(fs)) is None
+    proc.write_text("3:cpu:/y\n")
+    assert serve_memory.cgroup_limit(str(proc), str(fs)) is None

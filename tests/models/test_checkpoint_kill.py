@@ -258,3 +258,109 @@ def test_a_killed_tiny_pair_leaves_the_old_or_the_new_pair(tmp_path, how="pair")
     finally:
         helper.stdin.close()
         helper.wait(timeout=30)
+
+
+# ---- issue 65: a checkpoint's other files (convert's tokenizer) switch with its weights -----------
+# The helper: reads "DIR VERSION K" lines; forks a child that saves a one-shard checkpoint whose
+# config and tokenizer.json carry VERSION (the tokenizer written in pieces, as extra_files) and kills
+# itself at its K-th step (a file operation or a piece written; K=0: never, then "exit 0 STEPS").
+EXTRA_HELPER = r"""
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import checkpoint_files
+
+steps = [0, 0]
+
+def step():
+    steps[0] += 1
+    if steps[0] == steps[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def counted(f):
+    def g(*a, **k):
+        step()
+        return f(*a, **k)
+    return g
+
+def tokenizer(folder, version):
+    text = json.dumps({"version": version, "model": {"vocab": {f"t{i}": i for i in range(3000)}}})
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        for i in range(0, len(text), 8192):
+            step()
+            f.write(text[i:i + 8192])
+            f.flush()
+
+for line in sys.stdin:
+    path, version, k = line.split()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            steps[1] = int(k)
+            for name in ("mkdir", "rename", "replace", "remove", "fsync"):
+                setattr(os, name, counted(getattr(os, name)))
+            shard = [(f"model.w{j}", np.full(16, float(version), np.float32)) for j in range(2)]
+            if sys.argv[2] == "switched":
+                checkpoint_files.save_files(path, [shard], {"version": version},
+                                            extra_files=lambda d: tokenizer(d, version))
+            else:  # as convert wrote before issue 65: the checkpoint, then the tokenizer in place
+                checkpoint_files.save_files(path, [shard], {"version": version})
+                tokenizer(path, version)
+            os.write(w, str(steps[0]).encode())
+            os._exit(0)
+        except BaseException as e:
+            print(repr(e), file=sys.stderr, flush=True)
+            os._exit(1)
+    os.close(w)
+    taken = os.read(r, 64).decode()
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    print("killed" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)} {taken}".strip(), flush=True)
+"""
+
+
+def read_with_tokenizer(path):
+    """(config's version, the weights', tokenizer.json's), each file found as the loaders find it
+    (the tokenizer through checkpoint_files.located, as jaxspec.text.tokenizer reads it); None for a
+    tokenizer that is missing (the loader refuses that directory)."""
+    cfg, weights = checkpoint_files.read_config(str(path))
+    with safe_open(weights[0], framework="numpy") as f:
+        w = str(int(f.get_tensor("model.w0")[0]))
+    tok = checkpoint_files.located(str(path), "tokenizer.json")
+    return cfg["version"], w, json.loads(open(tok).read())["version"] if os.path.exists(tok) else None
+
+
+def test_a_killed_save_switches_its_tokenizer_with_its_weights(tmp_path, how="switched"):
+    """A save with extra_files (convert: weights, config and tokenizer) killed at each of its steps in
+    turn: after each, the directory reads as the old version or the new one, all three alike.
+    (how="inplace", convert's order before, fails this: the new weights beside the old tokenizer.)"""
+    path = tmp_path / "converted"
+    helper = subprocess.Popen([sys.executable, "-c", EXTRA_HELPER, MODELS, how], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def save(version, k):
+        helper.stdin.write(f"{path} {version} {k}\n")
+        helper.stdin.flush()
+        return helper.stdout.readline().strip()
+
+    try:
+        assert save(1, 0).startswith("exit 0") and read_with_tokenizer(path) == ("1", "1", "1")
+        status = save(2, 0)  # the steps of a save over a checkpoint (the first one also made the folder)
+        assert status.startswith("exit 0 ") and read_with_tokenizer(path) == ("2", "2", "2"), status
+        steps = int(status.split()[2])
+        current, log = "2", []
+        for k in range(1, steps + 1):
+            status = save(k + 2, k)
+            got = read_with_tokenizer(path)
+            log.append(f"killed at step {k} of {steps}: {status}, reads as {got}")
+            assert status == "killed" and got in ((current,) * 3, (str(k + 2),) * 3), log
+            current = got[0]
+        assert current != "2", log  # killed after the switch: the new version stayed
+        assert save(99, 0).startswith("exit 0") and read_with_tokenizer(path) == ("99", "99", "99")
+        assert sorted(os.listdir(path)) == ["config.json", checkpoint_files.MANIFEST, "model.safetensors",
+                                            "tokenizer.json"]
+    finally:
+        helper.stdin.close()
+        helper.wait(timeout=30)

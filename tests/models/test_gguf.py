@@ -517,6 +517,45 @@ def test_convert_writes_a_checkpoint_that_loads_identically(tiny, tmp_path, caps
     assert "is not empty" in capsys.readouterr().err
 
 
+def test_convert_force_switches_weights_config_and_tokenizer_together(tiny, tmp_path, capsys, monkeypatch):
+    """`convert --force` over a converted directory writes weights, config and tokenizer as one
+    checkpoint: a failure while the tokenizer is written (a full disk, after its first file) leaves
+    the previous directory whole, its weights with its tokenizer (it wrote the weights first and the
+    tokenizer after, so generate ran the new weights with the old tokenizer). A converted directory
+    whose tokenizer went missing is refused by load_target (it loaded, and generated garbage)."""
+    import errno
+
+    from jaxspec import models
+    from jaxspec.text.tokenizer import Tokenizer
+
+    out, other = tmp_path / "converted", write_tiny(tmp_path / "other.gguf", seeded_rng())
+    assert cli.main(["convert", tiny, str(out)]) == 0
+    before = {f: (out / f).read_bytes() for f in ("model.safetensors", "config.json", "tokenizer.json")}
+    real_save = Tokenizer.save
+
+    def full_disk(self, directory):
+        real_save(self, directory)  # both files written, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(directory, "tokenizer_config.json"))
+    monkeypatch.setattr(Tokenizer, "save", full_disk)
+    capsys.readouterr()
+    assert cli.main(["convert", "--force", other, str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("jaxspec: error: cannot write") and "No space left on device" in err, err
+    monkeypatch.undo()
+    assert {f: (out / f).read_bytes() for f in before} == before
+    assert not [f for f in os.listdir(out) if f.startswith(".saving-")]
+    stored = DispatchConfig(backend="xla", dense=False)
+    a, b = (_params(models.load_target(p, dtype=jnp.float32, matmul=stored)) for p in (tiny, str(out)))
+    for name in a:
+        for x, y in zip(jax_leaves(a[name]), jax_leaves(b[name])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    assert cli.main(["convert", "--force", other, str(out)]) == 0  # whole: the other file's weights now
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+    (out / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"'tokenizer.json' is missing from .*: it is part of the checkpoint"):
+        models.load_target(str(out), dtype=jnp.float32, matmul=stored)
+
+
 def test_read_gguf_reports_progress_in_tensor_bytes(tiny):
     """read_gguf's `progress(done, total)`: once per tensor, `done` rising by each tensor's bytes in
     the file to `total`, which is every tensor's bytes (the file less its header and alignment)."""
@@ -542,7 +581,7 @@ def test_convert_progress_bar_goes_to_a_terminal_stderr_only(tiny, tmp_path, cap
         assert got.out == (f"wrote {tmp_path / name} (with its tokenizer)\ntry: jaxspec generate \"The capital of "
                            f"France is\" --model {tmp_path / name} --no-assistant\n") and got.err == ""
         assert ("decoding tensors" in term.getvalue()) == bar and ("\r" in term.getvalue()) == bar, name
-        assert ("loaded target in" in term.getvalue()) == bar and "writing its tokenizer ..." in term.getvalue()
+        assert ("loaded target in" in term.getvalue()) == bar and "reading its tokenizer ..." in term.getvalue()
 
 
 def jax_leaves(w):

@@ -2,6 +2,7 @@
 import socket
 import time
 from jaxspec import cli
+from jaxspec.engine import memory as serve_memory
 
 
 def serve_fails(capsys, *argv) -> str:
@@ -21,6 +22,8 @@ def memory_of(monkeypatch, total: int, label: str) -> str:
         raise AssertionError("a model was about to be loaded")
     monkeypatch.setattr(cli, "_load_pair", reached)
     monkeypatch.setattr(cli, "device_memory", lambda: (total, label))
+    monkeypatch.setattr(serve_memory, "cgroup_limit", lambda: None)  # the machine's own, whatever runs beside
+    monkeypatch.setattr(serve_memory, "available_now", lambda: None)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])

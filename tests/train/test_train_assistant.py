@@ -4,6 +4,7 @@ load it back. Independent references: the untrained drafter of the same config (
 decoding (greedy parity), a second tiny target (the refusal)."""
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,9 @@ def test_trained_drafter_beats_untrained_with_greedy_parity(trained):
     assert all(p["mode"] != "classic" for p in good["per_prompt"])
     assert good["tokens_per_round"] > bad["tokens_per_round"] + 0.3, (good, bad)
     assert good["per_position_acceptance"][0] > bad["per_position_acceptance"][0]
+    # --minutes bounds the evaluation: past its end no prompt is started (the one running finishes)
+    late = ta.acceptance_stats(target, drafter, prompts, 24, end_by=time.time())
+    assert (late["prompts"], late["skipped_for_time"]) == (0, 3) and good["skipped_for_time"] == 0
 
 
 def test_refuses_another_target(trained):
@@ -100,3 +104,6 @@ def test_self_written_prompts(trained):
     assert [r.tolist() for r in cold] == [[bos] + greedy] * 4
     with pytest.raises(RuntimeError, match="only 0 of 4 self-written prompts"):
         ta.self_prompts(target, bos, 4, 8, 4, 0.0, 1, bad_ids=(greedy[3],))
+    # the data's deadline: past it, no batch is drawn after one that kept rows
+    late = ta.self_prompts(target, bos, 10, 8, 4, 1.0, trained["seed"] % 1000, bad_ids=(1,), end_by=time.time())
+    assert 1 <= len(late) <= 4 and late.shape[1] == 8 and (late[:, 0] == bos).all()  # one batch of 4, not 10 rows
