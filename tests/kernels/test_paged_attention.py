@@ -216,7 +216,8 @@ def test_lowers_to_triton_for_cuda(shape):
 @pytest.mark.parametrize("shape", REAL)
 def test_gpu_real_shapes_against_xla_and_row_invariance(shape):
     """Compiled: close to the XLA reference and float64 (two rows), bitwise today's gathered path at
-    the default tiling, and a row bitwise the same when every other row's length and blocks change."""
+    the default tiling, a query bitwise the same alone as among T, and a row bitwise the same when
+    every other row's length and blocks change."""
     b, t, hq, hkv, d, page, blocks, window = shape
     rng = seeded_rng()
     pool = b * blocks + 64
@@ -228,6 +229,8 @@ def test_gpu_real_shapes_against_xla_and_row_invariance(shape):
     _assert_close(out[:2], _float64(args[0][:2], args[1], args[2], *few, None, window), jnp.bfloat16)
     np.testing.assert_array_equal(out, np.asarray(_view_call(*args, None, window)))
     q, kp, vp, table, lengths, q_pos = args
+    last = np.asarray(paged_attention(q[:, -1:], kp, vp, table, lengths, q_pos[:, -1:], window))
+    np.testing.assert_array_equal(last[:, 0], out[:, -1])
     lengths2 = lengths.at[1:].set(jnp.asarray(rng.integers(1, blocks * page + 1, b - 1), jnp.int32))
     table2 = table.at[1:].set(jnp.asarray(rng.permutation(pool)[:(b - 1) * blocks].reshape(b - 1, blocks)))
     again = np.asarray(paged_attention(q, kp, vp, table2, lengths2, q_pos, window))
