@@ -15,13 +15,14 @@
 #   default_pair  the shipped pair on its 20 held-out prompts x 64 tokens: acceptance and speedup
 #   profile       where a 12B decode forward's time goes, by kernel
 #   attention     attention_bench: the attention kernels against XLA's at the 12B's layer shapes
+#   paged         attention_bench --ops paged: paged_attention against the gather path, 32 slots x 4,096
 #   context       the 12B against context (128 .. 32K; a 131,072-token prompt needs a call of its own)
 # Each step has a hard timeout and, where the tool has one, a softer deadline. Results are re-packed
 # after every step, so a call cut short still returns what finished.
 set -u
 dest=${1:-out}
 shift || true
-steps=${*:-gpu_kernels gpu_models gpu_stream kernels decode12b default_pair profile attention context}
+steps=${*:-gpu_kernels gpu_models gpu_stream kernels decode12b default_pair profile attention paged context}
 out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1
@@ -53,9 +54,10 @@ for s in $steps; do
     profile) step profile 150 python3 benchmarks/profile_forward.py --commit "$commit" --target 12b --steps 4 \
         --out "$out/profile" ;;
     attention) step attention 300 python3 benchmarks/attention_bench.py --commit "$commit" --out "$out/attention" ;;
+    paged) step paged 300 python3 benchmarks/attention_bench.py --commit "$commit" --ops paged --out "$out/paged" ;;
     context) step context 580 python3 benchmarks/context_bench.py --commit "$commit" --target 12b --assistant 12b \
         --context 128,2048,8192,32768 --spec-context 128,32768 --max-tokens 32 --repeats 1 --time-budget 480 \
         --out "$out/context" ;;
-    *) echo "unknown step $s (steps: gpu_kernels gpu_models gpu_stream kernels decode12b default_pair profile attention context)" ;;
+    *) echo "unknown step $s (steps: gpu_kernels gpu_models gpu_stream kernels decode12b default_pair profile attention paged context)" ;;
     esac
 done

@@ -27,8 +27,11 @@ row's logical block (position // block) to a pool block (`num_blocks`: none; a w
 a read gives zeros). A layer gathers its row view `[B, capacity, H, D]` through the table
 (`paged_view`), reads and writes it exactly as a contiguous buffer, and scatters the new positions back
 into the pool (`paged_write`): the attention sees the array a contiguous cache would hold, so the
-results are bitwise a contiguous cache's. The rings stay per row: their size is the window's, not
-the context's. Who owns a block is the host's business (`jaxspec.batching`).
+results are bitwise a contiguous cache's. A decode or verify on the attention kernels instead writes
+into the pool and reads each row's blocks in place (`models.target.reads_pool`,
+`pallas_kernels.paged_attention`: decode_attention's arithmetic on the same keys; bitwise the same
+in Pallas' interpreter, tests/models/test_paged_cache.py). The rings stay per row: their size is the
+window's, not the context's. Who owns a block is the host's business (`jaxspec.batching`).
 """
 from __future__ import annotations
 

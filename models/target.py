@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 from jaxspec.kernels import (DispatchConfig, Layer, QuantizedWeight, attention_head_dim_ok, quantized_matmul_parts,
                             take_rows)
 from jaxspec.kernels.attention_inputs import attention_inputs
+from jaxspec.kernels.paged_attention import paged_attention
 from jaxspec.kernels.config import ROW_TILE
 from jaxspec.kernels.xla import dense_rows
 from jaxspec.kernels.stack import take
@@ -204,7 +205,7 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
             tables[key] = rope_tables(pos, cfg.rope(i), key[1], dt)
     # what every layer of this forward shares: shapes, positions, RoPE tables, the ring's plan
     step = SimpleNamespace(b=b, t=t, t_real=t_real, start=start, pos=pos, slot_pos=slot_pos, tables=tables,
-                           cache=cache)
+                           cache=cache, hides=valid is not None)
     if cache.pos is not None:
         step.cols, step.ring_short, step.ring_keys_pos = cols, ring_short, ring_keys_pos
     ks, vs = list(cache.k), list(cache.v)
@@ -310,13 +311,18 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     cfg, mm = target.config, target.matmul
     b, t, pos, cache = step.b, step.t, step.pos, step.cache
     slot, index = entry
+    eps = cfg.rms_norm_eps
+    hd, nq = cfg.layer_head_dims[i], cfg.num_attention_heads
+    # A block pool: a decode or verify on the attention kernels writes its new K/V into the pool and
+    # reads each row's blocks through the table (paged_attention); otherwise (the XLA path, a
+    # prefill chunk) the layer reads and writes its rows' view, bitwise a contiguous buffer, and
+    # scatters the new positions back.
+    direct = slot in cache.paged and reads_pool(mm, hd, t)
     pool = None
-    if slot in cache.paged:  # a block pool: this layer reads and writes its rows' view (bitwise a contiguous buffer)
+    if slot in cache.paged and not direct:
         pool = (ks[slot], vs[slot], index)
         ks[slot], vs[slot], index = (paged_view(ks[slot], cache.table, index),
                                      paged_view(vs[slot], cache.table, index), None)
-    eps = cfg.rms_norm_eps
-    hd, nq = cfg.layer_head_dims[i], cfg.num_attention_heads
     cos, sin = step.tables[(cfg.is_sliding(i), hd)]
 
     x = rms_norm(h, norm_scale(cfg, w.vector("input_layernorm")), eps)
@@ -330,12 +336,21 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
         q, *kv = quantized_matmul_parts(x, projections, config=mm)
         k_parts, v_parts = (kv + [None, None])[:2]
         cols = step.cols if ring else step.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        q, k_new, v_new = attention_inputs(
-            q, k_parts, v_parts, q_scale, k_scale if kv else None, cos, sin,
-            *((ks[slot], vs[slot], cols) if kv else (None, None, None)), eps=eps, layer=index,
-            interpret=mm.interpret_mode, norm_v=cfg.value_norm)
-        if kv:
-            ks[slot], vs[slot] = k_new, v_new
+        if kv and direct:  # the new K/V into [B, T] buffers of their own, then into the pool
+            bufs = [jnp.zeros((b, t) + ks[slot].shape[-2:], ks[slot].dtype) for _ in range(2)]
+            q, k_new, v_new = attention_inputs(
+                q, k_parts, v_parts, q_scale, k_scale, cos, sin, *bufs,
+                jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t)), eps=eps,
+                interpret=mm.interpret_mode, norm_v=cfg.value_norm)
+            ks[slot] = paged_write(ks[slot], cache.table, k_new, step.start, index)
+            vs[slot] = paged_write(vs[slot], cache.table, v_new, step.start, index)
+        else:
+            q, k_new, v_new = attention_inputs(
+                q, k_parts, v_parts, q_scale, k_scale if kv else None, cos, sin,
+                *((ks[slot], vs[slot], cols) if kv else (None, None, None)), eps=eps, layer=index,
+                interpret=mm.interpret_mode, norm_v=cfg.value_norm)
+            if kv:
+                ks[slot], vs[slot] = k_new, v_new
         kv = []
     else:
         q, *kv = linear_many(x, projections, mm)
@@ -353,11 +368,16 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
                 old_k, old_v = take(_at(old_k, index)), take(_at(old_v, index))
                 new_kv[slot] = (jnp.concatenate([old_k, k.astype(old_k.dtype)], axis=1),
                                 jnp.concatenate([old_v, v.astype(old_v.dtype)], axis=1))
+        elif direct:
+            ks[slot] = paged_write(ks[slot], cache.table, k, step.start, index)
+            vs[slot] = paged_write(vs[slot], cache.table, v, step.start, index)
         else:
             ks[slot] = write_rows(ks[slot], k, step.start, index)
             vs[slot] = write_rows(vs[slot], v, step.start, index)
     window = cfg.sliding_window if cfg.is_sliding(i) else None
-    if ring and not step.ring_short:
+    if direct:
+        a = _pool_attention(q, ks[slot], vs[slot], index, window, step, mm)
+    elif ring and not step.ring_short:
         a = attention(q, *new_kv[slot], pos, step.ring_keys_pos, window, matmul=mm, rows=step.t_real)
     else:
         a = attention(q, _at(ks[slot], index), _at(vs[slot], index), pos,
@@ -383,6 +403,24 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
         g = linear(g, w.linear("per_layer_projection"), mm)
         h = h + rms_norm(g, w.vector("post_per_layer_input_norm"), eps)
     return h * w.vector("layer_scalar").astype(h.dtype) if cfg.layer_scalar else h
+
+
+def reads_pool(mm: DispatchConfig, head_dim: int, t: int) -> bool:
+    """Whether a forward of `t` tokens reads a block pool in place (`paged_attention`, through the
+    table) rather than through a gathered view: a decode or verify (t <= ROW_TILE) on the attention
+    kernels. The XLA path keeps the view: its attention over the view is the contiguous cache's
+    computation, which the paged cache promises bitwise on a CPU."""
+    return mm.attention_kernels and attention_head_dim_ok(head_dim) and t <= ROW_TILE
+
+
+def _pool_attention(q, k_pool, v_pool, index, window, step: SimpleNamespace, mm: DispatchConfig):
+    """`models.attention` of a short block over a block pool (`reads_pool`): the real rows' queries
+    over each row's keys below its start + real tokens; `[B, T, Hq * D]`, the pad rows zeros."""
+    b, t, r = step.b, step.t, step.t_real
+    k_pos = step.slot_pos if step.hides else None  # a valid mask hides some new slots; else slot = position
+    out = paged_attention(q[:, :r], k_pool, v_pool, step.cache.table, step.start + r, step.pos[:, :r], window,
+                          k_pos=k_pos, layer=index, interpret=mm.interpret_mode).reshape(b, r, -1)
+    return jnp.pad(out, ((0, 0), (0, t - r), (0, 0)))
 
 
 def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:

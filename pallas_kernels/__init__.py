@@ -9,7 +9,8 @@ rows dequantize + XLA's dense dot). See `select_path`, `DispatchConfig`.
 
 Attention with the mask given by positions (causal, optional sliding window, hidden slots):
 `decode_attention.decode_attention` (flash-decoding for blocks of <= ROW_TILE queries; a query's
-result bitwise independent of the block width) and `flash_attention.flash_attention` (prefill).
+result bitwise independent of the block width) and `flash_attention.flash_attention` (prefill);
+`paged_attention.paged_attention`: decode_attention over a paged KV pool, read through a block table.
 `attention_inputs.attention_inputs` turns a q/k/v projection's split-K partials
 (`quantized_matmul_parts`) into attention's inputs in one launch: norms, RoPE, the K/V cache write.
 On a CPU the `xla` backend runs models whose weights were dequantized once, at load

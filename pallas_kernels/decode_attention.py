@@ -72,30 +72,46 @@ def _split_kernel(q_ref, qpos_ref, k_ref, v_ref, kpos_ref, m_ref, l_ref, acc_ref
         vis = (kp[None, :] <= qp[:, None]) & col_ok[None, :] & row_ok[:, None]
         if window is not None:
             vis = vis & (kp[None, :] > (qp - window)[:, None])
-        row_sees = jnp.max(vis.astype(jnp.int32), axis=1) > 0
-        m, l, acc = carry
         kv_mask = jnp.broadcast_to(col_ok[:, None], (block_k, d))
         kk = pltriton.load(k_ref.at[b, pl.ds(c0, block_k), j, :], mask=kv_mask, other=0)
         vv = pltriton.load(v_ref.at[b, pl.ds(c0, block_k), j, :], mask=kv_mask, other=0)
-        sc = pltriton.dot(q, kk.astype(q.dtype), trans_b=True, precision=precision)
-        sc = jnp.where(vis, sc.astype(jnp.float32), _NEG)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)  # masked slots: exactly 0
-        pv = pltriton.dot(p.astype(vv.dtype), vv, precision=precision)
-        # a row that sees nothing here keeps its state bit for bit (no -0.0 + 0.0 drift)
-        return (jnp.where(row_sees, m_new, m), jnp.where(row_sees, l * corr + jnp.sum(p, axis=1), l),
-                jnp.where(row_sees[:, None], acc * corr[:, None] + pv.astype(jnp.float32), acc))
+        return softmax_step(q, kk, vv, vis, carry, precision)
 
-    init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(first, end, block, init)
-    pltriton.store(m_ref.at[b, j, s, pl.ds(r0, rows)], m)
-    pltriton.store(l_ref.at[b, j, s, pl.ds(r0, rows)], l)
+    m, l, acc = jax.lax.fori_loop(first, end, block, softmax_init(rows, d))
+    store_partials(m_ref, l_ref, acc_ref, (b, j, s), r0, m, l, acc)
+
+
+def softmax_init(rows: int, d: int):
+    """The online softmax's empty state for `rows` query rows: (running max, sum, weighted V)."""
+    return (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32))
+
+
+def softmax_step(q, kk, vv, vis, carry, precision):
+    """One key block of the online softmax (inside a kernel): q `[rows, D]`, kk / vv `[block_k, D]`,
+    vis bool `[rows, block_k]`; carry = (m, l, acc) float32. Shared by decode_attention and
+    paged_attention, so the two give a row the same bits for the same keys."""
+    row_sees = jnp.max(vis.astype(jnp.int32), axis=1) > 0
+    m, l, acc = carry
+    sc = pltriton.dot(q, kk.astype(q.dtype), trans_b=True, precision=precision)
+    sc = jnp.where(vis, sc.astype(jnp.float32), _NEG)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)  # masked slots: exactly 0
+    pv = pltriton.dot(p.astype(vv.dtype), vv, precision=precision)
+    # a row that sees nothing here keeps its state bit for bit (no -0.0 + 0.0 drift)
+    return (jnp.where(row_sees, m_new, m), jnp.where(row_sees, l * corr + jnp.sum(p, axis=1), l),
+            jnp.where(row_sees[:, None], acc * corr[:, None] + pv.astype(jnp.float32), acc))
+
+
+def store_partials(m_ref, l_ref, acc_ref, at, r0, m, l, acc):
+    """A split program's state into the partials at `at` = (b, j, split), rows r0.. (inside a kernel)."""
+    rows = m.shape[0]
+    pltriton.store(m_ref.at[(*at, pl.ds(r0, rows))], m)
+    pltriton.store(l_ref.at[(*at, pl.ds(r0, rows))], l)
 
     @pl.when(jnp.max(l) > 0)  # l >= 1 once a row saw a key; unseen splits write no acc (combine skips them)
     def _():
-        pltriton.store(acc_ref.at[b, j, s, pl.ds(r0, rows), :], acc)
+        pltriton.store(acc_ref.at[(*at, pl.ds(r0, rows), slice(None))], acc)
 
 
 def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, rows, splits, block_d):
@@ -192,36 +208,57 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     _check_tiling(rows, block_k, split)
     b, t, hq, d = q.shape
     c, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    n_rows = t * g
+    n_rows = t * (hq // hkv)
     n_rb, splits = -(-n_rows // rows), -(-c // split)
-    rp = n_rb * rows
-    # rows (t, g) of kv head j, padded; copying q and the positions is cheap, k/v are read in place
-    qr = jnp.pad(q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d),
-                 ((0, 0), (0, 0), (0, rp - n_rows), (0, 0)))
-    qpos = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, rp - n_rows)))
+    qr, qpos = query_rows(q, q_pos, hkv, rows)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     # grid (row block, B, Hkv, split): the row block varies fastest, so programs that read the same
     # keys run side by side and share them through L2
-    f32 = jnp.float32
     stacked = layer is not None
     m, l, acc = pl.pallas_call(
         functools.partial(with_layer(_split_kernel, stacked, (2, 3)), c=c, n_rows=n_rows, rows=rows,
                           block_k=block_k, split=split, window=window, precision=precision),
-        out_shape=(jax.ShapeDtypeStruct((b, hkv, splits, rp), f32), jax.ShapeDtypeStruct((b, hkv, splits, rp), f32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rp, d), f32)),
+        out_shape=partials_shape(b, hkv, splits, qr.shape[2], d),
         grid=(n_rb, b, hkv, splits), interpret=interpret, compiler_params=params,
         name=f"decode_attention_d{d}_k{block_k}_s{split}",
     )(*([Layer(k_st, layer).operand()] if stacked else []), qr, qpos, k_st, v_st, k_pos)
+    return combine(m, l, acc, q.shape, q.dtype, rows, interpret, params, "decode_attention")
+
+
+def query_rows(q, q_pos, hkv: int, rows: int):
+    """(q as `[B, Hkv, R, D]`, q_pos as `[B, R]`): the T * G query rows (t, g) of each kv head,
+    padded to whole blocks of `rows`. Copying q and the positions is cheap; k/v are read in place."""
+    b, t, hq, d = q.shape
+    g = hq // hkv
+    n_rows = t * g
+    rp = -(-n_rows // rows) * rows
+    qr = jnp.pad(q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d),
+                 ((0, 0), (0, 0), (0, rp - n_rows), (0, 0)))
+    return qr, jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, rp - n_rows)))
+
+
+def partials_shape(b: int, hkv: int, splits: int, rp: int, d: int):
+    """The split launch's outputs: each split's running max and sum `[B, Hkv, S, R]` and weighted V
+    `[B, Hkv, S, R, D]` (float32)."""
+    f32 = jnp.float32
+    return (jax.ShapeDtypeStruct((b, hkv, splits, rp), f32), jax.ShapeDtypeStruct((b, hkv, splits, rp), f32),
+            jax.ShapeDtypeStruct((b, hkv, splits, rp, d), f32))
+
+
+def combine(m, l, acc, q_shape, dtype, rows: int, interpret: bool, params, name: str):
+    """The second launch: the splits' partials combined in split order, back to q's `[B, T, Hq, D]`."""
+    b, t, hq, d = q_shape
+    hkv, splits, rp = m.shape[1], m.shape[2], m.shape[3]
+    g = hq // hkv
     block_d = min(d, _COMBINE_BLOCK_D)
     out = pl.pallas_call(
         functools.partial(_combine_kernel, rows=rows, splits=splits, block_d=block_d),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, rp, d), q.dtype),
-        grid=(n_rb, b, hkv, d // block_d), interpret=interpret, compiler_params=params,
-        name=f"decode_attention_combine_d{d}",
+        out_shape=jax.ShapeDtypeStruct((b, hkv, rp, d), dtype),
+        grid=(rp // rows, b, hkv, d // block_d), interpret=interpret, compiler_params=params,
+        name=f"{name}_combine_d{d}",
     )(m, l, acc)
-    return out[:, :, :n_rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return out[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
 
 
 # ---- the XLA counterpart: the reference, and the short-block path without kernels ---------------

@@ -86,11 +86,12 @@ def test_writes_stay_in_the_rows_own_blocks():
         assert not np.array_equal(x[..., row1, :, :, :], y[..., row1, :, :, :])
 
 
-def test_the_pallas_kernels_read_the_paged_view_bitwise():
-    """The same on the Pallas path (interpret mode on CPU): the fused q/k/v kernel writes the new K/V
-    into the view, flash_attention (a 20-token block) and decode_attention (a 4-token verify) read it;
-    the logits and hidden states equal the contiguous cache's bitwise."""
-    from jaxspec.kernels import DispatchConfig
+def test_the_pallas_kernels_read_the_pool_bitwise():
+    """The same on the Pallas path (interpret mode on CPU): a 20-token block writes the new K/V into
+    the view and flash_attention reads it; a 4-token verify (padded to the row bucket of 8, its pad
+    slots hidden) and an 8-token one write them into the pool and paged_attention reads the rows'
+    blocks through the table. The logits and hidden states equal the contiguous cache's bitwise."""
+    from jaxspec.kernels import ROW_TILE, DispatchConfig
 
     pallas = DispatchConfig(backend="pallas", interpret=True, attention="pallas")
     target, _ = make_pair(seed=5, layers=2, matmul=pallas)
@@ -99,8 +100,10 @@ def test_the_pallas_kernels_read_the_paged_view_bitwise():
     flat = models.init_cache(target.config, 2, CAP, jnp.float32)
     paged = _paged(rng, [40, 40])
     fwd = jax.jit(models.forward)
-    for width in (20, 4):
+    for width in (20, 4, 8):
         tokens = jnp.asarray(rng.integers(2, 200, (2, width)), jnp.int32)
+        program = str(jax.make_jaxpr(models.forward)(target, tokens, paged))
+        assert ("paged_attention" in program) == (width <= ROW_TILE), width
         a, b = fwd(target, tokens, flat), fwd(target, tokens, paged)
         for x, y in zip(a[:2], b[:2]):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
