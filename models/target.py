@@ -408,9 +408,9 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
 def reads_pool(mm: DispatchConfig, head_dim: int, t: int) -> bool:
     """Whether a forward of `t` tokens reads a block pool in place (`paged_attention`, through the
     table) rather than through a gathered view: a decode or verify (t <= ROW_TILE) on the attention
-    kernels. The XLA path keeps the view: its attention over the view is the contiguous cache's
-    computation, which the paged cache promises bitwise on a CPU."""
-    return mm.attention_kernels and attention_head_dim_ok(head_dim) and t <= ROW_TILE
+    kernels, when `mm.paged_attention` asks for it. The XLA path keeps the view: its attention over
+    the view is the contiguous cache's computation, which the paged cache promises bitwise on a CPU."""
+    return mm.paged_attention and mm.attention_kernels and attention_head_dim_ok(head_dim) and t <= ROW_TILE
 
 
 def _pool_attention(q, k_pool, v_pool, index, window, step: SimpleNamespace, mm: DispatchConfig):

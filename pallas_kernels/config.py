@@ -50,6 +50,7 @@ ENV = {  # variable -> DispatchConfig field
     "JAXSPEC_QMM_DENSE_ROWS": "qmm_dense_rows",
     "JAXSPEC_MTP_VERIFY_PAD": "verify_pad",
     "JAXSPEC_DENSE_WEIGHTS": "dense",
+    "JAXSPEC_PAGED_ATTENTION": "paged_attention",
 }
 
 
@@ -78,6 +79,10 @@ class DispatchConfig:
       not): ~4x the weights' memory, no dequantization per call. None: the inference loaders turn it
       on where JAX's default backend is the CPU (there dequantizing every call cost more than the
       dots); models made to be saved, trained or sharded (the presets) keep it off. $JAXSPEC_DENSE_WEIGHTS.
+    paged_attention: with the attention kernels, a decode or verify over a paged KV pool reads each
+      row's blocks through its table (`paged_attention`) instead of gathering every row's whole
+      capacity first. Off until its speed and its bitwise agreement are measured on a GPU (models
+      reads it). $JAXSPEC_PAGED_ATTENTION.
     """
 
     backend: str = "pallas"
@@ -89,11 +94,12 @@ class DispatchConfig:
     verify_pad: bool = False
     attention: str = "auto"
     dense: bool | None = None
+    paged_attention: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {BACKENDS}")
-        for name in ("multirow", "verify_pad"):
+        for name in ("multirow", "verify_pad", "paged_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.attention not in ATTENTION:
@@ -125,7 +131,7 @@ class DispatchConfig:
             raw = environ.get(var, "")
             if raw == "":
                 continue
-            if field in ("multirow", "verify_pad", "dense"):
+            if field in ("multirow", "verify_pad", "dense", "paged_attention"):
                 fields[field] = _parse_bool(var, raw)
             else:
                 fields[field] = _parse_int(var, raw)

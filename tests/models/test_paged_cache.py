@@ -93,7 +93,7 @@ def test_the_pallas_kernels_read_the_pool_bitwise():
     blocks through the table. The logits and hidden states equal the contiguous cache's bitwise."""
     from jaxspec.kernels import ROW_TILE, DispatchConfig
 
-    pallas = DispatchConfig(backend="pallas", interpret=True, attention="pallas")
+    pallas = DispatchConfig(backend="pallas", interpret=True, attention="pallas", paged_attention=True)
     target, _ = make_pair(seed=5, layers=2, matmul=pallas)
     assert target.matmul.attention_kernels
     rng = seeded_rng()
