@@ -45,9 +45,8 @@ SETS = ("code_edit", "extract", "prose")
 
 def load(args):
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
-    matmul = DispatchConfig.from_env()
-    if args.backend:
-        matmul = matmul.replace(backend=args.backend)
+    # None: the loader's rule (XLA on a CPU, the Pallas kernels on a GPU)
+    matmul = DispatchConfig.from_env().replace(backend=args.backend) if args.backend else None
     path = args.target
     if not os.path.exists(path):
         from jaxspec.models import gguf
