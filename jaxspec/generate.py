@@ -565,8 +565,8 @@ def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingPar
              **knobs) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
     `assistant` or a `drafter` is given (block_size K in 1..MAX_BLOCK_SIZE: K-1 drafts + one K-wide
-    verify per round), classically otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
-    sampling with temperature / top_k / top_p.
+    verify per round), classically otherwise. Greedy at temperature 0 (byte-identical to classic
+    decoding), else lossless sampling with temperature / top_k / top_p.
 
     drafter: None (the MTP `assistant` when one is given, else classic decoding), "mtp" (needs the
     assistant), "ngram" (prompt lookup: drafts the continuation of the latest earlier occurrence of

@@ -5,6 +5,7 @@ classic tokens predicts, at the K asked; sampled output has the target's distrib
 point-mass accept rule); a round is one program with no host round trip, and a new prompt compiles
 nothing.
 """
+import functools
 import importlib
 
 import jax
@@ -14,11 +15,12 @@ import pytest
 
 import jaxspec
 from jaxspec import compile_cache
+from jaxspec import programs
 from jaxspec import sampling
 from jaxspec.drafters import base, ngram
 from seeds import seeded_int, seeded_rng
 from test_generate import pair
-from test_sampling_generate import N, PROMPT, SETTING, V_, empirical, exact, tiny_pair, tv_threshold  # noqa: F401
+from test_sampling_generate import N, PROMPT, SETTING, empirical, exact, tiny_pair, tv_threshold  # noqa: F401
 
 G = importlib.import_module("jaxspec.generate")
 
@@ -195,18 +197,32 @@ def _one_program_per_shape(t, p, rows, state):
 # Sampling: the target's distribution
 
 
-def test_sampled_first_three_tokens_match_target_distribution(tiny_pair, exact):  # noqa: F811
-    """The exhaustive first-3-token distribution of a V = 8 target (test_sampling_generate's
-    reference) against 4000 sampled rows decoded with n-gram drafts at K = 3."""
-    t, _ = tiny_pair
+def _sampled_tv(t, exact):  # noqa: F811  (the fixture, passed on)
     r = jaxspec.generate(t, [PROMPT] * N, drafter="ngram", max_new_tokens=3, block_size=3,
                          seed=seeded_int(1 << 30), eos_token_ids=[], **SETTING)
     assert (r.stats.drafter, r.stats.block_size) == ("ngram", 3)
     emp = empirical(r.tokens)
-    assert np.all(emp[exact == 0] == 0), "a sequence of probability 0 was generated"
     tv = 0.5 * np.abs(emp - exact).sum()
     thr = tv_threshold(exact, seeded_rng())
     print(f"ngram K=3: TV {tv:.4f} (threshold {thr:.4f}), hist {r.stats.accepted_hist}, {r.stats.draft_stats}")
+    return emp, tv, thr, r.stats.accepted_hist
+
+
+def test_sampled_first_three_tokens_match_target_distribution(tiny_pair, exact):  # noqa: F811
+    """The exhaustive first-3-token distribution of a V = 8 target (test_sampling_generate's
+    reference) against 4000 sampled rows decoded with n-gram drafts at K = 3."""
+    emp, tv, thr, hist = _sampled_tv(tiny_pair[0], exact)
+    assert np.all(emp[exact == 0] == 0), "a sequence of probability 0 was generated"
     assert tv < thr
-    hist = r.stats.accepted_hist
     assert hist[0] > 0 and hist[-1] > 0  # rejections and full acceptance both occur
+
+
+def test_statistic_rejects_a_point_mass_loop_that_keeps_the_draft(tiny_pair, exact, monkeypatch):  # noqa: F811
+    """Power: a loop that resamples from p after rejecting d (instead of p with d removed) emits the
+    drafted tokens too often; the same statistic must catch it."""
+    monkeypatch.setattr(sampling, "residual_probs", lambda p, q: p / jnp.sum(p, axis=-1, keepdims=True))
+    monkeypatch.setattr(G, "_GENERATORS", {})
+    monkeypatch.setattr(G, "_jits", functools.lru_cache(maxsize=None)(G._jits.__wrapped__))  # traced anew
+    monkeypatch.setattr(programs, "_MEMO", {k: v for k, v in programs._MEMO.items() if k[0] == "prefill"})
+    _, tv, thr, _ = _sampled_tv(tiny_pair[0], exact)
+    assert tv > thr

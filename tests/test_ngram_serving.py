@@ -1,11 +1,14 @@
-"""Prompt-lookup drafting where users choose it: the batch engine (a request's tokens and accepted
-drafts equal `jaxspec.generate` on it alone, its prompt prefilled in chunks), and the CLI
+"""Prompt-lookup drafting where users choose it: streaming (the tokens and counters of `generate`), the
+batch engine (a request's tokens and accepted drafts equal `jaxspec.generate` on it alone, its
+prompt prefilled in chunks), and the CLI
 (`--draft ngram`: output identical to classic, the stats line names the drafter; bad combinations
 are one-line errors before anything loads)."""
 import re
 
+import pytest
+
 import jaxspec
-from jaxspec import cli
+from jaxspec import cli, streaming
 from jaxspec.batching import BatchEngine
 from cli_errors import one_line_error
 from seeds import seeded_rng
@@ -13,6 +16,22 @@ from test_generate import make_pair
 
 TARGET, _ = make_pair(seed=5, layers=2)
 K = 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_streaming_equals_generate(temperature):
+    rng = seeded_rng()
+    head = rng.integers(2, TARGET.config.vocab_size, 4).tolist()
+    rows = [head * 3, rng.integers(2, TARGET.config.vocab_size, 7).tolist()]
+    kw = dict(max_new_tokens=24, drafter="ngram", block_size=K, temperature=temperature,
+              seed=int(rng.integers(1 << 30)), eos_token_ids=[], exactness_probe=False)
+    want = jaxspec.generate(TARGET, rows, **kw)
+    chunks = list(streaming.stream_generate(TARGET, rows, rounds_per_chunk=2, **kw))
+    got = chunks[-1].result
+    assert [sum((c.tokens[b] for c in chunks), []) for b in range(2)] == got.tokens == want.tokens
+    assert (got.stats.drafter, got.stats.block_size) == ("ngram", K)
+    assert got.stats.accepted_hist == want.stats.accepted_hist and got.stats.draft_stats == want.stats.draft_stats
+    assert want.stats.draft_stats["matched_rounds"] > 0
 
 
 def test_engine_requests_equal_generate_alone():
@@ -54,8 +73,9 @@ def test_cli_generate_draft_ngram(pair, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     line = out.strip().splitlines()[-1]
-    assert re.match(r"stats: speculative K=4 \| \d+ new tokens .*\| drafter ngram, matched rounds \d+, accepted "
-                    r"from prompt \d+, accepted from output \d+ \|.*greedy output identical to classic: yes$", line), line
+    assert re.match(r"stats: speculative K=4 \| \d+ new tokens .*\| drafter ngram, matched rounds \d+, "
+                    r"accepted from prompt \d+, accepted from output \d+ \|.*"
+                    r"greedy output identical to classic: yes$", line), line
 
 
 def test_cli_draft_errors(pair, capsys):
