@@ -56,7 +56,7 @@ def timed(target, assistant, prompt, args, block_size):
     best_pre = best_dec = float("inf")
     state = None
     for i in range(args.repeats + 1):  # run 0 compiles
-        state, pre_s, dec_s = p.gen.run(target, p.drafter, *p.inputs)
+        state, pre_s, dec_s = p.gen.run(target, p.params, *p.inputs)
         if i:
             best_pre, best_dec = min(best_pre, pre_s), min(best_dec, dec_s)
     return p.gen.tokens(state)[0], best_pre, best_dec, state, p

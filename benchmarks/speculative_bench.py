@@ -347,6 +347,7 @@ def gen_stats(target, assistant, sets, k, args, pad):
         res, times = None, []
         for _ in range(args.warmup + args.repeats):
             res = jaxspec.generate(target, rows, assistant=assistant if k > 1 else None, block_size=k,
+                                   drafter=args.draft if k > 1 and args.draft == "ngram" else None,
                                    max_new_tokens=args.max_tokens, verify_pad=pad, eos_token_ids=[],
                                    exactness_probe=args.exactness_probe, cache_size=cache)
             times.append(res.stats.decode_s)
@@ -410,9 +411,10 @@ def run_loop(args, target, assistant, out, deadline):
             out.append(dict(run="loop", mode="classic", multirow=mr, batch=b, **classic))
             print(f"classic B={b} multirow={mr}: {classic['tokens_per_s']:.1f} tok/s "
                   f"({per_fwd * 1e3:.2f} ms/step)", flush=True)
-            if assistant is None:
+            if assistant is None and args.draft != "ngram":
                 continue
-            draft_step_ms = draft_time(assistant, tgt, b) * 1e3  # one assistant step at this batch
+            # one assistant step at this batch (prompt lookup's drafting is part of the round's "other")
+            draft_step_ms = draft_time(assistant, tgt, b) * 1e3 if assistant is not None else 0.0
             for k in args.k_values:
                 for pad in args.verify_pad:
                     for tm in (args.qmm_tile_m if pad else [None]):
@@ -601,6 +603,9 @@ def build_parser():
                          "its shipped drafter unless --assistant DIR, the drafter's held-out prompts)")
     ap.add_argument("--assistant", default=None, help="checkpoint dir or preset (default: same as --target)")
     ap.add_argument("--no-assistant", action="store_true")
+    ap.add_argument("--draft", default="mtp", choices=("mtp", "ngram"),
+                    help="the loop run's drafter: mtp (the assistant) or ngram (prompt lookup, no assistant loaded; "
+                         "benchmarks/ngram_bench.py has the per-task-set numbers)")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N target layers (preset only)")
     ap.add_argument("--float", action="store_true", help="bf16 weights instead of 4-bit")
     ap.add_argument("--k-values", default="2,4", type=lambda s: _csv(s, int))
@@ -651,6 +656,8 @@ def main(argv=None):
     args.verify_pad = [_onoff(v) for v in args.verify_pad_raw.split(",")]
     if args.each_prompt and args.batch != [1]:
         ap.error("--each-prompt decodes every prompt alone: it needs --batch 1")
+    if args.draft == "ngram":
+        args.no_assistant = True
     resolve_default_pair(args)
     resolve_named_pair(args)
     if args.prompt:

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import REPO  # noqa: E402
 KERNELS, MODELS = "jaxspec.kernels", "jaxspec.models"
 
 

@@ -3,6 +3,7 @@
     jaxspec generate "def fibonacci(n):" --max-tokens 64 --compare      # the embedded default pair
     jaxspec generate "The capital of France is" --pair gemma-3-270m --compare   # Gemma 3 270M + its drafter
     jaxspec generate "Hello" --model DIR --assistant DIR --stream
+    jaxspec generate - --model gemma-3-270m --draft ngram --compare < edit.txt   # prompt lookup: no drafter model
     jaxspec generate "Why is the sky blue?" --model DIR --assistant DIR --chat --temperature 0.7 --top-p 0.95
     jaxspec tiny-pair DIR                                               # a tiny random pair (smoke tests)
     jaxspec convert gemma-3-270m DIR                                    # a GGUF as a checkpoint directory
@@ -38,6 +39,7 @@ from jaxspec.engine import compile_cache, sampling
 from jaxspec.serve.guard import ACCEPT_BACKLOG
 from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
 from jaxspec.engine.loop_config import PREFILL_CHUNK
+from jaxspec.drafters.base import KINDS as DRAFT_KINDS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_MESSAGE = 400  # characters of one error / warning line; longer ones are cut with a marker
@@ -502,6 +504,11 @@ def _resolve_named(args, name: str) -> tuple[str, str | None]:
 
 
 def _resolve_dirs(args) -> tuple[str, str | None]:
+    draft = getattr(args, "draft", None)
+    if draft == "ngram" and args.assistant is not None:
+        raise UsageError("--draft ngram drafts from the prompt, without an assistant: drop --assistant")
+    if draft == "ngram":  # the target alone: a named pair's drafter is not looked for
+        args.no_assistant = True
     name = _pair_name(args) if args.model is None else None
     if name is not None:
         model_dir, assistant_dir = _resolve_named(args, name)
@@ -527,6 +534,8 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
         model_dir, assistant_dir = _by_name(args.model), args.assistant
     if args.no_assistant:
         assistant_dir = None
+    if draft == "mtp" and assistant_dir is None:
+        raise UsageError("--draft mtp needs an assistant: --assistant DIR, or a pair that ships one")
     return model_dir, assistant_dir
 
 
@@ -538,6 +547,9 @@ def _stats_line(stats, startup_s: float, classic=None, identical: bool | None = 
                  f"acceptance {100 * stats.acceptance_rate:.1f}%",
                  f"mean accepted length {stats.mean_accepted_len:.2f}",
                  f"{stats.tokens_per_round:.2f} tokens/round"]
+        if stats.drafter:  # which drafter ran, and its own counters (ngram: where its accepted drafts came from)
+            parts.append(f"drafter {stats.drafter}" + "".join(f", {k.replace('_', ' ')} {v}"
+                                                               for k, v in stats.draft_stats.items()))
     else:
         parts = ["classic", f"{stats.new_tokens} new tokens", f"decode {stats.decode_tokens_per_s:.1f} tok/s"]
     parts += [f"prefill {stats.prefill_s:.3f} s", f"startup {startup_s:.1f} s"]
@@ -634,7 +646,8 @@ def cmd_generate(args) -> int:
 
     dtype = _dtype(args)
     _check_backend()
-    _check_memory(tcfg, len(ids), max_tokens, args.block_size, bool(assistant_dir), dtype,
+    drafting = bool(assistant_dir) or args.draft == "ngram"
+    _check_memory(tcfg, len(ids), max_tokens, args.block_size, drafting, dtype,
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
@@ -642,8 +655,9 @@ def cmd_generate(args) -> int:
 
     verify_pad = None if args.verify_pad is None else args.verify_pad == "on"
     request = dataclasses.replace(request, max_new_tokens=max_tokens)
-    kw = dict(params=request, block_size=args.block_size, eos_token_ids=stop, verify_pad=verify_pad)
-    speculative = assistant is not None and args.block_size > 1  # block size 1 decodes classically
+    kw = dict(params=request, block_size=args.block_size, eos_token_ids=stop, verify_pad=verify_pad,
+              drafter=args.draft)
+    speculative = drafting and args.block_size > 1  # block size 1 decodes classically
     # Compiling is announced by the library (programs.compile_all's log lines, shown by
     # _library_notes): when it starts, or that the programs came from the on-disk cache, and how long.
     _note(f"jaxspec: running the {'speculative' if speculative else 'classic'} decode loop"
@@ -663,13 +677,13 @@ def cmd_generate(args) -> int:
         wall = time.perf_counter() - t0
         startup = max(0.0, wall - result.stats.prefill_s - result.stats.decode_s)
         classic = identical = None
-        if args.compare and assistant is not None:
+        if args.compare and drafting:
             _note("running classic decoding for --compare (compiled on first use) ...")
-            classic = jaxspec.generate(target, [ids], assistant=None, **kw)
+            classic = jaxspec.generate(target, [ids], assistant=None, **dict(kw, drafter=None))
             if args.temperature == 0:
                 identical = classic.tokens == result.tokens
         elif args.compare:
-            _note("jaxspec: note: --compare needs an assistant; nothing to compare")
+            _note("jaxspec: note: --compare needs an assistant or --draft ngram; nothing to compare")
     _flush_warnings(caught)
 
     stats = result.stats
@@ -717,7 +731,7 @@ def cmd_serve(args) -> int:
         raise UsageError(str(e)) from None
     _check_backend()
     dtype = _dtype(args)
-    _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir else 1, dtype,
+    _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir or args.draft == "ngram" else 1, dtype,
                         _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
                         kv_positions=args.kv_positions)
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype)
@@ -726,7 +740,7 @@ def cmd_serve(args) -> int:
                                else named or os.path.basename(os.path.normpath(model_dir)))
     srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
                         max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue,
-                        kv_positions=args.kv_positions, prefill_chunk=args.prefill_chunk)
+                        kv_positions=args.kv_positions, prefill_chunk=args.prefill_chunk, drafter=args.draft)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -1047,6 +1061,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "pair, also what no --model means), or a pair directory laid out like the default pair "
                         "(target/, assistant/, tokenizer.json)")
     g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
+    g.add_argument("--draft", choices=DRAFT_KINDS, default=None,
+                   help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup: "
+                        "the continuation of the last tokens' latest earlier occurrence in the prompt and output; no "
+                        "drafter model, pays when the text copies its prompt, e.g. code edits, extraction)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (one user turn)")
     g.add_argument("--max-tokens", type=int, default=128, metavar="N",
@@ -1096,6 +1114,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--pair", metavar="NAME|DIR", help="without --model: a named pair (gemma-3-270m, default) or a "
                                                      "pair directory laid out like the default pair")
     v.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
+    v.add_argument("--draft", choices=DRAFT_KINDS, default=None,
+                   help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup, "
+                        "no drafter model)")
     v.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the model directory's "
                                                        "name, or jaxspec-default-pair)")

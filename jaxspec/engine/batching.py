@@ -72,6 +72,7 @@ import numpy as np
 from jaxspec import models
 from jaxspec.kernels import EMPTY
 
+from jaxspec.drafters import base as drafters
 from jaxspec.engine import loop, sampling
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
@@ -143,14 +144,16 @@ def _row_cache(cache: models.KVCache, slot) -> models.KVCache:
                          table=take(cache.table))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "last"), donate_argnums=(0,))
-def _prefill_chunk(state: loop.DecodeState, target, slot, tokens, n_valid, key, limit, rows, *,
-                   spec: loop.PrefillSpec, last: bool) -> loop.DecodeState:
+@functools.partial(jax.jit, static_argnames=("spec", "loop_spec", "last"), donate_argnums=(0,))
+def _prefill_chunk(state: loop.DecodeState, target, slot, tokens, n_valid, key, limit, rows, prompt=None, *,
+                   spec: loop.PrefillSpec, loop_spec: loop.LoopSpec, last: bool) -> loop.DecodeState:
     """One chunk of a prompt (`tokens [1, W]`, the first `n_valid` real) into row `slot` of a paged
     state, continuing at the row's length. The row computes alone (batch 1): its result does not
     depend on the other rows. `last`: the prompt's final chunk; its last position's logits give the
     first token (as `loop.prefill`: the same key split, the same choice) and every per-row field of
-    the slot is written (`_put_row`), which makes the row live for the next decode step."""
+    the slot is written (`_put_row`), which makes the row live for the next decode step; `prompt`
+    (int32 [1, capacity], the whole prompt, given with the last chunk) seeds the drafter's state
+    (`loop.draft_seed`, then the engine's drafter takes what it uses: `loop.start`)."""
     row = _row_cache(state.cache, slot)
     w = tokens.shape[1]
     valid = (jnp.arange(w, dtype=jnp.int32) < n_valid)[None, :]
@@ -165,8 +168,10 @@ def _prefill_chunk(state: loop.DecodeState, target, slot, tokens, n_valid, key, 
     lps = None
     if spec.sampling.logprobs >= 0:
         lps = sampling.token_logprobs(logits, first[:, None], spec.sampling.logprobs)
-    one = loop._first_state(spec, row, first, hidden[:, n_valid - 1], limit, state.stop_ids, key, finite, rows, lps)
-    return _put_row(state, one, slot)
+    n_prompt = row.lengths  # the prompt's length: every chunk is in the cache now
+    seed = loop.draft_seed(spec, hidden[:, n_valid - 1], prompt, n_prompt, first)
+    one = loop._first_state(spec, row, first, seed, limit, state.stop_ids, key, finite, rows, lps)
+    return _put_row(state, loop.start(loop_spec, one), slot)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -216,7 +221,8 @@ class BatchEngine:
     def __init__(self, target, assistant=None, *, slots: int, max_new_tokens: int, capacity: int | None = None,
                  block_size: int = 4, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
                  rounds_per_step: int = 1, modes=MODES, params: sampling.SamplingParams | None = None,
-                 kv_blocks: int | None = None, block_tokens: int = PROMPT_BUCKET, prefill_chunk: int = PREFILL_CHUNK, **knobs):
+                 kv_blocks: int | None = None, block_tokens: int = PROMPT_BUCKET, prefill_chunk: int = PREFILL_CHUNK,
+                 drafter=None, **knobs):
         check_int("slots", slots, 1)
         check_int("max_new_tokens", max_new_tokens, 1)
         check_block_size(block_size, target.config.max_position_embeddings)
@@ -229,7 +235,8 @@ class BatchEngine:
         if kv_blocks is not None:
             check_int("kv_blocks", kv_blocks, 1)
         # Greedy rows are exact only if the K-wide verify is: probed at T = 0 whatever the default.
-        self.config = LoopConfig.for_slots(target, assistant, slots=slots, block_size=block_size,
+        drafter = drafters.resolve(drafter, assistant)
+        self.config = LoopConfig.for_slots(target, drafter, slots=slots, block_size=block_size,
                                            max_new_tokens=max_new_tokens, capacity=capacity,
                                            exactness_probe=exactness_probe, block_tokens=block_tokens)
         self.target, self.slots, self.capacity = target, slots, self.config.capacity
@@ -238,10 +245,11 @@ class BatchEngine:
         self.block_tokens, self.kv_blocks, self.prefill_chunk = block_tokens, kv_blocks, prefill_chunk
         k, self.fallback = self.config.block_size, self.config.fallback
         self.block_size = k
-        self.drafter = assistant if k > 1 else None
         self.modes = tuple(modes)
-        self.gens = [make_generate(block_size=k, max_new_tokens=self.config.budget, cache_size=self.capacity, mode=m)
-                     for m in self.modes]
+        self.gens = [make_generate(block_size=k, max_new_tokens=self.config.budget, cache_size=self.capacity, mode=m,
+                                   drafter=drafter) for m in self.modes]
+        self.drafter = self.gens[0].spec.drafter  # what runs (None: classic, also after a failed probe)
+        self.params = self.gens[0].params(assistant)  # what its programs take (the MTP assistant, or None)
         self.gen = self.gens[-1]  # the layout of the state, and every admission's prefill
         if not self.gen.spec.sampling.covers(self.default):
             raise ValueError(f"the engine's modes cannot run its default sampling {self.default}")
@@ -285,7 +293,7 @@ class BatchEngine:
         """The compiled step of `modes[mode_index]` (compiled on first use)."""
         if mode_index not in self._decode:
             self._decode[mode_index] = self.gens[mode_index].compiled_rounds(
-                self.target, self.drafter, self.state, self.rounds_per_step)
+                self.target, self.params, self.state, self.rounds_per_step)
         return self._decode[mode_index]
 
     def warm_up(self) -> None:
@@ -404,8 +412,14 @@ class BatchEngine:
             last = n == rest
             chunk = np.zeros((1, width), np.int32)
             chunk[0, :n] = ids[done:done + n]
+            prompt = None
+            if last:  # the whole prompt, for the drafter's history
+                prompt = np.zeros((1, self.capacity), np.int32)
+                prompt[0, :len(ids)] = ids
+                prompt = jnp.asarray(prompt)
             self.state = _prefill_chunk(self.state, self.target, jnp.int32(slot), jnp.asarray(chunk),
-                                        jnp.int32(n), key, limit, rows, spec=self.pspec, last=last)
+                                        jnp.int32(n), key, limit, rows, prompt, spec=self.pspec,
+                                        loop_spec=self.gen.spec, last=last)
             self.chunks += 1
             left -= width
             ran_long |= not last

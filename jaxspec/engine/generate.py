@@ -21,6 +21,7 @@ from jaxspec.engine import loop
 from jaxspec.engine import programs
 from jaxspec.engine import sampling
 from jaxspec.engine import verify
+from jaxspec.drafters import base as drafters
 from jaxspec.engine.loop_config import BUDGET_BUCKET, PROMPT_BUCKET, LoopConfig, round_up as _round_up  # noqa: F401  (the buckets: named here too)
 from jaxspec.engine.verify import MAX_VERIFY_WIDTH  # noqa: F401  (the knobs' bounds are named here)
 
@@ -77,6 +78,9 @@ class GenerationStats:
     fallback: str | None = None    # why speculative decoding was not used (or ran a smaller K) when asked for
     probe_logit_diff: float | None = None  # exactness probe: max |wide verify - single steps| logit
     backend: str | None = None     # the target's matmul path: "xla", "pallas", "pallas (interpret mode)"
+    drafter: str | None = None     # the drafter that ran (its kind, jaxspec.drafters.KINDS); None: classic
+    draft_stats: dict = dataclasses.field(default_factory=dict)  # the drafter's own counters (ngram:
+                                   # matched_rounds, accepted_from_prompt, accepted_from_output)
 
     # Per-position acceptance, as vLLM and SGLang report it. A round keeps a prefix of its drafts, so
     # draft i is kept exactly in the row-rounds that accepted >= i: suffix sums of the loop's own
@@ -171,7 +175,7 @@ class Generator:
             stop_ids = stop_array(())
         if rows is None:
             rows = self.rows(b)
-        return self._run(target, assistant, prompt, lengths, key, limit, stop_ids, rows)
+        return self._run(target, self.params(assistant), prompt, lengths, key, limit, stop_ids, rows)
 
     def rows(self, batch: int, params=None) -> sampling.RowParams:
         """Per-row sampling values: `params` one SamplingParams for every row, a list of one per
@@ -190,14 +194,20 @@ class Generator:
         args = (target, prompt, lengths, key, limit, stop_ids, rows)
         return programs.Program("prefill", spec, args, lambda: _PREFILL.lower(spec, *args))
 
+    def params(self, assistant):
+        """What the compiled programs take as the drafter's params: the assistant when this spec's
+        drafter runs on one (the MTP assistant), else None."""
+        drafter = self.spec.drafter
+        return assistant if drafter is not None and drafter.needs_params else None
+
     def decode_program(self, target, assistant, state) -> programs.Program:
         """`state` may be shapes only (`loop.state_shapes`): the program can be built before the prefill runs."""
-        args = (target, assistant if self.spec.speculative else None, state, jnp.zeros((), jnp.int32))
+        args = (target, self.params(assistant), state, jnp.zeros((), jnp.int32))
         return programs.Program("decode", self.spec, args, lambda: self._decode.lower(*args))
 
     def rounds_program(self, target, assistant, state, rounds: int) -> programs.Program:
         """`loop.decode_rounds`' program (exactly `rounds` rounds per call); `state` may be shapes only."""
-        args = (target, assistant if self.spec.speculative else None, state)
+        args = (target, self.params(assistant), state)
         return programs.Program("decode_rounds", (self.spec, rounds), args,
                                 lambda: self._decode_rounds.lower(*args, rounds))
 
@@ -220,9 +230,9 @@ class Generator:
     def compiled_decode(self, target, assistant, state) -> Callable[[loop.DecodeState, int], loop.DecodeState]:
         """`(state, max_rounds) -> state`: up to max_rounds more rounds, compiled now (cached per
         shapes: one program for every state and budget). The state passed in is donated."""
-        drafter = assistant if self.spec.speculative else None
+        params = self.params(assistant)
         dec = programs.compiled(self.decode_program(target, assistant, state))
-        return lambda s, max_rounds: dec(target, drafter, s, _round_budget(int(max_rounds)))
+        return lambda s, max_rounds: dec(target, params, s, _round_budget(int(max_rounds)))
 
     def prefill(self, target, prompt, lengths, key, limit, stop_ids, rows) -> loop.DecodeState:
         return self.compiled_prefill(target, prompt, lengths, key, limit, stop_ids, rows)()
@@ -230,9 +240,9 @@ class Generator:
     def compiled_rounds(self, target, assistant, state, rounds: int) -> Callable[[loop.DecodeState], loop.DecodeState]:
         """`state -> state`: exactly `rounds` more rounds (`loop.decode_rounds`: no early exit, so on
         a GPU the call returns once queued), compiled now. The state passed in is donated."""
-        drafter = assistant if self.spec.speculative else None
+        params = self.params(assistant)
         dec = programs.compiled(self.rounds_program(target, assistant, state, rounds))
-        return lambda s: dec(target, drafter, s)
+        return lambda s: dec(target, params, s)
 
     def decode(self, target, assistant, state, max_rounds: int | None = None) -> loop.DecodeState:
         """Up to `max_rounds` rounds (default: until every row is done); `state` is donated."""
@@ -298,11 +308,12 @@ _GENERATORS: dict = {}
 
 def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, verify_pad=None, cache_size: int | None = None,
                   mode: sampling.SamplingMode | None = None, params: sampling.SamplingParams | None = None,
-                  **knobs) -> Generator:
+                  drafter=None, **knobs) -> Generator:
     """The jitted generation function for one static setting (cached: equal arguments return the
     same Generator). block_size: 1..MAX_BLOCK_SIZE, 1 is classic decoding (no assistant).
     max_new_tokens is the output buffer and the largest per-row budget; smaller budgets and EOS/stop
-    ids are runtime inputs.
+    ids are runtime inputs. drafter: what drafts when block_size > 1 (a kind in
+    `jaxspec.drafters.base.KINDS` or a drafter object; None: the MTP assistant, passed at call time).
     params (a SamplingParams) or its keywords (temperature, top_k, top_p, logit_bias, draft,
     logprobs, ...): the default per-row sampling values; what the program can do is `mode`
     (default: the least those values and their `logprobs` need), so Generators that differ only
@@ -318,9 +329,11 @@ def make_generate(*, block_size: int = 4, max_new_tokens: int = 128, verify_pad=
         mode = request.mode()
     elif not mode.covers(request):
         raise ValueError(f"mode {mode} does not cover the sampling values {request}")
+    if isinstance(drafter, str):
+        drafter = drafters.get(drafter).DEFAULT
     spec = loop.LoopSpec(block_size=int(block_size), max_new_tokens=int(max_new_tokens), sampling=mode,
                          verify_pad=None if verify_pad is None else verify.resolve_verify_pad(verify_pad, None),
-                         cache_size=cache_size)
+                         cache_size=cache_size, drafter=drafter)
     gen = _GENERATORS.get((spec, params))
     if gen is None:
         gen = _GENERATORS[(spec, params)] = Generator(spec, params)
@@ -403,10 +416,11 @@ def _default_stop_ids(target) -> tuple[int, ...]:
 
 
 def validate_inputs(target, assistant, rows, request: sampling.SamplingParams, *, block_size, eos_token_ids,
-                    verify_pad, cache_size):
+                    verify_pad, cache_size, drafter=None):
     """Every check that can fail, on the host, before anything is compiled or run; the request's
-    own ranges were checked when it was built, here what depends on the model. Returns
-    (the run's LoopConfig before the exactness probe, stop ids)."""
+    own ranges were checked when it was built, here what depends on the model. `drafter`: the
+    resolved drafter (`drafters.resolve`; None: classic). Returns (the run's LoopConfig before the
+    exactness probe, stop ids)."""
     _check_target(target)
     vocab = int(target.config.vocab_size)
     check_block_size(block_size, getattr(target.config, "max_position_embeddings", None))
@@ -442,7 +456,7 @@ def validate_inputs(target, assistant, rows, request: sampling.SamplingParams, *
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
                          f"positions, past the model's context of {ctx} (max_position_embeddings)")
     cfg = LoopConfig.resolve(block_size=block_size, batch=len(rows), prompt_len=longest, max_new_tokens=max_new_tokens,
-                             drafting=assistant is not None, verify_pad=verify_pad, matmul=target.matmul,
+                             drafting=drafter is not None, verify_pad=verify_pad, matmul=target.matmul,
                              cache_size=cache_size)
     return cfg, tuple(stop)
 
@@ -458,7 +472,7 @@ class Plan:
     one decode call, `streaming.stream_generate` in chunks; `result` reports either."""
 
     gen: Generator
-    drafter: Any
+    params: Any                         # the drafter's params the programs take (the assistant, or None)
     inputs: tuple                       # (prompt, lengths, key, limit, stop_ids, rows)
     batch: int
     verify_width: int
@@ -480,6 +494,8 @@ class Plan:
         new_tokens = int(n_out.sum())
         row_r = int(row_rounds.sum())
         drafted, accepted = int(drafted.sum()), int(accepted.sum())
+        drafter = spec.drafter
+        counters = drafter.counters(jax.device_get(state.draft)) if drafter is not None else {}
         stats = GenerationStats(
             mode="speculative" if spec.speculative else "classic",
             block_size=spec.block_size, verify_width=self.verify_width,
@@ -490,7 +506,8 @@ class Plan:
             accepted_hist=[int(x) for x in hist], new_tokens=new_tokens,
             prefill_s=prefill_s, decode_s=decode_s,
             decode_tokens_per_s=new_tokens / decode_s if decode_s > 0 else float("inf"),
-            fallback=self.fallback, probe_logit_diff=self.probe_logit_diff, backend=self.backend)
+            fallback=self.fallback, probe_logit_diff=self.probe_logit_diff, backend=self.backend,
+            drafter=None if drafter is None else drafter.kind, draft_stats=counters)
         return GenerationResult(tokens=tokens, stats=stats, logprobs=logprobs)
 
 
@@ -507,22 +524,23 @@ def request_of(params: sampling.SamplingParams | None = None, **knobs) -> sampli
 
 def plan(target, prompt_ids, request: sampling.SamplingParams, *, assistant=None, block_size: int = 4,
          eos_token_ids: Sequence[int] | None = None, verify_pad=None, cache_size: int | None = None,
-         exactness_probe: bool = True, rounds_per_chunk: int | None = None) -> Plan:
+         exactness_probe: bool = True, rounds_per_chunk: int | None = None, drafter=None) -> Plan:
     """A request (`request_of`) -> a Plan: every input check (on the host, before anything is
     compiled), then every program the call needs compiled at once (`programs.compile_all`), the
     exactness probe (T = 0), the Generator and its input arrays. `rounds_per_chunk`: streaming's
-    plan (its fixed-round decode program instead of the decode loop)."""
+    plan (its fixed-round decode program instead of the decode loop). `drafter`: see `generate`."""
     _check_target(target)  # first: the default stop ids below read its config
     rows = _as_batch(prompt_ids)
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
+    drafter = drafters.resolve(drafter, assistant)
     cfg, stop = validate_inputs(
         target, assistant, rows, request, block_size=block_size, eos_token_ids=eos_token_ids,
-        verify_pad=verify_pad, cache_size=cache_size)
+        verify_pad=verify_pad, cache_size=cache_size, drafter=drafter)
 
     def generator(c: LoopConfig):
         gen = make_generate(block_size=c.block_size, max_new_tokens=c.budget, verify_pad=c.verify_pad,
-                            cache_size=c.cache_size, params=request)
+                            cache_size=c.cache_size, params=request, drafter=drafter)
         return gen, gen.inputs(rows, max_new_tokens=request.max_new_tokens, eos_token_ids=stop, seed=request.seed,
                                prompt_width=c.prompt_width)
 
@@ -536,18 +554,24 @@ def plan(target, prompt_ids, request: sampling.SamplingParams, *, assistant=None
     run = cfg.probed(target, temperature, exactness_probe)
     if run.block_size != cfg.block_size:
         gen, inputs = generator(run)
-    return Plan(gen=gen, drafter=assistant if run.block_size > 1 else None, inputs=inputs, batch=run.batch,
+    return Plan(gen=gen, params=gen.params(assistant), inputs=inputs, batch=run.batch,
                 verify_width=run.verify_width, fallback=run.fallback, probe_logit_diff=run.probe_logit_diff,
                 backend=getattr(getattr(target, "matmul", None), "describe", None))
 
 
 def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingParams | None = None,
              block_size: int = 4, eos_token_ids: Sequence[int] | None = None, verify_pad=None,
-             cache_size: int | None = None, exactness_probe: bool = True, **knobs) -> GenerationResult:
+             cache_size: int | None = None, exactness_probe: bool = True, drafter=None,
+             **knobs) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
-    `assistant` is given (block_size K in 1..MAX_BLOCK_SIZE: K-1 drafts + one K-wide verify per
-    round), classically otherwise. Greedy at temperature 0 (byte-identical to classic decoding), else lossless
-    sampling with temperature / top_k / top_p.
+    `assistant` or a `drafter` is given (block_size K in 1..MAX_BLOCK_SIZE: K-1 drafts + one K-wide
+    verify per round), classically otherwise. Greedy at temperature 0 (byte-identical to classic
+    decoding), else lossless sampling with temperature / top_k / top_p.
+
+    drafter: None (the MTP `assistant` when one is given, else classic decoding), "mtp" (needs the
+    assistant), "ngram" (prompt lookup: drafts the continuation of the latest earlier occurrence of
+    the last n tokens in the prompt and output; no model, pays on text that copies its prompt), or a
+    drafter object (`jaxspec.drafters.ngram.Drafter(n_min=2, n_max=4)`). Stats say which ran.
 
     prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
     params: the request, a `jaxspec.SamplingParams`; its fields as keywords build one (or replace params'):
@@ -566,6 +590,6 @@ def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingPar
     """
     p = plan(target, prompt_ids, request_of(params, **knobs), assistant=assistant, block_size=block_size,
              eos_token_ids=eos_token_ids, verify_pad=verify_pad, cache_size=cache_size,
-             exactness_probe=exactness_probe)
-    state, prefill_s, decode_s = p.gen.run(target, p.drafter, *p.inputs)
+             exactness_probe=exactness_probe, drafter=drafter)
+    state, prefill_s, decode_s = p.gen.run(target, p.params, *p.inputs)
     return p.result(state, prefill_s, decode_s)

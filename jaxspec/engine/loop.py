@@ -2,14 +2,14 @@
 
 One round with block size K (classic decoding is the same machinery with K = 1 and no drafter):
 
-1. draft K-1 tokens with the assistant from (bonus, h_prev), argmax at T = 0, sampled from q (kept)
-   at T > 0;
+1. the drafter (`LoopSpec.drafter`, `jaxspec.drafters.base`: the MTP assistant, prompt lookup, ...)
+   proposes K-1 tokens, with the distributions q they were drawn from (kept) or as point masses;
 2. verify `[bonus, d_0 .. d_{K-2}]` with one target forward (optionally padded, see verify.py);
 3. walk: greedy (first d_i != argmax_i) or modified rejection sampling; the round emits
    d_0..d_{a-1} plus the target's token at a (a + 1 tokens), truncated to the remaining budget and
    after the first stop token;
-4. roll the cache back to old + a + 1 (the last emitted token, the next bonus, is not in the cache),
-   carry the verify hidden at a as the next h_prev.
+4. roll the cache back to old + a + 1 (the last emitted token, the next bonus, is not in the cache);
+   the drafter updates its own per-row state (`DecodeState.draft`) from the round.
 
 Rows are independent: each has its own lengths, counters and done flag. A finished row keeps its
 cache length, its outputs are no longer written and it counts in no statistic. `decode` (what
@@ -32,20 +32,12 @@ from flax import struct
 from jaxspec import models
 from jaxspec.engine import sampling
 from jaxspec.engine import verify
+from jaxspec.drafters import mtp
+from jaxspec.drafters.base import Round, Seed
+from jaxspec.drafters.mtp import DRAFT_POSITION_OFFSET, DRAFT_UNROLL  # noqa: F401  (named here too)
 from jaxspec.engine.loop_config import LoopConfig
 
-# Query position passed to models.draft_step, relative to the cache length L at the start of a
-# round (after rollback; the bonus token's position is L). 0 is HF's convention, the one
-# models.draft_step documents (mlx-vlm would be -1). Held constant over the round's draft steps.
-DRAFT_POSITION_OFFSET = 0
-
-
 OUT_ROUND = 16       # the output buffer holds max_new_tokens + K rounded up to this
-
-
-# Unroll the K-1 draft steps: on GPU a nested while loop costs a predicate copy to the host per
-# iteration; unrolled, a round has exactly one loop (the rounds themselves).
-DRAFT_UNROLL = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +63,12 @@ class LoopSpec:
     verify_pad: Any = None          # None (the target's matmul.verify_pad), a bool (True: the
                                     # qmm threshold) or an int width; see verify.verify_width
     cache_size: int | None = None   # None: prompt width + N - 1 + verify width, rounded up (LoopConfig)
+    drafter: Any = None             # what proposes the drafts (jaxspec.drafters); K > 1 without one
+                                    # is the MTP assistant, K = 1 has none
+
+    def __post_init__(self):
+        drafter = (self.drafter or mtp.DEFAULT) if self.block_size > 1 else None
+        object.__setattr__(self, "drafter", drafter)  # classic programs are one whatever was named
 
     @property
     def speculative(self) -> bool:
@@ -95,7 +93,8 @@ class LoopSpec:
 class DecodeState:
     cache: Any
     bonus: jax.Array        # int32 [B]: last emitted token, not yet in the cache
-    h_prev: jax.Array       # [B, H]: target hidden (post-norm) at the bonus' predecessor
+    draft: Any              # the drafter's per-row state (leading axis B; None when classic); from
+                            # prefill a drafters.base.Seed, which `start` gives the spec's drafter
     out: jax.Array          # int32 [B, >= N + K]: emitted tokens; row b valid up to n_out[b]
     n_out: jax.Array        # int32 [B]
     limit: jax.Array        # int32 [B]: the row's token budget (1..N)
@@ -159,13 +158,25 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     lps = None
     if spec.sampling.logprobs >= 0:
         lps = sampling.token_logprobs(logits, first[:, None], spec.sampling.logprobs)
-    return _first_state(spec, cache, first, hidden[jnp.arange(b), last], limit, stop_ids, key, finite, rows, lps)
+    seed = draft_seed(spec, hidden[jnp.arange(b), last], prompt, lengths, first)
+    return _first_state(spec, cache, first, seed, limit, stop_ids, key, finite, rows, lps)
 
 
-def _first_state(spec: PrefillSpec, cache, first, h_last, limit, stop_ids, key, finite, rows,
+def draft_seed(spec: PrefillSpec, h_last, prompt, lengths, first) -> Seed:
+    """What the prefill leaves any drafter (`drafters.base.Seed`): the last prompt position's
+    hidden, and each row's token history (prompt [B, P], then `first` at its length) in a buffer
+    of the cache's capacity."""
+    b, p = prompt.shape
+    history = jnp.zeros((b, spec.capacity), jnp.int32).at[:, :p].set(prompt.astype(jnp.int32))
+    lengths = lengths.astype(jnp.int32)
+    return Seed(h_last=h_last, history=history.at[jnp.arange(b), lengths].set(first), n_prompt=lengths)
+
+
+def _first_state(spec: PrefillSpec, cache, first, seed: Seed, limit, stop_ids, key, finite, rows,
                  lps=None) -> DecodeState:
-    """The state after the prompt: its first token emitted, no round run yet. `lps`: the first
-    token's (logprob [B, 1], top ids [B, 1, N], top logprobs [B, 1, N]) when the mode has logprobs."""
+    """The state after the prompt: its first token emitted, no round run yet; `seed` what drafters
+    start from (`draft_seed`). `lps`: the first token's (logprob [B, 1], top ids [B, 1, N], top
+    logprobs [B, 1, N]) when the mode has logprobs."""
     b = first.shape[0]
     out = jnp.zeros((b, spec.out_width), jnp.int32).at[:, 0].set(first)
     lp = top_ids = top_lp = None
@@ -181,7 +192,7 @@ def _first_state(spec: PrefillSpec, cache, first, h_last, limit, stop_ids, key, 
     stop_ids = stop_ids.astype(jnp.int32)
     done = _stop_mask(first[:, None], stop_ids)[:, 0] | (limit <= 1)
     zeros = jnp.zeros((b,), jnp.int32)
-    return DecodeState(cache=cache, bonus=first, h_prev=h_last, out=out,
+    return DecodeState(cache=cache, bonus=first, draft=seed, out=out,
                        n_out=jnp.ones((b,), jnp.int32), limit=limit, stop_ids=stop_ids, done=done, key=key,
                        rounds=jnp.zeros((), jnp.int32), row_rounds=zeros, drafted=zeros,
                        accepted=zeros, hist=jnp.zeros((0,), jnp.int32), finite=finite, rows=rows, lp=lp,
@@ -210,31 +221,12 @@ def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key, rows, c
         cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
     h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
     first = jnp.zeros((b,), jnp.int32)
-    return start(spec, _first_state(pspec, cache, first, h_last, limit, stop_ids, key, jnp.ones((b,), bool), rows))
+    seed = draft_seed(pspec, h_last, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), first)
+    return start(spec, _first_state(pspec, cache, first, seed, limit, stop_ids, key, jnp.ones((b,), bool), rows))
 
 
-def _draft(spec, assistant, target, state, key):
-    """K-1 draft tokens [B, K-1] and their distributions q [B, K-1, V] (None when greedy)."""
-    k = spec.block_size
-    position = state.cache.lengths + DRAFT_POSITION_OFFSET
-    cache = state.cache
-    mode = spec.sampling
-
-    def step(carry, step_key):
-        tok, h = carry
-        logits, h_next = models.draft_step(assistant, target, cache, tok, h, position)
-        d, q = sampling.draft_choice(step_key, logits, state.rows, mode)
-        return (d, h_next.astype(h.dtype)), (d if q is None else (d, q))
-
-    keys = None if mode.greedy else sampling.split(key, k - 1)  # greedy: no RNG work at all
-    _, ys = jax.lax.scan(step, (state.bonus, state.h_prev), keys, length=k - 1, unroll=DRAFT_UNROLL)
-    if mode.greedy:
-        return jnp.swapaxes(ys, 0, 1), None
-    d, q = ys
-    return jnp.swapaxes(d, 0, 1), jnp.swapaxes(q, 0, 1)
-
-
-def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> DecodeState:
+def decode_round(spec: LoopSpec, target, params, state: DecodeState) -> DecodeState:
+    """One round; `params` the drafter's (the MTP assistant's weights; None for a drafter without)."""
     k = spec.block_size
     b = state.bonus.shape[0]
     mode = spec.sampling
@@ -244,10 +236,10 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
         key, k_draft, k_accept = sampling.split(state.key, 3)
     old_len = state.cache.lengths
     if spec.speculative:
-        drafts, q = _draft(spec, assistant, target, state, k_draft)
+        drafts, q, info = spec.drafter.propose(params, target, state, k, k_draft, mode)
         tokens = jnp.concatenate([state.bonus[:, None], drafts], axis=1)
     else:
-        drafts, q = jnp.zeros((b, 0), jnp.int32), None
+        drafts, q, info = jnp.zeros((b, 0), jnp.int32), None, None
         tokens = state.bonus[:, None]
     logits, hidden, cache = verify.verify_forward(target, tokens, state.cache, spec.width(b, target.matmul))
     n_acc, emitted = sampling.accept(k_accept, drafts, q, logits, state.rows, mode)
@@ -276,10 +268,13 @@ def decode_round(spec: LoopSpec, target, assistant, state: DecodeState) -> Decod
     cache = cache.replace(lengths=jnp.where(active, old_len + count, old_len).astype(jnp.int32))
     last = jnp.maximum(count - 1, 0)  # == a unless the round was cut (the row is then done)
     bonus = jnp.where(active, emitted[rows, last], state.bonus)
-    h_prev = jnp.where(active[:, None], hidden[rows, last].astype(state.h_prev.dtype), state.h_prev)
+    draft = state.draft
+    if spec.speculative:
+        draft = spec.drafter.advance(draft, info, Round(emitted=emitted, count=count, n_acc=n_acc, hidden=hidden,
+                                                        last=last, n_out=state.n_out, active=active))
     act = active.astype(jnp.int32)
     return DecodeState(
-        cache=cache, bonus=bonus, h_prev=h_prev, out=out, n_out=n_out, limit=state.limit,
+        cache=cache, bonus=bonus, draft=draft, out=out, n_out=n_out, limit=state.limit,
         stop_ids=state.stop_ids, done=done, key=key,
         rounds=state.rounds + jnp.any(active).astype(jnp.int32), row_rounds=state.row_rounds + act,
         drafted=state.drafted + act * (k - 1), accepted=state.accepted + act * n_acc,
@@ -311,18 +306,20 @@ def logprob_entries(lp, top_ids, top_lp, n_top: int | None = None) -> list[tuple
 
 
 def start(spec: LoopSpec, state: DecodeState) -> DecodeState:
-    """The prefill's state in decode's shapes: the accepted-length histogram sized to K. Prefill
-    itself does not depend on K, so classic and speculative runs of one prompt shape share it."""
-    return state.replace(hist=jnp.zeros((spec.block_size,), jnp.int32))
+    """The prefill's state in decode's shapes: the accepted-length histogram sized to K, and the
+    drafter's own state made from the prefill's Seed (None when classic). Prefill itself depends on
+    neither K nor the drafter, so classic and speculative runs of one prompt shape share it."""
+    draft = spec.drafter.init(state.draft) if spec.speculative else None
+    return state.replace(hist=jnp.zeros((spec.block_size,), jnp.int32), draft=draft)
 
 
-def decode(spec: LoopSpec, target, assistant, state: DecodeState, max_rounds: jax.Array) -> DecodeState:
+def decode(spec: LoopSpec, target, params, state: DecodeState, max_rounds: jax.Array) -> DecodeState:
     """Rounds in one `lax.while_loop` while some row is active and fewer than `max_rounds` (a traced
     int32 scalar) rounds ran in this call. `generate` passes max_new_tokens, which always
     suffices (every round emits >= 1 token per active row); `Generator.decode` may pass fewer and
     call again with the returned state, one compiled program for every budget. The state's shapes
     do not change (see `start`)."""
-    _check_decode(spec, assistant, state)
+    _check_decode(spec, params, state)
 
     def cond(carry):
         s, i = carry
@@ -330,20 +327,20 @@ def decode(spec: LoopSpec, target, assistant, state: DecodeState, max_rounds: ja
 
     def body(carry):
         s, i = carry
-        return decode_round(spec, target, assistant, s), i + 1
+        return decode_round(spec, target, params, s), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
     return state
 
 
-def decode_rounds(spec: LoopSpec, target, assistant, state: DecodeState, rounds: int) -> DecodeState:
+def decode_rounds(spec: LoopSpec, target, params, state: DecodeState, rounds: int) -> DecodeState:
     """Exactly `rounds` (static) rounds; a row that is done stays as it is (as in `decode`), but the
     loop does not stop early. Without a condition to read there is no device-to-host copy per
     round, so on a GPU the call returns as soon as its work is queued: continuous batching reads the
     last step's tokens while these rounds run (`jaxspec.engine.batching`, `jaxspec.engine.streaming`). Rounds
     run after every row is done change nothing, and `state.rounds` does not count them."""
-    _check_decode(spec, assistant, state)
-    return jax.lax.fori_loop(0, rounds, lambda _, s: decode_round(spec, target, assistant, s), state)
+    _check_decode(spec, params, state)
+    return jax.lax.fori_loop(0, rounds, lambda _, s: decode_round(spec, target, params, s), state)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -404,9 +401,9 @@ class Snapshot:
         return logprob_entries(lps[:, 0], self.top_ids[b, lo - s:hi - s], lps[:, 1:], n_top)
 
 
-def _check_decode(spec: LoopSpec, assistant, state: DecodeState) -> None:
-    if spec.speculative and assistant is None:
-        raise ValueError("speculative decoding (block_size > 1) needs an assistant")
+def _check_decode(spec: LoopSpec, params, state: DecodeState) -> None:
+    if spec.speculative and spec.drafter.needs_params and params is None:
+        raise ValueError(f"speculative decoding with drafter {spec.drafter.kind!r} needs an assistant")
     k = spec.block_size
     if state.out.shape[1] < spec.max_new_tokens + k - 1:
         raise ValueError(f"output buffer {state.out.shape[1]} < max_new_tokens + block_size - 1")
@@ -414,8 +411,8 @@ def _check_decode(spec: LoopSpec, assistant, state: DecodeState) -> None:
         raise ValueError(f"hist has shape {state.hist.shape}, decode needs ({k},): pass the state through loop.start")
 
 
-def run(spec: LoopSpec, target, assistant, prompt, lengths, key, limit, stop_ids, rows) -> DecodeState:
+def run(spec: LoopSpec, target, params, prompt, lengths, key, limit, stop_ids, rows) -> DecodeState:
     """Prefill and the whole decode (one traceable function)."""
     pspec = spec.prefill_spec(prompt.shape[1], prompt.shape[0], target.matmul)
     state = start(spec, prefill(pspec, target, prompt, lengths, key, limit, stop_ids, rows))
-    return decode(spec, target, assistant, state, jnp.int32(spec.max_new_tokens))
+    return decode(spec, target, params, state, jnp.int32(spec.max_new_tokens))

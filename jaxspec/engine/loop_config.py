@@ -111,14 +111,14 @@ class LoopConfig:
         return cfg
 
     @classmethod
-    def for_slots(cls, target, assistant, *, slots: int, block_size: int, max_new_tokens: int,
+    def for_slots(cls, target, drafter, *, slots: int, block_size: int, max_new_tokens: int,
                   capacity: int | None, exactness_probe: bool = True, block_tokens: int = 1) -> LoopConfig:
-        """A BatchEngine's sizes: `slots` rows of up to `capacity` positions each (default: the
+        """A BatchEngine's sizes (`drafter`: what drafts, None: classic): `slots` rows of up to `capacity` positions each (default: the
         target's context, capped at SLOT_CAPACITY, rounded up to `block_tokens`), prompts of any
         width up to it; K probed at T = 0 whatever the requests' sampling (greedy rows are exact
         only if the K-wide verify is). ValueError when the capacity cannot hold max_new_tokens + K + 1
         or is not a multiple of `block_tokens` (a paged cache's block: a row's table maps whole blocks)."""
-        k = asked_k(block_size, assistant is not None)
+        k = asked_k(block_size, drafter is not None)
         if capacity is None:
             capacity = round_up(slot_capacity(target.config.max_position_embeddings), block_tokens)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max_new_tokens + k + 1:
@@ -127,7 +127,7 @@ class LoopConfig:
         if capacity % block_tokens:
             raise ValueError(f"capacity {capacity} must be a multiple of block_tokens {block_tokens}")
         cfg = cls.derive(k, slots, PROMPT_BUCKET, round_up(max_new_tokens, BUDGET_BUCKET), None, target.matmul,
-                         capacity, asked=k, drafting=assistant is not None)
+                         capacity, asked=k, drafting=drafter is not None)
         return cfg.probed(target, 0.0, exactness_probe)
 
     def with_block_size(self, k: int, **rest) -> LoopConfig:

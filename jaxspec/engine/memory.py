@@ -107,7 +107,8 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
                                          dtype)
     width = capacity + block_size + 16  # the output buffer's positions, at most (a budget < capacity)
     per_row = (width * (4 + 4 + 2 * 4 * TOP_LOGPROBS)  # out, lp, top_ids, top_lp
-               + BIAS_SLOTS * 8 + 4 * tcfg.hidden_size + 64)  # bias rows, h_prev, the counters
+               + BIAS_SLOTS * 8 + 4 * tcfg.hidden_size + 64  # bias rows, h_prev, the counters
+               + 4 * capacity)  # a prompt-lookup drafter's token history (int32 per cache position)
     logits = LOGIT_COPIES * 4 * b * (block_size + 1) * tcfg.vocab_size
     weights = weight_bytes * (1 + (HOST_WEIGHT_COPIES if host else 0))
     views = 0

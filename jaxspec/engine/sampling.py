@@ -507,24 +507,30 @@ def speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample):
     min(1, p/q)); a = number of leading accepted drafts. The token at position a is drawn (inverse
     CDF with u_resample) from normalize(max(0, p_a - q_a)) when a < K-1, and from p_{K-1} when all
     drafts were accepted (q is extended with a zero row, so the same formula gives p).
+    q None: point-mass drafts, q_i = one_hot(d_i) (prompt lookup's), without building it: d_i is
+    accepted iff u_accept[i] < p_i(d_i), and the residual at a rejection is p_a with d_a removed.
     Returns (n_accepted [B], emitted [B, K]): d_0..d_{a-1}, then the new token at a; entries after
     a are filler.
     """
     b, k, v = p.shape
     p = p.astype(jnp.float32)
-    q = q.astype(jnp.float32)
+    rows = jnp.arange(b)
     if k > 1:
         p_d = jnp.take_along_axis(p[:, : k - 1], draft_tokens[..., None], axis=-1)[..., 0]
-        q_d = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+        q_d = 1.0 if q is None else jnp.take_along_axis(q.astype(jnp.float32), draft_tokens[..., None], axis=-1)[..., 0]
         accept = u_accept.astype(jnp.float32) * q_d < p_d
         n_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-        q_ext = jnp.concatenate([q, jnp.zeros((b, 1, v), jnp.float32)], axis=1)
     else:
         n_accepted = jnp.zeros((b,), jnp.int32)
-        q_ext = jnp.zeros((b, 1, v), jnp.float32)
-    rows = jnp.arange(b)
     p_a = p[rows, n_accepted]
-    q_a = q_ext[rows, n_accepted]
+    if q is None:  # the rejected draft's token removed; after K-1 acceptances (index -1) nothing is
+        d_ext = jnp.concatenate([draft_tokens, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+        d_a = d_ext[rows, n_accepted]
+        q_a = (jnp.arange(v, dtype=jnp.int32)[None, :] == d_a[:, None]).astype(jnp.float32)
+    elif k > 1:
+        q_a = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((b, 1, v), jnp.float32)], axis=1)[rows, n_accepted]
+    else:
+        q_a = jnp.zeros((b, v), jnp.float32)
     new_token = sample_from_probs(residual_probs(p_a, q_a), u_resample)
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
     if k > 1:
@@ -547,15 +553,13 @@ def speculative_accept(key, draft_tokens, q, p):
 def accept(key, draft_tokens, q, logits, rows: RowParams, mode: SamplingMode):
     """One verified block, each row by its own setting: (n_accepted [B], emitted [B, K]). A greedy
     row walks the argmax of its (biased) logits (`greedy_accept`), a sampled row is modified
-    rejection sampling against its filtered p (`speculative_accept`); a select picks per row."""
+    rejection sampling against its filtered p (`speculative_accept`; q None: point-mass drafts); a
+    select picks per row."""
     x = biased(logits, rows, mode)
     n_greedy, e_greedy = greedy_accept(draft_tokens, x)
     if mode.greedy:
         return n_greedy, e_greedy
-    b, k, v = x.shape
     p = probs_from_logits(x, rows, mode)
-    if q is None:
-        q = jnp.zeros((b, 0, v), jnp.float32)
     n_s, e_s = speculative_accept(key, draft_tokens, q, p)
     g = rows.temperature == 0
     return jnp.where(g, n_greedy, n_s), jnp.where(g[:, None], e_greedy, e_s)

@@ -68,7 +68,7 @@ class Server:
 
     def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
                  rounds_per_chunk: int = 4, max_batch: int = 4, max_queue: int = 64, kv_positions: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, drafter=None):
         check_int("max_batch", max_batch, 1, 1 << 12)
         check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
         check_int("max_queue", max_queue, 1, 1 << 20)
@@ -87,7 +87,7 @@ class Server:
         self.scheduler = Scheduler(target, assistant, tokenizer, block_size=block_size,
                                    rounds_per_chunk=rounds_per_chunk, max_batch=max_batch, max_queue=max_queue,
                                    batch_capacity=self.batch_capacity, batch_tokens=self.batch_tokens,
-                                   kv_positions=kv_positions, prefill_chunk=prefill_chunk)
+                                   kv_positions=kv_positions, prefill_chunk=prefill_chunk, drafter=drafter)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
 
     # The scheduler's state, as the routes (and /health) read it.

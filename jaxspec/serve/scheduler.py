@@ -98,10 +98,12 @@ class _Text:
         return taken
 
 
-def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: int, fallback, slots: int) -> dict:
-    """The response's `jaxspec` object (one request's decoding): mode, K, acceptance, tokens per
-    round (the prefill's token excluded), rounds, why speculation fell back, batch slots."""
-    return {"mode": "speculative" if block_size > 1 else "classic", "block_size": block_size,
+def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: int, fallback, slots: int,
+               drafter: str | None = None) -> dict:
+    """The response's `jaxspec` object (one request's decoding): mode, K, the drafter that ran,
+    acceptance, tokens per round (the prefill's token excluded), rounds, why speculation fell back,
+    batch slots."""
+    return {"mode": "speculative" if block_size > 1 else "classic", "block_size": block_size, "drafter": drafter,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "tokens_per_round": (n - 1) / rounds if rounds else 0.0,
             "rounds": rounds, "fallback": fallback, "batch_slots": slots}
@@ -117,8 +119,8 @@ class Scheduler:
 
     def __init__(self, target, assistant, tok, *, block_size: int, rounds_per_chunk: int, max_batch: int,
                  max_queue: int, batch_capacity: int, batch_tokens: int, kv_positions: int | None = None,
-                 prefill_chunk: int = 512):
-        self.target, self.assistant, self.tok = target, assistant, tok
+                 prefill_chunk: int = 512, drafter=None):
+        self.target, self.assistant, self.tok, self.drafter = target, assistant, tok, drafter
         self.block_size, self.rounds_per_chunk = block_size, rounds_per_chunk
         self.max_batch, self.max_queue = max_batch, max_queue
         self.batch_capacity, self.batch_tokens = batch_capacity, batch_tokens
@@ -151,7 +153,8 @@ class Scheduler:
                 self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
                 capacity=round_up(self.batch_capacity, block), block_size=self.block_size,
                 eos_token_ids=self.tok.eos_token_ids, rounds_per_step=self.rounds_per_chunk,
-                kv_blocks=max(1, kv // block), block_tokens=block, prefill_chunk=self.prefill_chunk)
+                kv_blocks=max(1, kv // block), block_tokens=block, prefill_chunk=self.prefill_chunk,
+                drafter=self.drafter)
         return self._engine
 
     def warm_up(self) -> float:
@@ -274,6 +277,7 @@ class Scheduler:
             if ev.done:
                 stats = stats_json(block_size=engine.block_size, drafted=ev.drafted, accepted=ev.accepted,
                                    n=text.n + len(ev.tokens), rounds=ev.rounds, fallback=engine.fallback,
+                                   drafter=None if engine.drafter is None else engine.drafter.kind,
                                    slots=engine.slots)
             if text.push(ev.tokens, ev.done, stats, ev.logprobs):
                 if not ev.done:  # a stop string ended it early

@@ -31,13 +31,9 @@ from jaxspec.engine import verify
 from jaxspec.models import presets
 from jaxspec.kernels import DispatchConfig
 from support.pairs import XLA, make_pair  # noqa: F401
+from support.pairs import pair  # noqa: F401
 
 BUDGET = 32
-
-
-@functools.lru_cache(maxsize=None)
-def pair(**kw):
-    return make_pair(**kw)
 
 
 def random_prompts(seed, lengths, vocab):

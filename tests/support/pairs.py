@@ -1,4 +1,6 @@
 """Shared by the tests (moved from tests/engine/test_generate.py: no test module imports another)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,3 +37,8 @@ def make_pair(seed=0, vocab=256, dtype=jnp.float32, matmul=XLA, target_damp=0.2,
         if k.endswith(post):
             ap[k] = ap[k] * assistant_damp
     return t.replace(params=tp), a.replace(params=ap)
+
+
+@functools.lru_cache(maxsize=None)
+def pair(**kw):
+    return make_pair(**kw)
