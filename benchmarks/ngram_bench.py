@@ -39,7 +39,7 @@ from jaxspec.kernels import DispatchConfig  # noqa: E402
 from jaxspec.engine.loop_config import CAPACITY_ROUND, PROMPT_BUCKET, round_up  # noqa: E402
 from jaxspec.text import load_tokenizer  # noqa: E402
 
-G = importlib.import_module("jaxspec.generate")
+G = importlib.import_module("jaxspec.engine.generate")
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 SETS = ("code_edit", "extract", "prose")
 
