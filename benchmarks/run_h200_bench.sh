@@ -6,10 +6,10 @@
 # Steps (default: all, in this order; about 1,800 s of step timeouts, so name a subset per call):
 #   gpu_kernels   GPU tests, group 1: the matmul and attention kernels (tests/kernels, -m gpu)
 #   gpu_models    GPU tests, group 2: the batch engine, the default backend, tensor parallel and Gemma 3 on the
-#                 real kernels (tests/engine and tests/models, -m gpu, plus tests/models/test_gemma3_family.py)
+#                 real kernels (named files: a folder's other modules may import packages the device lacks)
 #   gpu_stream    GPU tests, group 3: the layer-stream spike (tests/bench, -m gpu)
-#   (each GPU group fits one device call; `-m gpu` anywhere else finds nothing: a new gpu test joins its
-#   folder's group)
+#   (each fits one device call: 2026-12-04, gpu_models' files 175 s + 53 s; a new gpu test in tests/engine
+#   or tests/models is added to gpu_models' list, one in tests/kernels or tests/bench joins by its folder)
 #   kernels       kernel_bench: GPU correctness checks and the table of the default paths
 #   decode12b     Gemma 4 12B shapes, random 4-bit weights: classic decode and a K = 4 round
 #   default_pair  the shipped pair on its 20 held-out prompts x 64 tokens: acceptance and speedup
@@ -39,7 +39,8 @@ step() {  # name timeout command...: run, log, re-pack
 for s in $steps; do
     case $s in
     gpu_kernels) step gpu_kernels 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels ;;
-    gpu_models) step gpu_models 560 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine tests/models \
+    gpu_models) step gpu_models 560 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_batching_gpu.py \
+        tests/engine/test_default_backend.py tests/models/test_shard.py \
         && python3 -m pytest -q -p no:cacheprovider tests/models/test_gemma3_family.py" ;;
     gpu_stream) step gpu_stream 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bench ;;
     # the rows of docs/kernels.md's table: the two MLP shapes and the tied head
