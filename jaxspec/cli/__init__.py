@@ -1,4 +1,6 @@
-"""The `jaxspec` command line: argument handling and output; the work is the library's.
+"""The `jaxspec` command line: argument handling and output; the work is the library's. This module runs
+`generate` and `serve` and dispatches; parser.py holds the flags, common.py the one-line errors and
+shared checks, serve_flags.py serve's pre-load checks, convert.py `tiny-pair` and `convert`.
 
     jaxspec generate "def fibonacci(n):" --max-tokens 64 --compare      # the embedded default pair
     jaxspec generate "The capital of France is" --pair gemma-3-270m --compare   # Gemma 3 270M + its drafter
@@ -23,88 +25,22 @@ benchmark is `python benchmarks/speculative_bench.py` in a source checkout.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import json
-import logging
 import os
-import re
 import sys
 import time
 import traceback
 import warnings
 
 from jaxspec.engine import compile_cache, sampling
-from jaxspec.serve.guard import ACCEPT_BACKLOG
-from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, check_block_size
-from jaxspec.engine.loop_config import PREFILL_CHUNK
-from jaxspec.drafters.base import KINDS as DRAFT_KINDS
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-MAX_MESSAGE = 400  # characters of one error / warning line; longer ones are cut with a marker
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line, exit status 2."""
-
-
-# What a user can fix (their input, their files, their environment): one line, exit status 2.
-# Everything else is a bug: exit status 1 ("internal error"). The library raises ValueError (and
-# its subclasses, e.g. TokenizerError) or NotImplementedError for what it refuses; the CLI turns
-# what it finds itself (closed stdout, an unusable JAX_PLATFORMS, ...) into UsageError at the source.
-USER_ERRORS = (UsageError, ValueError, NotImplementedError)
-
-
-def _err(msg: str) -> None:
-    _note(_one_line(f"jaxspec: {msg}"))
-
-
-def _note(msg: str, end: str = "\n") -> None:
-    """Progress and notes go to stderr only: with stderr closed (`2>&-`, sys.stderr is None)
-    print(file=None) would write them into stdout, among the generated text; they are dropped."""
-    if sys.stderr is None:
-        return
-    try:
-        print(msg, file=sys.stderr, end=end, flush=True)
-    except (OSError, ValueError):  # stderr gone (a closed pipe): nobody reads the notes
-        pass
-
-
-class _NoteHandler(logging.Handler):
-    """The library's log records as notes on stderr ("jaxspec: compiling 3 programs ...")."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            _note(_one_line(f"jaxspec: {record.getMessage()}"))
-        except Exception:  # a malformed record: never the reason a command fails
-            self.handleError(record)
-
-
-@contextlib.contextmanager
-def _library_notes():
-    """While a command runs, show the library's INFO lines (`logging`, logger "jaxspec": when
-    compiling starts and how long it took, the batch engine's warm-up) on stderr; the library
-    itself stays silent unless its user configures logging."""
-    logger = logging.getLogger("jaxspec")
-    handler, level = _NoteHandler(logging.INFO), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
-def _one_line(e: BaseException | str, limit: int = MAX_MESSAGE) -> str:
-    """The message as one line of at most `limit` characters (whitespace runs collapsed, a longer
-    one cut with a marker saying how much was left out)."""
-    s = " ".join(str(e).split()) or type(e).__name__
-    if len(s) > limit:
-        keep = limit - 40  # room for the marker (at most 38 characters)
-        s = f"{s[:keep]} ... [{len(s) - keep} more characters]"
-    return s
+from jaxspec.engine.generate import check_block_size
+from jaxspec.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, MAX_MESSAGE, USER_ERRORS,
+                                UsageError, _GENERATE_RANGES, _by_name, _check_ranges, _dir_bytes, _err, _fmt_bytes,
+                                _library_notes, _note, _one_line, _read_config)  # noqa: F401  (named here for the tests)
+from jaxspec.cli.serve_flags import FD_RESERVE, _api_key, _check_bind, _check_serve_flags, _max_connections  # noqa: F401  (named here for the tests)
+from jaxspec.cli.convert import cmd_convert, cmd_tiny_pair
+from jaxspec.cli.parser import build_parser
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,32 +106,6 @@ def _check_backend() -> None:
         raise UsageError(f"JAX cannot start a backend on this machine: {detail or type(e).__name__}") from None
 
 
-# Integer flags' ranges, checked up front by _check_ranges (argparse only checks they are integers:
-# its own range errors print the whole usage). (flag, attribute, lowest, highest or None, why)
-_GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""),
-                    ("--top-k", "top_k", sampling.RANGES["top_k"].lo, sampling.RANGES["top_k"].hi, ""),
-                    ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
-                    ("--stream-rounds", "stream_rounds", 1, MAX_ROUNDS_PER_CHUNK, ""),
-                    ("--devices", "devices", 1, None, ""))
-MAX_KV_POSITIONS = 1 << 26  # serve --kv-positions at most (64 Mi positions: 4096 slots x 16384)
-_SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30, ""),
-                 ("--max-queue", "max_queue", 1, 100_000, ""),
-                 ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
-                 ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
-                 ("--max-batch", "max_batch", 1, 1 << 12, ""),
-                 ("--prefill-chunk", "prefill_chunk", 16, 1 << 16, " (a multiple of 16)"),
-                 ("--kv-positions", "kv_positions", 16, MAX_KV_POSITIONS, " (a multiple of 16)"),
-                 ("--max-connections", "max_connections", 1, 1 << 20, ""))
-
-
-def _check_ranges(args, ranges) -> None:
-    for flag, attr, lo, hi, why in ranges:
-        v = getattr(args, attr)
-        if v is not None and (v < lo or (hi is not None and v > hi)):
-            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-            raise UsageError(f"{flag} {v}: expected an integer {rng}{why}")
-
-
 def _check_cache_flag(args) -> None:
     """An unsafe --compile-cache DIR (compile_cache.checked_dir) is bad input, found before anything
     is loaded; a missing one is created later (0700), when the cache is turned on."""
@@ -216,27 +126,6 @@ def _check_block_size(args, tcfg) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Model directories, the default pair, the compile cache
-
-
-def _read_config(path: str, role: str) -> dict:
-    """config.json of a model directory, read up front (before the tokenizer, the context check
-    and loading), and every file the loader will open checked to be a readable regular file (a
-    FIFO, a symlink loop, no permission: named here); their contents are the loader's to check."""
-    from jaxspec.models import gguf
-    from jaxspec.models.checkpoint_files import read_config
-
-    try:
-        src = gguf.source(path)
-        if src is not None:  # a GGUF: its config from the header (no tensor is read)
-            return gguf.plan(src)[3]
-    except ValueError as e:
-        raise UsageError(f"{path!r} is not a usable {role}: {_one_line(e)}") from None
-    if not os.path.lexists(path):
-        raise UsageError(f"{role} directory {path!r} does not exist")
-    try:
-        return read_config(path, complete=False)[0]
-    except ValueError as e:
-        raise UsageError(f"{path!r} is not a usable {role} directory: {_one_line(e)}") from None
 
 
 def _parse_configs(model_dir: str, assistant_dir: str | None):
@@ -273,25 +162,6 @@ def default_pair_dirs(path: str | None = None) -> tuple[str, str] | None:
         return None
     root = default_pair.default_pair_path() if path is None else path
     return os.path.join(root, "target"), os.path.join(root, "assistant")
-
-
-def _dir_bytes(path: str) -> int:
-    """Bytes of the weight files the loader reads (the manifest's, the index's or model*.safetensors:
-    models.checkpoint_files.checkpoint_files; other files in the directory are not counted)."""
-    from jaxspec.models import gguf
-    from jaxspec.models.checkpoint_files import checkpoint_files
-
-    src = gguf.source(path)
-    if src is not None:
-        return os.path.getsize(src)
-    return sum(os.path.getsize(f) for f in checkpoint_files(path, complete=False)[1])
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _load(kind: str, path: str, **kw):
@@ -466,19 +336,6 @@ def _utf8_checked(text: str, where: str) -> str:
         what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
         raise UsageError(f"the prompt ({where}) is not valid UTF-8: {what} at character {e.start}") from None
     return text
-
-
-def _by_name(model: str) -> str:
-    """A model known by name (`--model gemma-3-270m`) as its installed package's GGUF file; any other
-    value as it is. The package missing: one line naming the pip install (exit 2)."""
-    from jaxspec.models import gguf
-
-    if model in gguf.KNOWN and not os.path.lexists(model):
-        try:
-            return gguf.by_name(model)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-    return model
 
 
 def _pair_name(args) -> str | None:
@@ -787,436 +644,16 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
                          f"{what}: lower --max-batch" + (f" (at most {fits})" if fits else " (not even 1 fits)"))
 
 
-def _api_key(args) -> tuple[str | None, str]:
-    """(the key or None, where it came from). An empty one (e.g. `JAXSPEC_API_KEY=`) means none;
-    one with whitespace, a control or a non-ASCII character is refused, not stripped: a header
-    line cannot carry it, so it would answer 401 to every client (a key file read with its newline)."""
-    key, source = args.api_key, "--api-key"
-    if key is None:
-        key, source = os.environ.get("JAXSPEC_API_KEY"), "$JAXSPEC_API_KEY"
-    if not key:
-        return None, source
-    bad = next((i for i, c in enumerate(key) if not "!" <= c <= "~"), None)
-    if bad is not None:
-        raise UsageError(f"{source} holds {key[bad]!r} at character {bad}: an API key must be printable ASCII without "
-                         "spaces (a trailing newline or carriage return included)")
-    return key, source
-
-
-def _check_bind(args) -> None:
-    """A wildcard address (0.0.0.0, ::) listens on every interface: refused without an API key
-    unless --insecure-no-key says so."""
-    from jaxspec.serve.guard import is_wildcard
-
-    if is_wildcard(args.host) and _api_key(args)[0] is None and not args.insecure_no_key:
-        raise UsageError(f"--host {args.host} listens on every interface: give an API key (--api-key KEY or "
-                         "$JAXSPEC_API_KEY), or pass --insecure-no-key to serve anyone who can reach it")
-
-
-# File descriptors kept beside --max-connections: the server's own (model files, JAX, logs: ~70 on
-# CPU) and the connections asyncio accepts in batches before the cap closes them.
-FD_RESERVE = 128 + 3 * ACCEPT_BACKLOG
-DEFAULT_MAX_CONNECTIONS = 512
-
-
-def _max_connections(args) -> int:
-    """--max-connections, or the default, checked against the open-file limit: at the cap,
-    accepting a connection must still find a descriptor."""
-    from jaxspec.serve.guard import fd_limit
-
-    limit = fd_limit()
-    room = None if limit is None else limit - FD_RESERVE
-    if args.max_connections is None:
-        if room is not None and room < 1:
-            raise UsageError(f"the open-file limit of {limit} (ulimit -n) leaves no room for connections: raise it")
-        return DEFAULT_MAX_CONNECTIONS if room is None else min(DEFAULT_MAX_CONNECTIONS, room)
-    if room is not None and args.max_connections > room:
-        raise UsageError(f"--max-connections {args.max_connections} does not fit the open-file limit of {limit} "
-                         f"(ulimit -n; {FD_RESERVE} are kept for the server and connections being accepted): at most {max(room, 0)}, or raise "
-                         "ulimit -n")
-    return args.max_connections
-
-
-# "*" or scheme://host[:port] (a browser's Origin header: no path, no trailing slash)
-_ORIGIN = re.compile(r"^(\*|[a-zA-Z][a-zA-Z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[^\s/:?#\[\]@]+)(:\d{1,5})?)$")
-
-
-_HOST_NAME = re.compile(r"^([A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_][A-Za-z0-9_-]{0,62})*\.?|[0-9a-fA-F:.]+)$")
-
-
-def _check_serve_flags(args) -> None:
-    """UsageError (one line) for a serve flag out of range, a malformed --allow-origin, or an
-    address that cannot be listened on. Checked here rather than by argparse, whose errors print
-    the whole usage."""
-    _check_ranges(args, _SERVE_RANGES)
-    if args.prefill_chunk % 16:
-        raise UsageError(f"--prefill-chunk {args.prefill_chunk}: expected a multiple of 16")
-    if args.kv_positions is not None and args.kv_positions % 16:
-        raise UsageError(f"--kv-positions {args.kv_positions}: expected a multiple of 16 (the KV pool's blocks of "
-                         "16 positions)")
-    for o in args.allow_origin or ():
-        m = _ORIGIN.match(o)
-        if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
-            raise UsageError(f"--allow-origin {o!r}: expected '*' or scheme://host[:port] with a port in 1..65535, "
-                             "e.g. http://localhost:3000")
-    for h in args.allowed_host or ():
-        if not _HOST_NAME.match(h):
-            raise UsageError(f"--allowed-host {h!r}: expected a host name or address as a Host header names it, "
-                             "without a scheme or port (e.g. api.example.com)")
-    for flag, v in (("--idle-timeout", args.idle_timeout), ("--header-timeout", args.header_timeout),
-                    ("--body-timeout", args.body_timeout)):
-        if not 0 < v <= 3600:  # also NaN
-            raise UsageError(f"{flag} {v}: expected seconds in (0, 3600]")
-    _api_key(args)
-    _check_bind(args)
-    _max_connections(args)
-    _check_listen(args.host, args.port)
-
-
-def _check_listen(host: str, port: int) -> None:
-    """UsageError unless (host, port) resolves and can be bound now (not in use, an address of
-    this machine); the socket is closed again at once."""
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
-        raise UsageError(f"--host {host!r} does not resolve: {_one_line(e)}") from None
-    family, kind, proto, _, addr = infos[0]
-    try:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
-            s.bind(addr)
-    except OSError as e:
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or _one_line(e)}") from None
-
-
 # ---------------------------------------------------------------------------------------------
 # tiny-pair
-
-
-def cmd_tiny_pair(args) -> int:
-    """models.presets.tiny_pair saved as two model directories, with a toy tokenizer in the target's
-    and the same file as the pair's shared DIR/tokenizer.json (the default pair's layout), so both
-    `--model DIR/target --assistant DIR/assistant` and `--pair DIR` run it."""
-    from jaxspec import models
-    from jaxspec.models import pair_files
-
-    from jaxspec.text.tokenizer import DEMO_CORPUS, train_byte_bpe
-
-    _check_output_dir(args.dir, args.force)  # before building anything
-    target, assistant = models.presets.tiny_pair(seed=args.seed)
-    tdir, adir = os.path.join(args.dir, "target"), os.path.join(args.dir, "assistant")
-
-    def write(folder):
-        models.save(target, os.path.join(folder, "target"))
-        models.save(assistant, os.path.join(folder, "assistant"))
-        tok = train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size)
-        for where in (os.path.join(folder, "target"), folder):  # a complete model directory, and the
-            tok.save(os.path.join(where, "tokenizer.json"))     # pair's shared one for --pair DIR
-
-    try:  # everything written first, then switched at once: a crash leaves the old pair or the new one
-        pair_files.save_pair(args.dir, write)
-    except OSError as e:  # e.g. a full disk: the path and the reason, not a traceback
-        raise UsageError(f"cannot write the tiny pair to {args.dir!r}: {e.strerror or _one_line(e)}"
-                         + (f" ({e.filename!r})" if e.filename else "")) from None
-    print(f"wrote {tdir}, {adir} and their tokenizer.json\ntry: jaxspec generate \"def f(x):\" --pair {args.dir}")
-    return EXIT_OK
-
-
-def _check_output_dir(path: str, force: bool, command: str = "tiny-pair") -> None:
-    """An output directory that exists empty (or anything, with `force`), or can be created."""
-    from jaxspec.models.checkpoint_files import why_not
-
-    try:
-        if os.path.isdir(path):
-            if os.listdir(path) and not force:
-                raise UsageError(f"{path!r} is not empty: {command} would replace the model files in it; pass "
-                                 "--force to write there anyway")
-            where = path
-        elif os.path.lexists(path):
-            raise UsageError(f"{path!r} is not a directory")
-        else:
-            where = os.path.dirname(os.path.abspath(path))
-            while not os.path.lexists(where):
-                where = os.path.dirname(where)
-            if not os.path.isdir(where):
-                raise UsageError(f"cannot create {path!r}: {where!r} is not a directory")
-    except OSError as e:  # a symlink loop, a directory that cannot be listed
-        raise UsageError(why_not(e, path)) from None
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise UsageError(f"permission denied: cannot write {path!r} ({where!r} is not writable)")
 
 
 # ---------------------------------------------------------------------------------------------
 # convert
 
 
-def cmd_convert(args) -> int:
-    """A GGUF (file, directory holding one, or a model name) written as a jaxspec checkpoint directory
-    (models.save: config.json + safetensors, float32 scales kept exact) with its tokenizer, so later
-    loads read safetensors and skip the GGUF decoding. Loaded in float32, so that the directory
-    loads, at any dtype, exactly as the GGUF does. Weights, config and tokenizer switch in as one
-    (models.save's extra_files): a failure or a kill leaves the previous directory whole, and the
-    loaders refuse the directory if its tokenizer goes missing."""
-    import jax.numpy as jnp
-
-    from jaxspec import models
-    from jaxspec.kernels import DispatchConfig
-    from jaxspec.models import gguf
-
-    src_name = _by_name(args.src)
-    try:
-        src = gguf.source(src_name)
-    except ValueError as e:
-        raise UsageError(_one_line(e)) from None
-    if src is None:
-        raise UsageError(f"{args.src!r} is not a GGUF file, a directory holding one, or a known model name "
-                         f"({', '.join(sorted(gguf.KNOWN))})")
-    _read_config(src, "GGUF model")  # the header, metadata and tensor table checked before "loading ..."
-    _check_output_dir(args.out, args.force, "convert")
-    tok = _step("reading its tokenizer", lambda: _gguf_tokenizer(src))  # bad metadata: nothing written
-    quantize = None
-    if args.quantize is not None:
-        bits, gs = (int(v) for v in re.fullmatch(r"(\d+)bit-g(\d+)", args.quantize).groups())
-        quantize = {"bits": bits, "group_size": gs}
-    tok = _step("reading its tokenizer", lambda: _gguf_tokenizer(src))  # before minutes of decoding
-    target = _load_gguf(src, quiet=args.quiet, dtype=jnp.float32, quantize=quantize, matmul=DispatchConfig())
-    try:
-        _step(f"writing {args.out} (weights, config and tokenizer)",
-              lambda: models.save(target, args.out, extra_files=tok.save))
-    except OSError as e:
-        raise UsageError(f"cannot write {args.out!r}: {e.strerror or _one_line(e)}"
-                         + (f" ({e.filename!r})" if e.filename else "")) from None
-    print(f"wrote {args.out} (with its tokenizer)\ntry: jaxspec generate \"The capital of France is\" --model "
-          f"{args.out} --no-assistant")
-    return EXIT_OK
-
-
-def _step(what: str, fn):
-    """`fn()` between a note "what ..." and its time on the same stderr line (seconds of silence
-    otherwise); an error ends the line first, so its own line stands alone."""
-    _note(f"{what} ...", end="")
-    t0 = time.perf_counter()
-    try:
-        out = fn()
-    except BaseException:
-        _note("")
-        raise
-    _note(f" {time.perf_counter() - t0:.1f} s")
-    return out
-
-
-def _load_gguf(src: str, quiet: bool, **kw):
-    """`_load` for a GGUF, with a progress bar over the tensors' decoding (most of a conversion's
-    time) on stderr when it is a terminal and not --quiet."""
-    from jaxspec import progress
-    from jaxspec.models.checkpoint import load_gguf_target
-
-    show = progress.wanted(False if quiet else None)
-    _note(f"loading target from {src} ({_fmt_bytes(_dir_bytes(src))}) ...", end="\n" if show else "")
-    t0 = time.perf_counter()
-    try:
-        with progress.tracking("decoding tensors", enabled=show) as tick:
-            model = load_gguf_target(src, progress=tick, **kw)
-    except (ValueError, NotImplementedError, OSError) as e:  # the loader names the file
-        if not show:
-            _note("")
-        raise UsageError(f"cannot load the target from {src!r}: {_one_line(e)}") from None
-    dt = time.perf_counter() - t0
-    _note(f"loaded target in {dt:.1f} s" if show else f" {dt:.1f} s")
-    return model
-
-
-def _gguf_tokenizer(src: str):
-    """The GGUF's tokenizer, rebuilt from its metadata (jaxspec.text.gguf) before anything is
-    loaded or written: unusable tokenizer metadata is a TokenizerError (bad input, exit 2) with
-    nothing written."""
-    from jaxspec.text.gguf import tokenizer_from_gguf
-    from jaxspec.models import gguf
-
-    meta = gguf.plan(src)[1]  # jaxspec's parse of the metadata: seconds, where GGUFReader takes tens
-    return tokenizer_from_gguf(src, reader=gguf.MetadataReader(meta))
-
-
 # ---------------------------------------------------------------------------------------------
 # main
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding (Gemma 4 + MTP assistant) in JAX.")
-    p.add_argument("--version", action="version", version=f"jaxspec {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-
-    g = sub.add_parser("generate", help="generate text from a prompt",
-                       description="Generate text with a target model and (optionally) its MTP assistant. "
-                                   "Without --model the embedded default pair is used.")
-    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin); it must be valid UTF-8 (else exit "
-                                  "status 2; nothing is replaced)")
-    g.add_argument("--model", metavar="DIR", help="target model directory (config.json, *.safetensors, tokenizer.json)")
-    g.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
-    g.add_argument("--pair", metavar="NAME|DIR",
-                   help="without --model: a named pair, 'gemma-3-270m' (Gemma 3 270M from the gemma3 extra + its "
-                        "shipped drafter; --assistant DIR replaces the drafter) or 'default' (the embedded toy "
-                        "pair, also what no --model means), or a pair directory laid out like the default pair "
-                        "(target/, assistant/, tokenizer.json)")
-    g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
-    g.add_argument("--draft", choices=DRAFT_KINDS, default=None,
-                   help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup: "
-                        "the continuation of the last tokens' latest earlier occurrence in the prompt and output; no "
-                        "drafter model, pays when the text copies its prompt, e.g. code edits, extraction)")
-    g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (one user turn)")
-    g.add_argument("--max-tokens", type=int, default=128, metavar="N",
-                   help="new tokens at most (default 128); lowered to fit the model's context "
-                        "(max_position_embeddings); more than the KV cache can hold in the device's memory "
-                        "is exit status 2")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=None, metavar="K")
-    g.add_argument("--top-p", type=float, default=None, metavar="P")
-    g.add_argument("--min-p", type=float, default=None, metavar="P",
-                   help="drop tokens less likely than P times the most likely one (0..1; default off)")
-    g.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="sampling seed, an integer in [0, 2**64) (default 0)")
-    g.add_argument("--block-size", type=int, default=4, metavar="K",
-                   help=f"verify width K, 1..{MAX_BLOCK_SIZE}: K-1 drafts + 1 per round (default 4; 1 decodes "
-                        "classically)")
-    g.add_argument("--verify-pad", choices=("on", "off"), default=None,
-                   help="pad the verify to the tiled matmul path (default: the dispatch config's verify_pad, "
-                        "i.e. $JAXSPEC_MTP_VERIFY_PAD, else off)")
-    g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS / end-of-turn tokens")
-    g.add_argument("--stream", action="store_true", help="print tokens as rounds complete")
-    g.add_argument("--stream-rounds", type=int, default=1, metavar="R",
-                   help=f"rounds per streamed chunk, 1..{MAX_ROUNDS_PER_CHUNK} (default 1)")
-    g.add_argument("--compare", action="store_true", help="also run classic decoding and report the speedup")
-    g.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto",
-                   help="quantized matmul: Pallas kernels (GPU default) or XLA dequantize+dot (CPU default)")
-    g.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
-                   help="activation / scale dtype (default bfloat16)")
-    g.add_argument("--devices", type=int, default=None, metavar="N",
-                   help="split the models over this process's N devices (tensor parallel, models.shard; N > 1 "
-                        "must be all of them); the xla backend splits the matmuls, the Pallas kernels still "
-                        "gather their weights")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead")
-    g.add_argument("--no-stats", action="store_true", help="print only the text")
-    g.add_argument("--compile-cache", metavar="DIR", default=None,
-                   help=f"directory of the on-disk compilation cache (default {compile_cache.DEFAULT_DIR}; a "
-                        "directory set in JAX's own configuration wins)")
-    g.add_argument("--no-compile-cache", action="store_true", help="do not use the on-disk compilation cache")
-    g.add_argument("--debug", action="store_true", help="show tracebacks")
-    g.set_defaults(func=cmd_generate)
-
-    v = sub.add_parser("serve", help="serve the pair over HTTP (OpenAI-compatible completions and chat)",
-                       description="An OpenAI-compatible server (needs the `serve` extra: FastAPI, uvicorn). "
-                                   "Without --model the embedded default pair is served.")
-    v.add_argument("--model", metavar="DIR", help="target model directory")
-    v.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
-    v.add_argument("--pair", metavar="NAME|DIR", help="without --model: a named pair (gemma-3-270m, default) or a "
-                                                     "pair directory laid out like the default pair")
-    v.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
-    v.add_argument("--draft", choices=DRAFT_KINDS, default=None,
-                   help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup, "
-                        "no drafter model)")
-    v.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
-    v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the model directory's "
-                                                       "name, or jaxspec-default-pair)")
-    v.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; on a loopback address only requests naming "
-                        "localhost in their Host header are served; a wildcard 0.0.0.0 or :: needs an API key)")
-    v.add_argument("--port", type=int, default=8000, help="TCP port, 1..65535 (default 8000)")
-    v.add_argument("--api-key", metavar="KEY", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/... (default: $JAXSPEC_API_KEY, else no key; "
-                        "an empty KEY means none; printable ASCII without spaces); the environment variable keeps "
-                        "it out of the process list")
-    v.add_argument("--insecure-no-key", action="store_true",
-                   help="allow a wildcard --host (0.0.0.0, ::) without an API key")
-    v.add_argument("--allowed-host", metavar="NAME", action="append",
-                   help="a Host header name to serve besides localhost and the machine's own names and addresses "
-                        "(e.g. the name a proxy forwards); repeatable")
-    v.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}, or fewer under a low ulimit -n; "
-                        f"at most the open-file limit - {FD_RESERVE}); at the cap the longest idle one is closed, "
-                        "else the new one is answered 503")
-    v.add_argument("--idle-timeout", type=float, default=5.0, metavar="S",
-                   help="close a connection idle this long, before or between requests (default 5)")
-    v.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
-                   help="close a connection whose request headers take longer to arrive (default 10)")
-    v.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
-                   help="close a connection whose request body takes longer to arrive (default 60)")
-    v.add_argument("--allow-origin", metavar="ORIGIN", action="append",
-                   help="let web pages of ORIGIN (scheme://host[:port], or '*' for any) call the server; "
-                        "repeatable (default: no cross-origin requests)")
-    v.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
-                   help="largest request body, 1024..1 GiB (default 1048576 = 1 MiB); larger is HTTP 413")
-    v.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests waiting beyond the running batch, 1..100000 (default 64); more get HTTP 429")
-    v.add_argument("--block-size", type=int, default=4, metavar="K",
-                   help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
-    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
-                   help=f"prompt tokens prefilled per step at most, a multiple of 16 (default {PREFILL_CHUNK}): a long "
-                        "prompt is prefilled in chunks between the decode steps, so the running streams wait a chunk "
-                        "per step, not the whole prefill; larger chunks prefill a long prompt faster and stall the "
-                        "others longer")
-    v.add_argument("--max-batch", type=int, default=4, metavar="N",
-                   help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
-                        "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
-                        "context, at most 4096) positions (or --kv-positions), 3.5 times over with the decode step's "
-                        "temporaries, plus 4 float32 logits of (K + 1) x vocabulary; checked at start, on a CPU "
-                        "with ~1.5 GiB for the process, against the host memory less a tenth for the system, the "
-                        "cgroup's limit and what is available now (the warm-up stays under it). The warm-up "
-                        "compiles the same programs whatever N (each one logged; minutes on "
-                        "a CPU), then runs steps over all N slots")
-    v.add_argument("--kv-positions", type=int, default=None, metavar="N",
-                   help=f"the KV pool the slots share, in cache positions: a multiple of 16 (its blocks), "
-                        f"16..{MAX_KV_POSITIONS} (default: --max-batch x the context, at most 4096, e.g. 16384 at "
-                        "--max-batch 4). A request holds the blocks its prompt + max_tokens + K need while it runs: "
-                        "one that fits waits in the queue until enough blocks are free; one longer than the whole "
-                        "pool is refused with HTTP 400. The memory check at start counts this pool in place of "
-                        "--max-batch x 4096 positions")
-    v.add_argument("--rounds-per-chunk", type=int, default=4, metavar="R",
-                   help=f"decode rounds between two reads of the new tokens and two admissions, "
-                        f"1..{MAX_ROUNDS_PER_CHUNK} (default 4; 1 suits a large model: on the H200 the 12B streams "
-                        "6%% faster with half the time to first token)")
-    v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
-    v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
-    v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")
-    v.add_argument("--compile-cache", metavar="DIR", default=None)
-    v.add_argument("--no-compile-cache", action="store_true")
-    v.add_argument("--debug", action="store_true", help="show tracebacks")
-    v.set_defaults(func=cmd_serve)
-
-    t = sub.add_parser("tiny-pair", help="write a tiny random target + assistant + tokenizer (smoke tests)")
-    t.add_argument("dir", help="output directory (gets target/ and assistant/)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--force", action="store_true", help="write into DIR even if it is not empty (its target/ and "
-                                                        "assistant/ model files and tokenizer.json are replaced)")
-    t.add_argument("--debug", action="store_true", help="show tracebacks")
-    t.set_defaults(func=cmd_tiny_pair)
-
-    c = sub.add_parser("convert", help="write a GGUF model as a jaxspec checkpoint directory",
-                       description="Read a GGUF (a .gguf file, a directory holding one, or a model name such as "
-                                   "gemma-3-270m) and write it as a jaxspec checkpoint directory (config.json, "
-                                   "safetensors, tokenizer): the exact weights, which later loads read directly.")
-    c.add_argument("src", help="the .gguf file, a directory holding one, or a model name (gemma-3-270m)")
-    c.add_argument("out", help="output directory")
-    c.add_argument("--quantize", choices=("4bit-g64", "4bit-g32", "8bit-g64"), default=None,
-                   help="requantize every linear weight to this format (default: the exact mapping of the "
-                        "GGUF's own types)")
-    c.add_argument("--force", action="store_true", help="write into OUT even if it is not empty")
-    c.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a "
-                                                        "terminal)")
-    c.add_argument("--debug", action="store_true", help="show tracebacks")
-    c.set_defaults(func=cmd_convert)
-
-    return p
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("jaxspec")
-    except Exception:
-        return "0.1.0 (source)"
 
 
 def _guarded(fn, arg, debug: bool) -> int:
@@ -1254,6 +691,10 @@ def _silence_stdout() -> None:
         pass
 
 
+# What each subcommand of `build_parser` runs.
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "tiny-pair": cmd_tiny_pair, "convert": cmd_convert}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _reserve_std_fds()
@@ -1266,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     with _library_notes():
-        return _guarded(args.func, args, getattr(args, "debug", False))
+        return _guarded(COMMANDS[args.command], args, getattr(args, "debug", False))
 
 
 if __name__ == "__main__":
