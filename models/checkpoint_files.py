@@ -309,7 +309,8 @@ def _write_json(fn: str, doc) -> None:
         os.fsync(f.fileno())
 
 
-def _umask() -> int:
+def umask() -> int:
+    """This process's umask."""
     try:  # Linux reports it without changing it
         with open("/proc/self/status") as f:
             for line in f:
@@ -334,7 +335,7 @@ def _write_shard(fn: str, tensors: dict, metadata: dict, shown: str) -> None:
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), shown) from None
     fd = os.open(fn, os.O_RDONLY)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~umask())
         os.fsync(fd)
     finally:
         os.close(fd)

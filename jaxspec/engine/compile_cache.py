@@ -29,6 +29,8 @@ import os
 import stat
 import warnings
 
+from jaxspec.models.checkpoint_files import umask
+
 DEFAULT_DIR = os.path.join("~", ".cache", "jaxspec", "jax")
 _auto = {"on": True, "done": False}
 _warned: set = set()  # unsafe directories already warned about (once each per process)
@@ -56,8 +58,8 @@ def checked_dir(path: str, create: bool = True) -> str:
     if why is None:
         st = os.stat(path)
         where, why = path, (_unsafe(st, "a directory") if stat.S_ISDIR(st.st_mode) else "it is not a directory")
-    if why is None and st.st_mode & 0o011 and _umask() & 0o022 != 0o022:
-        why = (f"others can enter it (mode {stat.S_IMODE(st.st_mode):04o}) and the umask ({_umask():04o}) makes JAX "
+    if why is None and st.st_mode & 0o011 and umask() & 0o022 != 0o022:
+        why = (f"others can enter it (mode {stat.S_IMODE(st.st_mode):04o}) and the umask ({umask():04o}) makes JAX "
                "write cache files they can change (chmod 700 it, or use umask 022)")
     if why is None:
         where, why = _unsafe_entry(path, private=not st.st_mode & 0o011)
@@ -129,20 +131,6 @@ def _unsafe_entry(path: str, private: bool) -> tuple[str, str | None]:
                 if why:
                     return where, why
     return path, None
-
-
-def _umask() -> int:
-    """This process's umask (Linux reports it without changing it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)  # elsewhere: set and restore (a brief window for other threads)
-    os.umask(mask)
-    return mask
 
 
 def unsafe_file(fd: int) -> str | None:
