@@ -24,7 +24,8 @@ the ids written out (`IdTokenizer`, no stop ids).
 `--sampling`: greedy (T = 0), uniform (every request T = 0.8, top_p 0.95) or mixed (request i gets
 one of 16 distinct (temperature, top_p) settings and its own seed): mixed against uniform is what
 sharing one batch across settings costs.
-Writes DIR/serve.json and DIR/serve.md.
+`--repeats N` runs each configuration N times and reports the median run (benchmarks/serve_guard.py
+uses 3). Writes DIR/serve.json and DIR/serve.md.
 
 `--long-prompt N` runs the long-request workload instead (issue 56): --clients[0] closed-loop clients
 of exactly --prompt-len-token prompts stream (--max-tokens each, one after another; client i starts
@@ -375,6 +376,8 @@ def main(argv=None) -> None:
     ap.add_argument("--k-values", type=_ints, default=[1, 4], help="block sizes (1: classic)")
     ap.add_argument("--max-slots", type=int, default=16, help="slots at most (more clients queue)")
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each configuration; its row is the median run's (all runs' tok/s kept in the JSON)")
     ap.add_argument("--rounds-per-step", type=int, default=1, help="rounds between two reads (the server's chunk)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="presets: prompts of half to all this many ids")
@@ -441,10 +444,12 @@ def main(argv=None) -> None:
                     runs.append(("http", lambda: _http_run(server, widths.values(), prompts, n, args, kind)))
                 for mode, run in runs:
                     steps = list(engine.steps)
-                    r = run()
-                    used = [b - a for a, b in zip(steps, engine.steps)]
+                    tries = [run() for _ in range(args.repeats)]
+                    r = sorted(tries, key=lambda x: x["tokens_per_s"])[len(tries) // 2]  # the median run
+                    used = [(b - a) // args.repeats for a, b in zip(steps, engine.steps)]
                     rows.append(dict(mode=mode, sampling=kind, k_asked=k, k=engine.block_size, fallback=engine.fallback,
-                                     clients=n, slots=slots, steps_per_program=used, **r))
+                                     clients=n, slots=slots, steps_per_program=used,
+                                     repeats_tokens_per_s=[x["tokens_per_s"] for x in tries], **r))
                     sweep.update(1)
                     with sweep.external_write_mode():  # the result line (stdout) between two redraws of the bar
                         print(f"{mode} {kind} K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} "
@@ -456,7 +461,8 @@ def main(argv=None) -> None:
     uniform = {(r["mode"], r["k_asked"], r["clients"]): r["tokens_per_s"] for r in rows if r["sampling"] == "uniform"}
     lines = [f"# serve_bench — {what}", "", environment_line(args.commit), "",
              f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each; slots = min(clients, "
+             f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each (the median of "
+             f"{args.repeats} run(s) a row); slots = min(clients, "
              f"{args.max_slots}); {args.capacity} cache positions per slot; {args.rounds_per_step} round(s) per step.",
              "",
              "| path | sampling | K asked | K run | clients | slots | tok/s (all) | x one client | / uniform | "

@@ -1,0 +1,193 @@
+"""The serving guard: the standard serve sweep and the long/short workload, one commit against another.
+
+    python benchmarks/serve_guard.py prepare OLD_COMMIT           # here: OLD's tree into .carry/serve-old
+    python benchmarks/serve_guard.py run --out DIR/new            # device call 1: this tree
+    python benchmarks/serve_guard.py run --tree .carry/serve-old --out DIR/old   # device call 2: the old tree
+    python benchmarks/serve_guard.py compare DIR/old DIR/new --out docs/benchmark_results/FILE.md
+
+Any change to serving code (the batch engine, the scheduler, the server, the paged pool, the kernels a
+decode step runs) runs it against the previous main in one device lease, the two `run`s back to back
+(device calls, each under 10 minutes), and commits the comparison. `prepare` writes the old commit's
+tree without the default pair's weights (the 12b preset does not need them) and its sha in
+`.carry/serve-old/COMMIT`; name `.carry/serve-old` in the device call's carry.
+
+`run` (in `--tree`, default this checkout) runs that tree's own benchmarks/serve_bench.py on the 12B
+preset (random 4-bit weights, K = 1, 4 rounds a step, 64-token prompts, 64 new tokens):
+- sweep: engine and HTTP rows, 1 / 8 / 32 clients, greedy and mixed sampling, 8 requests per client,
+  each row the median of 3 runs (a tree whose serve_bench has no `--repeats`: 1 run, said in the table);
+- long: 8 streams, then one 16,384-token request, at the tree's default prefill settings.
+`compare` puts the two runs' rows side by side, marks a drop of more than 5% (exit status 1), and
+checks the serving issue's targets on the new run (HTTP greedy at 32 clients >= 3,000 tok/s; 8 clients
+>= 7x one; mixed >= 0.85x greedy at 32; the streams' p99 gap <= 3x and <= 40 ms beside the long
+request, its first token <= 2.0 s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD = os.path.join(ROOT, ".carry", "serve-old")
+DROP = 0.95  # new / old below this is a regression (the project's 5% rule)
+
+SWEEP = ["--target", "12b", "--k-values", "1", "--max-slots", "32", "--rounds-per-step", "4", "--prompt-len", "64",
+         "--max-tokens", "64", "--clients", "1,8,32", "--sampling", "greedy,mixed", "--requests-per-client", "8",
+         "--http", "--quiet"]
+LONG = ["--target", "12b", "--long-prompt", "16384", "--long-tokens", "64", "--clients", "8", "--prompt-len", "64",
+        "--max-tokens", "64", "--rounds-per-step", "1", "--baseline-s", "10", "--k-values", "1", "--quiet"]
+PARTS = {"sweep": (SWEEP, 420), "long": (LONG, 150)}  # seconds each may take
+
+TARGETS = [  # (what, check(new rows) -> (value, met))
+    "HTTP greedy, 32 clients >= 3,000 tok/s", "HTTP greedy, 8 clients >= 7.0x one client",
+    "HTTP mixed >= 0.85x greedy at 32 clients", "long/short p99 gap <= 3x without it and <= 40 ms",
+    "long request's first token <= 2.0 s"]
+
+
+def prepare(commit: str, dest: str = OLD) -> int:
+    """The old commit's tree (no default-pair weights) in `dest`, its sha beside it."""
+    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", commit], capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["rm", "-rf", dest], check=True)
+    os.makedirs(dest)
+    archive = subprocess.Popen(["git", "-C", ROOT, "archive", sha], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", dest, "--exclude=*/default_pair/*/model.safetensors",
+                    "--exclude=docs/benchmark_results/raw", "--exclude=docs/notebooks"], stdin=archive.stdout, check=True)
+    if archive.wait():
+        raise SystemExit(f"git archive {sha} failed")
+    with open(os.path.join(dest, "COMMIT"), "w") as f:
+        f.write(sha + "\n")
+    print(f"{dest}: {sha}; carry '.carry/serve-old' and run `python3 benchmarks/serve_guard.py run --tree "
+          f".carry/serve-old --out $OUT/old`")
+    return 0
+
+
+def run(tree: str, out: str, commit: str | None, parts: list[str]) -> int:
+    """Each part's serve_bench in `tree` (its own code, on PYTHONPATH), logged under `out`."""
+    tree = os.path.abspath(tree)
+    if commit is None:
+        stamp = os.path.join(tree, "COMMIT")
+        commit = open(stamp).read().strip() if os.path.exists(stamp) else subprocess.run(
+            ["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    bench = os.path.join(tree, "benchmarks", "serve_bench.py")
+    repeats = ["--repeats", "3"] if "--repeats" in open(bench).read() else []
+    env = dict(os.environ, PYTHONPATH=tree, PYTHONUNBUFFERED="1")
+    os.makedirs(out, exist_ok=True)
+    status = 0
+    for part in parts:
+        args, limit = PARTS[part]
+        cmd = [sys.executable, bench, *args, *(repeats if part == "sweep" else []), "--commit", commit,
+               "--out", os.path.join(out, part)]
+        t0 = time.perf_counter()
+        with open(os.path.join(out, f"{part}.log"), "w") as log:
+            try:
+                rc = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        print(f"== {part}: rc {rc} in {time.perf_counter() - t0:.0f} s ({' '.join(cmd[1:])})", flush=True)
+        status = status or rc
+    with open(os.path.join(out, "guard.json"), "w") as f:
+        json.dump(dict(tree=tree, commit=commit, parts=parts, repeats=bool(repeats)), f)
+    return status
+
+
+def _rows(d: str, name: str) -> list[dict]:
+    path = os.path.join(d, name.split("/")[0], name.split("/")[1])
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
+def targets(sweep: list[dict], long: list[dict]) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) for the serving issue's targets, from one run's rows."""
+    http = {(r["sampling"], r["clients"]): r["tokens_per_s"] for r in sweep if r["mode"] == "http"}
+    out = []
+    g32, g8, g1, m32 = (http.get(k) for k in (("greedy", 32), ("greedy", 8), ("greedy", 1), ("mixed", 32)))
+    out.append((TARGETS[0], f"{g32:.0f} tok/s" if g32 else "not run", bool(g32 and g32 >= 3000)))
+    out.append((TARGETS[1], f"{g8 / g1:.2f}x" if g8 and g1 else "not run", bool(g8 and g1 and g8 >= 7.0 * g1)))
+    out.append((TARGETS[2], f"{m32 / g32:.2f}x" if m32 and g32 else "not run", bool(m32 and g32 and m32 >= 0.85 * g32)))
+    r = long[0] if long else None
+    out.append((TARGETS[3], f"{r['p99_ratio']:.2f}x, {r['gap_p99_during_ms']:.1f} ms" if r else "not run",
+                bool(r and r["p99_ratio"] <= 3.0 and r["gap_p99_during_ms"] <= 40.0)))
+    out.append((TARGETS[4], f"{r['long_ttft_s']:.2f} s" if r else "not run", bool(r and r["long_ttft_s"] <= 2.0)))
+    return out
+
+
+def compare(old: str, new: str, out: str | None) -> int:
+    """The two runs side by side; exit status 1 when a row dropped by more than 5%."""
+    meta = {}
+    for name, d in (("old", old), ("new", new)):
+        path = os.path.join(d, "guard.json")
+        meta[name] = json.load(open(path)) if os.path.exists(path) else {"commit": "?", "repeats": False}
+    sweeps = {n: {(r["mode"], r["sampling"], r["clients"]): r for r in _rows(d, "sweep/serve.json")}
+              for n, d in (("old", old), ("new", new))}
+    longs = {n: _rows(d, "long/serve_long.json") for n, d in (("old", old), ("new", new))}
+    lines = [f"# serve guard: {meta['new']['commit'][:12]} against {meta['old']['commit'][:12]}", "",
+             "Rows: tok/s (all tokens over the wall time; "
+             + ", ".join(f"{n}: {'median of 3 runs' if meta[n].get('repeats') else '1 run'}" for n in ("old", "new"))
+             + "), TTFT median, per-stream tok/s.", "",
+             "| path | sampling | clients | old tok/s | new tok/s | new / old | old TTFT ms | new TTFT ms | "
+             "old stream tok/s | new stream tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    drops = []
+    for key in sorted(set(sweeps["old"]) | set(sweeps["new"]), key=lambda k: (k[0], k[1], k[2])):
+        o, n = sweeps["old"].get(key), sweeps["new"].get(key)
+        ratio = n["tokens_per_s"] / o["tokens_per_s"] if o and n else None
+        flag = " **drop**" if ratio is not None and ratio < DROP else ""
+        if flag:
+            drops.append(key)
+        cell = lambda r, f, s=1.0, fmt="{:.0f}": fmt.format(r[f] * s) if r else "-"  # noqa: E731
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell(o, 'tokens_per_s')} | {cell(n, 'tokens_per_s')} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'}{flag} | {cell(o, 'ttft_median_s', 1e3)} | "
+                     f"{cell(n, 'ttft_median_s', 1e3)} | {cell(o, 'stream_tokens_per_s', 1, '{:.1f}')} | "
+                     f"{cell(n, 'stream_tokens_per_s', 1, '{:.1f}')} |")
+    lines += ["", "| long/short workload | old | new |", "|---|---|---|"]
+    for field, label, fmt in (("p99_ratio", "streams' p99 gap during / before", "{:.2f}x"),
+                              ("gap_p99_during_ms", "p99 gap during (ms)", "{:.1f}"),
+                              ("long_ttft_s", "long request's first token (s)", "{:.2f}"),
+                              ("long_total_s", "long request done (s)", "{:.2f}")):
+        got = [fmt.format(longs[n][0][field]) if longs[n] else "not run" for n in ("old", "new")]
+        lines.append(f"| {label} | {got[0]} | {got[1]} |")
+    lines += ["", "| target (new run) | measured | met |", "|---|---|---|"]
+    lines += [f"| {t} | {v} | {'yes' if ok else 'no'} |"
+              for t, v, ok in targets(list(sweeps["new"].values()), longs["new"])]
+    lines += ["", f"Drops over 5%: {', '.join(f'{k[0]} {k[1]} {k[2]} clients' for k in drops) or 'none'}."]
+    text = "\n".join(lines) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    print(text)
+    return 1 if drops else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="the old commit's tree into .carry/serve-old")
+    p.add_argument("commit")
+    p.add_argument("--dest", default=OLD)
+    r = sub.add_parser("run", help="the sweep and the long workload in one tree")
+    r.add_argument("--tree", default=ROOT)
+    r.add_argument("--out", required=True)
+    r.add_argument("--commit", default=None, help="default: the tree's COMMIT file, else its git HEAD")
+    r.add_argument("--parts", default="sweep,long", help="sweep, long or both")
+    c = sub.add_parser("compare", help="two runs side by side")
+    c.add_argument("old")
+    c.add_argument("new")
+    c.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        return prepare(args.commit, args.dest)
+    if args.cmd == "run":
+        parts = [x for x in args.parts.split(",") if x]
+        bad = sorted(set(parts) - set(PARTS))
+        if bad:
+            raise SystemExit(f"--parts: unknown {bad} (sweep, long)")
+        return run(args.tree, args.out, args.commit, parts)
+    return compare(args.old, args.new, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""benchmarks/serve_guard.py: `compare` flags every row that fell by more than 5% and checks the serving
+targets from the rows; `prepare` writes a commit's tree without the default pair's weights. (`run` is
+serve_bench's two workloads, tested in test_serve_bench.py; on the 12B it needs the H200.)"""
+import json
+import os
+import subprocess
+import sys
+
+from support.paths import REPO  # noqa: E402
+from support.seeds import seeded_rng
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import serve_guard  # noqa: E402
+
+
+def _write(d, rows, long, commit):
+    for part, name, data in (("sweep", "serve.json", rows), ("long", "serve_long.json", long)):
+        os.makedirs(os.path.join(d, part))
+        with open(os.path.join(d, part, name), "w") as f:
+            json.dump({"rows": data}, f)
+    with open(os.path.join(d, "guard.json"), "w") as f:
+        json.dump({"commit": commit, "repeats": True}, f)
+
+
+def test_compare_flags_drops_and_reads_the_targets(tmp_path, capsys):
+    rng = seeded_rng()
+    keys = [(m, s, c) for m in ("engine", "http") for s in ("greedy", "mixed") for c in (1, 8, 32)]
+    old = [dict(mode=m, sampling=s, clients=c, tokens_per_s=float(rng.uniform(100, 4000)), ttft_median_s=0.1,
+                stream_tokens_per_s=50.0) for m, s, c in keys]
+    factors = rng.uniform(0.8, 1.2, len(keys))
+    factors[rng.integers(len(keys))] = 0.9  # at least one drop
+    new = [dict(r, tokens_per_s=r["tokens_per_s"] * f) for r, f in zip(old, factors)]
+    long = [dict(p99_ratio=float(rng.uniform(1, 5)), gap_p99_during_ms=float(rng.uniform(10, 60)),
+                 long_ttft_s=float(rng.uniform(1, 4)), long_total_s=5.0)]
+    _write(tmp_path / "old", old, long, "a" * 40)
+    _write(tmp_path / "new", new, long, "b" * 40)
+    out = tmp_path / "cmp.md"
+    assert serve_guard.main(["compare", str(tmp_path / "old"), str(tmp_path / "new"), "--out", str(out)]) == 1
+    text = out.read_text()
+    assert text == capsys.readouterr().out.rstrip("\n") + "\n"
+    dropped = {k for k, f in zip(keys, factors) if f < 0.95}
+    for (m, s, c), f in zip(keys, factors):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {m} | {s} | {c} |"))
+        assert ("**drop**" in row) == ((m, s, c) in dropped), row
+    http = {(r["sampling"], r["clients"]): r["tokens_per_s"] for r in new if r["mode"] == "http"}
+    met = dict((t, ok) for t, _, ok in serve_guard.targets(new, long))
+    assert met[serve_guard.TARGETS[0]] == (http["greedy", 32] >= 3000)
+    assert met[serve_guard.TARGETS[1]] == (http["greedy", 8] >= 7 * http["greedy", 1])
+    assert met[serve_guard.TARGETS[2]] == (http["mixed", 32] >= 0.85 * http["greedy", 32])
+    assert met[serve_guard.TARGETS[3]] == (long[0]["p99_ratio"] <= 3 and long[0]["gap_p99_during_ms"] <= 40)
+    assert met[serve_guard.TARGETS[4]] == (long[0]["long_ttft_s"] <= 2)
+    # no drop: exit status 0
+    assert serve_guard.main(["compare", str(tmp_path / "old"), str(tmp_path / "old")]) == 0
+
+
+def test_prepare_writes_the_tree_without_weights(tmp_path):
+    dest = tmp_path / "old"
+    assert serve_guard.main(["prepare", "HEAD", "--dest", str(dest)]) == 0
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert (dest / "COMMIT").read_text().strip() == head
+    assert (dest / "benchmarks" / "serve_bench.py").exists() and (dest / "jaxspec" / "engine").is_dir()
+    assert not list(dest.rglob("model.safetensors"))
+    tracked = subprocess.run(["git", "-C", REPO, "ls-files", "*default_pair/*/model.safetensors"],
+                             capture_output=True, text=True).stdout.split()
+    assert tracked  # the checkout has them: the guard's tree left them out
