@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from jaxspec.engine import compile_cache, sampling
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.loop_config import PROMPT_BUCKET, round_up
+from jaxspec.serve.config import ServeConfig, request_capacity, request_tokens
 from jaxspec.serve.protocol import ApiError, capacity_note
 from jaxspec.text.tokenizer import IncrementalDecoder
 
@@ -110,21 +111,19 @@ def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: 
 
 
 class Scheduler:
-    """The models, the one batch engine and the worker thread (started here). `max_batch` slots
-    decode together; `rounds_per_chunk` rounds between two reads of the new tokens (and two
-    admissions); at most `max_queue` jobs wait (`submit` answers 429 past it). A request holds
-    `batch_capacity` positions and `batch_tokens` new tokens at most; the slots share a pool of
-    `kv_positions` cache positions (None: `max_batch` x `batch_capacity`); `prefill_chunk` prompt
-    tokens per step at most."""
+    """The models, the one batch engine and the worker thread (started here), run as `config` says
+    (a `ServeConfig`): `max_batch` slots decode together; `rounds_per_chunk` rounds between two
+    reads of the new tokens (and two admissions); at most `max_queue` jobs wait (`submit` answers
+    429 past it). A request holds `batch_capacity` positions and `batch_tokens` new tokens at
+    most (`config.request_capacity`, `request_tokens` of the target's context); the slots share a
+    pool of `config.kv_pool` cache positions; `prefill_chunk` prompt tokens per step at most."""
 
-    def __init__(self, target, assistant, tok, *, block_size: int, rounds_per_chunk: int, max_batch: int,
-                 max_queue: int, batch_capacity: int, batch_tokens: int, kv_positions: int | None = None,
-                 prefill_chunk: int = 512, drafter=None):
+    def __init__(self, target, assistant, tok, config: ServeConfig, *, drafter=None):
         self.target, self.assistant, self.tok, self.drafter = target, assistant, tok, drafter
-        self.block_size, self.rounds_per_chunk = block_size, rounds_per_chunk
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.batch_capacity, self.batch_tokens = batch_capacity, batch_tokens
-        self.kv_positions, self.prefill_chunk = kv_positions, prefill_chunk
+        self.config = config
+        context = target.config.max_position_embeddings
+        self.batch_capacity, self.batch_tokens = request_capacity(context), request_tokens(context)
+        self.kv_positions = config.kv_pool(context)
         self._engine: BatchEngine | None = None  # built on first use (warm_up or the first request)
         self.slots: dict[int, tuple[Job, _Text]] = {}
         self.queue: collections.deque[Job] = collections.deque()
@@ -147,13 +146,12 @@ class Scheduler:
         """The one batch engine: every sampling setting runs in it (greedy, sampled, filtered, with
         a bias or logprobs), so a new setting compiles nothing."""
         if self._engine is None:
-            block = PROMPT_BUCKET
-            kv = self.max_batch * self.batch_capacity if self.kv_positions is None else self.kv_positions
+            block, c = PROMPT_BUCKET, self.config
             self._engine = BatchEngine(
-                self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
-                capacity=round_up(self.batch_capacity, block), block_size=self.block_size,
-                eos_token_ids=self.tok.eos_token_ids, rounds_per_step=self.rounds_per_chunk,
-                kv_blocks=max(1, kv // block), block_tokens=block, prefill_chunk=self.prefill_chunk,
+                self.target, self.assistant, slots=c.max_batch, max_new_tokens=self.batch_tokens,
+                capacity=round_up(self.batch_capacity, block), block_size=c.block_size,
+                eos_token_ids=self.tok.eos_token_ids, rounds_per_step=c.rounds_per_chunk,
+                kv_blocks=max(1, self.kv_positions // block), block_tokens=block, prefill_chunk=c.prefill_chunk,
                 drafter=self.drafter)
         return self._engine
 
@@ -174,7 +172,7 @@ class Scheduler:
         # retire), the same whatever the request's sampling; its budget fits a small KV pool.
         ids = (self.tok.encode("Hello") or [1])[:8]
         ids = ids[:max(1, min(len(ids), engine.room(1)))]
-        budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens, engine.room(len(ids)))
+        budget = min(2 * engine.block_size * self.config.rounds_per_chunk + 2, self.batch_tokens, engine.room(len(ids)))
         t1 = time.perf_counter()  # each step runs every slot: minutes at --max-batch 1024 on a CPU
         log.info("warm-up: one request through %d slots ...", engine.slots)
         engine.admit(ids, budget, seed=0)
@@ -192,10 +190,10 @@ class Scheduler:
         events: asyncio.Queue = asyncio.Queue()
         job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         with self.cond:
-            if len(self.queue) >= self.max_queue:
-                wait = 1 + len(self.queue) // self.max_batch
-                raise ApiError(429, f"{len(self.queue)} requests are waiting (--max-queue {self.max_queue}): retry "
-                                    f"in {wait} s", code="queue_full", headers={"Retry-After": str(wait)})
+            if len(self.queue) >= self.config.max_queue:
+                wait = 1 + len(self.queue) // self.config.max_batch
+                raise ApiError(429, f"{len(self.queue)} requests are waiting (--max-queue {self.config.max_queue}): "
+                                    f"retry in {wait} s", code="queue_full", headers={"Retry-After": str(wait)})
             self.queue.append(job)
             self.cond.notify()
         return events
