@@ -43,7 +43,7 @@ from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.generate import check_block_size
 from jaxspec.serve.config import BATCH_CONTEXT, REQUEST_CONTEXT, ServeConfig  # noqa: F401  (the server's API)
 from jaxspec.serve.protocol import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
-from jaxspec.serve.scheduler import Job, Scheduler
+from jaxspec.serve.scheduler import Job, QueueFull, Scheduler
 from jaxspec.serve.guard import Guard, error_json
 
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
@@ -96,7 +96,12 @@ class Server:
         return self.scheduler.engine
 
     def submit(self, job: Job):
-        return self.scheduler.submit(job)
+        """`Scheduler.submit`; a full queue is a 429 with Retry-After."""
+        try:
+            return self.scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, f"{e.waiting} requests are waiting (--max-queue {e.limit}): retry in {e.retry_after} s",
+                           code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
 
     def warm_up(self) -> float:
         """`Scheduler.warm_up` (every program a request that fits a slot runs); from then on a

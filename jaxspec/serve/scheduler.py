@@ -5,7 +5,8 @@ for every live slot (the waiting prompts' prefill chunks, then a round for the d
 each slot's tokens into text events (`_Text`: incremental decoding, stop strings, logprobs) and
 retires finished or abandoned jobs (their blocks go back to the pool at once). Every request runs in
 the batch: one that fits no slot (longer than a request's capacity or the whole pool) is refused
-with a 400. The events go to the job's `emit`; `jaxspec.serve.app` turns them into responses.
+with a 400. The events go to the job's `emit`; `jaxspec.serve.app` turns them into responses, and a
+full queue (`QueueFull`) into a 429.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from jaxspec.engine import compile_cache, sampling
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.loop_config import PROMPT_BUCKET, round_up
 from jaxspec.serve.config import ServeConfig, request_capacity, request_tokens
-from jaxspec.serve.protocol import ApiError, capacity_note
+from jaxspec.serve.protocol import capacity_note
 from jaxspec.text.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("jaxspec.serve.app")  # the warm-up's request (jaxspec serve shows INFO lines)
@@ -38,6 +39,15 @@ class Job:
     logprobs: int | None = None  # alternatives per token to report, or None: no logprobs
     cancelled: threading.Event = field(default_factory=threading.Event)
     emit: object = None
+
+
+class QueueFull(Exception):
+    """`Scheduler.submit` refused a job (not queued): `waiting` jobs already wait, the `limit`
+    (max_queue); `retry_after`: seconds until a slot may free (one per batch of waiting jobs)."""
+
+    def __init__(self, waiting: int, limit: int, retry_after: int):
+        super().__init__(f"{waiting} jobs are waiting (max_queue {limit}): retry in {retry_after} s")
+        self.waiting, self.limit, self.retry_after = waiting, limit, retry_after
 
 
 def _fail(job: Job, e: Exception) -> None:
@@ -113,8 +123,8 @@ def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: 
 class Scheduler:
     """The models, the one batch engine and the worker thread (started here), run as `config` says
     (a `ServeConfig`): `max_batch` slots decode together; `rounds_per_chunk` rounds between two
-    reads of the new tokens (and two admissions); at most `max_queue` jobs wait (`submit` answers
-    429 past it). A request holds `batch_capacity` positions and `batch_tokens` new tokens at
+    reads of the new tokens (and two admissions); at most `max_queue` jobs wait (`submit` raises
+    QueueFull past it). A request holds `batch_capacity` positions and `batch_tokens` new tokens at
     most (`config.request_capacity`, `request_tokens` of the target's context); the slots share a
     pool of `config.kv_pool` cache positions; `prefill_chunk` prompt tokens per step at most."""
 
@@ -185,15 +195,15 @@ class Scheduler:
         return time.perf_counter() - t0
 
     def submit(self, job: Job) -> asyncio.Queue:
-        """Queue a job; 429 (with Retry-After) when max_queue requests already wait."""
+        """Queue a job (its events come on the returned queue); QueueFull, and the job not queued,
+        when max_queue jobs already wait."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         with self.cond:
-            if len(self.queue) >= self.config.max_queue:
-                wait = 1 + len(self.queue) // self.config.max_batch
-                raise ApiError(429, f"{len(self.queue)} requests are waiting (--max-queue {self.config.max_queue}): "
-                                    f"retry in {wait} s", code="queue_full", headers={"Retry-After": str(wait)})
+            waiting, limit = len(self.queue), self.config.max_queue
+            if waiting >= limit:
+                raise QueueFull(waiting, limit, retry_after=1 + waiting // self.config.max_batch)
             self.queue.append(job)
             self.cond.notify()
         return events

@@ -1,20 +1,28 @@
 """`jaxspec serve`'s knobs (jaxspec.serve.config): one range table, which `ServeConfig`, `Server`'s
 keywords, the CLI's flags and the batch engine (prefill_chunk) all enforce: a value past a bound is
 refused by each, in one line naming the field (the flag, for the CLI) and its range, before a model
-is touched or loaded; the bounds themselves pass. No program is compiled."""
+is touched or loaded; the bounds themselves pass. A full queue: the scheduler's `QueueFull` (no
+HTTP in it), a 429 through the app with Retry-After, as the official `openai` client sees it, and
+the server serves on. No program is compiled."""
+import asyncio
 import socket
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-from jaxspec import cli  # noqa: E402
+from jaxspec import cli, models  # noqa: E402
+from jaxspec.engine import sampling  # noqa: E402
 from jaxspec.engine.batching import BatchEngine  # noqa: E402
-from jaxspec.serve.app import Server  # noqa: E402
+from jaxspec.serve.app import ApiError, Job, Server  # noqa: E402
 from jaxspec.serve.config import RANGES, ServeConfig  # noqa: E402
+from jaxspec.serve.guard import Guard  # noqa: E402
+from jaxspec.serve.scheduler import QueueFull  # noqa: E402
+from jaxspec.text.tokenizer import DEMO_CORPUS, train_byte_bpe  # noqa: E402
 from support.no_model import NoModel  # noqa: E402
 from support.serve_cli import serve_fails  # noqa: E402
 from support.seeds import seeded_int  # noqa: E402
+from support.serve_inproc import serving  # noqa: E402
 
 # Each knob's flag and range as docs/api.md states them, written out here rather than read from the
 # table: (field, flag, lowest, highest, a multiple of)
@@ -84,3 +92,35 @@ def test_the_batch_engine_takes_the_same_prefill_chunks():
         with pytest.raises(ValueError, match=f"prefill_chunk must be an integer in {knob.lo}..{knob.hi}, "):
             BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, prefill_chunk=value)
 
+
+def test_a_full_queue_is_queue_full_in_the_scheduler_and_a_429_through_the_app():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    target, assistant = models.presets.tiny_pair(seed=0)
+    tok = train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size)
+    limit, slots = seeded_int(1, 5), seeded_int(1, 4)
+    srv = Server(target, assistant, tok, ServeConfig(max_queue=limit, max_batch=slots), model_name="m")
+    parked = [Job(ids=[3], max_tokens=2, stop=[], params=sampling.SamplingParams(), seed=0) for _ in range(limit)]
+    with srv.cond:  # queued without waking the worker (submit notifies it): they stay waiting
+        srv.queue.extend(parked)
+
+    async def submit():
+        return srv.scheduler.submit(Job(ids=[3], max_tokens=2, stop=[], params=sampling.SamplingParams(), seed=0))
+    with pytest.raises(QueueFull) as e:  # the scheduler's own error, no HTTP status in it
+        asyncio.run(submit())
+    assert not isinstance(e.value, ApiError)
+    assert (e.value.waiting, e.value.limit, e.value.retry_after) == (limit, limit, 1 + limit // slots)
+
+    guard = Guard(srv.app(), api_key=None, max_body_bytes=1 << 20, bound_host="127.0.0.1")
+    with serving(guard) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="m", prompt="def", max_tokens=2)
+        wait = e.value.response.headers["retry-after"]
+        assert e.value.status_code == 429 and int(wait) >= 1
+        err = e.value.body
+        assert err["code"] == "queue_full" and err["type"] == "invalid_request_error", err
+        assert err["message"] == f"{limit} requests are waiting (--max-queue {limit}): retry in {wait} s", err
+        assert srv.waiting == limit  # refused before it queued
+        assert [m.id for m in client.models.list().data] == ["m"]  # and the server serves on
+    assert srv.scheduler._engine is None  # nothing was built
