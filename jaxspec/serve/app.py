@@ -43,7 +43,7 @@ from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.generate import check_block_size
 from jaxspec.serve.config import BATCH_CONTEXT, REQUEST_CONTEXT, ServeConfig  # noqa: F401  (the server's API)
 from jaxspec.serve.protocol import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
-from jaxspec.serve.scheduler import Job, QueueFull, Scheduler
+from jaxspec.serve.scheduler import ErrorEvent, Job, QueueFull, Scheduler, TextEvent
 from jaxspec.serve.guard import Guard, error_json
 
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
@@ -169,22 +169,21 @@ class Server:
                         return JSONResponse({}, status_code=499)
                 if ev is None:
                     continue
-                if ev[0] == "text":
-                    text += ev[1]
-                    entries += ev[2]
+                if isinstance(ev, TextEvent):
+                    text += ev.piece
+                    entries += ev.entries
                 else:
                     end = ev
-            if end[0] == "error":
-                kind = "invalid_request_error" if end[2] < 500 else "server_error"
-                return JSONResponse(error_json(end[1], kind=kind), status_code=end[2])
-            _, reason, n, stats, rest = end
-            entries += rest
+            if isinstance(end, ErrorEvent):
+                kind = "invalid_request_error" if end.status < 500 else "server_error"
+                return JSONResponse(error_json(end.message, kind=kind), status_code=end.status)
+            entries += end.entries
             lps = None if job.logprobs is None else self.schema.logprobs_json(entries, chat)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                       "finish_reason": reason}
-                      if chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason})
+                       "finish_reason": end.reason}
+                      if chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": end.reason})
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                    "usage": self.schema.usage(len(job.ids), n), "jaxspec": stats}
+                    "usage": self.schema.usage(len(job.ids), end.n_tokens), "jaxspec": end.stats}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -213,17 +212,17 @@ class Server:
             first = True
             while True:
                 ev = await events.get()
-                if ev[0] == "text":
-                    if ev[1] or ev[2]:
-                        yield chunk(ev[1], ev[2], first=first)
-                        sent += len(ev[1])
+                if isinstance(ev, TextEvent):
+                    if ev.piece or ev.entries:
+                        yield chunk(ev.piece, ev.entries, first=first)
+                        sent += len(ev.piece)
                         first = False
                     continue
-                if ev[0] == "error":
-                    yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error'}})}\n\n"
+                if isinstance(ev, ErrorEvent):
+                    yield f"data: {json.dumps({'error': {'message': ev.message, 'type': 'server_error'}})}\n\n"
                 else:
-                    _, reason, n, stats, rest = ev
-                    yield chunk("", rest, reason, first=first, usage=self.schema.usage(len(job.ids), n), jaxspec=stats)
+                    usage = self.schema.usage(len(job.ids), ev.n_tokens)
+                    yield chunk("", ev.entries, ev.reason, first=first, usage=usage, jaxspec=ev.stats)
                 yield "data: [DONE]\n\n"
                 return
         finally:  # also when the client went away: the worker drops the job at its next chunk

@@ -5,8 +5,8 @@ for every live slot (the waiting prompts' prefill chunks, then a round for the d
 each slot's tokens into text events (`_Text`: incremental decoding, stop strings, logprobs) and
 retires finished or abandoned jobs (their blocks go back to the pool at once). Every request runs in
 the batch: one that fits no slot (longer than a request's capacity or the whole pool) is refused
-with a 400. The events go to the job's `emit`; `jaxspec.serve.app` turns them into responses, and a
-full queue (`QueueFull`) into a 429.
+with a 400. The events (`TextEvent`, `EndEvent`, `ErrorEvent`) go to the job's `emit`;
+`jaxspec.serve.app` turns them into responses, and a full queue (`QueueFull`) into a 429.
 """
 from __future__ import annotations
 
@@ -41,6 +41,31 @@ class Job:
     emit: object = None
 
 
+@dataclass(frozen=True)
+class TextEvent:
+    """More of a job's text, with the logprob entries of the tokens it completes."""
+    piece: str
+    entries: tuple = ()  # (token id, text end offset, logprob, alternatives) per token
+
+
+@dataclass(frozen=True)
+class EndEvent:
+    """A job's end: why ("stop" or "length"), its tokens, the response's `jaxspec` object
+    (`stats_json`; None when a stop string cut it) and the last tokens' logprob entries."""
+    reason: str
+    n_tokens: int
+    stats: dict | None
+    entries: tuple = ()
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """A job ended by a failure: the message and the HTTP status it is answered with (400: the
+    library refused the input, 500: an internal failure)."""
+    message: str
+    status: int
+
+
 class QueueFull(Exception):
     """`Scheduler.submit` refused a job (not queued): `waiting` jobs already wait, the `limit`
     (max_queue); `retry_after`: seconds until a slot may free (one per batch of waiting jobs)."""
@@ -54,16 +79,16 @@ def _fail(job: Job, e: Exception) -> None:
     """End a job with an error: 400 for input the library refused (a ValueError, e.g. a KV cache
     beyond the device's memory), 500 for an internal failure."""
     if isinstance(e, ValueError):
-        job.emit(("error", str(e), 400))
+        job.emit(ErrorEvent(str(e), 400))
     else:
-        job.emit(("error", f"{type(e).__name__}: {e}", 500))
+        job.emit(ErrorEvent(f"{type(e).__name__}: {e}", 500))
 
 
 class _Text:
     """A job's tokens -> text events: incremental decoding, stop strings (text that may still become
     one is held back), the finish reason, and the tokens' logprob entries (sent with the text that
-    holds them; those past a stop string are dropped); `push` returns True once the job has ended.
-    Events: ("text", piece, entries) and ("end", reason, n tokens, stats, entries)."""
+    holds them; those past a stop string are dropped); `push` returns True once the job has ended,
+    its events a `TextEvent` per piece, then an `EndEvent`."""
 
     def __init__(self, tok, job: Job):
         self.tok, self.job = tok, job
@@ -84,18 +109,18 @@ class _Text:
                 self.entries.append((t, len(self.text), lp, alts))
         cut = min((i for i in (self.text.find(s) for s in self.job.stop) if i >= 0), default=-1)
         if cut >= 0:
-            emit(("text", self.text[self.held:cut], self._take(cut, inclusive=True)))
-            emit(("end", "stop", self.n, stats, []))
+            emit(TextEvent(self.text[self.held:cut], self._take(cut, inclusive=True)))
+            emit(EndEvent("stop", self.n, stats))
             return True
         safe = len(self.text) if done else max(self.held, len(self.text) - self.keep)
         if safe > self.held:
-            emit(("text", self.text[self.held:safe], self._take(safe)))
+            emit(TextEvent(self.text[self.held:safe], self._take(safe)))
             self.held = safe
         if done:
-            emit(("end", self.reason, self.n, stats, self._take(len(self.text))))
+            emit(EndEvent(self.reason, self.n, stats, self._take(len(self.text))))
         return done
 
-    def _take(self, upto: int, inclusive: bool = False) -> list[tuple]:
+    def _take(self, upto: int, inclusive: bool = False) -> tuple:
         """The pending entries of tokens whose text ends by `upto` (at a stop string's start: also the
         token that text is cut in)."""
         n = 0
@@ -106,7 +131,7 @@ class _Text:
         taken, self.entries = self.entries[:n], self.entries[n:]
         if inclusive:
             self.entries = []
-        return taken
+        return tuple(taken)
 
 
 def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: int, fallback, slots: int,
@@ -221,7 +246,7 @@ class Scheduler:
                     time.sleep(0.001)
             except Exception as e:  # an internal failure: its requests end with an error, the server keeps serving
                 for job, _ in self.slots.values():
-                    job.emit(("error", f"{type(e).__name__}: {e}", 500))
+                    job.emit(ErrorEvent(f"{type(e).__name__}: {e}", 500))
                 self.slots.clear()
                 self._engine = None
 
@@ -246,10 +271,10 @@ class Scheduler:
             if not engine.fits(len(job.ids), job.max_tokens):
                 with self.cond:
                     self.queue.popleft()
-                job.emit(("error", f"a {len(job.ids)}-token prompt with max_tokens={job.max_tokens} does not fit "
-                                   f"this server: at most {engine.room(len(job.ids))} new tokens for this prompt "
-                                   f"({capacity_note(engine.capacity, engine.kv_blocks * engine.block_tokens)})",
-                          400))
+                job.emit(ErrorEvent(f"a {len(job.ids)}-token prompt with max_tokens={job.max_tokens} does not fit "
+                                    f"this server: at most {engine.room(len(job.ids))} new tokens for this prompt "
+                                    f"({capacity_note(engine.capacity, engine.kv_blocks * engine.block_tokens)})",
+                                    400))
                 continue
             if not engine.can_admit(len(job.ids), job.max_tokens):
                 return  # a slot or its KV blocks free up when a running request ends
@@ -273,7 +298,7 @@ class Scheduler:
         for ev in engine.step():
             job, text = self.slots[ev.slot]
             if ev.error is not None:  # e.g. non-finite logits from the prompt: this request fails
-                job.emit(("error", ev.error, 400))
+                job.emit(ErrorEvent(ev.error, 400))
                 del self.slots[ev.slot]
                 continue
             if job.cancelled.is_set():
