@@ -416,6 +416,7 @@ def main(argv=None) -> None:
                  else IdTokenizer())
     if args.http:
         from jaxspec.serve.app import Server
+        from jaxspec.serve.config import RANGES as SERVE_KNOBS
     rows = []
     configs = len(args.k_values) * len(args.clients) * len(args.sampling) * (2 if args.http else 1)
     sweep = bar(total=configs, desc="configurations", unit="run", enabled=False if args.quiet else None)
@@ -424,7 +425,8 @@ def main(argv=None) -> None:
             slots = min(n, args.max_slots)
             if args.http:  # the server's own engine (its capacity, budget and stop ids) for both rows
                 server = Server(target, assistant if k > 1 else None, tokenizer, model_name="bench", block_size=k,
-                                rounds_per_chunk=args.rounds_per_step, max_batch=slots, max_queue=1 << 20)
+                                rounds_per_chunk=args.rounds_per_step, max_batch=slots,
+                                max_queue=SERVE_KNOBS["max_queue"].hi)  # never a 429: every client waits its turn
                 engine = server.engine
             else:
                 engine = BatchEngine(target, assistant if k > 1 else None, slots=slots,

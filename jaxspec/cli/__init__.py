@@ -38,7 +38,7 @@ from jaxspec.engine.generate import check_block_size
 from jaxspec.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, MAX_MESSAGE, USER_ERRORS,
                                 UsageError, _GENERATE_RANGES, _by_name, _check_ranges, _dir_bytes, _err, _fmt_bytes,
                                 _library_notes, _note, _one_line, _read_config)  # noqa: F401  (named here for the tests)
-from jaxspec.cli.serve_flags import FD_RESERVE, _api_key, _check_bind, _check_serve_flags, _max_connections  # noqa: F401  (named here for the tests)
+from jaxspec.cli.serve_flags import FD_RESERVE, _api_key, _check_bind, _check_serve_flags, _max_connections, _serve_config  # noqa: F401  (named here for the tests)
 from jaxspec.cli.convert import cmd_convert, cmd_tiny_pair
 from jaxspec.cli.parser import build_parser
 
@@ -595,9 +595,7 @@ def cmd_serve(args) -> int:
     named = _pair_name(args)
     name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
                                else named or os.path.basename(os.path.normpath(model_dir)))
-    srv = server.Server(target, assistant, tok, model_name=name, block_size=args.block_size,
-                        max_batch=args.max_batch, rounds_per_chunk=args.rounds_per_chunk, max_queue=args.max_queue,
-                        kv_positions=args.kv_positions, prefill_chunk=args.prefill_chunk, drafter=args.draft)
+    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, drafter=args.draft)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -622,7 +620,7 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
     logits, the weights and on a CPU the process itself)."""
     from jaxspec.engine.loop_config import slot_capacity
     from jaxspec.engine.memory import batch_memory, largest_batch, largest_pool
-    from jaxspec.serve.app import BATCH_CONTEXT, REQUEST_CONTEXT
+    from jaxspec.serve.config import BATCH_CONTEXT, request_capacity
 
     mem = memory_limit()
     if mem is None:
@@ -630,7 +628,7 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
     limit, what, host = mem
     capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
     kw = dict(capacity=capacity, host=host,
-              request_capacity=slot_capacity(tcfg.max_position_embeddings, REQUEST_CONTEXT))  # Server.batch_capacity
+              request_capacity=request_capacity(tcfg.max_position_embeddings))  # Server.batch_capacity
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, kv_positions=kv_positions, **kw)
     if need.total > limit and kv_positions is not None:
         pool = largest_pool(limit, tcfg, max_batch, block_size, dtype, weight_bytes, most=kv_positions, **kw)

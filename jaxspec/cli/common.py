@@ -86,16 +86,9 @@ _GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""),
                     ("--devices", "devices", 1, None, ""))
 
 
-MAX_KV_POSITIONS = 1 << 26  # serve --kv-positions at most (64 Mi positions: 4096 slots x 16384)
-
-
+# serve's own flags; its batching and queue flags (--max-batch, --max-queue, ...) are ServeConfig's
+# fields, checked by _check_knobs against serve.config.RANGES, the table the server checks them by.
 _SERVE_RANGES = (("--port", "port", 1, 65535, ""), ("--max-body-bytes", "max_body_bytes", 1024, 1 << 30, ""),
-                 ("--max-queue", "max_queue", 1, 100_000, ""),
-                 ("--rounds-per-chunk", "rounds_per_chunk", 1, MAX_ROUNDS_PER_CHUNK, ""),
-                 ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
-                 ("--max-batch", "max_batch", 1, 1 << 12, ""),
-                 ("--prefill-chunk", "prefill_chunk", 16, 1 << 16, " (a multiple of 16)"),
-                 ("--kv-positions", "kv_positions", 16, MAX_KV_POSITIONS, " (a multiple of 16)"),
                  ("--max-connections", "max_connections", 1, 1 << 20, ""))
 
 
@@ -105,6 +98,15 @@ def _check_ranges(args, ranges) -> None:
         if v is not None and (v < lo or (hi is not None and v > hi)):
             rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
             raise UsageError(f"{flag} {v}: expected an integer {rng}{why}")
+
+
+def _check_knobs(args, knobs) -> None:
+    """UsageError naming the flag (`--max-queue` for max_queue) of the first knob of a range table
+    (name -> a serve.config.Knob) whose value is out of its range; None is left to the default."""
+    for attr, knob in knobs.items():
+        v = getattr(args, attr)
+        if v is not None and not knob.holds(v):
+            raise UsageError(f"--{attr.replace('_', '-')} {v}: expected {knob.describe()}")
 
 
 def _read_config(path: str, role: str) -> dict:

@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 from jaxspec.engine import compile_cache
 from jaxspec.engine.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
-from jaxspec.engine.loop_config import PREFILL_CHUNK
 from jaxspec.drafters.base import KINDS as DRAFT_KINDS
-from jaxspec.cli.common import MAX_KV_POSITIONS
+from jaxspec.serve.config import RANGES as SERVE_KNOBS, ServeConfig
 from jaxspec.cli.serve_flags import DEFAULT_MAX_CONNECTIONS, FD_RESERVE
+
+SERVE = ServeConfig()  # serve's defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,17 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeatable (default: no cross-origin requests)")
     v.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body, 1024..1 GiB (default 1048576 = 1 MiB); larger is HTTP 413")
-    v.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests waiting beyond the running batch, 1..100000 (default 64); more get HTTP 429")
-    v.add_argument("--block-size", type=int, default=4, metavar="K",
-                   help=f"verify width K, 1..{MAX_BLOCK_SIZE} (default 4; 1 decodes classically)")
-    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
-                   help=f"prompt tokens prefilled per step at most, a multiple of 16 (default {PREFILL_CHUNK}): a long "
+    v.add_argument("--max-queue", type=int, default=SERVE.max_queue, metavar="N",
+                   help=f"requests waiting beyond the running batch, {SERVE_KNOBS['max_queue'].span} (default "
+                        f"{SERVE.max_queue}); more get HTTP 429")
+    v.add_argument("--block-size", type=int, default=SERVE.block_size, metavar="K",
+                   help=f"verify width K, {SERVE_KNOBS['block_size'].span} (default {SERVE.block_size}; 1 decodes "
+                        "classically)")
+    v.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk, metavar="N",
+                   help=f"prompt tokens prefilled per step at most, {SERVE_KNOBS['prefill_chunk'].span} and a "
+                        f"multiple of {SERVE_KNOBS['prefill_chunk'].multiple} (default {SERVE.prefill_chunk}): a long "
                         "prompt is prefilled in chunks between the decode steps, so the running streams wait a chunk "
                         "per step, not the whole prefill; larger chunks prefill a long prompt faster and stall the "
                         "others longer")
-    v.add_argument("--max-batch", type=int, default=4, metavar="N",
-                   help="requests decoding together, continuously batched (default 4: with K = 4, 16 verify rows, "
+    v.add_argument("--max-batch", type=int, default=SERVE.max_batch, metavar="N",
+                   help=f"requests decoding together, continuously batched, {SERVE_KNOBS['max_batch'].span} "
+                        "(default 4: with K = 4, 16 verify rows, "
                         "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
                         "context, at most 4096) positions (or --kv-positions), 3.5 times over with the decode step's "
                         "temporaries, plus 4 float32 logits of (K + 1) x vocabulary; checked at start, on a CPU "
@@ -132,17 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "cgroup's limit and what is available now (the warm-up stays under it). The warm-up "
                         "compiles the same programs whatever N (each one logged; minutes on "
                         "a CPU), then runs steps over all N slots")
-    v.add_argument("--kv-positions", type=int, default=None, metavar="N",
-                   help=f"the KV pool the slots share, in cache positions: a multiple of 16 (its blocks), "
-                        f"16..{MAX_KV_POSITIONS} (default: --max-batch x the context, at most 4096, e.g. 16384 at "
+    v.add_argument("--kv-positions", type=int, default=SERVE.kv_positions, metavar="N",
+                   help=f"the KV pool the slots share, in cache positions: a multiple of "
+                        f"{SERVE_KNOBS['kv_positions'].multiple} (its blocks), {SERVE_KNOBS['kv_positions'].span} "
+                        "(default: --max-batch x the context, at most 4096, e.g. 16384 at "
                         "--max-batch 4). A request holds the blocks its prompt + max_tokens + K need while it runs: "
                         "one that fits waits in the queue until enough blocks are free; one longer than the whole "
                         "pool is refused with HTTP 400. The memory check at start counts this pool in place of "
                         "--max-batch x 4096 positions")
-    v.add_argument("--rounds-per-chunk", type=int, default=4, metavar="R",
+    v.add_argument("--rounds-per-chunk", type=int, default=SERVE.rounds_per_chunk, metavar="R",
                    help=f"decode rounds between two reads of the new tokens and two admissions, "
-                        f"1..{MAX_ROUNDS_PER_CHUNK} (default 4; 1 suits a large model: on the H200 the 12B streams "
-                        "6%% faster with half the time to first token)")
+                        f"{SERVE_KNOBS['rounds_per_chunk'].span} (default {SERVE.rounds_per_chunk}; 1 suits a large "
+                        "model: on the H200 the 12B streams 6%% faster with half the time to first token)")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")

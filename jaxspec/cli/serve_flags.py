@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 import re
+from jaxspec.serve.config import RANGES as SERVE_KNOBS, ServeConfig
 from jaxspec.serve.guard import ACCEPT_BACKLOG
-from jaxspec.cli.common import UsageError, _SERVE_RANGES, _check_ranges, _one_line
+from jaxspec.cli.common import UsageError, _SERVE_RANGES, _check_knobs, _check_ranges, _one_line
 
 
 def _api_key(args) -> tuple[str | None, str]:
@@ -71,11 +72,7 @@ def _check_serve_flags(args) -> None:
     address that cannot be listened on. Checked here rather than by argparse, whose errors print
     the whole usage."""
     _check_ranges(args, _SERVE_RANGES)
-    if args.prefill_chunk % 16:
-        raise UsageError(f"--prefill-chunk {args.prefill_chunk}: expected a multiple of 16")
-    if args.kv_positions is not None and args.kv_positions % 16:
-        raise UsageError(f"--kv-positions {args.kv_positions}: expected a multiple of 16 (the KV pool's blocks of "
-                         "16 positions)")
+    _check_knobs(args, SERVE_KNOBS)
     for o in args.allow_origin or ():
         m = _ORIGIN.match(o)
         if not m or (m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535):
@@ -93,6 +90,11 @@ def _check_serve_flags(args) -> None:
     _check_bind(args)
     _max_connections(args)
     _check_listen(args.host, args.port)
+
+
+def _serve_config(args) -> ServeConfig:
+    """The server's knobs from their flags (checked by _check_serve_flags: each flag is a field)."""
+    return ServeConfig(**{name: getattr(args, name) for name in SERVE_KNOBS})
 
 
 def _check_listen(host: str, port: int) -> None:

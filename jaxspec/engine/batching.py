@@ -76,7 +76,7 @@ from jaxspec.drafters import base as drafters
 from jaxspec.engine import loop, sampling
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
-from jaxspec.engine.loop_config import PREFILL_CHUNK, LoopConfig, round_up
+from jaxspec.engine.loop_config import MAX_PREFILL_CHUNK, PREFILL_CHUNK, LoopConfig, round_up
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -228,7 +228,7 @@ class BatchEngine:
         check_block_size(block_size, target.config.max_position_embeddings)
         check_int("rounds_per_step", rounds_per_step, 1, MAX_ROUNDS_PER_CHUNK)
         check_int("block_tokens", block_tokens, 1, 1 << 16)
-        check_int("prefill_chunk", prefill_chunk, PROMPT_BUCKET, 1 << 20)
+        check_int("prefill_chunk", prefill_chunk, PROMPT_BUCKET, MAX_PREFILL_CHUNK)
         if prefill_chunk % PROMPT_BUCKET:
             raise ValueError(f"prefill_chunk must be a multiple of {PROMPT_BUCKET}, got {prefill_chunk}")
         self.default = sampling.SamplingParams.build(params, **knobs)

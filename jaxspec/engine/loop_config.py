@@ -35,6 +35,10 @@ SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per request (the c
 # a 16K-token prompt beside 8 streams: chunk 128 -> their p99 gap 1.8x, the long request's first token
 # after 3.1 s; 256 -> 2.7x, 2.7 s; 512 -> 1.75 s, 64 ms chunk steps (docs/benchmark_results/serve-long-2026-12-04.md).
 PREFILL_CHUNK = 128
+# prefill_chunk at most (BatchEngine and `jaxspec serve`): a prompt's last chunk is its rest, so a chunk
+# wider than the prompt changes nothing; this is past the longest request the server holds (32,768
+# positions) and keeps a typo from compiling a prefill program a million rows wide.
+MAX_PREFILL_CHUNK = 1 << 16
 
 
 def round_up(x: int, m: int) -> int:

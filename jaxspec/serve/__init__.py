@@ -1,3 +1,3 @@
-"""The OpenAI-compatible server (`jaxspec serve`): app (the FastAPI app and `Server`), protocol (the
-OpenAI request and response schema), scheduler (requests onto the batch engine's slots), guard
-(connection, body and rate limits)."""
+"""The OpenAI-compatible server (`jaxspec serve`): app (the FastAPI app and `Server`), config (its
+knobs and their ranges, `ServeConfig`), protocol (the OpenAI request and response schema), scheduler
+(requests onto the batch engine's slots), guard (connection, body and rate limits)."""

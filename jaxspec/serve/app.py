@@ -22,7 +22,8 @@ the app, `serve_guard.Guard` checks the API key, Host, CORS, content type and bo
 
 In layers (as vLLM's protocol -> serving -> engine): `openai_schema` (the API's JSON <-> the
 request object, `sampling.SamplingParams`), `scheduler` (the worker thread and its batch engine),
-and this module (the routes, streaming, serving with uvicorn).
+and this module (the routes, streaming, serving with uvicorn); `config.ServeConfig` holds the
+serving knobs and their ranges.
 """
 from __future__ import annotations
 
@@ -39,14 +40,12 @@ from starlette.requests import ClientDisconnect
 
 from jaxspec.serve import guard as serve_guard
 from jaxspec.engine.batching import BatchEngine
-from jaxspec.engine.generate import BUDGET_BUCKET, MAX_ROUNDS_PER_CHUNK, check_block_size, check_int
-from jaxspec.engine.loop_config import PREFILL_CHUNK, slot_capacity
+from jaxspec.engine.generate import check_block_size
+from jaxspec.serve.config import BATCH_CONTEXT, REQUEST_CONTEXT, ServeConfig  # noqa: F401  (the server's API)
 from jaxspec.serve.protocol import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
-from jaxspec.serve.scheduler import Job, Scheduler
+from jaxspec.serve.scheduler import ErrorEvent, Job, QueueFull, Scheduler, TextEvent
 from jaxspec.serve.guard import Guard, error_json
 
-BATCH_CONTEXT = 4096  # KV pool positions per slot (the pool: max_batch x this, shared by the slots)
-REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its prompt and output)
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
 LARGE_BODY = 64 << 10  # a body past this many bytes (or of unknown length) is a large one
 MAX_LARGE_BODIES = 4   # large bodies read and parsed at once; more wait (unread: the client's TCP window)
@@ -54,6 +53,9 @@ MAX_LARGE_BODIES = 4   # large bodies read and parsed at once; more wait (unread
 
 class Server:
     """The models, the tokenizer and the one worker thread; `app()` is the FastAPI application.
+    `config` (a `ServeConfig`, or its fields as keywords: `Server(..., max_batch=8)`; both: the
+    keywords replace its fields) says how it batches and queues, each knob checked against
+    `config.RANGES` before anything is built.
     `max_batch`: slots decoding together (continuous batching), any mix of sampling settings in one
     batch; `rounds_per_chunk`: rounds between two reads of the new tokens (and two admissions),
     1..64. The host's ~1.5 ms per chunk overlaps the device's rounds, so a large model loses nothing
@@ -66,28 +68,18 @@ class Server:
     Three layers: `openai_schema.OpenAISchema` (bodies -> requests, responses), `scheduler.Scheduler`
     (the worker and its batch engine), and here the routes."""
 
-    def __init__(self, target, assistant, tokenizer, *, model_name: str, block_size: int = 4,
-                 rounds_per_chunk: int = 4, max_batch: int = 4, max_queue: int = 64, kv_positions: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, drafter=None):
-        check_int("max_batch", max_batch, 1, 1 << 12)
-        check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
-        check_int("max_queue", max_queue, 1, 1 << 20)
-        check_block_size(block_size, target.config.max_position_embeddings)
+    def __init__(self, target, assistant, tokenizer, config: ServeConfig | None = None, *, model_name: str,
+                 drafter=None, **knobs):
+        self.config = ServeConfig.build(config, **knobs)
+        check_block_size(self.config.block_size, target.config.max_position_embeddings)  # K within the context
         self.target, self.tok, self.model_name = target, tokenizer, model_name
         self.context = target.config.max_position_embeddings
-        # per request: the context (at most REQUEST_CONTEXT positions), half of it for the budget; the
-        # slots share a pool of max_batch x BATCH_CONTEXT positions (the memory check's) by default
-        self.batch_capacity = slot_capacity(self.context, REQUEST_CONTEXT)
-        self.batch_tokens = max(1, min(self.batch_capacity, BATCH_CONTEXT) // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
-        if kv_positions is None:
-            kv_positions = max_batch * slot_capacity(self.context, BATCH_CONTEXT)
+        self.scheduler = Scheduler(target, assistant, tokenizer, self.config, drafter=drafter)
+        # a request's positions and budget (config.request_capacity, request_tokens), as the schema checks them
+        self.batch_capacity, self.batch_tokens = self.scheduler.batch_capacity, self.scheduler.batch_tokens
         self.schema = OpenAISchema(tokenizer, model_name=model_name, vocab=target.config.vocab_size,
                                    context=self.context, batch_capacity=self.batch_capacity,
                                    batch_tokens=self.batch_tokens)
-        self.scheduler = Scheduler(target, assistant, tokenizer, block_size=block_size,
-                                   rounds_per_chunk=rounds_per_chunk, max_batch=max_batch, max_queue=max_queue,
-                                   batch_capacity=self.batch_capacity, batch_tokens=self.batch_tokens,
-                                   kv_positions=kv_positions, prefill_chunk=prefill_chunk, drafter=drafter)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
 
     # The scheduler's state, as the routes (and /health) read it.
@@ -104,7 +96,12 @@ class Server:
         return self.scheduler.engine
 
     def submit(self, job: Job):
-        return self.scheduler.submit(job)
+        """`Scheduler.submit`; a full queue is a 429 with Retry-After."""
+        try:
+            return self.scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, f"{e.waiting} requests are waiting (--max-queue {e.limit}): retry in {e.retry_after} s",
+                           code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
 
     def warm_up(self) -> float:
         """`Scheduler.warm_up` (every program a request that fits a slot runs); from then on a
@@ -172,22 +169,21 @@ class Server:
                         return JSONResponse({}, status_code=499)
                 if ev is None:
                     continue
-                if ev[0] == "text":
-                    text += ev[1]
-                    entries += ev[2]
+                if isinstance(ev, TextEvent):
+                    text += ev.piece
+                    entries += ev.entries
                 else:
                     end = ev
-            if end[0] == "error":
-                kind = "invalid_request_error" if end[2] < 500 else "server_error"
-                return JSONResponse(error_json(end[1], kind=kind), status_code=end[2])
-            _, reason, n, stats, rest = end
-            entries += rest
+            if isinstance(end, ErrorEvent):
+                kind = "invalid_request_error" if end.status < 500 else "server_error"
+                return JSONResponse(error_json(end.message, kind=kind), status_code=end.status)
+            entries += end.entries
             lps = None if job.logprobs is None else self.schema.logprobs_json(entries, chat)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                       "finish_reason": reason}
-                      if chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason})
+                       "finish_reason": end.reason}
+                      if chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": end.reason})
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                    "usage": self.schema.usage(len(job.ids), n), "jaxspec": stats}
+                    "usage": self.schema.usage(len(job.ids), end.n_tokens), "jaxspec": end.stats}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -216,17 +212,17 @@ class Server:
             first = True
             while True:
                 ev = await events.get()
-                if ev[0] == "text":
-                    if ev[1] or ev[2]:
-                        yield chunk(ev[1], ev[2], first=first)
-                        sent += len(ev[1])
+                if isinstance(ev, TextEvent):
+                    if ev.piece or ev.entries:
+                        yield chunk(ev.piece, ev.entries, first=first)
+                        sent += len(ev.piece)
                         first = False
                     continue
-                if ev[0] == "error":
-                    yield f"data: {json.dumps({'error': {'message': ev[1], 'type': 'server_error'}})}\n\n"
+                if isinstance(ev, ErrorEvent):
+                    yield f"data: {json.dumps({'error': {'message': ev.message, 'type': 'server_error'}})}\n\n"
                 else:
-                    _, reason, n, stats, rest = ev
-                    yield chunk("", rest, reason, first=first, usage=self.schema.usage(len(job.ids), n), jaxspec=stats)
+                    usage = self.schema.usage(len(job.ids), ev.n_tokens)
+                    yield chunk("", ev.entries, ev.reason, first=first, usage=usage, jaxspec=ev.stats)
                 yield "data: [DONE]\n\n"
                 return
         finally:  # also when the client went away: the worker drops the job at its next chunk

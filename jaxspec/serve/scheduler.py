@@ -5,7 +5,8 @@ for every live slot (the waiting prompts' prefill chunks, then a round for the d
 each slot's tokens into text events (`_Text`: incremental decoding, stop strings, logprobs) and
 retires finished or abandoned jobs (their blocks go back to the pool at once). Every request runs in
 the batch: one that fits no slot (longer than a request's capacity or the whole pool) is refused
-with a 400. The events go to the job's `emit`; `jaxspec.serve.app` turns them into responses.
+with a 400. The events (`TextEvent`, `EndEvent`, `ErrorEvent`) go to the job's `emit`;
+`jaxspec.serve.app` turns them into responses, and a full queue (`QueueFull`) into a 429.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 from jaxspec.engine import compile_cache, sampling
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.loop_config import PROMPT_BUCKET, round_up
-from jaxspec.serve.protocol import ApiError, capacity_note
+from jaxspec.serve.config import ServeConfig, request_capacity, request_tokens
+from jaxspec.serve.protocol import capacity_note
 from jaxspec.text.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("jaxspec.serve.app")  # the warm-up's request (jaxspec serve shows INFO lines)
@@ -39,20 +41,54 @@ class Job:
     emit: object = None
 
 
+@dataclass(frozen=True)
+class TextEvent:
+    """More of a job's text, with the logprob entries of the tokens it completes."""
+    piece: str
+    entries: tuple = ()  # (token id, text end offset, logprob, alternatives) per token
+
+
+@dataclass(frozen=True)
+class EndEvent:
+    """A job's end: why ("stop" or "length"), its tokens, the response's `jaxspec` object
+    (`stats_json`; None when a stop string cut it) and the last tokens' logprob entries."""
+    reason: str
+    n_tokens: int
+    stats: dict | None
+    entries: tuple = ()
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """A job ended by a failure: the message and the HTTP status it is answered with (400: the
+    library refused the input, 500: an internal failure)."""
+    message: str
+    status: int
+
+
+class QueueFull(Exception):
+    """`Scheduler.submit` refused a job (not queued): `waiting` jobs already wait, the `limit`
+    (max_queue); `retry_after`: seconds until a slot may free (one per batch of waiting jobs)."""
+
+    def __init__(self, waiting: int, limit: int, retry_after: int):
+        super().__init__(f"{waiting} jobs are waiting (max_queue {limit}): retry in {retry_after} s")
+        self.waiting, self.limit, self.retry_after = waiting, limit, retry_after
+
+
 def _fail(job: Job, e: Exception) -> None:
     """End a job with an error: 400 for input the library refused (a ValueError, e.g. a KV cache
     beyond the device's memory), 500 for an internal failure."""
     if isinstance(e, ValueError):
-        job.emit(("error", str(e), 400))
+        job.emit(ErrorEvent(str(e), 400))
     else:
-        job.emit(("error", f"{type(e).__name__}: {e}", 500))
+        job.emit(ErrorEvent(f"{type(e).__name__}: {e}", 500))
 
 
 class _Text:
     """A job's tokens -> text events: incremental decoding, stop strings (text that may still become
     one is held back), the finish reason, and the tokens' logprob entries (sent with the text that
-    holds them; those past a stop string are dropped); `push` returns True once the job has ended.
-    Events: ("text", piece, entries) and ("end", reason, n tokens, stats, entries)."""
+    holds them; those past a stop string are dropped); `push` returns True once the job has ended,
+    its events a `TextEvent` per piece, then an `EndEvent`."""
 
     def __init__(self, tok, job: Job):
         self.tok, self.job = tok, job
@@ -73,18 +109,18 @@ class _Text:
                 self.entries.append((t, len(self.text), lp, alts))
         cut = min((i for i in (self.text.find(s) for s in self.job.stop) if i >= 0), default=-1)
         if cut >= 0:
-            emit(("text", self.text[self.held:cut], self._take(cut, inclusive=True)))
-            emit(("end", "stop", self.n, stats, []))
+            emit(TextEvent(self.text[self.held:cut], self._take(cut, inclusive=True)))
+            emit(EndEvent("stop", self.n, stats))
             return True
         safe = len(self.text) if done else max(self.held, len(self.text) - self.keep)
         if safe > self.held:
-            emit(("text", self.text[self.held:safe], self._take(safe)))
+            emit(TextEvent(self.text[self.held:safe], self._take(safe)))
             self.held = safe
         if done:
-            emit(("end", self.reason, self.n, stats, self._take(len(self.text))))
+            emit(EndEvent(self.reason, self.n, stats, self._take(len(self.text))))
         return done
 
-    def _take(self, upto: int, inclusive: bool = False) -> list[tuple]:
+    def _take(self, upto: int, inclusive: bool = False) -> tuple:
         """The pending entries of tokens whose text ends by `upto` (at a stop string's start: also the
         token that text is cut in)."""
         n = 0
@@ -95,7 +131,7 @@ class _Text:
         taken, self.entries = self.entries[:n], self.entries[n:]
         if inclusive:
             self.entries = []
-        return taken
+        return tuple(taken)
 
 
 def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: int, fallback, slots: int,
@@ -110,21 +146,19 @@ def stats_json(*, block_size: int, drafted: int, accepted: int, n: int, rounds: 
 
 
 class Scheduler:
-    """The models, the one batch engine and the worker thread (started here). `max_batch` slots
-    decode together; `rounds_per_chunk` rounds between two reads of the new tokens (and two
-    admissions); at most `max_queue` jobs wait (`submit` answers 429 past it). A request holds
-    `batch_capacity` positions and `batch_tokens` new tokens at most; the slots share a pool of
-    `kv_positions` cache positions (None: `max_batch` x `batch_capacity`); `prefill_chunk` prompt
-    tokens per step at most."""
+    """The models, the one batch engine and the worker thread (started here), run as `config` says
+    (a `ServeConfig`): `max_batch` slots decode together; `rounds_per_chunk` rounds between two
+    reads of the new tokens (and two admissions); at most `max_queue` jobs wait (`submit` raises
+    QueueFull past it). A request holds `batch_capacity` positions and `batch_tokens` new tokens at
+    most (`config.request_capacity`, `request_tokens` of the target's context); the slots share a
+    pool of `config.kv_pool` cache positions; `prefill_chunk` prompt tokens per step at most."""
 
-    def __init__(self, target, assistant, tok, *, block_size: int, rounds_per_chunk: int, max_batch: int,
-                 max_queue: int, batch_capacity: int, batch_tokens: int, kv_positions: int | None = None,
-                 prefill_chunk: int = 512, drafter=None):
+    def __init__(self, target, assistant, tok, config: ServeConfig, *, drafter=None):
         self.target, self.assistant, self.tok, self.drafter = target, assistant, tok, drafter
-        self.block_size, self.rounds_per_chunk = block_size, rounds_per_chunk
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.batch_capacity, self.batch_tokens = batch_capacity, batch_tokens
-        self.kv_positions, self.prefill_chunk = kv_positions, prefill_chunk
+        self.config = config
+        context = target.config.max_position_embeddings
+        self.batch_capacity, self.batch_tokens = request_capacity(context), request_tokens(context)
+        self.kv_positions = config.kv_pool(context)
         self._engine: BatchEngine | None = None  # built on first use (warm_up or the first request)
         self.slots: dict[int, tuple[Job, _Text]] = {}
         self.queue: collections.deque[Job] = collections.deque()
@@ -147,13 +181,12 @@ class Scheduler:
         """The one batch engine: every sampling setting runs in it (greedy, sampled, filtered, with
         a bias or logprobs), so a new setting compiles nothing."""
         if self._engine is None:
-            block = PROMPT_BUCKET
-            kv = self.max_batch * self.batch_capacity if self.kv_positions is None else self.kv_positions
+            block, c = PROMPT_BUCKET, self.config
             self._engine = BatchEngine(
-                self.target, self.assistant, slots=self.max_batch, max_new_tokens=self.batch_tokens,
-                capacity=round_up(self.batch_capacity, block), block_size=self.block_size,
-                eos_token_ids=self.tok.eos_token_ids, rounds_per_step=self.rounds_per_chunk,
-                kv_blocks=max(1, kv // block), block_tokens=block, prefill_chunk=self.prefill_chunk,
+                self.target, self.assistant, slots=c.max_batch, max_new_tokens=self.batch_tokens,
+                capacity=round_up(self.batch_capacity, block), block_size=c.block_size,
+                eos_token_ids=self.tok.eos_token_ids, rounds_per_step=c.rounds_per_chunk,
+                kv_blocks=max(1, self.kv_positions // block), block_tokens=block, prefill_chunk=c.prefill_chunk,
                 drafter=self.drafter)
         return self._engine
 
@@ -174,7 +207,7 @@ class Scheduler:
         # retire), the same whatever the request's sampling; its budget fits a small KV pool.
         ids = (self.tok.encode("Hello") or [1])[:8]
         ids = ids[:max(1, min(len(ids), engine.room(1)))]
-        budget = min(2 * engine.block_size * self.rounds_per_chunk + 2, self.batch_tokens, engine.room(len(ids)))
+        budget = min(2 * engine.block_size * self.config.rounds_per_chunk + 2, self.batch_tokens, engine.room(len(ids)))
         t1 = time.perf_counter()  # each step runs every slot: minutes at --max-batch 1024 on a CPU
         log.info("warm-up: one request through %d slots ...", engine.slots)
         engine.admit(ids, budget, seed=0)
@@ -187,15 +220,15 @@ class Scheduler:
         return time.perf_counter() - t0
 
     def submit(self, job: Job) -> asyncio.Queue:
-        """Queue a job; 429 (with Retry-After) when max_queue requests already wait."""
+        """Queue a job (its events come on the returned queue); QueueFull, and the job not queued,
+        when max_queue jobs already wait."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         with self.cond:
-            if len(self.queue) >= self.max_queue:
-                wait = 1 + len(self.queue) // self.max_batch
-                raise ApiError(429, f"{len(self.queue)} requests are waiting (--max-queue {self.max_queue}): retry "
-                                    f"in {wait} s", code="queue_full", headers={"Retry-After": str(wait)})
+            waiting, limit = len(self.queue), self.config.max_queue
+            if waiting >= limit:
+                raise QueueFull(waiting, limit, retry_after=1 + waiting // self.config.max_batch)
             self.queue.append(job)
             self.cond.notify()
         return events
@@ -213,7 +246,7 @@ class Scheduler:
                     time.sleep(0.001)
             except Exception as e:  # an internal failure: its requests end with an error, the server keeps serving
                 for job, _ in self.slots.values():
-                    job.emit(("error", f"{type(e).__name__}: {e}", 500))
+                    job.emit(ErrorEvent(f"{type(e).__name__}: {e}", 500))
                 self.slots.clear()
                 self._engine = None
 
@@ -238,10 +271,10 @@ class Scheduler:
             if not engine.fits(len(job.ids), job.max_tokens):
                 with self.cond:
                     self.queue.popleft()
-                job.emit(("error", f"a {len(job.ids)}-token prompt with max_tokens={job.max_tokens} does not fit "
-                                   f"this server: at most {engine.room(len(job.ids))} new tokens for this prompt "
-                                   f"({capacity_note(engine.capacity, engine.kv_blocks * engine.block_tokens)})",
-                          400))
+                job.emit(ErrorEvent(f"a {len(job.ids)}-token prompt with max_tokens={job.max_tokens} does not fit "
+                                    f"this server: at most {engine.room(len(job.ids))} new tokens for this prompt "
+                                    f"({capacity_note(engine.capacity, engine.kv_blocks * engine.block_tokens)})",
+                                    400))
                 continue
             if not engine.can_admit(len(job.ids), job.max_tokens):
                 return  # a slot or its KV blocks free up when a running request ends
@@ -265,7 +298,7 @@ class Scheduler:
         for ev in engine.step():
             job, text = self.slots[ev.slot]
             if ev.error is not None:  # e.g. non-finite logits from the prompt: this request fails
-                job.emit(("error", ev.error, 400))
+                job.emit(ErrorEvent(ev.error, 400))
                 del self.slots[ev.slot]
                 continue
             if job.cancelled.is_set():

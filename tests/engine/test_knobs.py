@@ -6,7 +6,6 @@ constructor and request parser) and the CLI's flags (one line, exit status 2). N
 a stand-in target holds the config fields the checks read, and anything past the checks fails."""
 import json
 import time
-import types
 
 import numpy as np
 import pytest
@@ -18,19 +17,8 @@ from jaxspec.engine.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK, MAX_VE
 from jaxspec.engine.batching import BatchEngine
 from jaxspec import models
 from jaxspec.models import presets
+from support.no_model import NoModel
 from support.seeds import seeded_rng
-
-CONTEXT = 256
-
-
-class NoModel:
-    """A target with a config and nothing else: any use past the input checks raises."""
-
-    def __init__(self, context=CONTEXT):
-        self.config = types.SimpleNamespace(vocab_size=512, max_position_embeddings=context)
-
-    def __getattr__(self, name):
-        raise AssertionError(f"the model was used ({name}) before the input was refused")
 
 
 def prompt(n=5):

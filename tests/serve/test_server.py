@@ -197,6 +197,7 @@ def test_a_failing_admission_ends_that_request_only(monkeypatch, chat_pair):
     from jaxspec import models
     from jaxspec.engine.batching import BatchEngine
     from jaxspec.serve.app import Server
+    from jaxspec.serve.scheduler import EndEvent, ErrorEvent, TextEvent
     from jaxspec.text import load_tokenizer
     from jaxspec.kernels import DispatchConfig
 
@@ -217,15 +218,17 @@ def test_a_failing_admission_ends_that_request_only(monkeypatch, chat_pair):
     def run(prompt):
         events, done = [], threading.Event()
         job, _ = srv.job(json.dumps({"prompt": prompt, "max_tokens": 6}).encode(), chat=False)
-        job.emit = lambda ev: (events.append(ev), ev[0] != "text" and done.set())
+        job.emit = lambda ev: (events.append(ev), not isinstance(ev, TextEvent) and done.set())
         with srv.cond:
             srv.queue.append(job)
             srv.cond.notify()
         assert done.wait(120)
         return events
-    assert run(PROMPTS[0])[-1][::2] == ("error", 500)
-    assert run(PROMPTS[0])[-1][::2] == ("error", 400)
+    failed = run(PROMPTS[0])[-1]
+    assert isinstance(failed, ErrorEvent) and failed.status == 500
+    refused = run(PROMPTS[0])[-1]
+    assert isinstance(refused, ErrorEvent) and refused.status == 400
     ok = run(PROMPTS[0])
-    assert ok[-1][0] == "end" and "".join(e[1] for e in ok if e[0] == "text")
+    assert isinstance(ok[-1], EndEvent) and "".join(e.piece for e in ok if isinstance(e, TextEvent))
     assert srv.active == 0 and srv.waiting == 0
     assert srv.engine is srv.engine  # one engine for every setting

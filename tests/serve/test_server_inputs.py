@@ -4,11 +4,7 @@ a 500 with a traceback, no key needed) and a `stop` of the wrong type (silently 
 naming the field; a refusal echoes the value as it was sent, cut visibly when long. In process: the
 server's app (the tiny pair, never warmed: every refusal comes before any compute, so nothing is
 built) behind its guard, in a uvicorn thread."""
-import contextlib
 import json
-import socket
-import threading
-import time
 
 import pytest
 
@@ -20,27 +16,7 @@ from jaxspec.serve.guard import SHOWN_CHARS, Guard  # noqa: E402
 from jaxspec.serve.app import Server  # noqa: E402
 from jaxspec.text.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe  # noqa: E402
 from support.seeds import seeded_int  # noqa: E402
-
-
-@contextlib.contextmanager
-def serving(app):
-    """`app` on a free loopback port in a uvicorn thread; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+from support.serve_inproc import serving  # noqa: E402
 
 
 @pytest.fixture(scope="module")

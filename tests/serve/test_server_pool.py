@@ -17,6 +17,7 @@ from jaxspec import cli, models  # noqa: E402
 from jaxspec.engine import sampling
 from jaxspec.serve import app as server
 from jaxspec.serve.app import ApiError, Job, Server  # noqa: E402
+from jaxspec.serve.scheduler import EndEvent, ErrorEvent, TextEvent  # noqa: E402
 from jaxspec.text.tokenizer import DEMO_CORPUS, Tokenizer, train_byte_bpe  # noqa: E402
 from support.seeds import seeded_rng  # noqa: E402
 
@@ -30,7 +31,7 @@ def _job(ids, n):
 
     def emit(ev):
         job.events.append(ev)
-        if ev[0] in ("end", "error"):
+        if isinstance(ev, (EndEvent, ErrorEvent)):
             job.ended.set()
     job.emit = emit
     return job
@@ -38,8 +39,8 @@ def _job(ids, n):
 
 def _text(job):
     assert job.ended.wait(120), "the request never ended"
-    assert job.events[-1][0] == "end", job.events[-1]
-    return "".join(ev[1] for ev in job.events if ev[0] == "text")
+    assert isinstance(job.events[-1], EndEvent), job.events[-1]
+    return "".join(ev.piece for ev in job.events if isinstance(ev, TextEvent))
 
 
 def _queue(srv, job):
@@ -71,7 +72,7 @@ def test_exhausted_pool_queues_then_429_and_the_running_request_is_intact():
     with srv.cond:
         srv.cond.notify()  # the worker runs: the long request, then the short one once blocks are back
     together = (_text(long), _text(short))
-    assert long.events[-1][2] == 32  # its whole budget (the tiny pair has no stop token in reach)
+    assert long.events[-1].n_tokens == 32  # its whole budget (the tiny pair has no stop token in reach)
     again = [_job(long_ids, 32), _job(short_ids, 16)]  # each alone
     for job in again:
         _queue(srv, job)
@@ -92,9 +93,11 @@ def test_a_request_past_the_pool_is_a_400_and_a_gone_client_frees_its_blocks():
     _queue(srv, gone)
     with srv.cond:
         srv.cond.notify()
-    assert too_long.ended.wait(60) and too_long.events[-1][0] == "error" and too_long.events[-1][2] == 400
-    assert "KV pool" in too_long.events[-1][1]
-    assert "holds 128 positions" in too_long.events[-1][1] and "--kv-positions" in too_long.events[-1][1]
+    assert too_long.ended.wait(60)
+    error = too_long.events[-1]
+    assert isinstance(error, ErrorEvent) and error.status == 400
+    assert "KV pool" in error.message
+    assert "holds 128 positions" in error.message and "--kv-positions" in error.message
     engine = srv.engine
     deadline = time.time() + 60
     while engine.chunks == 0 and time.time() < deadline:

@@ -1,0 +1,112 @@
+"""`jaxspec serve`'s own knobs: `ServeConfig`, each knob under one name (the CLI flag's, without the
+dashes) with one range (`RANGES`). The CLI's flags, `app.Server` and its `scheduler.Scheduler` all
+read them from here, so a value one of them takes the others take too; and the sizes the server
+derives from a model's context (a request's positions and budget, the slots' KV pool).
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
+from jaxspec.engine.loop_config import (BUDGET_BUCKET, MAX_PREFILL_CHUNK, PREFILL_CHUNK, PROMPT_BUCKET,
+                                        slot_capacity)
+
+BATCH_CONTEXT = 4096  # KV pool positions per slot (the pool: max_batch x this, shared by the slots)
+REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its prompt and output)
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """An integer knob's bounds: lo..hi and a multiple of `multiple`; `note` is said after the range
+    (why it is so)."""
+
+    lo: int
+    hi: int
+    multiple: int = 1
+    note: str = ""
+
+    @property
+    def span(self) -> str:
+        return f"{self.lo}..{self.hi}"
+
+    def holds(self, v) -> bool:
+        return (isinstance(v, numbers.Integral) and not isinstance(v, bool) and self.lo <= v <= self.hi
+                and v % self.multiple == 0)
+
+    def describe(self) -> str:
+        every = f" and a multiple of {self.multiple}" if self.multiple > 1 else ""
+        return f"an integer in {self.span}{every}{self.note}"
+
+
+# Each serving knob's range, stated once. The CLI names a knob `--max-queue` for `max_queue`.
+RANGES = {
+    "block_size": Knob(1, MAX_BLOCK_SIZE, note=BLOCK_SIZE_WHY),
+    # The real limit is the device's memory, which the CLI checks at start (jaxspec.engine.memory);
+    # this bound refuses a typo before that.
+    "max_batch": Knob(1, 1 << 12),
+    "rounds_per_chunk": Knob(1, MAX_ROUNDS_PER_CHUNK),
+    # Each waiting request holds its prompt in host memory and waits for every one ahead of it: the
+    # 100,000th waits for 100,000 requests (of 100 tokens each: over an hour at the ~2,000 tokens/s
+    # of docs/benchmark_results/serve-h200-2026-12-03.md); a 429 with Retry-After serves it better.
+    "max_queue": Knob(1, 100_000),
+    # The pool is blocks of PROMPT_BUCKET positions; 64 Mi positions is 4096 slots x 16,384.
+    "kv_positions": Knob(PROMPT_BUCKET, 1 << 26, PROMPT_BUCKET, " (the KV pool's blocks)"),
+    # BatchEngine checks the same bounds (a chunk's rows are whole row tiles).
+    "prefill_chunk": Knob(PROMPT_BUCKET, MAX_PREFILL_CHUNK, PROMPT_BUCKET),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """How the server batches and queues, checked once, here (ValueError naming the field and its
+    range, `RANGES`). `block_size`: K, the verify width (1 decodes classically); `max_batch`: slots
+    decoding together; `rounds_per_chunk`: rounds between two reads of the new tokens (and two
+    admissions); `max_queue`: requests waiting for a slot at most (more are refused with a 429);
+    `kv_positions`: the KV pool the slots share, in cache positions (None: `kv_pool`'s default);
+    `prefill_chunk`: prompt tokens prefilled per step at most."""
+
+    block_size: int = 4
+    max_batch: int = 4
+    rounds_per_chunk: int = 4
+    max_queue: int = 64
+    kv_positions: int | None = None
+    prefill_chunk: int = PREFILL_CHUNK
+
+    def __post_init__(self):
+        for name, knob in RANGES.items():
+            v = getattr(self, name)
+            if v is None and name == "kv_positions":
+                continue
+            if not knob.holds(v):
+                none = "None or " if name == "kv_positions" else ""
+                raise ValueError(f"{name} must be {none}{knob.describe()}, got {v!r}"[:300])
+            object.__setattr__(self, name, int(v))  # a numpy integer is kept as a Python int
+
+    @classmethod
+    def build(cls, config: ServeConfig | None = None, **knobs) -> ServeConfig:
+        """`config` with the keyword knobs a caller passed in place of its fields (`Server`'s
+        convenience), or a config built from the knobs alone."""
+        if config is None:
+            return cls(**knobs)
+        if not isinstance(config, cls):
+            raise ValueError(f"config must be a jaxspec.serve.config.ServeConfig, got {type(config).__name__}")
+        return dataclasses.replace(config, **knobs) if knobs else config
+
+    def kv_pool(self, context: int | None) -> int:
+        """The KV pool's positions: `kv_positions`, else max_batch x the context at most
+        BATCH_CONTEXT (what the CLI's memory check counts)."""
+        if self.kv_positions is not None:
+            return self.kv_positions
+        return self.max_batch * slot_capacity(context, BATCH_CONTEXT)
+
+
+def request_capacity(context: int | None) -> int:
+    """Cache positions one request may hold (its prompt and output): the context, at most REQUEST_CONTEXT."""
+    return slot_capacity(context, REQUEST_CONTEXT)
+
+
+def request_tokens(context: int | None) -> int:
+    """New tokens one request may ask at most: half its positions (at most BATCH_CONTEXT's half),
+    in whole budget buckets."""
+    return max(1, min(request_capacity(context), BATCH_CONTEXT) // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
