@@ -49,10 +49,10 @@ also what generate gives it alone with that seed, on CPU. On the H200 it is an e
 same distribution but may leave its run alone after some tokens: XLA's fused softmax rounds a row
 by how many rows share the call (tests/engine/test_batching_gpu.py; greedy rows are exact there too).
 
-Each request brings its own sampling (temperature, top_k, top_p, logit_bias, logprobs): they are
+Each request brings its own sampling (temperature, top_k, top_p, logit_bias, penalties, logprobs): they are
 rows of the state (`sampling.RowParams`), not part of a program. The engine compiles a short ladder
-of programs over one state layout (`MODES`: greedy only; sampling; sampling with top-k/top-p and
-log-probabilities) and each step runs the cheapest one that covers every live request, so a batch
+of programs over one state layout (`MODES`: greedy only; sampling with bias and penalties; sampling
+with top-k/top-p and log-probabilities too) and each step runs the cheapest one that covers every live request, so a batch
 of greedy requests pays for no distribution and a new setting never compiles. A row computes the
 same whichever program runs it (a greedy row is an argmax either way; a sampled row's filter with
 top_k and top_p off keeps every token), so its output does not depend on its batch mates (up to
@@ -81,7 +81,9 @@ from jaxspec.engine.loop_config import MAX_PREFILL_CHUNK, PREFILL_CHUNK, LoopCon
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
 # The programs an engine may run, cheapest first; the last covers every request (the state's layout).
-MODES = (sampling.SamplingMode(), sampling.SamplingMode(sample=True, bias=True), sampling.FULL_MODE)
+# Penalties ride in the middle program (elementwise on the logits, no sort) so a penalised request
+# without top-k / top-p does not pay for the full one.
+MODES = (sampling.SamplingMode(), sampling.SamplingMode(sample=True, bias=True, penalties=True), sampling.FULL_MODE)
 
 
 @dataclasses.dataclass
@@ -164,13 +166,14 @@ def _prefill_chunk(state: loop.DecodeState, target, slot, tokens, n_valid, key, 
         return state.replace(cache=_put_cache(state.cache, row, slot))
     finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)
     key, k_first = sampling.split(key, 2)
-    first = sampling.choose(k_first, logits[:, 0], rows, spec.sampling)
+    n_prompt = row.lengths  # the prompt's length: every chunk is in the cache now
+    counts = loop.prompt_counts(spec, prompt, n_prompt, logits.shape[-1])  # the penalties' (repetition: the prompt)
+    first = sampling.choose(k_first, logits[:, 0], rows, spec.sampling, counts)
     lps = None
     if spec.sampling.logprobs >= 0:
         lps = sampling.token_logprobs(logits, first[:, None], spec.sampling.logprobs)
-    n_prompt = row.lengths  # the prompt's length: every chunk is in the cache now
     seed = loop.draft_seed(spec, hidden[:, n_valid - 1], prompt, n_prompt, first)
-    one = loop._first_state(spec, row, first, seed, limit, state.stop_ids, key, finite, rows, lps)
+    one = loop._first_state(spec, row, first, seed, limit, state.stop_ids, key, finite, rows, lps, counts)
     return _put_row(state, loop.start(loop_spec, one), slot)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec import models
+from jaxspec.engine import penalties
 from jaxspec.engine import sampling
 from jaxspec.engine import verify
 from jaxspec.drafters import mtp
@@ -112,6 +113,8 @@ class DecodeState:
     lp: Any = None          # float32 [B, W] when the mode has logprobs: out's log-probabilities
     top_ids: Any = None     # int32 [B, W, N]: the N most likely tokens at each output position
     top_lp: Any = None      # float32 [B, W, N]: their log-probabilities
+    counts: Any = None      # penalties.Counts when the mode has penalties: each row's generated
+                            # tokens (out[:n_out]) counted, and its prompt's tokens ([B, V] each)
 
 
 # The DecodeState fields the whole batch shares. Every other field is per row (leading axis B, the
@@ -154,12 +157,19 @@ def prefill(spec: PrefillSpec, target, prompt: jax.Array, lengths: jax.Array, ke
     finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)  # one reduction; the host reads it once
     cache = cache.replace(lengths=lengths.astype(jnp.int32))
     key, k_first = sampling.split(key, 2)
-    first = sampling.choose(k_first, logits[:, 0], rows, spec.sampling)
+    counts = prompt_counts(spec, prompt, lengths, logits.shape[-1])
+    first = sampling.choose(k_first, logits[:, 0], rows, spec.sampling, counts)
     lps = None
     if spec.sampling.logprobs >= 0:
         lps = sampling.token_logprobs(logits, first[:, None], spec.sampling.logprobs)
     seed = draft_seed(spec, hidden[jnp.arange(b), last], prompt, lengths, first)
-    return _first_state(spec, cache, first, seed, limit, stop_ids, key, finite, rows, lps)
+    return _first_state(spec, cache, first, seed, limit, stop_ids, key, finite, rows, lps, counts)
+
+
+def prompt_counts(spec: PrefillSpec, prompt, lengths, vocab: int) -> penalties.Counts | None:
+    """What the penalties count before the first token (the prompt's tokens), when the mode has
+    penalties; else None (nothing kept)."""
+    return penalties.of_prompt(prompt, lengths, vocab) if spec.sampling.penalties else None
 
 
 def draft_seed(spec: PrefillSpec, h_last, prompt, lengths, first) -> Seed:
@@ -173,10 +183,11 @@ def draft_seed(spec: PrefillSpec, h_last, prompt, lengths, first) -> Seed:
 
 
 def _first_state(spec: PrefillSpec, cache, first, seed: Seed, limit, stop_ids, key, finite, rows,
-                 lps=None) -> DecodeState:
+                 lps=None, counts=None) -> DecodeState:
     """The state after the prompt: its first token emitted, no round run yet; `seed` what drafters
     start from (`draft_seed`). `lps`: the first token's (logprob [B, 1], top ids [B, 1, N], top
-    logprobs [B, 1, N]) when the mode has logprobs."""
+    logprobs [B, 1, N]) when the mode has logprobs. `counts`: the prompt's (`prompt_counts`) when
+    the mode has penalties; the first token is counted here."""
     b = first.shape[0]
     out = jnp.zeros((b, spec.out_width), jnp.int32).at[:, 0].set(first)
     lp = top_ids = top_lp = None
@@ -191,12 +202,14 @@ def _first_state(spec: PrefillSpec, cache, first, seed: Seed, limit, stop_ids, k
     limit = jnp.clip(limit.astype(jnp.int32), 1, spec.max_new_tokens)
     stop_ids = stop_ids.astype(jnp.int32)
     done = _stop_mask(first[:, None], stop_ids)[:, 0] | (limit <= 1)
+    if spec.sampling.penalties:
+        counts = penalties.record(counts, first[:, None], jnp.ones((b, 1), bool))
     zeros = jnp.zeros((b,), jnp.int32)
     return DecodeState(cache=cache, bonus=first, draft=seed, out=out,
                        n_out=jnp.ones((b,), jnp.int32), limit=limit, stop_ids=stop_ids, done=done, key=key,
                        rounds=jnp.zeros((), jnp.int32), row_rounds=zeros, drafted=zeros,
                        accepted=zeros, hist=jnp.zeros((0,), jnp.int32), finite=finite, rows=rows, lp=lp,
-                       top_ids=top_ids, top_lp=top_lp)
+                       top_ids=top_ids, top_lp=top_lp, counts=counts)
 
 
 def state_shapes(spec: LoopSpec, target, prompt, limit, stop_ids, key, rows) -> DecodeState:
@@ -221,8 +234,11 @@ def _blank(spec: LoopSpec, target, b: int, p: int, limit, stop_ids, key, rows, c
         cache = models.init_cache(target.config, b, pspec.capacity, _cache_dtype(target), max_block=pspec.max_block)
     h_last = jnp.zeros((b, target.config.hidden_size), target.dtype)
     first = jnp.zeros((b,), jnp.int32)
-    seed = draft_seed(pspec, h_last, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), first)
-    return start(spec, _first_state(pspec, cache, first, seed, limit, stop_ids, key, jnp.ones((b,), bool), rows))
+    prompt, lengths = jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)
+    seed = draft_seed(pspec, h_last, prompt, lengths, first)
+    counts = prompt_counts(pspec, prompt, lengths, target.config.vocab_size)
+    return start(spec, _first_state(pspec, cache, first, seed, limit, stop_ids, key, jnp.ones((b,), bool), rows,
+                                    counts=counts))
 
 
 def decode_round(spec: LoopSpec, target, params, state: DecodeState) -> DecodeState:
@@ -242,7 +258,7 @@ def decode_round(spec: LoopSpec, target, params, state: DecodeState) -> DecodeSt
         drafts, q, info = jnp.zeros((b, 0), jnp.int32), None, None
         tokens = state.bonus[:, None]
     logits, hidden, cache = verify.verify_forward(target, tokens, state.cache, spec.width(b, target.matmul))
-    n_acc, emitted = sampling.accept(k_accept, drafts, q, logits, state.rows, mode)
+    n_acc, emitted = sampling.accept(k_accept, drafts, q, logits, state.rows, mode, state.counts)
 
     active = ~state.done
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
@@ -261,6 +277,9 @@ def decode_round(spec: LoopSpec, target, params, state: DecodeState) -> DecodeSt
         lp, top_ids, top_lp = sampling.token_logprobs(logits, emitted, mode.logprobs)
         lps = dict(lp=write(state.lp, lp), top_ids=write(state.top_ids, top_ids), top_lp=write(state.top_lp, top_lp))
     n_out = state.n_out + jnp.where(active, count, 0)
+    counts = state.counts  # a cheaper program (the batch engine's, no row penalised) leaves them
+    if mode.penalties:
+        counts = penalties.record(counts, emitted, (pos < count[:, None]) & active[:, None])
     done = state.done | (active & (hit | (n_out >= state.limit)))
     rows = jnp.arange(b)
     # The cache keeps every emitted token but the last (the next bonus): old + count, which is
@@ -279,7 +298,7 @@ def decode_round(spec: LoopSpec, target, params, state: DecodeState) -> DecodeSt
         rounds=state.rounds + jnp.any(active).astype(jnp.int32), row_rounds=state.row_rounds + act,
         drafted=state.drafted + act * (k - 1), accepted=state.accepted + act * n_acc,
         hist=state.hist + jnp.sum(jax.nn.one_hot(n_acc, k, dtype=jnp.int32) * act[:, None], axis=0),
-        finite=state.finite, rows=state.rows, **lps)
+        finite=state.finite, rows=state.rows, counts=counts, **lps)
 
 
 def check_prefill(state: DecodeState) -> None:

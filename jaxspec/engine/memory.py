@@ -10,7 +10,8 @@ compiled step over it. Its peak, per term (XLA's `memory_analysis` of the step p
 process's peak RSS, default pair on CPU, K = 4 and K = 1):
 - the KV cache (`models.cache_bytes`; given `kv_positions`, `serve --kv-positions`, the paged
   engine's pool of that many positions and the slots' sliding rings) and the rest of the state
-  (output tokens, their logprobs and top-20 alternatives, the sampling rows): the step's
+  (output tokens, their logprobs and top-20 alternatives, the sampling rows, the penalties' token
+  counts): the step's
   arguments, donated;
 - the step's temporaries: 1.8x to 1.9x the KV cache per slot on the default pair (K = 1 and K = 4:
   2.29 to 2.37 MB per slot for a 1.27 MB bfloat16 cache, B = 8..4096), 2.5x on a tiny float32
@@ -108,7 +109,8 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
     width = capacity + block_size + 16  # the output buffer's positions, at most (a budget < capacity)
     per_row = (width * (4 + 4 + 2 * 4 * TOP_LOGPROBS)  # out, lp, top_ids, top_lp
                + BIAS_SLOTS * 8 + 4 * tcfg.hidden_size + 64  # bias rows, h_prev, the counters
-               + 4 * capacity)  # a prompt-lookup drafter's token history (int32 per cache position)
+               + 4 * capacity  # a prompt-lookup drafter's token history (int32 per cache position)
+               + 5 * tcfg.vocab_size)  # the penalties' counts (int32) and prompt mask (bool) per token
     logits = LOGIT_COPIES * 4 * b * (block_size + 1) * tcfg.vocab_size
     weights = weight_bytes * (1 + (HOST_WEIGHT_COPIES if host else 0))
     views = 0

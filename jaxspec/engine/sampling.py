@@ -1,10 +1,10 @@
-"""Token selection: greedy, temperature / top-k / top-p / min-p sampling, logit bias, log-probabilities,
-and the lossless speculative accept/resample step.
+"""Token selection: greedy, temperature / top-k / top-p / min-p sampling, logit bias, repetition
+penalties (penalties.py), log-probabilities, and the lossless speculative accept/resample step.
 
 Everything here is batched, vectorized and jit-friendly: no Python control flow depends on array
 values. What a compiled program can do is static (`SamplingMode`: may rows sample, filter, carry
-a bias, report log-probabilities); the values are per-row runtime arrays (`RowParams`: one
-temperature, top_k, top_p, min_p and bias per row, temperature 0 = a greedy row). So one program serves
+a bias or penalties, report log-probabilities); the values are per-row runtime arrays (`RowParams`:
+one temperature, top_k, top_p, min_p, bias and penalties per row, temperature 0 = a greedy row). So one program serves
 every setting, and rows with different settings share a batch: a new temperature compiles nothing.
 
 The speculative step is modified rejection sampling (Leviathan et al. / Chen et al.): draft token
@@ -26,11 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxspec.engine import penalties
+
 DRAFT_MODES = ("sample", "argmax")
 SEED_LIMIT = 1 << 64  # seeds are integers in [0, 2**64): the two 32-bit words of a threefry key
 # Below this a temperature is refused: logits / T overflows float32 (1e-45 made every row token 0).
 MIN_TEMPERATURE = 1e-3
 BIAS_LIMIT = 100.0   # |logit_bias| values, as OpenAI's API
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI's API
+# repetition_penalty's range: logit / r and logit * r must stay finite in float32 (HF only asks r > 0)
+REPETITION_RANGE = (0.01, 100.0)
+MAX_CHOICES = 16     # n: completions per request (the server's and the CLI's; each its own row)
 BIAS_SLOTS = 300     # logit_bias entries per row (OpenAI's limit); static width of RowParams.bias
 TOP_LOGPROBS = 20    # alternatives per position a logprobs program reports at most (OpenAI's limit)
 
@@ -71,6 +77,10 @@ RANGES = {
     "max_new_tokens": Range(1, None, integer=True),
     "logprobs": Range(0, TOP_LOGPROBS, integer=True),
     "logit_bias": Range(-BIAS_LIMIT, BIAS_LIMIT, integer=False),  # each value
+    "presence_penalty": Range(-PENALTY_LIMIT, PENALTY_LIMIT, integer=False),
+    "frequency_penalty": Range(-PENALTY_LIMIT, PENALTY_LIMIT, integer=False),
+    "repetition_penalty": Range(*REPETITION_RANGE, integer=False),
+    "n": Range(1, MAX_CHOICES, integer=True),  # not a SamplingParams field: the server and the CLI fan out
 }
 MAX_STOPS = 4          # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256   # characters per stop string
@@ -97,9 +107,14 @@ class SamplingParams:
     likely tokens' (under the target's logits, before bias and temperature).
     min_p: None (off) or in [0, 1]: drop the tokens whose probability (after temperature) is below
     min_p times the most likely one's (vLLM's and HF's min-p).
+    presence_penalty / frequency_penalty: in [-2, 2] (0: off), OpenAI's: logit[t] -= presence *
+    (count[t] > 0) + frequency * count[t], count[t] the times t was generated so far.
+    repetition_penalty: in [0.01, 100] (1: off), HF's: for every token of the prompt and the output,
+    logit / r where the logit is >= 0, logit * r where it is negative. The penalties apply after
+    logit_bias, before temperature and filtering (greedy rows too; `penalties.py`).
 
-    The per-row values (temperature, top_k, top_p, min_p, logit_bias) are runtime inputs of a program
-    (`RowParams`); `per_row()` is the request without the rest.
+    The per-row values (temperature, top_k, top_p, min_p, logit_bias, the penalties) are runtime
+    inputs of a program (`RowParams`); `per_row()` is the request without the rest.
     """
 
     temperature: float = 0.0
@@ -113,6 +128,9 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     logprobs: int | None = None
     min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         validate_sampling(self.temperature, self.top_k, self.top_p, self.draft)
@@ -124,6 +142,9 @@ class SamplingParams:
             put("top_p", float(self.top_p))
         if self.min_p is not None:
             put("min_p", _checked("min_p", self.min_p))
+        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            v = getattr(self, name)  # None: off
+            put(name, off if v is None else _checked(name, v))
         put("logit_bias", validate_bias(self.logit_bias))
         if self.max_new_tokens is not None:
             put("max_new_tokens", _checked("max_new_tokens", self.max_new_tokens))
@@ -156,7 +177,12 @@ class SamplingParams:
                             filter=not self.greedy and (self.top_k is not None or self.top_p is not None
                                                         or bool(self.min_p)),
                             bias=bool(self.logit_bias), logprobs=-1 if logprobs is None else int(logprobs),
-                            draft=self.draft)
+                            draft=self.draft, penalties=self.penalised)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any repetition control is on (its program needs `SamplingMode.penalties`)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def per_row(self) -> "SamplingParams":
         """The per-row sampling values alone (what a Generator's defaults and `RowParams` hold):
@@ -202,6 +228,8 @@ class SamplingMode:
     sample: rows may have temperature > 0 (False: argmax only, no random numbers drawn).
     filter: rows may use top_k / top_p / min_p (a sort of the vocabulary per distribution).
     bias: rows may carry a logit_bias (BIAS_SLOTS entries per row).
+    penalties: rows may have presence / frequency / repetition penalties (the loop then keeps each
+      row's token counts, `penalties.Counts`: [B, V] each; a program without it keeps nothing).
     logprobs: -1 none; N >= 0: the log-probability of every emitted token under the target's logits
       (before bias and temperature) and the N most likely tokens with theirs.
     """
@@ -211,6 +239,7 @@ class SamplingMode:
     bias: bool = False
     logprobs: int = -1
     draft: str = "sample"
+    penalties: bool = False
 
     def __post_init__(self):
         if self.filter and not self.sample:
@@ -230,10 +259,11 @@ class SamplingMode:
         need = need.mode() if isinstance(need, SamplingParams) else need
         return ((self.sample or not need.sample) and (self.filter or not need.filter)
                 and (self.bias or not need.bias) and self.logprobs >= need.logprobs
+                and (self.penalties or not need.penalties)
                 and (self.draft == need.draft or not need.sample))
 
 
-FULL_MODE = SamplingMode(sample=True, filter=True, bias=True, logprobs=TOP_LOGPROBS)
+FULL_MODE = SamplingMode(sample=True, filter=True, bias=True, logprobs=TOP_LOGPROBS, penalties=True)
 
 
 @struct.dataclass
@@ -246,6 +276,9 @@ class RowParams:
     min_p: jax.Array        # float32 [B]; 0: off
     bias_ids: jax.Array     # int32 [B, NB] (NB = BIAS_SLOTS when the mode has bias, else 0)
     bias: jax.Array         # float32 [B, NB]; unused entries 0
+    presence: jax.Array     # float32 [B]; 0: off (read only by a program with penalties)
+    frequency: jax.Array    # float32 [B]; 0: off
+    repetition: jax.Array   # float32 [B]; 1: off
 
 
 def row_params(params: Sequence[SamplingParams], mode: SamplingMode) -> RowParams:
@@ -262,7 +295,10 @@ def row_params(params: Sequence[SamplingParams], mode: SamplingMode) -> RowParam
                      top_k=jnp.asarray([p.top_k or 0 for p in params], jnp.int32),
                      top_p=jnp.asarray([1.0 if p.top_p is None else p.top_p for p in params], jnp.float32),
                      min_p=jnp.asarray([p.min_p or 0.0 for p in params], jnp.float32),
-                     bias_ids=jnp.asarray(ids), bias=jnp.asarray(vals))
+                     bias_ids=jnp.asarray(ids), bias=jnp.asarray(vals),
+                     presence=jnp.asarray([p.presence_penalty for p in params], jnp.float32),
+                     frequency=jnp.asarray([p.frequency_penalty for p in params], jnp.float32),
+                     repetition=jnp.asarray([p.repetition_penalty for p in params], jnp.float32))
 
 
 def validate_sampling(temperature, top_k, top_p, draft="sample") -> None:
@@ -379,6 +415,19 @@ def biased(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
     return x + dense.reshape((b,) + (1,) * (x.ndim - 2) + (v,))
 
 
+def adjusted(logits: jax.Array, rows: RowParams, mode: SamplingMode, counts: penalties.Counts | None = None,
+             drafts: jax.Array | None = None) -> jax.Array:
+    """`biased` logits [B, V] or [B, K, V], then each row's penalties when the mode has them
+    (`penalties.apply`: `counts` the rows' token counts; a verify block's position j also counts
+    drafts[:, :j])."""
+    x = biased(logits, rows, mode)
+    if not mode.penalties:
+        return x
+    if counts is None:
+        raise ValueError("a program with penalties needs the rows' token counts")
+    return penalties.apply(x, counts, rows.presence, rows.frequency, rows.repetition, drafts)
+
+
 def filter_logits(logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
     """Temperature-scaled logits (float32) with tokens outside each row's top-k / top-p / min-p set to -inf.
     A greedy row (temperature 0) is scaled by 1 (its distribution is computed, never used).
@@ -442,10 +491,11 @@ def sample_from_probs(probs: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(idx, last_positive).astype(jnp.int32)
 
 
-def choose(key: jax.Array, logits: jax.Array, rows: RowParams, mode: SamplingMode) -> jax.Array:
+def choose(key: jax.Array, logits: jax.Array, rows: RowParams, mode: SamplingMode,
+           counts: penalties.Counts | None = None) -> jax.Array:
     """One token per row of `logits` [B, V]: argmax for a greedy row, else a sample from its
-    filtered distribution. Returns int32 [B]."""
-    x = biased(logits, rows, mode)
+    filtered distribution (both after bias and penalties, `adjusted`). Returns int32 [B]."""
+    x = adjusted(logits, rows, mode, counts)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if mode.greedy:
         return greedy
@@ -550,12 +600,13 @@ def speculative_accept(key, draft_tokens, q, p):
     return speculative_accept_from_uniforms(draft_tokens, q, p, u_accept, u_resample)
 
 
-def accept(key, draft_tokens, q, logits, rows: RowParams, mode: SamplingMode):
+def accept(key, draft_tokens, q, logits, rows: RowParams, mode: SamplingMode, counts: penalties.Counts | None = None):
     """One verified block, each row by its own setting: (n_accepted [B], emitted [B, K]). A greedy
-    row walks the argmax of its (biased) logits (`greedy_accept`), a sampled row is modified
-    rejection sampling against its filtered p (`speculative_accept`; q None: point-mass drafts); a
-    select picks per row."""
-    x = biased(logits, rows, mode)
+    row walks the argmax of its (biased, penalised) logits (`greedy_accept`), a sampled row is
+    modified rejection sampling against its filtered p (`speculative_accept`; q None: point-mass
+    drafts); a select picks per row. With penalties, position j's logits are penalised with
+    `counts` plus the drafts before j: the p classic decoding would use there."""
+    x = adjusted(logits, rows, mode, counts, draft_tokens)
     n_greedy, e_greedy = greedy_accept(draft_tokens, x)
     if mode.greedy:
         return n_greedy, e_greedy
