@@ -579,14 +579,16 @@ def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingPar
       draft ("sample": draw drafts from q, or "argmax"; T > 0 only), logit_bias ({token id: value
       in [-100, 100]} added to the logits, greedy too, at most 300), logprobs (None, or N in 0..20:
       the result's `logprobs` holds each token's log-probability under the target's logits
-      (log_softmax, before bias and temperature) and the N most likely tokens').
+      (log_softmax, before bias and temperature) and the N most likely tokens'), presence_penalty /
+      frequency_penalty (OpenAI's, over the generated tokens, in [-2, 2]), repetition_penalty (HF's,
+      over prompt + generated tokens, in [0.01, 100]; 1 is off).
     eos_token_ids: None takes the target config's EOS ids when it has any. Generation of a row stops
     after the first EOS or stop token (kept in the output).
     verify_pad: None (the target's `matmul.verify_pad`), a bool, or a width.
     cache_size: KV positions per row (None: just enough).
     exactness_probe: at T = 0, check once per shape that a K-wide verify is bit-identical to K
     single steps and fall back to classic decoding with a warning when it is not.
-    A new temperature / top_k / top_p / bias value compiles nothing: they are runtime inputs.
+    A new temperature / top_k / top_p / bias / penalty value compiles nothing: they are runtime inputs.
     """
     p = plan(target, prompt_ids, request_of(params, **knobs), assistant=assistant, block_size=block_size,
              eos_token_ids=eos_token_ids, verify_pad=verify_pad, cache_size=cache_size,

@@ -8,20 +8,10 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import penalties, sampling
+from support.sampling_ref import np_penalised
 from support.seeds import seeded_rng
 
 V = 40
-
-
-def np_penalised(x, counts, prompt, presence, frequency, repetition):
-    """The definitions, float64, one position of one row: HF's repetition penalty over the prompt's and
-    the generated tokens, then OpenAI's presence / frequency penalties over the generated ones."""
-    x = np.asarray(x, np.float64).copy()
-    for t in range(x.size):
-        if prompt[t] or counts[t] > 0:
-            x[t] = x[t] * repetition if x[t] < 0 else x[t] / repetition
-        x[t] -= counts[t] * frequency + (presence if counts[t] > 0 else 0.0)
-    return x
 
 
 def _rows(rng, b):

@@ -38,3 +38,15 @@ def np_filter_probs(logits, temperature, top_k=None, top_p=None, min_p=None):
         p = np.exp(xs - xs.max())
         out[r] = p / p.sum()
     return out
+
+
+def np_penalised(x, counts, prompt, presence, frequency, repetition):
+    """The penalties' definitions (issue 68), float64, one position of one row: HF's repetition penalty
+    over the prompt's and the generated tokens (x * r below 0, x / r else), then OpenAI's presence and
+    frequency penalties over the generated ones (counts: each token's count so far; prompt: a mask)."""
+    x = np.asarray(x, np.float64).copy()
+    for t in range(x.size):
+        if prompt[t] or counts[t] > 0:
+            x[t] = x[t] * repetition if x[t] < 0 else x[t] / repetition
+        x[t] -= counts[t] * frequency + (presence if counts[t] > 0 else 0.0)
+    return x
