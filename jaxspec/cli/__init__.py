@@ -7,6 +7,8 @@ shared checks, serve_flags.py serve's pre-load checks, convert.py `tiny-pair` an
     jaxspec generate "Hello" --model DIR --assistant DIR --stream
     jaxspec generate - --model gemma-3-270m --draft ngram --compare < edit.txt   # prompt lookup: no drafter model
     jaxspec generate "Why is the sky blue?" --model DIR --assistant DIR --chat --temperature 0.7 --top-p 0.95
+    jaxspec generate "The capital of France is" --model gemma-3-270m --repetition-penalty 1.3   # no loops
+    jaxspec generate "Once upon a time" --temperature 0.8 --n 3 --seed 7      # 3 choices, seeds 7, 8, 9
     jaxspec tiny-pair DIR                                               # a tiny random pair (smoke tests)
     jaxspec convert gemma-3-270m DIR                                    # a GGUF as a checkpoint directory
 
@@ -465,9 +467,13 @@ def cmd_generate(args) -> int:
     _check_cache_flag(args)
     try:  # the request, checked once here: before anything is loaded
         request = sampling.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                          min_p=args.min_p, seed=args.seed)
+                                          min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
+                                          frequency_penalty=args.frequency_penalty,
+                                          repetition_penalty=args.repetition_penalty)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.n > 1 and args.compare:
+        raise UsageError("--compare runs one generation: it cannot be combined with --n > 1")
     prompt = _prompt_text(args)
     if not prompt:
         raise UsageError("empty prompt")
@@ -520,19 +526,28 @@ def cmd_generate(args) -> int:
     _note(f"jaxspec: running the {'speculative' if speculative else 'classic'} decode loop"
           + (f" (later runs reuse the on-disk compile cache in {cache_dir})" if cache_dir else ""))
     show = not args.json
-    t0 = time.perf_counter()
+    streamed = args.stream
+    choices = []  # (result, startup seconds) per choice
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        streamed = args.stream
-        if streamed:
-            result = _generate_streamed(target, ids, assistant, tok, kw, args.stream_rounds, show, caught)
-        else:
-            result = jaxspec.generate(target, [ids], assistant=assistant, **kw)
-            if show:
-                sys.stdout.write(tok.decode(result.tokens[0]) + "\n")
-                sys.stdout.flush()
-        wall = time.perf_counter() - t0
-        startup = max(0.0, wall - result.stats.prefill_s - result.stats.decode_s)
+        for i in range(args.n):  # choice i is its own run with seed + i (the server's n too)
+            seed = (args.seed + i) % sampling.SEED_LIMIT
+            kw["params"] = dataclasses.replace(request, seed=seed)
+            if args.n > 1 and show:
+                sys.stdout.write(f"[choice {i}, seed {seed}]\n")
+            t0 = time.perf_counter()
+            if streamed:
+                result = _generate_streamed(target, ids, assistant, tok, kw, args.stream_rounds, show, caught)
+            else:
+                result = jaxspec.generate(target, [ids], assistant=assistant, **kw)
+                if show:
+                    sys.stdout.write(tok.decode(result.tokens[0]) + "\n")
+                    sys.stdout.flush()
+            wall = time.perf_counter() - t0
+            startup = max(0.0, wall - result.stats.prefill_s - result.stats.decode_s)
+            choices.append((result, startup))
+            if args.n > 1 and show and not args.no_stats:
+                print(_stats_line(result.stats, startup), flush=True)
         classic = identical = None
         if args.compare and drafting:
             _note("running classic decoding for --compare (compiled on first use) ...")
@@ -544,7 +559,11 @@ def cmd_generate(args) -> int:
     _flush_warnings(caught)
 
     stats = result.stats
-    if args.json:
+    if args.json and args.n > 1:
+        print(json.dumps(dict(choices=[dict(index=i, text=tok.decode(r.tokens[0]), tokens=r.tokens[0],
+                                            stats=r.stats.as_dict(), startup_s=s) for i, (r, s) in enumerate(choices)],
+                              prompt_tokens=len(ids), streamed=streamed)))
+    elif args.json:
         out = dict(text=tok.decode(result.tokens[0]), prompt_tokens=len(ids), tokens=result.tokens[0],
                    stats=stats.as_dict(), startup_s=startup, streamed=streamed)
         if classic is not None:
@@ -553,7 +572,7 @@ def cmd_generate(args) -> int:
             out["speedup"] = stats.decode_tokens_per_s / c if c > 0 else None
             out["identical_to_classic"] = identical
         print(json.dumps(out))
-    elif not args.no_stats:
+    elif not args.no_stats and args.n == 1:
         print(_stats_line(stats, startup, classic.stats if classic is not None else None, identical), flush=True)
     return EXIT_OK
 

@@ -83,7 +83,8 @@ _GENERATE_RANGES = (("--max-tokens", "max_tokens", 1, None, ""),
                     ("--top-k", "top_k", sampling.RANGES["top_k"].lo, sampling.RANGES["top_k"].hi, ""),
                     ("--block-size", "block_size", 1, MAX_BLOCK_SIZE, BLOCK_SIZE_WHY),
                     ("--stream-rounds", "stream_rounds", 1, MAX_ROUNDS_PER_CHUNK, ""),
-                    ("--devices", "devices", 1, None, ""))
+                    ("--devices", "devices", 1, None, ""),
+                    ("--n", "n", sampling.RANGES["n"].lo, sampling.RANGES["n"].hi, ""))
 
 
 # serve's own flags; its batching and queue flags (--max-batch, --max-queue, ...) are ServeConfig's

@@ -44,8 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None, metavar="P")
     g.add_argument("--min-p", type=float, default=None, metavar="P",
                    help="drop tokens less likely than P times the most likely one (0..1; default off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="OpenAI's: lower each token's logit by P once it was generated (-2..2; default 0, off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="OpenAI's: lower each token's logit by F times the times it was generated (-2..2; "
+                        "default 0, off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="HF's: divide the positive logits (multiply the negative ones) of every token in the prompt "
+                        "and the output by R (0.01..100; default 1, off; e.g. 1.3 keeps a small model from looping)")
     g.add_argument("--seed", type=int, default=0, metavar="S",
                    help="sampling seed, an integer in [0, 2**64) (default 0)")
+    g.add_argument("--n", type=int, default=1, metavar="N",
+                   help="choices to generate, 1..16 (default 1): choice i runs with seed S + i, printed one after "
+                        "another under a numbered header")
     g.add_argument("--block-size", type=int, default=4, metavar="K",
                    help=f"verify width K, 1..{MAX_BLOCK_SIZE}: K-1 drafts + 1 per round (default 4; 1 decodes "
                         "classically)")

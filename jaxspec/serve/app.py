@@ -6,8 +6,9 @@
 Requests decode together, continuously batched (`jaxspec.engine.batching.BatchEngine`): one worker thread
 admits waiting requests into free slots between rounds (in arrival order), runs a round for every
 live slot, and retires finished ones. Every sampling setting shares the batch: temperature, top_p,
-top_k, min_p, seed, logit_bias and logprobs are per-row values of one engine, so a new setting compiles
-nothing. Long and short requests share the batch: the slots draw their KV cache from one pool of
+top_k, min_p, seed, logit_bias, the penalties and logprobs are per-row values of one engine, so a new
+setting compiles nothing. A request with `n` choices is n requests of the batch (choice i seeded
+seed + i), answered together. Long and short requests share the batch: the slots draw their KV cache from one pool of
 blocks (a request takes what its prompt and budget need), and a prompt is prefilled in chunks
 between decode steps, so a long prompt does not stop the other streams for its whole prefill. A
 request past a request's capacity or the whole pool is refused (a 400 naming the limit); one that
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -112,10 +114,33 @@ class Server:
         return s
 
     def job(self, raw: bytes, chat: bool) -> tuple[Job, bool]:
-        """A request body -> (its Job, stream); ApiError for anything wrong, before any compute."""
-        ids, params, stream = self.schema.request(raw, chat)
-        return Job(ids=ids, max_tokens=params.max_new_tokens, stop=list(params.stop), params=params, seed=params.seed,
-                   logprobs=params.logprobs), stream
+        """A request body -> (its first choice's Job, stream); ApiError for anything wrong, before
+        any compute."""
+        jobs, stream = self.jobs(raw, chat)
+        return jobs[0], stream
+
+    def jobs(self, raw: bytes, chat: bool) -> tuple[list[Job], bool]:
+        """A request body -> (one Job per choice, stream): choice i is the request with seed + i
+        (`OpenAISchema.choice_seed`), its own row of the batch. ApiError before any compute."""
+        ids, params, stream, n = self.schema.request(raw, chat)
+        jobs = []
+        for i in range(n):
+            p = dataclasses.replace(params, seed=self.schema.choice_seed(params.seed, i))
+            jobs.append(Job(ids=ids, max_tokens=p.max_new_tokens, stop=list(p.stop), params=p, seed=p.seed,
+                            logprobs=p.logprobs))
+        return jobs, stream
+
+    def submit_all(self, jobs: list[Job]) -> list[asyncio.Queue]:
+        """Queue every choice's job, or none: a 429 for one cancels those already queued."""
+        queues = []
+        try:
+            for job in jobs:
+                queues.append(self.submit(job))
+        except ApiError:
+            for job in jobs[:len(queues)]:
+                job.cancelled.set()
+            raise
+        return queues
 
     def app(self) -> FastAPI:
         app = FastAPI(title="jaxspec")
@@ -148,42 +173,52 @@ class Server:
                         serve_guard.log_drop(request.client, "its request body ended early (it went away, or the "
                                                              "body passed --max-body-bytes)")
                     return Response(status_code=499)
-                job, stream = await asyncio.get_running_loop().run_in_executor(self.prep, self.job, raw, chat)
+                jobs, stream = await asyncio.get_running_loop().run_in_executor(self.prep, self.jobs, raw, chat)
             head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                     "model": self.model_name}
-            events = self.submit(job)
+            queues = self.submit_all(jobs)
             if stream:
-                return StreamingResponse(self._sse(job, events, head, chat), media_type="text/event-stream")
-            text, entries, end = "", [], None
+                return StreamingResponse(self._sse(jobs, queues, head, chat), media_type="text/event-stream")
+            choices, used, first_stats = [], 0, None
             clock = asyncio.get_running_loop().time
             check = clock() + DISCONNECT_POLL_S
-            while end is None:
-                try:
-                    ev = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    ev = None
-                if clock() >= check:  # every poll interval, events or not
-                    check = clock() + DISCONNECT_POLL_S
-                    if await request.is_disconnected():  # nobody will read the answer: stop its work
-                        job.cancelled.set()
-                        return JSONResponse({}, status_code=499)
-                if ev is None:
-                    continue
-                if isinstance(ev, TextEvent):
-                    text += ev.piece
-                    entries += ev.entries
-                else:
-                    end = ev
-            if isinstance(end, ErrorEvent):
-                kind = "invalid_request_error" if end.status < 500 else "server_error"
-                return JSONResponse(error_json(end.message, kind=kind), status_code=end.status)
-            entries += end.entries
-            lps = None if job.logprobs is None else self.schema.logprobs_json(entries, chat)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                       "finish_reason": end.reason}
-                      if chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": end.reason})
-            return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                    "usage": self.schema.usage(len(job.ids), end.n_tokens), "jaxspec": end.stats}
+            # The choices run together in the batch; their events wait in their queues while an
+            # earlier choice's are read.
+            for i, (job, events) in enumerate(zip(jobs, queues)):
+                text, entries, end = "", [], None
+                while end is None:
+                    try:
+                        ev = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        ev = None
+                    if clock() >= check:  # every poll interval, events or not
+                        check = clock() + DISCONNECT_POLL_S
+                        if await request.is_disconnected():  # nobody will read the answer: stop its work
+                            _cancel(jobs)
+                            return JSONResponse({}, status_code=499)
+                    if ev is None:
+                        continue
+                    if isinstance(ev, TextEvent):
+                        text += ev.piece
+                        entries += ev.entries
+                    else:
+                        end = ev
+                if isinstance(end, ErrorEvent):
+                    _cancel(jobs)
+                    kind = "invalid_request_error" if end.status < 500 else "server_error"
+                    return JSONResponse(error_json(end.message, kind=kind), status_code=end.status)
+                entries += end.entries
+                lps = None if job.logprobs is None else self.schema.logprobs_json(entries, chat)
+                choice = ({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                           "finish_reason": end.reason}
+                          if chat else {"index": i, "text": text, "logprobs": lps, "finish_reason": end.reason})
+                if len(jobs) > 1:
+                    choice["jaxspec"] = end.stats  # each choice's own decoding
+                choices.append(choice)
+                used += end.n_tokens
+                first_stats = first_stats or end.stats
+            return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                    "usage": self.schema.usage(len(jobs[0].ids), used), "jaxspec": first_stats}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -195,38 +230,64 @@ class Server:
 
         return app
 
-    async def _sse(self, job, events, head, chat):
+    async def _sse(self, jobs, queues, head, chat):
+        """The choices' chunks as their tokens come, each with its choice's index; the last choice
+        to end carries the usage of all."""
         obj = "chat.completion.chunk" if chat else "text_completion"
-        sent = 0  # characters sent (completions' text_offset)
+        sent = [0] * len(jobs)  # characters sent per choice (completions' text_offset)
+        first = [True] * len(jobs)
 
-        def chunk(piece, entries, reason=None, first=False, **extra):
-            lps = None if job.logprobs is None else self.schema.logprobs_json(entries, chat, sent)
+        def chunk(i, piece, entries, reason=None, **extra):
+            lps = None if jobs[i].logprobs is None else self.schema.logprobs_json(entries, chat, sent[i])
             if chat:
-                delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
+                delta = ({"role": "assistant"} if first[i] else {}) | ({"content": piece} if piece else {})
+                choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": piece, "logprobs": lps, "finish_reason": reason}
+                choice = {"index": i, "text": piece, "logprobs": lps, "finish_reason": reason}
+            first[i] = False
             return f"data: {json.dumps({**head, 'object': obj, 'choices': [choice], **extra})}\n\n"
 
+        used, left = 0, len(jobs)
         try:
-            first = True
-            while True:
-                ev = await events.get()
-                if isinstance(ev, TextEvent):
-                    if ev.piece or ev.entries:
-                        yield chunk(ev.piece, ev.entries, first=first)
-                        sent += len(ev.piece)
-                        first = False
-                    continue
-                if isinstance(ev, ErrorEvent):
-                    yield f"data: {json.dumps({'error': {'message': ev.message, 'type': 'server_error'}})}\n\n"
-                else:
-                    usage = self.schema.usage(len(job.ids), ev.n_tokens)
-                    yield chunk("", ev.entries, ev.reason, first=first, usage=usage, jaxspec=ev.stats)
-                yield "data: [DONE]\n\n"
-                return
-        finally:  # also when the client went away: the worker drops the job at its next chunk
-            job.cancelled.set()
+            async with contextlib.aclosing(_merged(queues)) as events:
+                async for i, ev in events:
+                    if isinstance(ev, TextEvent):
+                        if ev.piece or ev.entries:
+                            yield chunk(i, ev.piece, ev.entries)
+                            sent[i] += len(ev.piece)
+                        continue
+                    if isinstance(ev, ErrorEvent):
+                        yield f"data: {json.dumps({'error': {'message': ev.message, 'type': 'server_error'}})}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    used, left = used + ev.n_tokens, left - 1
+                    last = {"usage": self.schema.usage(len(jobs[0].ids), used)} if not left else {}
+                    yield chunk(i, "", ev.entries, ev.reason, **last, jaxspec=ev.stats)
+                    if not left:
+                        yield "data: [DONE]\n\n"
+                        return
+        finally:  # also when the client went away: the worker drops the jobs at their next chunk
+            _cancel(jobs)
+
+
+def _cancel(jobs) -> None:
+    for job in jobs:
+        job.cancelled.set()
+
+
+async def _merged(queues):
+    """(index, event) from several queues, each event as soon as it is there, each queue's in order."""
+    getters = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+    try:
+        while True:
+            done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=getters.get):
+                i = getters.pop(fut)
+                getters[asyncio.ensure_future(queues[i].get())] = i
+                yield i, fut.result()
+    finally:
+        for fut in getters:
+            fut.cancel()
 
 
 def serve(server: Server, host: str, port: int, announce=None, *, api_key: str | None = None,

@@ -31,11 +31,10 @@ TEMPERATURE_MAX = 2.0  # OpenAI's bound (the library has none)
 # Fields a request may carry; the values that change nothing are accepted for the others
 # (`_NEUTRAL`); anything else is a 400 naming the field, never silently ignored.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-           "n", "logit_bias", "user", "presence_penalty", "frequency_penalty", "logprobs"}
+           "n", "logit_bias", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs"}
 _FIELDS = {False: _COMMON | {"prompt", "echo", "best_of", "suffix"},
            True: _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
-_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "echo": (False,), "best_of": (1,),
-            "suffix": ("",), "n": (1,)}
+_NEUTRAL = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -174,10 +173,10 @@ class OpenAISchema:
         self.slot_room = None  # after warm_up: prompt length -> the largest budget a slot takes
         self.kv_pool = None  # after warm_up: the positions of the KV pool the slots share
 
-    def request(self, raw: bytes, chat: bool) -> tuple[list[int], sampling.SamplingParams, bool]:
-        """A request body -> (prompt ids, the request, stream); ApiError for anything wrong, before
-        any compute. The request carries the budget, the seed (a random one when the body has
-        none), the stop strings and the logprobs."""
+    def request(self, raw: bytes, chat: bool) -> tuple[list[int], sampling.SamplingParams, bool, int]:
+        """A request body -> (prompt ids, the request, stream, n: the choices asked); ApiError for
+        anything wrong, before any compute. The request carries the budget, the seed (a random one
+        when the body has none), the stop strings and the logprobs."""
         body = parse_body(raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
@@ -197,6 +196,10 @@ class OpenAISchema:
         top_p = _knob(body, "top_p", None)
         top_k = _knob(body, "top_k", None)
         min_p = _knob(body, "min_p", None)
+        presence = _knob(body, "presence_penalty", 0.0)
+        frequency = _knob(body, "frequency_penalty", 0.0)
+        repetition = _knob(body, "repetition_penalty", 1.0)  # an extension (vLLM's, HF's)
+        n = _knob(body, "n", 1)
         seed = _knob(body, "seed", None)
         logprobs = self._logprobs(body, chat)
         bias = _logit_bias(body, self.vocab)
@@ -227,11 +230,12 @@ class OpenAISchema:
             seed = random.getrandbits(63)
         try:  # the fields were checked above (naming them as the client spelled them): this cannot fail
             params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                             logit_bias=bias,
+                                             logit_bias=bias, presence_penalty=presence, frequency_penalty=frequency,
+                                             repetition_penalty=repetition,
                                              max_new_tokens=max_tokens, seed=seed, stop=stop, logprobs=logprobs)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        return ids, params, stream
+        return ids, params, stream, n
 
     @staticmethod
     def _logprobs(body, chat: bool) -> int | None:
@@ -289,6 +293,12 @@ class OpenAISchema:
             return self.tok.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
         except TokenizerError as e:
             raise ApiError(400, f"this model cannot chat: {e}", "messages") from None
+
+    @staticmethod
+    def choice_seed(seed: int, i: int) -> int:
+        """Choice i's seed: the request's + i (mod 2**64, the seeds' range), so choice i is what a
+        request of n = 1 with that seed gives."""
+        return (seed + i) % sampling.SEED_LIMIT
 
     @staticmethod
     def usage(n_prompt: int, n: int) -> dict:

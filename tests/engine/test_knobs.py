@@ -112,6 +112,10 @@ BAD_SAMPLING = [  # (generate's keyword, value, the CLI flag, the server's field
     ("top_p", 1.5, "--top-p", "top_p"),
     ("seed", -1, "--seed", "seed"),
     ("seed", 2**64, "--seed", "seed"),
+    ("presence_penalty", 2.5, "--presence-penalty", "presence_penalty"),
+    ("frequency_penalty", -3, "--frequency-penalty", "frequency_penalty"),
+    ("repetition_penalty", 0.0, "--repetition-penalty", "repetition_penalty"),
+    ("repetition_penalty", 1000, "--repetition-penalty", "repetition_penalty"),
 ]
 
 
@@ -130,6 +134,34 @@ def test_sampling_values_are_refused_at_every_entry_point(name, value, flag, fie
     with pytest.raises(server.ApiError) as e:
         srv.job(json.dumps(body).encode(), chat=False)
     assert e.value.status == 400 and e.value.param == field and f"'{field}'" in e.value.message
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_is_refused_by_the_cli_and_the_server(n, capsys, monkeypatch):
+    assert "--n" in cli_refuses(capsys, monkeypatch, "generate", "hi", "--n", str(n))
+    server = pytest.importorskip("jaxspec.serve.app")
+    srv = server.Server(NoModel(), None, None, model_name="m")
+    srv.compiles.__exit__()
+    with pytest.raises(server.ApiError) as e:
+        srv.job(json.dumps({"prompt": [3, 4], "n": n}).encode(), chat=False)
+    assert e.value.status == 400 and e.value.param == "n" and "'n' must be an integer in [1, 16]" in e.value.message
+
+
+def test_a_request_of_n_choices_is_n_jobs_seeded_seed_plus_i():
+    """Choice i is the request with seed + i (past 2**64 - 1 it wraps to 0: the seeds' range), every
+    other field the same; without a seed, one random seed for the request, + i per choice."""
+    server = pytest.importorskip("jaxspec.serve.app")
+    srv = server.Server(NoModel(), None, None, model_name="m")
+    srv.compiles.__exit__()
+    body = {"prompt": [3, 4], "n": 3, "seed": 2**64 - 2, "temperature": 0.5, "presence_penalty": 0.5,
+            "repetition_penalty": 1.2}
+    jobs, stream = srv.jobs(json.dumps(body).encode(), chat=False)
+    assert [j.seed for j in jobs] == [j.params.seed for j in jobs] == [2**64 - 2, 2**64 - 1, 0] and not stream
+    assert {(j.params.presence_penalty, j.params.repetition_penalty, j.params.temperature) for j in jobs} == {
+        (0.5, 1.2, 0.5)}
+    assert len({id(j.cancelled) for j in jobs}) == 3  # each choice is cancelled on its own
+    jobs, _ = srv.jobs(json.dumps({"prompt": [3, 4], "n": 2, "temperature": 0.5}).encode(), chat=False)
+    assert jobs[1].seed == jobs[0].seed + 1
 
 
 # ---- prompt ids -------------------------------------------------------------------------------------

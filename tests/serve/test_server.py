@@ -117,7 +117,7 @@ def test_sampling_follows_the_seed(server):
     (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "'max_tokens'"),
     (json.dumps({"prompt": "x", "temperature": -1}).encode(), 400, "'temperature'"),
     (json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "'top_p'"),
-    (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "'n'"),
+    (json.dumps({"prompt": "x", "n": 17}).encode(), 400, "'n'"),
     (json.dumps({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "'stop'"),
     (json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400, "'stream'"),
 ])

@@ -21,6 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from support.seeds import seeded_rng  # noqa: E402
 from support.server_proc import concurrently  # noqa: E402
 
 KEY = "test-key-7f3a"
@@ -177,9 +178,53 @@ def test_logit_bias_steers_the_output(server, pair):
     assert r.choices[0].text == tok.decode([forced] * 6)
 
 
+def test_penalties_equal_the_librarys(server, pair):
+    """Greedy with all three penalties: the server's text (its batch engine: the penalised step program,
+    the first token from the chunked prefill, the counts written into the slot) is the library's
+    classic decoding with them, which differs from decoding without them."""
+    import jaxspec
+
+    target, _, tok = _load(pair)
+    prompt = tok.encode(PROMPTS[5])
+    pen = dict(presence_penalty=0.8, frequency_penalty=0.6)
+    kw = dict(max_new_tokens=12, block_size=1, eos_token_ids=tok.eos_token_ids)
+    want = jaxspec.generate(target, prompt, repetition_penalty=1.5, **pen, **kw).tokens[0]
+    assert want != jaxspec.generate(target, prompt, **kw).tokens[0]
+    r = complete(server, prompt, max_tokens=12, extra_body={"repetition_penalty": 1.5}, **pen)
+    assert r.choices[0].text == tok.decode(want)
+
+
+def test_n_choices_are_their_own_requests_seeded_seed_plus_i(server):
+    """n = 4 with a seed: four choices, choice i the text of its own request (n = 1) with seed + i; usage
+    counts every choice (the prompt once). Streamed, each chunk names its choice and the pieces join to
+    the same texts, the last chunk carrying the usage. n = 16 beside it (20 rows, 16 slots) queues."""
+    kw = dict(max_tokens=10, temperature=1.0, frequency_penalty=0.5)
+    seed = int(seeded_rng().integers(0, 2**62))
+    r = complete(server, PROMPTS[3], n=4, seed=seed, **kw)
+    alone = [complete(server, PROMPTS[3], seed=seed + i, **kw) for i in range(4)]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    chunks = list(server.client.completions.create(model="target", prompt=PROMPTS[3], n=4, seed=seed, stream=True,
+                                                   **kw))
+    texts = [""] * 4
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == [c.text for c in r.choices]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert sum(bool(ch.finish_reason) for c in chunks for ch in c.choices) == 4
+    (wide, four), busiest = concurrently(server, [
+        lambda: complete(server, PROMPTS[0], n=16, max_tokens=6, temperature=0.8),
+        lambda: complete(server, PROMPTS[3], n=4, seed=seed, **kw)])
+    assert [c.index for c in wide.choices] == list(range(16)) and all(c.text for c in wide.choices)
+    assert [c.text for c in four.choices] == texts and 4 <= busiest <= 16
+
+
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("suffix", "x"), ("best_of", 3), ("n", 2), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0), ("tools", []), ("response_format", {"type": "json_object"}),
+    ("echo", True), ("suffix", "x"), ("best_of", 3), ("tools", []), ("response_format", {"type": "json_object"}),
 ])
 def test_unsupported_fields_are_400_naming_them(server, field, value):
     body = {"prompt": "x", "max_tokens": 2, field: value}
