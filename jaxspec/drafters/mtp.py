@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import models
-from jaxspec.engine import sampling
+from jaxspec.engine import penalties, sampling
 from jaxspec.drafters.base import Round, Seed
 
 # Query position passed to models.draft_step, relative to the cache length L at the start of a
@@ -43,15 +43,20 @@ class Drafter:
         T = 0, a sample from the filtered q at T > 0."""
         position = state.cache.lengths + DRAFT_POSITION_OFFSET
         cache = state.cache
+        # With penalties the drafts are penalised as the verify will be (the counts so far plus the
+        # drafts before): not needed for exactness, but the drafts then follow the penalised target.
+        counts = state.counts if mode.penalties else None
 
         def step(carry, step_key):
-            tok, h = carry
+            tok, h, counts = carry
             logits, h_next = models.draft_step(assistant, target, cache, tok, h, position)
-            d, q = sampling.draft_choice(step_key, logits, state.rows, mode)
-            return (d, h_next.astype(h.dtype)), (d if q is None else (d, q))
+            d, q = sampling.draft_choice(step_key, logits, state.rows, mode, counts)
+            if counts is not None:
+                counts = penalties.record(counts, d[:, None], jnp.ones((d.shape[0], 1), bool))
+            return (d, h_next.astype(h.dtype), counts), (d if q is None else (d, q))
 
         keys = None if mode.greedy else sampling.split(key, k - 1)  # greedy: no RNG work at all
-        _, ys = jax.lax.scan(step, (state.bonus, state.draft), keys, length=k - 1, unroll=DRAFT_UNROLL)
+        _, ys = jax.lax.scan(step, (state.bonus, state.draft, counts), keys, length=k - 1, unroll=DRAFT_UNROLL)
         if mode.greedy:
             return jnp.swapaxes(ys, 0, 1), None, None
         d, q = ys

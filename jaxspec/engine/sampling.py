@@ -616,12 +616,13 @@ def accept(key, draft_tokens, q, logits, rows: RowParams, mode: SamplingMode, co
     return jnp.where(g, n_greedy, n_s), jnp.where(g[:, None], e_greedy, e_s)
 
 
-def draft_choice(key, draft_logits: jax.Array, rows: RowParams, mode: SamplingMode):
+def draft_choice(key, draft_logits: jax.Array, rows: RowParams, mode: SamplingMode,
+                 counts: penalties.Counts | None = None):
     """A draft token per row and the distribution q it was drawn from (the one the accept step must
-    use). draft_logits: [B, V]. Greedy rows (and draft="argmax"): the argmax of the biased logits;
-    sampled rows: a sample from the filtered q (draft="argmax": q = one_hot(argmax)). q is None in
-    a greedy program; a greedy row's q is computed and never used."""
-    x = biased(draft_logits, rows, mode)
+    use). draft_logits: [B, V]. Greedy rows (and draft="argmax"): the argmax of the biased (and,
+    with `counts`, penalised) logits; sampled rows: a sample from the filtered q (draft="argmax": q =
+    one_hot(argmax)). q is None in a greedy program; a greedy row's q is computed and never used."""
+    x = adjusted(draft_logits, rows, mode, counts)
     top = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if mode.greedy:
         return top, None
