@@ -185,15 +185,68 @@ def _load(kind: str, path: str, **kw):
     return model
 
 
+def _cached_weights(args, model_dir: str) -> tuple[str, str | None]:
+    """(what to read the model from, the GGUF it stands for or None): a GGUF whose converted weights
+    the cache holds (jaxspec.weights_cache.lookup, checksums checked) is read from that directory
+    (config, tokenizer, weights: none of the GGUF's decoding), with one line saying where; any other
+    GGUF is read as it is and converted into the cache when it loads (`_load_target`). Neither with
+    --no-weights-cache, nor for a model that is not a GGUF file."""
+    from jaxspec import weights_cache
+    from jaxspec.models import gguf
+
+    if getattr(args, "no_weights_cache", False):
+        return model_dir, None
+    try:
+        src = gguf.source(model_dir)
+    except ValueError:  # _read_config names the problem
+        return model_dir, None
+    if src is None or not os.path.isfile(src):
+        return model_dir, None
+    hit = weights_cache.lookup(src)
+    if hit is None:
+        return model_dir, src
+    _note(f"jaxspec: weights from the cache {hit} (converted from {src}; --no-weights-cache reads the GGUF)")
+    return hit, src
+
+
+def _load_target(path: str, src: str | None, tok, **kw):
+    """The target from `path`; for a GGUF (`src`, see `_cached_weights`) from its cache entry,
+    converted first on a miss (the run's own tokenizer `tok` saved with it). A cache that cannot be
+    written, or an entry that does not load, is noted and skipped: the GGUF is read as it is."""
+    from jaxspec import weights_cache
+    from jaxspec.cli.convert import _step
+
+    if src is None:
+        return _load("target", path, **kw)
+    hit = path != src
+    if hit:
+        try:
+            return _load("target", path, **kw)
+        except UsageError as e:
+            _note(f"jaxspec: note: the cached weights do not load ({_one_line(e)}): converting {src} again")
+    try:
+        entry = _step(f"converting {src} into the weights cache (once; later runs load it)",
+                      lambda: weights_cache.build(src, tokenizer=tok, replace=hit))
+    except OSError as e:
+        _note(f"jaxspec: note: cannot write the weights cache {weights_cache.root()!r} ({e.strerror or _one_line(e)}): "
+              "reading the GGUF")
+        return _load("target", src, **kw)
+    except ValueError as e:  # the GGUF itself: the loader's one line names it
+        raise UsageError(f"cannot load the target from {src!r}: {_one_line(e)}") from None
+    _note(f"jaxspec: weights cache: {entry} (--no-weights-cache reads the GGUF)")
+    return _load("target", entry, **kw)
+
+
 def _dtype(args):
     import jax.numpy as jnp
 
     return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
 
 
-def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
+def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype, gguf_src: str | None = None, tok=None):
     """(target, assistant or None, the compile cache directory or None): the on-disk cache set as
-    --compile-cache / --no-compile-cache say, then both models loaded on --backend's config."""
+    --compile-cache / --no-compile-cache say, then both models loaded on --backend's config (a GGUF
+    target through the weights cache: `_load_target`)."""
     import jax
 
     from jaxspec import models
@@ -211,7 +264,7 @@ def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
     matmul = _matmul_config(args.backend)
     if devices is not None and devices > 1:  # models.shard splits the quantized weights, not CPU-dense ones
         matmul = matmul.replace(dense=False)
-    target = _load("target", model_dir, dtype=dtype, matmul=matmul)
+    target = _load_target(model_dir, gguf_src, tok, dtype=dtype, matmul=matmul)
     assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
     if devices is not None and devices > 1:
         import numpy as np
@@ -472,6 +525,7 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise UsageError("empty prompt")
     model_dir, assistant_dir = _resolve_dirs(args)
+    model_dir, gguf_src = _cached_weights(args, model_dir)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
     _check_block_size(args, tcfg)
 
@@ -508,7 +562,8 @@ def cmd_generate(args) -> int:
                   _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
-    target, assistant, cache_dir = _load_pair(args, model_dir, assistant_dir, dtype)
+    target, assistant, cache_dir = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src,
+                                              None if args.tokenizer else tok)
 
     verify_pad = None if args.verify_pad is None else args.verify_pad == "on"
     request = dataclasses.replace(request, max_new_tokens=max_tokens)
@@ -580,6 +635,10 @@ def cmd_serve(args) -> int:
     api_key, _ = _api_key(args)
     max_connections = _max_connections(args)
     model_dir, assistant_dir = _resolve_dirs(args)
+    named = _pair_name(args)
+    name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
+                               else named or os.path.basename(os.path.normpath(model_dir)))  # before the cache's path
+    model_dir, gguf_src = _cached_weights(args, model_dir)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
     _check_block_size(args, tcfg)
     try:
@@ -591,10 +650,7 @@ def cmd_serve(args) -> int:
     _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir or args.draft == "ngram" else 1, dtype,
                         _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
                         kv_positions=args.kv_positions)
-    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype)
-    named = _pair_name(args)
-    name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
-                               else named or os.path.basename(os.path.normpath(model_dir)))
+    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src, None if args.tokenizer else tok)
     srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, drafter=args.draft)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")

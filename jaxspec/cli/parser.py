@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from jaxspec import weights_cache
 from jaxspec.engine import compile_cache
 from jaxspec.engine.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
 from jaxspec.drafters.base import KINDS as DRAFT_KINDS
@@ -9,6 +10,10 @@ from jaxspec.serve.config import RANGES as SERVE_KNOBS, ServeConfig
 from jaxspec.cli.serve_flags import DEFAULT_MAX_CONNECTIONS, FD_RESERVE
 
 SERVE = ServeConfig()  # serve's defaults
+
+
+WEIGHTS_CACHE_HELP = ("read a GGUF --model as it is, every run (default: its weights are converted once into "
+                      f"${weights_cache.ENV}, else {weights_cache.DEFAULT_DIR}, and later runs load them from there)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"directory of the on-disk compilation cache (default {compile_cache.DEFAULT_DIR}; a "
                         "directory set in JAX's own configuration wins)")
     g.add_argument("--no-compile-cache", action="store_true", help="do not use the on-disk compilation cache")
+    g.add_argument("--no-weights-cache", action="store_true", help=WEIGHTS_CACHE_HELP)
     g.add_argument("--debug", action="store_true", help="show tracebacks")
 
     v = sub.add_parser("serve", help="serve the pair over HTTP (OpenAI-compatible completions and chat)",
@@ -154,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")
     v.add_argument("--compile-cache", metavar="DIR", default=None)
     v.add_argument("--no-compile-cache", action="store_true")
+    v.add_argument("--no-weights-cache", action="store_true", help=WEIGHTS_CACHE_HELP)
     v.add_argument("--debug", action="store_true", help="show tracebacks")
 
     t = sub.add_parser("tiny-pair", help="write a tiny random target + assistant + tokenizer (smoke tests)")
