@@ -38,7 +38,8 @@ from jaxspec.engine.generate import check_block_size
 from jaxspec.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, MAX_MESSAGE, USER_ERRORS,
                                 UsageError, _GENERATE_RANGES, _by_name, _check_ranges, _dir_bytes, _err, _fmt_bytes,
                                 _library_notes, _note, _one_line, _read_config)  # noqa: F401  (named here for the tests)
-from jaxspec.cli.serve_flags import FD_RESERVE, _api_key, _check_bind, _check_serve_flags, _max_connections, _serve_config  # noqa: F401  (named here for the tests)
+from jaxspec.cli.serve_flags import (FD_RESERVE, _api_key, _check_bind, _check_serve_flags, _max_connections,  # noqa: F401  (named here for the tests)
+                                     _serve_config, _served_names)
 from jaxspec.cli.convert import cmd_convert, cmd_tiny_pair
 from jaxspec.cli.parser import build_parser
 
@@ -441,7 +442,7 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
     elif args.pair is not None:
         raise UsageError("--pair and --model exclude each other")
     else:
-        model_dir, assistant_dir = _by_name(args.model), args.assistant
+        model_dir, assistant_dir = _by_name(args.model, "--model"), args.assistant
     if args.no_assistant:
         assistant_dir = None
     if draft == "mtp" and assistant_dir is None:
@@ -635,9 +636,7 @@ def cmd_serve(args) -> int:
     api_key, _ = _api_key(args)
     max_connections = _max_connections(args)
     model_dir, assistant_dir = _resolve_dirs(args)
-    named = _pair_name(args)
-    name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
-                               else named or os.path.basename(os.path.normpath(model_dir)))  # before the cache's path
+    name, aliases = _served_names(args, model_dir)
     model_dir, gguf_src = _cached_weights(args, model_dir)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
     _check_block_size(args, tcfg)
@@ -651,7 +650,7 @@ def cmd_serve(args) -> int:
                         _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
                         kv_positions=args.kv_positions)
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src, None if args.tokenizer else tok)
-    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, drafter=args.draft)
+    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, aliases=aliases, drafter=args.draft)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -660,7 +659,8 @@ def cmd_serve(args) -> int:
     guard = ("API key required" if api_key else "no API key") + (
         f", CORS for {', '.join(origins)}" if origins else "")  # never the key itself
     server.serve(srv, args.host, args.port,
-                 announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
+                 announce=lambda: _note(f"jaxspec: serving {name!r}{''.join(f' (also {a!r})' for a in aliases)} on "
+                                        f"http://{args.host}:{args.port} "
                                         f"(OpenAI-compatible: {endpoints}; {guard})"),
                  api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes,
                  allowed_hosts=tuple(args.allowed_host or ()), max_connections=max_connections,
