@@ -3,7 +3,7 @@
 shared checks, serve_flags.py serve's pre-load checks, convert.py `tiny-pair` and `convert`.
 
     jaxspec generate "def fibonacci(n):" --max-tokens 64 --compare      # the embedded default pair
-    jaxspec generate "The capital of France is" --pair gemma-3-270m --compare   # Gemma 3 270M + its drafter
+    jaxspec generate "The capital of France is" --model gemma-3-270m --draft ngram --compare   # Gemma 3 270M
     jaxspec generate "Hello" --model DIR --assistant DIR --stream
     jaxspec generate - --model gemma-3-270m --draft ngram --compare < edit.txt   # prompt lookup: no drafter model
     jaxspec generate "Why is the sky blue?" --model DIR --assistant DIR --chat --temperature 0.7 --top-p 0.95
