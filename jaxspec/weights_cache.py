@@ -186,7 +186,9 @@ def build(src: str, where: str | None = None, *, tokenizer=None, progress=None, 
     tmp = os.path.join(home, f"{_TMP}{secrets.token_hex(8)}")
     os.mkdir(tmp, 0o700)
     try:
-        tok = tokenizer or tokenizer_from_gguf(src, reader=gguf.MetadataReader(gguf.plan(src)[1]))
+        tok = tokenizer
+        if tok is None:
+            tok = tokenizer_from_gguf(src, reader=gguf.MetadataReader(gguf.plan(src)[1]))
         target = load_gguf_target(src, dtype=jnp.float32, matmul=DispatchConfig(backend="xla", dense=False),
                                   progress=progress)
         models.save(target, tmp, extra_files=tok.save)

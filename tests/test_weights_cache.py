@@ -81,6 +81,8 @@ def test_generate_converts_once_then_reads_the_cache(tiny, tmp_path, capsys, mon
     builds = []
     real = weights_cache.build
     monkeypatch.setattr(weights_cache, "build", lambda *a, **k: builds.append(a[0]) or real(*a, **k))
+    sized, check = [], cli._check_memory  # the memory check sizes the weights by the GGUF, hit or miss
+    monkeypatch.setattr(cli, "_check_memory", lambda *a: sized.append(a[-1]) or check(*a))
     argv = ["generate", "t5 t9 t12", "--model", tiny, "--max-tokens", "6", "--no-stats"]
 
     def run(*extra):
@@ -99,4 +101,4 @@ def test_generate_converts_once_then_reads_the_cache(tiny, tmp_path, capsys, mon
     os.truncate(weights, os.path.getsize(weights) - 1)
     third = run()
     assert builds == [tiny, tiny] and "converting" in third.err and third.out == plain.out
-    assert weights_cache.lookup(tiny) == entry
+    assert weights_cache.lookup(tiny) == entry and sized == [os.path.getsize(tiny)] * 4

@@ -203,7 +203,7 @@ def _cached_weights(args, model_dir: str) -> tuple[str, str | None]:
         return model_dir, None
     if src is None or not os.path.isfile(src):
         return model_dir, None
-    hit = weights_cache.lookup(src)
+    hit = weights_cache.lookup(src)  # (the memory checks size the weights by the GGUF's bytes either way)
     if hit is None:
         return model_dir, src
     _note(f"jaxspec: weights from the cache {hit} (converted from {src}; --no-weights-cache reads the GGUF)")
@@ -560,7 +560,7 @@ def cmd_generate(args) -> int:
     _check_backend()
     drafting = bool(assistant_dir) or args.draft == "ngram"
     _check_memory(tcfg, len(ids), max_tokens, args.block_size, drafting, dtype,
-                  _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
+                  _dir_bytes(gguf_src or model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
     target, assistant, cache_dir = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src,
@@ -647,10 +647,11 @@ def cmd_serve(args) -> int:
     _check_backend()
     dtype = _dtype(args)
     _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir or args.draft == "ngram" else 1, dtype,
-                        _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
+                        _dir_bytes(gguf_src or model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
                         kv_positions=args.kv_positions)
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src, None if args.tokenizer else tok)
-    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, aliases=aliases, drafter=args.draft)
+    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, aliases=aliases,
+                        drafter=args.draft)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
