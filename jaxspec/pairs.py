@@ -13,7 +13,9 @@ The pairs:
   and the drafter shipped in `jaxspec/data/drafters/gemma-3-270m/`, laid out as `jaxspec.train.assistant`
   writes it: `config.json` naming the target it was trained for (`"target"`, `"target_fingerprint"`),
   `model.safetensors` without an embedding table (the drafter uses the target's), `NOTICE` (the
-  Gemma terms: a drafter distilled from Gemma is a model derivative).
+  Gemma terms: a drafter distilled from Gemma is a model derivative). None is shipped yet (the one
+  trained keeps too few drafts to pay): until one is, the pair needs `assistant=` / `--assistant
+  DIR`, and without it is one line saying so and what runs instead.
 
 What is missing or wrong is one ValueError line, found before any weight is read: an unknown name,
 the target's package not installed, the drafter directory absent or incomplete, a drafter whose
@@ -30,7 +32,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 DRAFTERS = os.path.join(_HERE, "data", "drafters")  # package data: one directory per target name
 DRAFTER_FILES = ("config.json", "model.safetensors")
 DEFAULT = "default"
-REAL = ("gemma-3-270m",)  # targets known by name (models.gguf.KNOWN) with a shipped drafter
+REAL = ("gemma-3-270m",)  # targets known by name (models.gguf.KNOWN) with a drafter folder (shipped when trained)
 NAMES = (DEFAULT, *REAL)
 TRAIN_COMMAND = "python -m jaxspec.train.assistant --target {name} --out DIR"
 
@@ -90,6 +92,10 @@ def resolve(name: str, assistant: str | None = None) -> Pair:
     if name not in REAL:
         raise ValueError(f"unknown pair {name!r}: the named pairs are {', '.join(NAMES)} (or a pair directory)")
     drafter = drafter_dir(name) if assistant is None else os.fspath(assistant)
+    if assistant is None and not any(os.path.isfile(os.path.join(drafter, f)) for f in DRAFTER_FILES):
+        raise ValueError(f"no drafter for {name!r} is shipped yet ({drafter!r} holds none): run the target alone "
+                         f"(--model {name} --draft ngram: prompt lookup; --model {name}: classic) or pass "
+                         "--assistant DIR (a drafter trained with python -m jaxspec.train.assistant)")
     check_drafter(drafter, name)  # before the target's package: cheap, and names the real gap first
     from jaxspec.models import gguf
 

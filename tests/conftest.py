@@ -40,6 +40,8 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the controller: the workers inherit what it sets
         config._jaxspec_cache = tempfile.mkdtemp(prefix="jaxspec-test-compile-cache-")
         os.environ[CACHE_ENV] = os.environ["JAX_COMPILATION_CACHE_DIR"] = config._jaxspec_cache
+        # GGUF weights converted by the CLI (jaxspec.weights_cache) go there too, never into ~/.cache
+        os.environ["JAXSPEC_WEIGHTS_CACHE"] = os.path.join(config._jaxspec_cache, "weights")
         os.environ.setdefault(SEED_ENV, str(secrets.randbits(32)))
         # pytest-xdist (3.x) hands out files with the most tests first unless told not to, which put
         # the slowest files (few long tests: test_shard's 5, test_default_pair's 10) near the end of

@@ -3,7 +3,7 @@
 shared checks, serve_flags.py serve's pre-load checks, convert.py `tiny-pair` and `convert`.
 
     jaxspec generate "def fibonacci(n):" --max-tokens 64 --compare      # the embedded default pair
-    jaxspec generate "The capital of France is" --pair gemma-3-270m --compare   # Gemma 3 270M + its drafter
+    jaxspec generate "The capital of France is" --model gemma-3-270m --draft ngram --compare   # Gemma 3 270M
     jaxspec generate "Hello" --model DIR --assistant DIR --stream
     jaxspec generate - --model gemma-3-270m --draft ngram --compare < edit.txt   # prompt lookup: no drafter model
     jaxspec generate "Why is the sky blue?" --model DIR --assistant DIR --chat --temperature 0.7 --top-p 0.95
@@ -40,7 +40,8 @@ from jaxspec.engine.generate import check_block_size
 from jaxspec.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, MAX_MESSAGE, USER_ERRORS,
                                 UsageError, _GENERATE_RANGES, _by_name, _check_ranges, _dir_bytes, _err, _fmt_bytes,
                                 _library_notes, _note, _one_line, _read_config)  # noqa: F401  (named here for the tests)
-from jaxspec.cli.serve_flags import FD_RESERVE, _api_key, _check_bind, _check_serve_flags, _max_connections, _serve_config  # noqa: F401  (named here for the tests)
+from jaxspec.cli.serve_flags import (FD_RESERVE, _api_key, _check_bind, _check_serve_flags, _max_connections,  # noqa: F401  (named here for the tests)
+                                     _serve_config, _served_names)
 from jaxspec.cli.convert import cmd_convert, cmd_tiny_pair
 from jaxspec.cli.parser import build_parser
 
@@ -187,15 +188,68 @@ def _load(kind: str, path: str, **kw):
     return model
 
 
+def _cached_weights(args, model_dir: str) -> tuple[str, str | None]:
+    """(what to read the model from, the GGUF it stands for or None): a GGUF whose converted weights
+    the cache holds (jaxspec.weights_cache.lookup, checksums checked) is read from that directory
+    (config, tokenizer, weights: none of the GGUF's decoding), with one line saying where; any other
+    GGUF is read as it is and converted into the cache when it loads (`_load_target`). Neither with
+    --no-weights-cache, nor for a model that is not a GGUF file."""
+    from jaxspec import weights_cache
+    from jaxspec.models import gguf
+
+    if getattr(args, "no_weights_cache", False):
+        return model_dir, None
+    try:
+        src = gguf.source(model_dir)
+    except ValueError:  # _read_config names the problem
+        return model_dir, None
+    if src is None or not os.path.isfile(src):
+        return model_dir, None
+    hit = weights_cache.lookup(src)  # (the memory checks size the weights by the GGUF's bytes either way)
+    if hit is None:
+        return model_dir, src
+    _note(f"jaxspec: weights from the cache {hit} (converted from {src}; --no-weights-cache reads the GGUF)")
+    return hit, src
+
+
+def _load_target(path: str, src: str | None, tok, **kw):
+    """The target from `path`; for a GGUF (`src`, see `_cached_weights`) from its cache entry,
+    converted first on a miss (the run's own tokenizer `tok` saved with it). A cache that cannot be
+    written, or an entry that does not load, is noted and skipped: the GGUF is read as it is."""
+    from jaxspec import weights_cache
+    from jaxspec.cli.convert import _step
+
+    if src is None:
+        return _load("target", path, **kw)
+    hit = path != src
+    if hit:
+        try:
+            return _load("target", path, **kw)
+        except UsageError as e:
+            _note(f"jaxspec: note: the cached weights do not load ({_one_line(e)}): converting {src} again")
+    try:
+        entry = _step(f"converting {src} into the weights cache (once; later runs load it)",
+                      lambda: weights_cache.build(src, tokenizer=tok, replace=hit))
+    except OSError as e:
+        _note(f"jaxspec: note: cannot write the weights cache {weights_cache.root()!r} ({e.strerror or _one_line(e)}): "
+              "reading the GGUF")
+        return _load("target", src, **kw)
+    except ValueError as e:  # the GGUF itself: the loader's one line names it
+        raise UsageError(f"cannot load the target from {src!r}: {_one_line(e)}") from None
+    _note(f"jaxspec: weights cache: {entry} (--no-weights-cache reads the GGUF)")
+    return _load("target", entry, **kw)
+
+
 def _dtype(args):
     import jax.numpy as jnp
 
     return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[args.dtype]
 
 
-def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
+def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype, gguf_src: str | None = None, tok=None):
     """(target, assistant or None, the compile cache directory or None): the on-disk cache set as
-    --compile-cache / --no-compile-cache say, then both models loaded on --backend's config."""
+    --compile-cache / --no-compile-cache say, then both models loaded on --backend's config (a GGUF
+    target through the weights cache: `_load_target`)."""
     import jax
 
     from jaxspec import models
@@ -213,7 +267,7 @@ def _load_pair(args, model_dir: str, assistant_dir: str | None, dtype):
     matmul = _matmul_config(args.backend)
     if devices is not None and devices > 1:  # models.shard splits the quantized weights, not CPU-dense ones
         matmul = matmul.replace(dense=False)
-    target = _load("target", model_dir, dtype=dtype, matmul=matmul)
+    target = _load_target(model_dir, gguf_src, tok, dtype=dtype, matmul=matmul)
     assistant = _load("assistant", assistant_dir, dtype=dtype, matmul=matmul, target=target) if assistant_dir else None
     if devices is not None and devices > 1:
         import numpy as np
@@ -390,7 +444,7 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
     elif args.pair is not None:
         raise UsageError("--pair and --model exclude each other")
     else:
-        model_dir, assistant_dir = _by_name(args.model), args.assistant
+        model_dir, assistant_dir = _by_name(args.model, "--model"), args.assistant
     if args.no_assistant:
         assistant_dir = None
     if draft == "mtp" and assistant_dir is None:
@@ -478,6 +532,7 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise UsageError("empty prompt")
     model_dir, assistant_dir = _resolve_dirs(args)
+    model_dir, gguf_src = _cached_weights(args, model_dir)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
     _check_block_size(args, tcfg)
 
@@ -511,10 +566,11 @@ def cmd_generate(args) -> int:
     _check_backend()
     drafting = bool(assistant_dir) or args.draft == "ngram"
     _check_memory(tcfg, len(ids), max_tokens, args.block_size, drafting, dtype,
-                  _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
+                  _dir_bytes(gguf_src or model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     if assistant_dir is None and not args.no_assistant:
         _note("jaxspec: note: no --assistant given: classic decoding (pass --assistant DIR for speculative decoding)")
-    target, assistant, cache_dir = _load_pair(args, model_dir, assistant_dir, dtype)
+    target, assistant, cache_dir = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src,
+                                              None if args.tokenizer else tok)
 
     verify_pad = None if args.verify_pad is None else args.verify_pad == "on"
     request = dataclasses.replace(request, max_new_tokens=max_tokens)
@@ -599,6 +655,8 @@ def cmd_serve(args) -> int:
     api_key, _ = _api_key(args)
     max_connections = _max_connections(args)
     model_dir, assistant_dir = _resolve_dirs(args)
+    name, aliases = _served_names(args, model_dir)
+    model_dir, gguf_src = _cached_weights(args, model_dir)
     tcfg, _ = _parse_configs(model_dir, assistant_dir)
     _check_block_size(args, tcfg)
     try:
@@ -608,13 +666,11 @@ def cmd_serve(args) -> int:
     _check_backend()
     dtype = _dtype(args)
     _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir or args.draft == "ngram" else 1, dtype,
-                        _dir_bytes(model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
+                        _dir_bytes(gguf_src or model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
                         kv_positions=args.kv_positions)
-    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype)
-    named = _pair_name(args)
-    name = args.model_name or ("jaxspec-default-pair" if args.model is None and args.pair in (None, "default")
-                               else named or os.path.basename(os.path.normpath(model_dir)))
-    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, drafter=args.draft)
+    target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src, None if args.tokenizer else tok)
+    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, aliases=aliases,
+                        drafter=args.draft)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -623,7 +679,8 @@ def cmd_serve(args) -> int:
     guard = ("API key required" if api_key else "no API key") + (
         f", CORS for {', '.join(origins)}" if origins else "")  # never the key itself
     server.serve(srv, args.host, args.port,
-                 announce=lambda: _note(f"jaxspec: serving {name!r} on http://{args.host}:{args.port} "
+                 announce=lambda: _note(f"jaxspec: serving {name!r}{''.join(f' (also {a!r})' for a in aliases)} on "
+                                        f"http://{args.host}:{args.port} "
                                         f"(OpenAI-compatible: {endpoints}; {guard})"),
                  api_key=api_key, allow_origins=origins, max_body_bytes=args.max_body_bytes,
                  allowed_hosts=tuple(args.allowed_host or ()), max_connections=max_connections,

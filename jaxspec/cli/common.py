@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 from jaxspec.engine import sampling
 from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
@@ -150,9 +151,10 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _by_name(model: str) -> str:
+def _by_name(model: str, flag: str | None = None) -> str:
     """A model known by name (`--model gemma-3-270m`) as its installed package's GGUF file; any other
-    value as it is. The package missing: one line naming the pip install (exit 2)."""
+    value as it is. The package missing: one line naming the pip install (exit 2). With `flag`
+    (`--model`), a value that is neither a path nor a known name is one line listing the names."""
     from jaxspec.models import gguf
 
     if model in gguf.KNOWN and not os.path.lexists(model):
@@ -160,4 +162,9 @@ def _by_name(model: str) -> str:
             return gguf.by_name(model)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if flag is not None and not os.path.lexists(model):
+        hub = " (jaxspec downloads nothing: for a Hugging Face id, download its files and pass their directory)"
+        raise UsageError(f"{flag} {model!r} does not exist, and is not a model name jaxspec knows "
+                         f"({', '.join(sorted(gguf.KNOWN))}): pass a model directory, a .gguf file or one of those "
+                         "names" + (hub if re.fullmatch(r"[\w.-]+/[\w.-]+", model) else ""))
     return model

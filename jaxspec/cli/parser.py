@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from jaxspec import weights_cache
 from jaxspec.engine import compile_cache
 from jaxspec.engine.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
 from jaxspec.drafters.base import KINDS as DRAFT_KINDS
@@ -9,6 +10,12 @@ from jaxspec.serve.config import RANGES as SERVE_KNOBS, ServeConfig
 from jaxspec.cli.serve_flags import DEFAULT_MAX_CONNECTIONS, FD_RESERVE
 
 SERVE = ServeConfig()  # serve's defaults
+
+
+MODEL_HELP = ("the target model: a directory (config.json, *.safetensors, tokenizer.json), a .gguf file (or a "
+              "directory holding one), or a model name: gemma-3-270m (Gemma 3 270M, the gemma3 extra's GGUF)")
+WEIGHTS_CACHE_HELP = ("read a GGUF --model as it is, every run (default: its weights are converted once into "
+                      f"${weights_cache.ENV}, else {weights_cache.DEFAULT_DIR}, and later runs load them from there)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Without --model the embedded default pair is used.")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin); it must be valid UTF-8 (else exit "
                                   "status 2; nothing is replaced)")
-    g.add_argument("--model", metavar="DIR", help="target model directory (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--model", metavar="DIR|FILE.gguf|NAME", help=MODEL_HELP)
     g.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
     g.add_argument("--pair", metavar="NAME|DIR",
-                   help="without --model: a named pair, 'gemma-3-270m' (Gemma 3 270M from the gemma3 extra + its "
-                        "shipped drafter; --assistant DIR replaces the drafter) or 'default' (the embedded toy "
-                        "pair, also what no --model means), or a pair directory laid out like the default pair "
-                        "(target/, assistant/, tokenizer.json)")
+                   help="without --model: a named pair, 'gemma-3-270m' (Gemma 3 270M from the gemma3 extra with the "
+                        "drafter shipped for it, when one is: none is yet, so it needs --assistant DIR, a drafter "
+                        "you trained) or 'default' (the embedded toy pair, also what no --model means), or a pair "
+                        "directory laid out like the default pair (target/, assistant/, tokenizer.json)")
     g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     g.add_argument("--draft", choices=DRAFT_KINDS, default=None,
                    help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup: "
@@ -82,12 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"directory of the on-disk compilation cache (default {compile_cache.DEFAULT_DIR}; a "
                         "directory set in JAX's own configuration wins)")
     g.add_argument("--no-compile-cache", action="store_true", help="do not use the on-disk compilation cache")
+    g.add_argument("--no-weights-cache", action="store_true", help=WEIGHTS_CACHE_HELP)
     g.add_argument("--debug", action="store_true", help="show tracebacks")
 
     v = sub.add_parser("serve", help="serve the pair over HTTP (OpenAI-compatible completions and chat)",
                        description="An OpenAI-compatible server (needs the `serve` extra: FastAPI, uvicorn). "
                                    "Without --model the embedded default pair is served.")
-    v.add_argument("--model", metavar="DIR", help="target model directory")
+    v.add_argument("--model", metavar="DIR|FILE.gguf|NAME", help=MODEL_HELP)
     v.add_argument("--assistant", metavar="DIR", help="assistant (MTP drafter) directory for --model")
     v.add_argument("--pair", metavar="NAME|DIR", help="without --model: a named pair (gemma-3-270m, default) or a "
                                                      "pair directory laid out like the default pair")
@@ -96,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup, "
                         "no drafter model)")
     v.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
-    v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the model directory's "
-                                                       "name, or jaxspec-default-pair)")
+    v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the name --model or "
+                                                       "--pair gave a known model, its file's name also accepted; "
+                                                       "else the model directory's or file's name, or "
+                                                       "jaxspec-default-pair)")
     v.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; on a loopback address only requests naming "
                         "localhost in their Host header are served; a wildcard 0.0.0.0 or :: needs an API key)")
@@ -165,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")
     v.add_argument("--compile-cache", metavar="DIR", default=None)
     v.add_argument("--no-compile-cache", action="store_true")
+    v.add_argument("--no-weights-cache", action="store_true", help=WEIGHTS_CACHE_HELP)
     v.add_argument("--debug", action="store_true", help="show tracebacks")
 
     t = sub.add_parser("tiny-pair", help="write a tiny random target + assistant + tokenizer (smoke tests)")

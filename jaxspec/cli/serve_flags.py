@@ -113,3 +113,22 @@ def _check_listen(host: str, port: int) -> None:
             s.bind(addr)
     except OSError as e:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or _one_line(e)}") from None
+
+
+def _served_names(args, target_path: str) -> tuple[str, tuple[str, ...]]:
+    """(the model id the server answers to, its aliases), before the weights cache swaps the path:
+    --model-name; the default pair's name; the name the user gave a known model (--model
+    gemma-3-270m, --pair gemma-3-270m), its file's name an alias (clients that named the file keep
+    working); else the target path's last part, as given."""
+    from jaxspec.models import gguf
+    from jaxspec.pairs import NAMES
+
+    if args.model_name:
+        return args.model_name, ()
+    if args.model is None and args.pair in (None, "default"):
+        return "jaxspec-default-pair", ()
+    path_name = os.path.basename(os.path.normpath(target_path))
+    given = args.model if args.model is not None else args.pair
+    if given in (*gguf.KNOWN, *NAMES) and not os.path.lexists(given) and given != path_name:
+        return given, (path_name,)
+    return path_name, ()

@@ -30,7 +30,7 @@ admitted behind a long prompt gets its first token after a step or two, not afte
 prefill (a 16K-token prompt is 128 chunks of 128). After a step whose budget went to short ones
 while a long prompt waited, the long ones go first, so the oldest long prompt advances at least every
 other step however many short ones arrive. A chunk's width depends on its own prompt only
-(`prefill_chunk` unless it is the prompt's last: the rest rounded up to PROMPT_BUCKET), never on the
+(`prefill_chunk` unless it is the prompt's last: the rest's bucket, `size_bucket`), never on the
 order, so the order changes when a request's tokens come, not which tokens. A chunk runs on the
 request's row alone (batch 1: a [B, P] prefill's logits differ in the last bits from a [1, P] one on
 CPU, XLA blocks its dot by row count, and a request's output must not depend on what it was admitted
@@ -76,7 +76,7 @@ from jaxspec.drafters import base as drafters
 from jaxspec.engine import loop, sampling
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
-from jaxspec.engine.loop_config import MAX_PREFILL_CHUNK, PREFILL_CHUNK, LoopConfig, round_up
+from jaxspec.engine.loop_config import MAX_PREFILL_CHUNK, PREFILL_CHUNK, LoopConfig, size_bucket
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -394,8 +394,8 @@ class BatchEngine:
     def _prefill_step(self) -> None:
         """Queue this step's prefill chunks, `prefill_chunk` tokens in all at most (at least one
         chunk), one chunk per prompt. A chunk is `prefill_chunk` tokens unless it is a prompt's last:
-        that one is the rest rounded up to PROMPT_BUCKET, the width `generate` gives the whole prompt
-        when it fits one chunk (the same computation as its prefill). Short prompts (the rest fits one
+        that one is the rest's bucket (`size_bucket`, at most `prefill_chunk`), the width `generate`
+        gives the whole prompt when it fits one chunk (the same computation as its prefill). Short prompts (the rest fits one
         chunk: they finish now) go first, then long ones (a full chunk each, so one runs only when no
         short one did); each class in admission order, a short one that does not fit what is left
         waits for the next step while a later, narrower one may fill it. After a step that passed the
@@ -408,7 +408,7 @@ class BatchEngine:
         for slot in (long + short if self.long_passed else short + long):
             ids, done, key, limit, rows = self.prefilling[slot]
             rest = len(ids) - done
-            width = c if rest > c else round_up(rest, PROMPT_BUCKET)
+            width = c if rest > c else min(size_bucket(rest, PROMPT_BUCKET), c)
             if width > left:
                 continue
             n = min(rest, width)

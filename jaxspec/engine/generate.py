@@ -22,7 +22,7 @@ from jaxspec.engine import programs
 from jaxspec.engine import sampling
 from jaxspec.engine import verify
 from jaxspec.drafters import base as drafters
-from jaxspec.engine.loop_config import BUDGET_BUCKET, PROMPT_BUCKET, LoopConfig, round_up as _round_up  # noqa: F401  (the buckets: named here too)
+from jaxspec.engine.loop_config import BUDGET_BUCKET, PROMPT_BUCKET, LoopConfig, round_up as _round_up, size_bucket  # noqa: F401  (the buckets: named here too)
 from jaxspec.engine.verify import MAX_VERIFY_WIDTH  # noqa: F401  (the knobs' bounds are named here)
 
 # The knobs' bounds, one per kind, checked by `check_int` wherever the knob is accepted (generate,
@@ -279,7 +279,7 @@ class Generator:
         if not 1 <= n <= self.spec.max_new_tokens:
             raise ValueError(f"max_new_tokens={n} must be in 1..{self.spec.max_new_tokens} for this Generator")
         longest = max(len(r) for r in rows)
-        width = prompt_width or _round_up(longest, PROMPT_BUCKET)
+        width = prompt_width or size_bucket(longest, PROMPT_BUCKET)
         prompt = np.zeros((len(rows), width), np.int32)
         for i, r in enumerate(rows):
             prompt[i, :len(r)] = r

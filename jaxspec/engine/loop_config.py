@@ -11,6 +11,12 @@ The three sizes depend on each other and on the model:
   prompt width + budget - 1 + width, rounded up to CAPACITY_ROUND (one prefill serves many K); an
   explicit `cache_size` is the capacity, checked against the same rule (`room`).
 
+A request's prompt width and budget (`resolve`) are buckets (`size_bucket`): the next power of two, at
+least PROMPT_BUCKET / BUDGET_BUCKET, and past BUCKET_STEP the next multiple of it. Each new bucket
+compiles a prefill and a decode program (20-26 s each for the real 270M on a 2-core CPU), so
+`--max-tokens` 65..128 or prompts of 129..256 tokens share theirs; the step bounds what the padding
+costs a long prompt (a 5,000-token prompt pads to 5,120, not 8,192).
+
 `LoopConfig.derive` is the one computation. `resolve` (generate, stream_generate, the CLI's memory
 check: bucketed, validated), `for_slots` (BatchEngine) and `loop.LoopSpec.config` (a compiled
 program, which serves any batch and prompt width) build through it; every other site reads fields.
@@ -28,8 +34,9 @@ from jaxspec.kernels import ROW_TILE
 from jaxspec.engine import verify
 
 CAPACITY_ROUND = 64  # derived cache sizes are rounded up to this (one prefill serves many K)
-PROMPT_BUCKET = ROW_TILE  # prompts are right-padded to whole row tiles (the prefill's matmul rows)
-BUDGET_BUCKET = 32  # the static output buffer is max_new_tokens rounded up to this
+PROMPT_BUCKET = ROW_TILE  # the narrowest prompt width: whole row tiles (the prefill's matmul rows)
+BUDGET_BUCKET = 32  # the smallest static output buffer (max_new_tokens' bucket)
+BUCKET_STEP = 1024  # buckets are powers of two up to this, then its multiples
 SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per request (the context, capped)
 # BatchEngine's default prompt tokens per step: each chunk step delays the running streams. H200, 12B,
 # a 16K-token prompt beside 8 streams: chunk 128 -> their p99 gap 1.8x, the long request's first token
@@ -43,6 +50,14 @@ MAX_PREFILL_CHUNK = 1 << 16
 
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def size_bucket(n: int, floor: int) -> int:
+    """The size a program is compiled for to hold `n`: the next power of two, at least `floor`;
+    past BUCKET_STEP, `n` rounded up to a multiple of BUCKET_STEP (`floor` divides both)."""
+    if n > BUCKET_STEP:
+        return round_up(n, BUCKET_STEP)
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
 def asked_k(block_size: int, drafting: bool) -> int:
@@ -93,19 +108,20 @@ class LoopConfig:
     @classmethod
     def resolve(cls, *, block_size: int, batch: int, prompt_len: int, max_new_tokens: int, drafting: bool = True,
                 verify_pad=None, matmul=None, cache_size: int | None = None) -> LoopConfig:
-        """A request's sizes (generate, stream_generate): the longest prompt padded to PROMPT_BUCKET,
-        the budget to BUDGET_BUCKET. ValueError when an explicit cache_size is not an integer >= 1
-        or cannot hold the prompt, its max_new_tokens and the last round's verify width."""
+        """A request's sizes (generate, stream_generate): the longest prompt and the budget padded to
+        their buckets (`size_bucket`; the prompt at most to an explicit cache_size). ValueError when
+        an explicit cache_size is not an integer >= 1 or cannot hold the prompt, its max_new_tokens
+        and the last round's verify width."""
         if cache_size is not None:
             if isinstance(cache_size, bool) or not _is_int(cache_size) or cache_size < 1:
                 raise ValueError(f"cache_size must be None or an integer >= 1, got {cache_size!r}")
             if prompt_len > cache_size:
                 raise ValueError(f"prompt is longer than the cache: {prompt_len} tokens, cache_size={cache_size}")
         k = asked_k(block_size, drafting)
-        prompt_width = round_up(prompt_len, PROMPT_BUCKET)
+        prompt_width = size_bucket(prompt_len, PROMPT_BUCKET)
         if cache_size is not None:
             prompt_width = min(prompt_width, cache_size)
-        cfg = cls.derive(k, batch, prompt_width, round_up(max_new_tokens, BUDGET_BUCKET), verify_pad, matmul,
+        cfg = cls.derive(k, batch, prompt_width, size_bucket(max_new_tokens, BUDGET_BUCKET), verify_pad, matmul,
                          cache_size, asked=k, drafting=drafting)
         if cache_size is not None and max_new_tokens > cfg.room(prompt_len):
             width = cfg.verify_width

@@ -67,11 +67,13 @@ class Server:
     waiting for a slot at most; more are answered 429 with Retry-After. `kv_positions`: the KV pool the
     slots share, in cache positions (default: max_batch x min(context, BATCH_CONTEXT), the memory
     check's); `prefill_chunk`: prompt tokens prefilled per step at most (a multiple of 16).
+    `aliases`: other names a request's "model" may give (`jaxspec serve --model gemma-3-270m` serves
+    "gemma-3-270m", also named by its file's name); /v1/models lists `model_name` only.
     Three layers: `openai_schema.OpenAISchema` (bodies -> requests, responses), `scheduler.Scheduler`
     (the worker and its batch engine), and here the routes."""
 
     def __init__(self, target, assistant, tokenizer, config: ServeConfig | None = None, *, model_name: str,
-                 drafter=None, **knobs):
+                 drafter=None, aliases: tuple[str, ...] = (), **knobs):
         self.config = ServeConfig.build(config, **knobs)
         check_block_size(self.config.block_size, target.config.max_position_embeddings)  # K within the context
         self.target, self.tok, self.model_name = target, tokenizer, model_name
@@ -81,7 +83,7 @@ class Server:
         self.batch_capacity, self.batch_tokens = self.scheduler.batch_capacity, self.scheduler.batch_tokens
         self.schema = OpenAISchema(tokenizer, model_name=model_name, vocab=target.config.vocab_size,
                                    context=self.context, batch_capacity=self.batch_capacity,
-                                   batch_tokens=self.batch_tokens)
+                                   batch_tokens=self.batch_tokens, aliases=aliases)
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="jaxspec-tokenize")  # off the event loop
 
     # The scheduler's state, as the routes (and /health) read it.

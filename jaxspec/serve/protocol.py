@@ -164,8 +164,9 @@ class OpenAISchema:
     the KV pool the slots share) is named in it when the pool is what bounds the request."""
 
     def __init__(self, tok, *, model_name: str, vocab: int, context: int | None, batch_capacity: int,
-                 batch_tokens: int):
+                 batch_tokens: int, aliases: tuple[str, ...] = ()):
         self.tok, self.model_name, self.vocab, self.context = tok, model_name, vocab, context
+        self.aliases = tuple(aliases)  # other names a request may give the model (e.g. its file's)
         self.batch_capacity, self.batch_tokens = batch_capacity, batch_tokens
         # Text past context x this many bytes cannot fit: refused before the tokenizer sees it (64
         # concurrent 1 MB prompts, all tokenized, froze /health for 14.8 s: issue 51).
@@ -183,9 +184,10 @@ class OpenAISchema:
         _check_fields(body, chat)
         _check_text(body)
         model = body.get("model")
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.aliases:
+            also = "".join(f" (also named {shown(a)})" for a in self.aliases)
             raise ApiError(404, f"the model {shown(model)} does not exist: this server serves "
-                                f"{shown(self.model_name)}", "model", "model_not_found")
+                                f"{shown(self.model_name)}{also}", "model", "model_not_found")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", "stream")

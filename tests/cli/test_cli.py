@@ -194,7 +194,9 @@ def test_bad_sampling_and_missing_tokenizer(capsys, tmp_path, pair):
 def test_real_exit_code_and_debug_traceback(tmp_path):
     r = run_cli("generate", "hi", "--model", str(tmp_path / "nope"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == [f"jaxspec: error: model directory {str(tmp_path / 'nope')!r} does not exist"]
+    assert r.stderr.strip().splitlines() == [f"jaxspec: error: --model {str(tmp_path / 'nope')!r} does not exist, and is "
+                                             "not a model name jaxspec knows (gemma-3-270m): pass a model directory, "
+                                             "a .gguf file or one of those names"]
     r = run_cli("generate", "hi", "--model", str(tmp_path / "nope"), "--debug")
     assert r.returncode == 2 and "Traceback" in r.stderr
 

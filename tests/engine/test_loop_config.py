@@ -11,15 +11,25 @@ from jaxspec.engine import verify
 from jaxspec.kernels import DispatchConfig
 from jaxspec.engine.loop_config import LoopConfig
 
-# The documented rules' constants, as numbers: the prompt bucket (a row tile), the budget bucket,
-# the capacity rounding.
-PROMPT, BUDGET, ROUND = 16, 32, 64
+# The documented rules' constants, as numbers: the narrowest prompt bucket (a row tile), the smallest
+# budget bucket, the capacity rounding, the size past which buckets are multiples of it.
+PROMPT, BUDGET, ROUND, STEP = 16, 32, 64, 1024
 MATMULS = (DispatchConfig(backend="xla", multirow_max_rows=8), DispatchConfig(backend="xla", verify_pad=True),
            DispatchConfig(backend="xla", multirow=False, verify_pad=True))
 
 
 def up(x, m):
     return (x + m - 1) // m * m
+
+
+def bucket(n, floor):
+    """The smallest of floor, 2 floor, 4 floor, ... that holds n; past STEP, n rounded up to STEP."""
+    if n > STEP:
+        return up(n, STEP)
+    b = floor
+    while b < n:
+        b *= 2
+    return b
 
 
 def width_rule(k, batch, pad, mm):
@@ -34,9 +44,9 @@ def width_rule(k, batch, pad, mm):
 
 
 def capacity_rule(prompt_len, n, width):
-    """The cache a run allocates: the prompt padded to a row tile, the budget to 32, the last
+    """The cache a run allocates: the prompt and the budget padded to their buckets, the last
     round's width past the last non-bonus token, rounded up to 64."""
-    return up(up(prompt_len, PROMPT) + up(n, BUDGET) - 1 + width, ROUND)
+    return up(bucket(prompt_len, PROMPT) + bucket(n, BUDGET) - 1 + width, ROUND)
 
 
 def test_resolve_matches_the_rules():
@@ -52,7 +62,7 @@ def test_resolve_matches_the_rules():
         cfg = LoopConfig.resolve(block_size=k, batch=batch, prompt_len=p, max_new_tokens=n, drafting=drafting,
                                  verify_pad=pad, matmul=mm)
         assert (cfg.block_size, cfg.asked, cfg.verify_width) == (run_k, run_k, w), (k, pad, batch, mm)
-        assert (cfg.prompt_width, cfg.budget) == (up(p, PROMPT), up(n, BUDGET))
+        assert (cfg.prompt_width, cfg.budget) == (bucket(p, PROMPT), bucket(n, BUDGET))
         assert cfg.capacity == capacity_rule(p, n, w) and cfg.cache_size is None
         spec = jaxspec.make_generate(block_size=cfg.block_size, max_new_tokens=cfg.budget,
                                      verify_pad=cfg.verify_pad, cache_size=cfg.cache_size).spec
@@ -64,7 +74,7 @@ def test_resolve_matches_the_rules():
             if p + n - 1 + w <= cache:
                 c = LoopConfig.resolve(block_size=k, batch=batch, prompt_len=p, max_new_tokens=n, drafting=drafting,
                                        verify_pad=pad, matmul=mm, cache_size=cache)
-                assert (c.capacity, c.verify_width, c.prompt_width) == (cache, w, min(up(p, PROMPT), cache))
+                assert (c.capacity, c.verify_width, c.prompt_width) == (cache, w, min(bucket(p, PROMPT), cache))
                 assert c.room(p) == n  # exactly full
                 checked += 1
             else:
@@ -73,6 +83,10 @@ def test_resolve_matches_the_rules():
                                        drafting=drafting, verify_pad=pad, matmul=mm, cache_size=cache)
                 refused += 1
     assert checked and refused
+    for p, n in itertools.product((64, 65, 1024, 1025, 5000), (32, 129, 1024, 1100, 3000)):  # the rule's edges
+        cfg = LoopConfig.resolve(block_size=4, batch=1, prompt_len=p, max_new_tokens=n, verify_pad=False)
+        assert (cfg.prompt_width, cfg.budget, cfg.capacity) == (bucket(p, PROMPT), bucket(n, BUDGET),
+                                                                capacity_rule(p, n, 4)), (p, n)
     for bad in (0, True, 2.0, "64"):
         with pytest.raises(ValueError, match="cache_size must be"):
             LoopConfig.resolve(block_size=4, batch=1, prompt_len=3, max_new_tokens=8, cache_size=bad)
