@@ -55,7 +55,7 @@ def test_serve_answers_to_the_name_given_and_to_the_file_name(tiny_file, monkeyp
     srv = _served(monkeypatch, "--model", "gemma-3-270m")
     assert srv.model_name == "gemma-3-270m"
     for model in ("gemma-3-270m", FILE, None):
-        ids, _, _ = _ask(srv, model)
+        ids, _, _, _ = _ask(srv, model)
         assert ids[-2:] == srv.tok.encode("t5 t9")[-2:]
     with pytest.raises(ApiError) as e:
         _ask(srv, "gpt-4")
