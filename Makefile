@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test notebook venv venv-dev clean
+.PHONY: demo test test-all notebook venv venv-dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,9 +56,17 @@ notebook: $(VENV)/.installed-notebook
 	nbformat.write(nb, '$(NOTEBOOK:.ipynb=.out.ipynb)'); print('wrote $(NOTEBOOK:.ipynb=.out.ipynb)')"
 
 # Two workers (CI has 2 cores), each taking whole files so a file's fixtures are built once.
+# `make test` (CI) is the fast tier: every test not marked slow (the slow tier holds long end-to-end
+# runs whose properties a faster test also checks: a training recipe's whole run, the 4-device mesh, the
+# CLI on host devices, the real model's requantization, the larger of two kernel parametrizations);
+# `make test-all` runs both tiers.
 JOBS ?= 2
+TIER ?= -m "not slow"
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile $(TIER) $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed-dev
+	$(MAKE) test TIER=
 
 clean:
 	rm -rf $(VENV) .pytest_cache

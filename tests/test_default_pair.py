@@ -275,6 +275,7 @@ def test_assistant_stage_needs_the_target_stage(tmp_path):
     train.check_target_stage(str(tmp_path), dataclasses.replace(other, a_layers=1))  # the assistant may differ
 
 
+@pytest.mark.slow
 def test_tiny_training_run(tmp_path):
     """`python -m jaxspec.train.default_pair --smoke` with fixed small step counts: the files the loader
     reads, metrics.json with every phase and no eval error, and a pair that load_default_pair(path=OUT)

@@ -57,6 +57,7 @@ def test_tiny_preset_forward_loop_and_scaling(tmp_path):
     assert all(ax.has_data() for ax in fig.axes)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dp.default_pair_available(), reason="default pair not installed")
 def test_default_pair_has_real_acceptance(tmp_path):
     out = str(tmp_path / "o")
@@ -162,6 +163,7 @@ def test_devices_must_be_the_process_device_count(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o")  # refused before any work
 
 
+@pytest.mark.slow
 def test_devices_splits_the_pair_on_two_host_devices(tmp_path):
     """`--devices 2` in a process with two CPU devices: both models split (models.shard), and the
     verify's bitwise check and the draft row hold on the mesh (the loop on a mesh: test_shard)."""

@@ -296,7 +296,7 @@ def test_logprobs_of_generate_and_its_stream():
     assert [sum((c.logprobs[b] for c in chunks), []) for b in range(len(rows))] == ref.logprobs
 
 
-@pytest.mark.parametrize("k,temperature", [(4, 0.0), (4, 0.8), (1, 0.8)])
+@pytest.mark.parametrize("k,temperature", [(4, 0.0), (4, 0.8), pytest.param(1, 0.8, marks=pytest.mark.slow)])
 def test_streaming_equals_generate(k, temperature):
     """stream_generate runs generate's prefill and one fixed-round decode program per chunk size (no
     other compilation) and yields, chunk by chunk, exactly generate's tokens and stats for the same

@@ -104,7 +104,7 @@ def test_leading_dims_and_poisoned_output_is_overwritten():
     np.testing.assert_allclose(y.reshape(6, 96), _ref(x.reshape(6, 128), wd), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,k", [(jnp.bfloat16, 192), (jnp.float32, 512)])
+@pytest.mark.parametrize("dtype,k", [(jnp.bfloat16, 192), pytest.param(jnp.float32, 512, marks=pytest.mark.slow)])
 def test_multirow_rows_bitwise_equal_qmv(dtype, k):
     """Row i of a multirow launch is bitwise the qmv result for row i alone (greedy parity needs it)."""
     rng = seeded_rng()
@@ -294,7 +294,8 @@ def test_quantized_matmul_many_matches_float64_keeps_rows_invariant_and_falls_ba
 
 
 @pytest.mark.parametrize("rows, config", [
-    (1, DispatchConfig()), (5, DispatchConfig()), (20, DispatchConfig()), (20, DispatchConfig(qmm_dense_rows=16)),
+    (1, DispatchConfig()), pytest.param(5, DispatchConfig(), marks=pytest.mark.slow), (20, DispatchConfig()),
+    (20, DispatchConfig(qmm_dense_rows=16)),
     (5, DispatchConfig(multirow=False)), (5, DispatchConfig(backend="xla"))],
     ids=["qmv", "multirow", "qmm", "dense", "per-row", "xla"])
 def test_parts_fold_to_the_many_result_bitwise(rows, config):

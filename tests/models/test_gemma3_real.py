@@ -116,11 +116,13 @@ def q4_agreement(ref):
     return agree
 
 
+@pytest.mark.slow
 def test_requantized_4bit_g64_is_sound(q4_agreement):
     assert q4_agreement >= Q4_FLOOR
 
 
 @pytest.mark.xfail(strict=True, reason="issue 52's 90% is not met: 4-bit g64 round-to-nearest agrees on 0.66 "
                                        "of the tokens (8-bit g64: 0.98); see Q4_FLOOR")
+@pytest.mark.slow
 def test_requantized_4bit_g64_meets_the_issue_target(q4_agreement):
     assert q4_agreement >= Q4_AGREEMENT

@@ -6,6 +6,7 @@ reused blocks hold."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxspec import models
 from support.seeds import seeded_rng
@@ -86,6 +87,7 @@ def test_writes_stay_in_the_rows_own_blocks():
         assert not np.array_equal(x[..., row1, :, :, :], y[..., row1, :, :, :])
 
 
+@pytest.mark.slow
 def test_the_pallas_kernels_read_the_pool_bitwise():
     """The same on the Pallas path (interpret mode on CPU): a 20-token block writes the new K/V into
     the view and flash_attention reads it; a 4-token verify (padded to the row bucket of 8, its pad

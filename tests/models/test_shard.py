@@ -102,7 +102,7 @@ def run_on(devices: int, seed: int, cache_dir) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_model_matches_on_the_mesh(devices, tmp_path):
     r = run_on(devices, seed=devices, cache_dir=tmp_path)
     assert r["devices"] == devices
@@ -153,6 +153,7 @@ def test_shard_refuses_a_missing_axis():
     assert models.shard(t, jax.sharding.Mesh(np.array(jax.devices()), ("tp",))).config == t.config
 
 
+@pytest.mark.slow
 def test_cli_devices_splits_the_default_pair():
     """`jaxspec generate --devices 2` on two host devices prints the tokens of the unsplit pair (float32:
     in bf16 the split sums' other order may flip a near-tie), identical to classic decoding on the

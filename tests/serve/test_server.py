@@ -170,6 +170,7 @@ def chat_pair(pair, tmp_path_factory):
     return os.path.join(root, "target"), os.path.join(root, "assistant")
 
 
+@pytest.mark.slow
 def test_chat_completions_equal_the_cli(chat_pair):
     s = Running("--model", chat_pair[0], "--assistant", chat_pair[1], "--no-warmup")
     try:

@@ -90,6 +90,7 @@ def test_refuses_another_target(trained):
         models.load_assistant(trained["out"], target=other.config)
 
 
+@pytest.mark.slow
 def test_self_written_prompts(trained):
     """self_prompts: BOS then the target's own samples, one row per sample, rows holding a bad id
     dropped. At temperature 0 every row is classic greedy decoding of [BOS] (the independent
