@@ -58,7 +58,8 @@ notebook: $(VENV)/.installed-notebook
 # Two workers (CI has 2 cores), each taking whole files so a file's fixtures are built once.
 # `make test` (CI) is the fast tier: every test not marked slow (the slow tier holds long end-to-end
 # runs whose properties a faster test also checks: a training recipe's whole run, the 4-device mesh, the
-# CLI on host devices, the real model's requantization, the larger of two kernel parametrizations);
+# CLI on host devices, the real model's requantization, whole models on the Pallas kernels in interpret
+# mode (the GPU groups run those on the device), the larger kernel parametrizations);
 # `make test-all` runs both tiers.
 JOBS ?= 2
 TIER ?= -m "not slow"

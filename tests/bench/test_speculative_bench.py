@@ -25,6 +25,7 @@ def _report(out):
     return d["meta"], d["rows"]
 
 
+@pytest.mark.slow
 def test_tiny_preset_forward_loop_and_scaling(tmp_path):
     out = str(tmp_path / "o")
     sb.main(["--target", "tiny", "--runs", "forward,loop,scaling", "--k-values", "3", "--multirow", "on,off",

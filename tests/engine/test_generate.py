@@ -257,6 +257,7 @@ def test_bf16_parity():
     assert s.tokens == c.tokens and s.stats.accepted > 0
 
 
+@pytest.mark.slow
 def test_pallas_backend_parity():
     """The default (Pallas, interpret mode on CPU) matmul backend (2 layers: interpret mode is slow)."""
     t, a = make_pair(seed=5, matmul=DispatchConfig(backend="pallas"), layers=2)

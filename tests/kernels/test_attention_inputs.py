@@ -214,6 +214,7 @@ def test_gpu_real_shapes(case):
 
 
 # ---- in the model: quantized projections whose GEMV splits K, so the kernel folds real partials
+@pytest.mark.slow
 def test_model_on_the_kernel_matches_the_xla_path():
     """A scanned tiny target (hidden 256, 4-bit g32: the q/k/v GEMV splits K in two; a K = V global
     layer) on the Pallas GEMV and attention kernels against the XLA path: prefill, a decode step and a

@@ -79,7 +79,8 @@ def test_magic_code_conversion_is_exact(dtype, bits):
 
 
 @pytest.mark.parametrize("bits,group_size,dtype", [(8, 64, jnp.float32), (4, 32, jnp.bfloat16),
-                                                   (4, 128, jnp.float32), (8, 128, jnp.bfloat16),
+                                                   pytest.param(4, 128, jnp.float32, marks=pytest.mark.slow),
+                                                   pytest.param(8, 128, jnp.bfloat16, marks=pytest.mark.slow),
                                                    (2, 64, jnp.bfloat16)])
 def test_other_formats(bits, group_size, dtype):
     rng = seeded_rng()
@@ -294,7 +295,8 @@ def test_quantized_matmul_many_matches_float64_keeps_rows_invariant_and_falls_ba
 
 
 @pytest.mark.parametrize("rows, config", [
-    (1, DispatchConfig()), pytest.param(5, DispatchConfig(), marks=pytest.mark.slow), (20, DispatchConfig()),
+    pytest.param(1, DispatchConfig(), marks=pytest.mark.slow), pytest.param(5, DispatchConfig(), marks=pytest.mark.slow),
+    (20, DispatchConfig()),
     (20, DispatchConfig(qmm_dense_rows=16)),
     (5, DispatchConfig(multirow=False)), (5, DispatchConfig(backend="xla"))],
     ids=["qmv", "multirow", "qmm", "dense", "per-row", "xla"])

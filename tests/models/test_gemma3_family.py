@@ -16,6 +16,7 @@ from support.gemma3_configs import CAPACITY, CONFIGS, PREFILL, TOL, XLA, F, rel_
 from support.seeds import seeded_rng
 
 
+@pytest.mark.slow
 def test_kernels_match_xla_path():
     """The Pallas path (interpret mode on the CPU): prefill on flash_attention, decode steps on the
     fused q/k/v kernel (`attention_inputs`, norm_v=False: Gemma 3's raw v) and decode_attention,

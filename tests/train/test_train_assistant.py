@@ -43,6 +43,7 @@ def trained(tmp_path_factory):
     return dict(target=target, out=out, metrics=metrics, prompts=prompts, rows=z["rows"], seed=seed)
 
 
+@pytest.mark.slow
 def test_heldout_loss_falls_and_layout(trained):
     tr = trained["metrics"]["training"]
     assert tr["steps"] == STEPS and tr["finished"]
@@ -62,6 +63,7 @@ def test_heldout_loss_falls_and_layout(trained):
     assert not any(tuple(r[:16]) in held for r in trained["rows"])
 
 
+@pytest.mark.slow
 def test_trained_drafter_beats_untrained_with_greedy_parity(trained):
     target = trained["target"]
     drafter = models.load_assistant(trained["out"], target=target, dtype=jnp.float32)
@@ -82,6 +84,7 @@ def test_trained_drafter_beats_untrained_with_greedy_parity(trained):
     assert (late["prompts"], late["skipped_for_time"]) == (0, 3) and good["skipped_for_time"] == 0
 
 
+@pytest.mark.slow
 def test_refuses_another_target(trained):
     other, _ = presets.tiny_pair(trained["seed"] + 1, dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"was trained for target 'tiny', not this one: .*embedding table differs"):
