@@ -23,6 +23,25 @@ def dense_rows() -> int:
     return CPU_DOT_ROWS if jax.default_backend() == "cpu" else ROW_TILE
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """`jnp.sum(x, axis=-1, keepdims=True)`; on a CPU in one order for every shape of x's other axes.
+
+    XLA's CPU code hands a reduce of 4096 elements or more to a YNNPACK fusion and sums a smaller one
+    itself (32-wide partial sums, then theirs), in another order (JAX 0.10.2). A row's sum would then
+    depend on how many rows share the op: Gemma 3 270M's norms over a [1, 4] decode block (2560
+    elements) and a [4, 4] one (10240) differ in the last bit, which changed greedy text between
+    generate and a 4-slot BatchEngine. Halving the axis with elementwise adds (the odd element
+    carried) fixes the order, and elementwise float adds are never reassociated without fast math;
+    it costs about what the reduce does. Elsewhere the plain reduce (the GPU path is unchanged)."""
+    if jax.default_backend() != "cpu":
+        return jnp.sum(x, axis=-1, keepdims=True)
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = x[..., :n // 2] + x[..., n // 2:n // 2 * 2]
+        x = half if n % 2 == 0 else jnp.concatenate([half, x[..., n - 1:]], axis=-1)
+    return x
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """`jnp.einsum(spec, a, b)` accumulated and returned in float32 (HIGHEST precision), whose gradient
