@@ -38,6 +38,8 @@ import stat
 import time
 import zlib
 
+from jaxspec.models.checkpoint_files import _fsync  # the checkpoints' own: a file's bytes to disk
+
 ENV = "JAXSPEC_WEIGHTS_CACHE"
 DEFAULT_DIR = os.path.join("~", ".cache", "jaxspec", "weights")
 FORMAT = 1  # bump when the conversion's result changes: entries of another format are never read
@@ -241,11 +243,3 @@ def _write_json(fn: str, doc) -> None:
         except OSError:
             pass
         raise
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -9,18 +9,17 @@ import http.client
 import json
 import select
 import socket
-import threading
 import time
 
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 
 from jaxspec import cli
 from jaxspec.serve.guard import Guard
 from support.serve_cli import serve_fails, memory_of  # noqa: F401
+from support.serve_inproc import serving
 
 KEY = "test-key-123"
 LIMIT = 64 * 1024
@@ -51,27 +50,11 @@ def inner_app() -> FastAPI:
 @contextlib.contextmanager
 def running(**guard_kw):
     """A uvicorn server of Guard(inner_app(), ...) on a free loopback port; yields the port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound here: no race for the port
-    port = sock.getsockname()[1]
     guard_kw.setdefault("api_key", KEY)
     guard_kw.setdefault("max_body_bytes", LIMIT)
     guard_kw.setdefault("bound_host", "127.0.0.1")
-    config = uvicorn.Config(Guard(inner_app(), **guard_kw), log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serving(Guard(inner_app(), **guard_kw)) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
