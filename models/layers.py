@@ -16,7 +16,6 @@ from jaxspec.kernels import (ROW_TILE, DispatchConfig, Layer, attention_head_dim
 # the attention kernels and, beside each, its XLA counterpart (the reference, and the CPU path)
 from jaxspec.kernels.decode_attention import decode_attention, dense_attention, visible  # noqa: F401
 from jaxspec.kernels.flash_attention import blocked_attention, flash_attention
-from jaxspec.kernels.xla import row_sum
 
 from .config import RopeConfig
 
@@ -35,8 +34,7 @@ def linear_many(x: jax.Array, ws, matmul: DispatchConfig) -> tuple[jax.Array, ..
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
     """Gemma 4 RMSNorm (plain `w`, not `1 + w`); float32 math, result in x's dtype."""
     xf = x.astype(jnp.float32)
-    # row_sum: a row's bits whatever the row count (on a CPU XLA sums a small reduce in another order)
-    y = xf * jax.lax.rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if w is not None:
         y = y * w.astype(jnp.float32)
     return y.astype(x.dtype)

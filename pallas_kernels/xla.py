@@ -23,36 +23,6 @@ def dense_rows() -> int:
     return CPU_DOT_ROWS if jax.default_backend() == "cpu" else ROW_TILE
 
 
-def row_sum(x: jax.Array) -> jax.Array:
-    """`jnp.sum(x, axis=-1, keepdims=True)`; on a CPU in one order for every shape of x's other axes.
-
-    XLA's CPU code hands a reduce of 4096 elements or more to a YNNPACK fusion (with the elementwise
-    ops around it, its own exp among them) and sums a smaller one itself (32-wide partial sums, then
-    theirs), in another order (JAX 0.10.2). A row's sum would then depend on how many rows share the
-    op: Gemma 3 270M's norms over a [1, 4] decode block (2560 elements) and a [4, 4] one (10240)
-    differed in the last bit, which changed greedy text between generate and a 4-slot BatchEngine.
-    Halving the axis with elementwise adds (the odd element carried) fixes the order: elementwise
-    float adds are never reassociated without fast math, and no reduce is left for YNNPACK to take.
-    It costs about what the reduce does. Elsewhere the plain reduce (the GPU path is unchanged)."""
-    return _fold(x, jnp.add) if jax.default_backend() == "cpu" else jnp.sum(x, axis=-1, keepdims=True)
-
-
-def row_max(x: jax.Array) -> jax.Array:
-    """`jnp.max(x, axis=-1, keepdims=True)`; on a CPU without a reduce (see row_sum): a max has one
-    value in any order, but a YNNPACK fusion of the reduce also takes the ops after it (a softmax's
-    exp, computed by YNNPACK's exp, which rounds some inputs otherwise than XLA's)."""
-    return _fold(x, jnp.maximum) if jax.default_backend() == "cpu" else jnp.max(x, axis=-1, keepdims=True)
-
-
-def _fold(x: jax.Array, op) -> jax.Array:
-    """`op` over the last axis (keepdims) by halving it: one order whatever the other axes."""
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
-        half = op(x[..., :n // 2], x[..., n // 2:n // 2 * 2])
-        x = half if n % 2 == 0 else jnp.concatenate([half, x[..., n - 1:]], axis=-1)
-    return x
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """`jnp.einsum(spec, a, b)` accumulated and returned in float32 (HIGHEST precision), whose gradient
