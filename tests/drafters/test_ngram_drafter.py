@@ -172,7 +172,9 @@ def test_greedy_equals_classic(greedy_case, k, n_min, n_max):
                                      np.sum(per_row, 0).tolist()))
     if n_min >= 3:
         assert per_row[-1][0] == 0  # the short row never matched (and still decoded exactly)
-    assert sum(c[1] for c in per_row[:COPIES]) > 0  # drafts from the prompt were accepted
+    # drafts were accepted (from the prompt or the row's output: once the output has looped, its latest
+    # occurrence is in the output, so which source wins depends on the seed; the exact counts are simulate's)
+    assert sum(c[1] + c[2] for c in per_row[:COPIES]) > 0
     if k == 4:
         _one_program_per_shape(t, p, rows, state)
 
