@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from jaxspec.engine import compile_cache, sampling
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.loop_config import PROMPT_BUCKET, round_up
-from jaxspec.serve.config import ServeConfig, request_capacity, request_tokens
+from jaxspec.serve.config import ServeConfig
 from jaxspec.serve.protocol import capacity_note
 from jaxspec.text.tokenizer import IncrementalDecoder
 
@@ -155,9 +155,9 @@ class Scheduler:
 
     def __init__(self, target, assistant, tok, config: ServeConfig, *, drafter=None):
         self.target, self.assistant, self.tok, self.drafter = target, assistant, tok, drafter
-        self.config = config
+        self.config = config = config.resolved()  # the machine's slots and positions where it names none
         context = target.config.max_position_embeddings
-        self.batch_capacity, self.batch_tokens = request_capacity(context), request_tokens(context)
+        self.batch_capacity, self.batch_tokens = config.request_capacity(context), config.request_tokens(context)
         self.kv_positions = config.kv_pool(context)
         self._engine: BatchEngine | None = None  # built on first use (warm_up or the first request)
         self.slots: dict[int, tuple[Job, _Text]] = {}

@@ -7,6 +7,7 @@ the server serves on. No program is compiled."""
 import asyncio
 import socket
 
+import jax
 import pytest
 
 pytest.importorskip("fastapi")
@@ -31,7 +32,8 @@ DOCUMENTED = [("block_size", "--block-size", 1, 16, 1),
               ("rounds_per_chunk", "--rounds-per-chunk", 1, 64, 1),
               ("max_queue", "--max-queue", 1, 100_000, 1),
               ("kv_positions", "--kv-positions", 16, 1 << 26, 16),
-              ("prefill_chunk", "--prefill-chunk", 16, 1 << 16, 16)]
+              ("prefill_chunk", "--prefill-chunk", 16, 1 << 16, 16),
+              ("max_context", "--max-context", 16, 1 << 20, 16)]
 
 
 def out_of_range():
@@ -83,6 +85,29 @@ def test_the_bounds_and_a_value_between_pass_everywhere(name, flag, lo, hi, ever
         args = cli.build_parser().parse_args(["serve", flag, str(value), "--port", free_port()])
         cli._check_serve_flags(args)  # no UsageError
         assert getattr(cli._serve_config(args), name) == value
+
+
+def test_slots_and_positions_left_open_are_the_machines():
+    """A CPU serves one slot and 4,096 positions a request unless told otherwise (a GPU 4 and
+    32,768); a named value stays, on any machine; the server and the CLI resolve the same way."""
+    assert ServeConfig().resolved("cpu") == ServeConfig(max_batch=1, max_context=4096)
+    assert ServeConfig().resolved("gpu") == ServeConfig(max_batch=4, max_context=32768)
+    slots, context = seeded_int(2, 64), 16 * seeded_int(1, 4096)
+    for platform in ("cpu", "gpu"):
+        named = ServeConfig(max_batch=slots, max_context=context)
+        assert named.resolved(platform) == named
+    assert ServeConfig(max_batch=slots).resolved("cpu").max_context == 4096
+    # a request's positions and budget follow max_context, within the model's context
+    cpu = ServeConfig().resolved("cpu")
+    assert cpu.request_capacity(32768) == 4096 and cpu.request_capacity(1024) == 1024
+    assert cpu.request_tokens(32768) == 2048
+    assert ServeConfig(max_context=context).resolved("cpu").request_capacity(1 << 20) == context
+    with pytest.raises(ValueError, match="resolve the config first"):
+        ServeConfig().request_capacity(32768)
+    # this machine: what the CLI passes the server, resolved by the backend JAX runs on
+    args = cli.build_parser().parse_args(["serve", "--port", free_port()])
+    assert (args.max_batch, args.max_context) == (None, None)
+    assert cli._serve_config(args).resolved() == ServeConfig().resolved(jax.default_backend())
 
 
 def test_the_batch_engine_takes_the_same_prefill_chunks():
