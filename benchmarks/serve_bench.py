@@ -258,11 +258,12 @@ def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: i
                     req = dict(arrived=arrived, first=None)
                     requests.append(req)
                 owner[slot] = (c, [], req)
-        was = engine.prefilling[long_slot][1] if long_slot in engine.prefilling else None
+        was = engine.prefilling[long_slot].done if long_slot in engine.prefilling else None
         chunks = engine.chunks
         events = engine.step()
         steps += 1
-        this = dict(long_chunk=was is not None and engine.prefilling.get(long_slot, [0, len(long_ids)])[1] > was,
+        now_at = engine.prefilling[long_slot].done if long_slot in engine.prefilling else len(long_ids)
+        this = dict(long_chunk=was is not None and now_at > was,
                     chunks=engine.chunks - chunks)
         for ev in events:
             now = time.perf_counter()

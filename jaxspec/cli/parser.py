@@ -143,11 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"verify width K, {SERVE_KNOBS['block_size'].span} (default {SERVE.block_size}; 1 decodes "
                         "classically)")
     v.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk, metavar="N",
-                   help=f"prompt tokens prefilled per step at most, {SERVE_KNOBS['prefill_chunk'].span} and a "
-                        f"multiple of {SERVE_KNOBS['prefill_chunk'].multiple} (default {SERVE.prefill_chunk}): a long "
-                        "prompt is prefilled in chunks between the decode steps, so the running streams wait a chunk "
-                        "per step, not the whole prefill; larger chunks prefill a long prompt faster and stall the "
-                        "others longer")
+                   help=f"the width prompts are cut into, {SERVE_KNOBS['prefill_chunk'].span} and a "
+                        f"multiple of {SERVE_KNOBS['prefill_chunk'].multiple} (default {SERVE.prefill_chunk}): a "
+                        "prompt advances one chunk per step, between the decode steps, so the running streams wait "
+                        "for chunks, not a whole prefill; wider chunks prefill a long prompt faster and make a step "
+                        "with chunks longer")
+    v.add_argument("--step-tokens", type=int, default=SERVE.step_tokens, metavar="N",
+                   help=f"a step's token budget, {SERVE_KNOBS['step_tokens'].span} and a multiple of "
+                        f"{SERVE_KNOBS['step_tokens'].multiple} (default {SERVE.step_tokens}, provisional until "
+                        "measured): the decode rounds of every slot are counted first, what is left buys one "
+                        "--prefill-chunk of as many waiting prompts as fit (at least one), run in one program; "
+                        "larger budgets admit bursts of requests sooner (throughput, time to first token) and "
+                        "make the running streams' worst gap longer")
     v.add_argument("--max-batch", type=int, default=SERVE.max_batch, metavar="N",
                    help=f"requests decoding together, continuously batched, {SERVE_KNOBS['max_batch'].span} "
                         "(default 4: with K = 4, 16 verify rows, "
