@@ -152,12 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the width prompts are cut into, {_multiple_of('prefill_chunk')}: a prompt advances "
                         "one chunk per step, between the decode steps, so the running streams wait for chunks, not a "
                         "whole prefill; wider chunks prefill a long prompt faster and make a step with chunks longer")
+    budget = ("the decode rounds of every slot count first, what is left buys one --prefill-chunk of as many waiting "
+              "prompts as fit (at least one), in one program; larger budgets admit bursts sooner (throughput, time "
+              "to first token) and make the running streams' worst gap longer")
     v.add_argument("--step-tokens", type=int, default=SERVE.step_tokens, metavar="N",
-                   help=f"a step's token budget, {_multiple_of('step_tokens', ', provisional until measured')}: "
-                        "the decode rounds of every slot are counted first, what is left buys one "
-                        "--prefill-chunk of as many waiting prompts as fit (at least one), run in one program; "
-                        "larger budgets admit bursts of requests sooner (throughput, time to first token) and "
-                        "make the running streams' worst gap longer")
+                   help=f"a step's token budget, {_multiple_of('step_tokens', ', provisional until measured')}: {budget}")
     v.add_argument("--max-batch", type=int, default=SERVE.max_batch, metavar="N",
                    help=f"requests decoding together, continuously batched, {SERVE_KNOBS['max_batch'].span} "
                         "(default 4: with K = 4, 16 verify rows, "
