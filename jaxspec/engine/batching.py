@@ -135,8 +135,9 @@ class BatchEngine:
     PROMPT_BUCKET; at most the capacity is used): a prompt is prefilled a chunk a step, the step's
     chunks queued before its decode rounds. `step_tokens`: a step's token budget, the decode rounds'
     `slots x rounds_per_step x verify width` first, the rest in chunks (`lanes`, at least one).
-    `prefill_group`: lanes per forward (default `packed_prefill.group_for`: one on a CPU). `block_size` is probed once at `slots` rows at T = 0 (`LoopConfig.for_slots`: the
-    engine's K, verify width and capacity, in `config`), as generate does.
+    `prefill_group`: lanes per forward (default `packed_prefill.group_for`: one on a CPU).
+    `block_size` is probed once at `slots` rows at T = 0 (`LoopConfig.for_slots`: the engine's K,
+    verify width and capacity, in `config`), as generate does.
     params (a SamplingParams) or its keywords (temperature, top_k, top_p, ...): the request of an
     admission without its own (its budget, seed and logprobs fill what `admit` leaves open). `modes`: the
     program ladder (default MODES); only programs that a step needs are compiled (`warm_up`
@@ -315,14 +316,14 @@ class BatchEngine:
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
-        _, _, key, limit, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
+        _, _, key, _, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
                                                      seed=seed, params=params.per_row())
         self.blocks[slot] = [self.free_blocks.pop() for _ in range(n_blocks)]
         table = np.full((self.capacity // self.block_tokens,), self.kv_blocks, np.int32)
         table[:n_blocks] = self.blocks[slot]
         self.state = _assign(self.state, jnp.int32(slot), jnp.asarray(table))
         self.prefilling[slot] = packed_prefill.Prompt(list(ids), 0, np.asarray(jax.random.key_data(key)),
-                                                      int(limit[0]), jax.device_get(rows_))
+                                                      max_new_tokens, jax.device_get(rows_))
         self.admissions += 1
         self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
         self.need[slot] = need

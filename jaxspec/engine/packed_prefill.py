@@ -93,17 +93,15 @@ def pack(prompts: dict[int, Prompt], chosen: list[int], lanes: int, group: int, 
     prompt = np.zeros((lanes, capacity), np.int32)
     slot = np.full((lanes,), num_slots, np.int32)
     n_valid, last, limit = np.ones((lanes,), np.int32), np.zeros((lanes,), bool), np.ones((lanes,), np.int32)
-    first = prompts[chosen[0]]
-    keys = np.stack([prompts[chosen[min(i, len(chosen) - 1)]].key for i in range(lanes)])
-    rows = [first.rows] * lanes
+    keys, rows = [prompts[chosen[0]].key] * lanes, [prompts[chosen[0]].rows] * lanes
     for i, s in enumerate(chosen):
         p = prompts[s]
         n = min(p.rest, chunk)
         tokens[i, :n] = p.ids[p.done:p.done + n]
-        slot[i], n_valid[i], last[i], limit[i], rows[i] = s, n, n == p.rest, p.limit, p.rows
+        slot[i], n_valid[i], last[i], limit[i], keys[i], rows[i] = s, n, n == p.rest, p.limit, p.key, p.rows
         if last[i]:
             prompt[i, :len(p.ids)] = p.ids
-    rows = jax.tree.map(lambda *r: np.concatenate(r), *rows)
+    keys, rows = np.stack(keys), jax.tree.map(lambda *r: np.concatenate(r), *rows)
     return dict(slot=slot, tokens=tokens, n_valid=n_valid, last=last, key=keys, limit=limit, rows=rows,
                 prompt=prompt, groups=np.int32(-(-len(chosen) // group)))
 
