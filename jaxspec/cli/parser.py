@@ -12,6 +12,12 @@ from jaxspec.cli.serve_flags import DEFAULT_MAX_CONNECTIONS, FD_RESERVE
 SERVE = ServeConfig()  # serve's defaults
 
 
+def _multiple_of(knob: str, after_default: str = "") -> str:
+    """A serve knob's range, multiple and default, as its flag's help says them."""
+    k = SERVE_KNOBS[knob]
+    return f"{k.span} and a multiple of {k.multiple} (default {getattr(SERVE, knob)}{after_default})"
+
+
 MODEL_HELP = ("the target model: a directory (config.json, *.safetensors, tokenizer.json), a .gguf file (or a "
               "directory holding one), or a model name: gemma-3-270m (Gemma 3 270M, the gemma3 extra's GGUF)")
 WEIGHTS_CACHE_HELP = ("read a GGUF --model as it is, every run (default: its weights are converted once into "
@@ -143,11 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"verify width K, {SERVE_KNOBS['block_size'].span} (default {SERVE.block_size}; 1 decodes "
                         "classically)")
     v.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk, metavar="N",
-                   help=f"prompt tokens prefilled per step at most, {SERVE_KNOBS['prefill_chunk'].span} and a "
-                        f"multiple of {SERVE_KNOBS['prefill_chunk'].multiple} (default {SERVE.prefill_chunk}): a long "
-                        "prompt is prefilled in chunks between the decode steps, so the running streams wait a chunk "
-                        "per step, not the whole prefill; larger chunks prefill a long prompt faster and stall the "
-                        "others longer")
+                   help=f"the width prompts are cut into, {_multiple_of('prefill_chunk')}: a prompt advances "
+                        "one chunk per step, between the decode steps, so the running streams wait for chunks, not a "
+                        "whole prefill; wider chunks prefill a long prompt faster and make a step with chunks longer")
+    budget = ("the decode rounds of every slot count first, what is left buys one --prefill-chunk of as many waiting "
+              "prompts as fit (at least one), in one program; larger budgets admit bursts sooner (throughput, time "
+              "to first token) and make the running streams' worst gap longer")
+    v.add_argument("--step-tokens", type=int, default=SERVE.step_tokens, metavar="N",
+                   help=f"a step's token budget, {_multiple_of('step_tokens', ', provisional until measured')}: {budget}")
     v.add_argument("--max-batch", type=int, default=SERVE.max_batch, metavar="N",
                    help=f"requests decoding together, continuously batched, {SERVE_KNOBS['max_batch'].span} "
                         "(default 4 on a GPU: with K = 4, 16 verify rows, the multirow kernel's window; 1 on a CPU, "

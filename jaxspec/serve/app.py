@@ -66,7 +66,8 @@ class Server:
     Hence 4 by default (docs/benchmark_results/serve-h200-2026-12-02.md). `max_queue`: requests
     waiting for a slot at most; more are answered 429 with Retry-After. `kv_positions`: the KV pool the
     slots share, in cache positions (default: max_batch x min(context, BATCH_CONTEXT), the memory
-    check's); `prefill_chunk`: prompt tokens prefilled per step at most (a multiple of 16).
+    check's); `prefill_chunk`: the width prompts are cut into, one chunk of a prompt a step;
+    `step_tokens`: a step's token budget (the decode rounds first, then chunks of the waiting prompts).
     `max_batch` and `max_context` left None are the machine's (`ServeConfig.resolved`: 1 slot and
     4,096 positions a request on a CPU). `aliases`: other names a request's "model" may give (`jaxspec serve --model gemma-3-270m` serves
     "gemma-3-270m", also named by its file's name); /v1/models lists `model_name` only.

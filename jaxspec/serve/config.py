@@ -9,8 +9,8 @@ import dataclasses
 import numbers
 
 from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
-from jaxspec.engine.loop_config import (BUDGET_BUCKET, MAX_PREFILL_CHUNK, PREFILL_CHUNK, PROMPT_BUCKET,
-                                        slot_capacity)
+from jaxspec.engine.loop_config import (BUDGET_BUCKET, MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK,
+                                        PROMPT_BUCKET, STEP_TOKENS, slot_capacity)
 
 BATCH_CONTEXT = 4096  # KV pool positions per slot (the pool: max_batch x this, shared by the slots)
 REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its prompt and output)
@@ -64,6 +64,8 @@ RANGES = {
     "kv_positions": Knob(PROMPT_BUCKET, 1 << 26, PROMPT_BUCKET, " (the KV pool's blocks)"),
     # BatchEngine checks the same bounds (a chunk's rows are whole row tiles).
     "prefill_chunk": Knob(PROMPT_BUCKET, MAX_PREFILL_CHUNK, PROMPT_BUCKET),
+    # BatchEngine checks the same bounds; below a chunk (with the decode rounds) a step still runs one.
+    "step_tokens": Knob(PROMPT_BUCKET, MAX_STEP_TOKENS, PROMPT_BUCKET),
 }
 
 
@@ -74,7 +76,9 @@ class ServeConfig:
     decoding together; `rounds_per_chunk`: rounds between two reads of the new tokens (and two
     admissions); `max_queue`: requests waiting for a slot at most (more are refused with a 429);
     `kv_positions`: the KV pool the slots share, in cache positions (None: `kv_pool`'s default);
-    `prefill_chunk`: prompt tokens prefilled per step at most; `max_context`: positions one request
+    `prefill_chunk`: the chunk width a prompt is cut into (one chunk of a prompt a step);
+    `step_tokens`: the target tokens a step computes at most, the decode rounds' first, then one
+    chunk of as many waiting prompts as fit (at least one); `max_context`: positions one request
     may hold, its prompt and output (at most the model's context). `max_batch` and `max_context`
     None: the machine's (`resolved`: 1 and 4,096 on a CPU, 4 and 32,768 elsewhere)."""
 
@@ -84,6 +88,7 @@ class ServeConfig:
     max_queue: int = 64
     kv_positions: int | None = None
     prefill_chunk: int = PREFILL_CHUNK
+    step_tokens: int = STEP_TOKENS
     max_context: int | None = None
 
     def __post_init__(self):

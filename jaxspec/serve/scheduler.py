@@ -151,7 +151,8 @@ class Scheduler:
     reads of the new tokens (and two admissions); at most `max_queue` jobs wait (`submit` raises
     QueueFull past it). A request holds `batch_capacity` positions and `batch_tokens` new tokens at
     most (`config.request_capacity`, `request_tokens` of the target's context); the slots share a
-    pool of `config.kv_pool` cache positions; `prefill_chunk` prompt tokens per step at most."""
+    pool of `config.kv_pool` cache positions; a step computes `step_tokens` target tokens at most (decode
+    first, then `prefill_chunk`-wide chunks of the waiting prompts)."""
 
     def __init__(self, target, assistant, tok, config: ServeConfig, *, drafter=None):
         self.target, self.assistant, self.tok, self.drafter = target, assistant, tok, drafter
@@ -187,13 +188,14 @@ class Scheduler:
                 capacity=round_up(self.batch_capacity, block), block_size=c.block_size,
                 eos_token_ids=self.tok.eos_token_ids, rounds_per_step=c.rounds_per_chunk,
                 kv_blocks=max(1, self.kv_positions // block), block_tokens=block, prefill_chunk=c.prefill_chunk,
+                step_tokens=c.step_tokens,
                 drafter=self.drafter)
         return self._engine
 
     def warm_up(self) -> float:
         """Compile every program a request that fits a slot runs (each of the engine's step programs,
         the prefill of a short prompt), before the first client waits for it; then count what is
-        built later (/health's "compiles": a longer prompt's prefill chunk widths).
+        built later (/health's "compiles": none are expected, every prompt's chunks run in one program).
         Seconds."""
         t0 = time.perf_counter()
         engine = self.engine

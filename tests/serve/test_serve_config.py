@@ -1,5 +1,5 @@
 """`jaxspec serve`'s knobs (jaxspec.serve.config): one range table, which `ServeConfig`, `Server`'s
-keywords, the CLI's flags and the batch engine (prefill_chunk) all enforce: a value past a bound is
+keywords, the CLI's flags and the batch engine (prefill_chunk, step_tokens) all enforce: a value past a bound is
 refused by each, in one line naming the field (the flag, for the CLI) and its range, before a model
 is touched or loaded; the bounds themselves pass. A full queue: the scheduler's `QueueFull` (no
 HTTP in it), a 429 through the app with Retry-After, as the official `openai` client sees it, and
@@ -33,6 +33,7 @@ DOCUMENTED = [("block_size", "--block-size", 1, 16, 1),
               ("max_queue", "--max-queue", 1, 100_000, 1),
               ("kv_positions", "--kv-positions", 16, 1 << 26, 16),
               ("prefill_chunk", "--prefill-chunk", 16, 1 << 16, 16),
+              ("step_tokens", "--step-tokens", 16, 1 << 20, 16),
               ("max_context", "--max-context", 16, 1 << 20, 16)]
 
 
@@ -110,12 +111,16 @@ def test_slots_and_positions_left_open_are_the_machines():
     assert cli._serve_config(args).resolved() == ServeConfig().resolved(jax.default_backend())
 
 
-def test_the_batch_engine_takes_the_same_prefill_chunks():
-    """BatchEngine (a library entry point of its own) checks prefill_chunk against the same bounds."""
-    knob = RANGES["prefill_chunk"]
+@pytest.mark.parametrize("name", ["prefill_chunk", "step_tokens"])
+def test_the_batch_engine_takes_the_same_prefill_chunks_and_budgets(name):
+    """BatchEngine (a library entry point of its own) checks prefill_chunk and step_tokens against the
+    same bounds."""
+    knob = RANGES[name]
     for value in (knob.hi + knob.multiple, knob.lo - knob.multiple):
-        with pytest.raises(ValueError, match=f"prefill_chunk must be an integer in {knob.lo}..{knob.hi}, "):
-            BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, prefill_chunk=value)
+        with pytest.raises(ValueError, match=f"{name} must be an integer in {knob.lo}..{knob.hi}, "):
+            BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, **{name: value})
+    with pytest.raises(ValueError, match=f"{name} must be a multiple of {knob.multiple}"):
+        BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, **{name: knob.lo + knob.multiple // 2})
 
 
 def test_a_full_queue_is_queue_full_in_the_scheduler_and_a_429_through_the_app():
