@@ -1,0 +1,93 @@
+"""A speculative round in the loop, split into its draft part and the rest, for the MTP drafter with
+and without a trimmed draft vocabulary (Gemma 3 270M's shapes, random weights, or the real GGUF).
+
+    python benchmarks/drafter_round_bench.py                       # CPU, random 270M-shaped weights
+    python benchmarks/drafter_round_bench.py --target /tmp/gemma-3-270m-q4_k_m.gguf --drafter DIR
+
+Every figure is the loop's own (`jaxspec.generate` decode time over its rounds, warm, prefill
+excluded), never a standalone call: classic decoding (K = 1: one target step per token), and K = 4
+rounds with the MTP drafter (full head, then trimmed to each --vocab size) and with the n-gram
+drafter, whose drafting costs next to nothing, so its round is the verify, the walk and the loop's
+overhead. draft share = (round - n-gram round) / round; round cost = round / classic step. A
+random drafter keeps no draft, so each round emits one token; the costs do not depend on that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=None, help="a .gguf / checkpoint (default: random 270M-shaped weights)")
+    p.add_argument("--drafter", default=None, help="a drafter directory (default: a random 1-layer drafter)")
+    p.add_argument("--vocab", type=int, nargs="*", default=[32768, 16384, 8192])
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--out", default=None, help="a JSON file for the numbers")
+    args = p.parse_args(argv)
+    import jaxspec
+    from jaxspec import models
+    from jaxspec.models import presets
+    from jaxspec.train import assistant as ta
+    dtype = jnp.dtype(args.dtype)
+    key = jax.random.PRNGKey(0)
+    if args.target:
+        target = models.load_target(args.target, dtype=dtype)
+    else:
+        target = presets.random_model(presets.target_config("gemma-3-270m"), key, dtype=dtype)
+    tcfg = target.config
+    if args.drafter:
+        base = models.load_assistant(args.drafter, target=target, dtype=dtype)
+    else:
+        acfg = ta.assistant_config(tcfg, 1, args.ffn, 0, 1)
+        shapes = {k: v for k, v in models.assistant_shapes(acfg).items() if k != "embed_tokens"}
+        params = presets.random_params(shapes, jax.random.fold_in(key, 1), dtype=dtype, quantize={"bits": 8})
+        base = models.make_assistant(acfg, dict(params, embed_tokens=target.params["embed_tokens"]))
+        from jaxspec.models.dense import prepared
+        base = prepared(base.replace(matmul=target.matmul))
+    prompt = [2] + np.random.default_rng(0).integers(3, tcfg.vocab_size, 63).tolist()
+
+    def per_round(**kw):
+        best = None
+        for _ in range(args.reps + 1):  # the first run compiles
+            r = jaxspec.generate(target, prompt, max_new_tokens=args.new_tokens, eos_token_ids=[], **kw)
+            st = r.stats
+            ms = st.decode_s / max(1, st.rounds if st.block_size > 1 else len(r.tokens[0]) - 1) * 1e3
+            best = ms if best is None else min(best, ms)
+        return round(best, 3), st.block_size
+
+    out = dict(device=str(jax.devices()[0]), dtype=args.dtype, target=args.target or "random gemma-3-270m shape",
+               new_tokens=args.new_tokens, time=time.strftime("%Y-%m-%d %H:%M"))
+    out["classic_step_ms"], _ = per_round(block_size=1)
+    out["ngram_round_ms"], k = per_round(block_size=4, drafter="ngram")
+    assert k == 4, k
+    rows = []
+    variants = [("full head", base)]
+    if not base.config.draft_vocab_size:
+        variants += [(f"trimmed {n}", models.with_draft_vocab(base, np.arange(n))) for n in args.vocab]
+    for name, a in variants:
+        ms, k = per_round(assistant=a, block_size=4)
+        assert k == 4, (name, k)  # the exactness probe did not fall back
+        share = (ms - out["ngram_round_ms"]) / ms
+        rows.append(dict(drafter=name, round_ms=ms, draft_share=round(share, 3),
+                         round_cost_in_target_steps=round(ms / out["classic_step_ms"], 3)))
+        print(json.dumps(rows[-1]), flush=True)
+    out["rounds"] = rows
+    print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
