@@ -173,20 +173,15 @@ def write_heldout(path: str, tok, per_kind: int, seed: int, written_from: str | 
     if written_from:
         with open(written_from) as f:
             old = json.load(f)["prompts"]
-        out += [dict(p, kind="written") for p in old if p.get("kind", p.get("source", "")).startswith("written")]
+        out += [dict(p, kind="written") for p in old if p.get("source", "").startswith("written")]
     with open(path, "w") as f:
         json.dump(dict(prompts=out, note="never trained on: sources jaxspec.train.onpolicy_sources.training_texts "
                                           "does not read"), f, indent=1, ensure_ascii=False)
     return {k: sum(p["kind"] == k for p in out) for k in sorted({p["kind"] for p in out})}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise inputs.UsageError(f"{message} (--help lists the flags)")
-
-
 def build_parser():
-    p = _Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = inputs.Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="a model name (gemma-3-270m), a .gguf or a checkpoint dir")
     p.add_argument("--target-name", default=None)
     p.add_argument("--work", default=None, help="the data directory to write (yours only)")
@@ -209,11 +204,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    try:
-        return _run(argv)
-    except inputs.UsageError as e:
-        print(f"{PROG}: error: {inputs.one_line(e)}", file=sys.stderr, flush=True)
-        return 2
+    return inputs.cli(PROG, _run, argv)
 
 
 def _run(argv) -> int:

@@ -133,9 +133,9 @@ def _man_text(troff: str) -> str:
             continue
         if line.startswith("."):
             line = re.sub(r"^\.[A-Za-z]+\s*", "", line)
-        line = re.sub(r"\\f[BIRP]|\\f\(..|\\&|\\-", lambda m: "-" if m.group(0) == "\\-" else "", line)
+        line = re.sub(r"\\f\(..|\\f.|\\&|\\-", lambda m: "-" if m.group(0) == "\\-" else "", line)
         line = re.sub(r"\\\(..|\\[*](.)", "", line).replace('"', "")
-        if line.strip():
+        if line.strip() and not re.fullmatch(r"[-+\d.]+[mnvipu]?", line.strip()):  # indents left by .RS 2m
             lines.append(line.strip())
     return "\n".join(lines)
 
@@ -150,6 +150,8 @@ def heldout_texts(root: str = "/usr/share") -> dict[str, list[tuple[str, str]]]:
             out["legal"].append((f"common-licenses/{fn}", text))
     man = os.path.join(root, "man", "man1")
     for fn in sorted(os.listdir(man)) if os.path.isdir(man) else []:
+        if fn.startswith("gcloud"):  # thousands of one generated family: the other pages are the variety
+            continue
         text = _read(os.path.join(man, fn))
         if text and len(text) > 3000:
             out["manual"].append((f"man1/{fn}", _man_text(text)))

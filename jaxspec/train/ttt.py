@@ -31,13 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxspec
 from jaxspec import models
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize
 from jaxspec.train import assistant as ta
 from jaxspec.train import assistant_inputs as inputs
 from jaxspec.train import shared
-from jaxspec.train.shared import TRAIN_MATMUL, init_params, log, lr_at, make_tx
+from jaxspec.train.shared import init_params, log, lr_at, make_tx
 from jaxspec.train.ttt_loss import head_index, make_loss
 
 PROG = "python -m jaxspec.train.ttt"
@@ -71,10 +70,7 @@ def loop_eval(target, assistant, prompts, new_tokens: int, end_by: float | None 
 
 
 def build_parser():
-    class P(argparse.ArgumentParser):
-        def error(self, message):
-            raise inputs.UsageError(f"{message} (--help lists the flags)")
-    p = P(prog=PROG, description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = inputs.Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--target-name", default=None)
     p.add_argument("--data", required=True, help="what python -m jaxspec.train.onpolicy_data wrote (--work)")
@@ -101,11 +97,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    try:
-        return _run(argv)
-    except inputs.UsageError as e:
-        print(f"{PROG}: error: {inputs.one_line(e)}", file=sys.stderr, flush=True)
-        return 2
+    return inputs.cli(PROG, _run, argv)
 
 
 def _check(args, on_gpu: bool):

@@ -11,7 +11,7 @@ import jaxspec
 from jaxspec import models
 from jaxspec.drafters import mtp
 from jaxspec.models import presets
-from support.seeds import seeded_int, seeded_rng
+from support.seeds import seeded_int
 
 
 @pytest.fixture(scope="module")

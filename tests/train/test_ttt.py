@@ -105,22 +105,23 @@ def test_ttt_trained_beats_untrained_with_greedy_parity(tmp_path):
     models.save(target, str(tmp_path / "target"))
     common = ["--target", str(tmp_path / "target"), "--target-name", "tiny"]
     assert onpolicy_data.main(common + ["--work", str(tmp_path / "data"), "--random-prompts", "--prompts", "96",
-                                        "--prompt-tokens", "16", "--new-tokens", "32", "--gen-batch", "32",
+                                        "--prompt-tokens", "16", "--new-tokens", "32", "--gen-batch", "32", "--sampled-share", "0.34",
                                         "--score-batch", "16", "--heldout-prompts", "4", "--seed", str(seed % 997)]) == 0
     z = np.load(tmp_path / "data" / "data.npz")
-    assert z["rows"].shape == (96, 48) and z["top_ids"].shape == (96, 32, 16) and z["sampled"].sum() == 64
+    assert z["rows"].shape == (96, 48) and z["top_ids"].shape == (96, 32, 16) and z["sampled"].sum() == 32
     # the greedy rows' tokens are the teacher's argmax (up to near ties), the sampled ones not always
     greedy = ~z["sampled"]
     assert (z["rows"][greedy, 16:] == z["top_ids"][greedy, :, 0]).mean() > 0.95
     out = tmp_path / "out"
     assert ttt.main(common + ["--data", str(tmp_path / "data"), "--out", str(out), "--draft-vocab", "256", "--ffn",
                               "128", "--batch", "8", "--steps", "240", "--warmup", "20", "--eval-every", "120",
-                              "--eval-prompts", "4", "--eval-new-tokens", "24", "--lr", "3e-3",
+                              "--eval-prompts", "4", "--eval-new-tokens", "24", "--lr", "3e-3", "--ce-weight", "0.5",
                               "--seed", str(seed % 997)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["evals"][0]["step"] == 0 and res["k_ran"] == 4
     untrained, best = res["evals"][0]["tokens_per_round"], max(e["tokens_per_round"] for e in res["evals"])
-    assert best > untrained + 0.2 and res["heldout"]["per_position_acceptance"][0] > 0.1, res["evals"]
-    assert res["heldout"]["all_identical"] and res["heldout"]["tokens_per_round"] == best
+    assert best > untrained + 0.25, res["evals"]
+    # the saved drafter (8-bit, reloaded) is the best one, measured on every held-out prompt
+    assert res["heldout"]["all_identical"] and res["heldout"]["tokens_per_round"] > untrained + 0.2, res["heldout"]
     assert 0 < res["coverage"]["heldout"] <= 1 and res["coverage"]["draft_vocab"] == 256
     assert res["drafter"]["within_limit"] and os.path.isfile(out / "NOTICE")
