@@ -25,7 +25,7 @@ case "$stage" in
   train)
     [ -f "$DATA/data.npz" ] || { echo "no $DATA/data.npz: run the data stage first (on this warm machine)" >&2; exit 2; }
     "$PY" -m jaxspec.train.ttt --target "$TARGET" --target-name gemma-3-270m --data "$DATA" --out "$OUT/drafter" \
-        --draft-vocab 32768 --unroll 3 --batch 32 --eval-every 1000 --eval-prompts 8 --minutes 9.5 "$@"
+        --draft-vocab 32768 --unroll 3 --ce-weight 0.5 --batch 32 --eval-every 1000 --eval-prompts 8 --minutes 9.5 "$@"
     # the drafter's files must come back (<= 16 MiB each) and ship (<= 12 MiB of weights)
     "$PY" - "$OUT/drafter/results.json" <<'PYEOF'
 import json, sys

@@ -118,7 +118,7 @@ def training_texts(max_files: int | None = None) -> tuple[dict[str, list[tuple[s
             kinds["lists"] += [(f"{name}#list{j}", b) for j, b in enumerate(list_blocks(body))]
     kinds["dialogue"] = [(f"opener{i}", t) for i, t in enumerate(DIALOGUE_OPENERS)]
     info = dict(stdlib=stdlib, site_packages=purelib, texts={k: len(v) for k, v in kinds.items()},
-                kinds=dict(code="standard library *.py", docs="standard library docstrings, site-packages *.rst/*.md/*.txt",
+                kind_sources=dict(code="standard library *.py", docs="standard library docstrings, site-packages *.rst/*.md/*.txt",
                            prose="installed distributions' METADATA descriptions",
                            lists="bullet/numbered blocks of those docs and descriptions",
                            dialogue="written openers, continued by the target's own samples"))
