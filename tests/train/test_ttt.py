@@ -63,14 +63,13 @@ def test_kl_topk_matches_float64_reference():
     assert abs(float(kl0[0])) < 1e-4
 
 
-@pytest.mark.parametrize("trim", [False, True])
-def test_training_unroll_drafts_what_the_loop_drafts(trim):
+def test_training_unroll_drafts_what_the_loop_drafts():
+    """With a trimmed head (its ids mapped back on both sides); the full head is the same chain."""
     seed = seeded_int(1 << 20)
     target, assistant = presets.tiny_pair(seed, dtype=jnp.float32)
     rng = np.random.default_rng(seed)
     tcfg = target.config
-    if trim:
-        assistant = models.with_draft_vocab(assistant, rng.permutation(tcfg.vocab_size)[:200])
+    assistant = models.with_draft_vocab(assistant, rng.permutation(tcfg.vocab_size)[:200])
     b, p, s, steps = 2, 6, 16, 3
     rows = jnp.asarray(rng.integers(3, tcfg.vocab_size, (b, s)), jnp.int32)
     cache = models.init_cache(tcfg, b, s, jnp.float32, ring=False)
