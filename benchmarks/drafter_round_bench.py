@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", default=None, help="a drafter directory (default: a random 1-layer drafter)")
     p.add_argument("--vocab", type=int, nargs="*", default=[32768, 16384, 8192])
     p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--ordered", action="store_true", help="also the first recipe's ordered-embeddings head")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3, help="timed runs of each variant, interleaved (the fastest kept)")
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
     dtype = jnp.dtype(args.dtype)
     key = jax.random.PRNGKey(0)
     from jaxspec.kernels import DispatchConfig
+    from jaxspec.models.dense import prepared
     cpu_dense = DispatchConfig(backend="xla", dense=True) if jax.default_backend() == "cpu" else None
     if args.target:
         target = models.load_target(args.target, dtype=dtype)  # the loaders prepare a CPU's weights dense
@@ -73,7 +75,6 @@ def main(argv=None) -> int:
         shapes = {k: v for k, v in models.assistant_shapes(acfg).items() if k != "embed_tokens"}
         params = presets.random_params(shapes, jax.random.fold_in(key, 1), dtype=dtype, quantize={"bits": 8})
         base = models.make_assistant(acfg, dict(params, embed_tokens=target.params["embed_tokens"]))
-        from jaxspec.models.dense import prepared
         base = prepared(base.replace(matmul=target.matmul))
     prompt = [2] + np.random.default_rng(0).integers(3, tcfg.vocab_size, 63).tolist()
 
@@ -83,7 +84,18 @@ def main(argv=None) -> int:
         return st.decode_s / max(1, st.rounds if st.block_size > 1 else len(r.tokens[0]) - 1) * 1e3, st.block_size
 
     variants = {"classic": dict(block_size=1), "no drafting": dict(assistant=base, block_size=4, drafter=no_draft()),
-                "full head": dict(assistant=base, block_size=4)}
+                ("full head" if not args.drafter else
+                 f"drafter ({base.config.draft_vocab_size or 'full'} head)"): dict(assistant=base, block_size=4)}
+    if args.ordered and not args.drafter:  # the first recipe's head: 2048 centroids, top 32 (random ordering)
+        ocfg = ta.assistant_config(tcfg, 1, args.ffn, 2048, 32)
+        oshapes = {k: v for k, v in models.assistant_shapes(ocfg).items()
+                   if k not in ("embed_tokens", "masked_embedding.token_ordering")}
+        op = presets.random_params(oshapes, jax.random.fold_in(key, 2), dtype=dtype, quantize={"bits": 8})
+        order = jnp.asarray(np.random.default_rng(1).permutation(tcfg.vocab_size), jnp.int32)
+        ordered = models.make_assistant(ocfg, dict(op, embed_tokens=target.params["embed_tokens"],
+                                                   **{"masked_embedding.token_ordering": order}))
+        variants["ordered head (2048 centroids, top 32)"] = dict(
+            assistant=prepared(ordered.replace(matmul=target.matmul)), block_size=4)
     if not base.config.draft_vocab_size:
         for n in args.vocab:
             variants[f"trimmed {n}"] = dict(assistant=models.with_draft_vocab(base, np.arange(n)), block_size=4)

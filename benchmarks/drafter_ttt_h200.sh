@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/drafter_ttt_h200.sh data     # prompts, the target's continuations, its top-16 log-probs (~8 min)
 #   bash benchmarks/drafter_ttt_h200.sh train    # training, in-loop evaluation, best drafter, results.json (~9.5 min)
+#   bash benchmarks/drafter_ttt_h200.sh round    # the round in the loop: classic step, no-draft round, drafter round
 #
 # TARGET: what loads the target (default gemma-3-270m: the `gemma3` extra's GGUF; or a path such as
 # /tmp/gemma-3-270m-q4_k_m.gguf). Extra flags after the stage go to the stage's command.
@@ -15,6 +16,9 @@ TARGET="${TARGET:-gemma-3-270m}"
 DATA="${DATA:-/tmp/ttt-data}"
 OUT="${OUT:?OUT must name the folder whose files come back}"
 PY="${PYTHON:-python}"
+# the round stage's drafter: $OUT is empty in every call, so the folder the train stage brought back,
+# put in the working tree (it travels with it), e.g. DRAFTER=jaxspec/data/drafters/gemma-3-270m
+DRAFTER="${DRAFTER:-$OUT/drafter}"
 case "$stage" in
   data)
     "$PY" -m jaxspec.train.onpolicy_data --target "$TARGET" --target-name gemma-3-270m --work "$DATA" \
@@ -38,5 +42,10 @@ print(f"held-out {h['prompts']} prompts: {h['tokens_per_round']} tokens/round, p
       f"coverage {r['coverage']}, step costs {r['step_costs']}")
 PYEOF
     ;;
-  *) echo "unknown stage $stage (data | train)" >&2; exit 2 ;;
+  round)
+    [ -d "$DRAFTER" ] || { echo "no drafter at $DRAFTER (DRAFTER=...)" >&2; exit 2; }
+    "$PY" benchmarks/drafter_round_bench.py --target "$TARGET" --drafter "$DRAFTER" --dtype bfloat16 \
+        --new-tokens 128 --reps 5 --out "$OUT/round.json" "$@"
+    ;;
+  *) echo "unknown stage $stage (data | train | round)" >&2; exit 2 ;;
 esac
