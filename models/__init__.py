@@ -14,7 +14,8 @@ family modules (gemma4, gemma3) -> family_spec, config_fields; and everything ->
 See docs/models.md for the design and the draft position convention.
 """
 from . import presets
-from .assistant import Assistant, assistant_stack, centroid_logits, draft_step, make_assistant, visible_keys
+from .assistant import (Assistant, assistant_stack, centroid_logits, draft_ids, draft_logits, draft_step, full_logits,
+                        make_assistant, visible_keys, with_draft_vocab)
 from jaxspec.kernels import ROW_TILE
 
 from .cache import (EMPTY, KVCache, cache_bytes, init_cache, init_paged_cache, paged_block_bytes, paged_cache_bytes,
@@ -29,7 +30,7 @@ from .target import Target, embed, forward, logits, make_target, row_bucket, sha
 __all__ = [
     "EMPTY", "ROW_TILE", "cache_bytes", "init_paged_cache", "paged_block_bytes", "paged_cache_bytes", "ring_size",
     "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
-    "centroid_logits", "check_fit", "draft_step", "embed", "forward", "init_cache", "load_assistant",
+    "centroid_logits", "check_fit", "draft_ids", "draft_logits", "draft_step", "full_logits", "embed", "forward", "init_cache", "load_assistant",
     "load_target", "logits", "make_assistant", "make_target", "prepare_dense", "presets", "quantize_model", "row_bucket", "save",
-    "shard", "shared_kv", "target_shapes", "visible_keys", "weight_bytes",
+    "shard", "shared_kv", "target_shapes", "visible_keys", "weight_bytes", "with_draft_vocab",
 ]

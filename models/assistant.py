@@ -7,12 +7,15 @@ Params: the assistant's inner text model under its HF names without "model." ("e
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from jaxspec.kernels import DispatchConfig
+from jaxspec.kernels import DispatchConfig, take_rows
 
 from .cache import KVCache
 from .config import SLIDING, AssistantConfig, check_fit
@@ -86,6 +89,8 @@ def draft_step(assistant: Assistant, target: Target, cache: KVCache, token: jax.
         raise ValueError("the assistant and the target must be sharded alike: models.shard both over one mesh "
                          f"(assistant: {assistant.tp}, target: {target.tp})")
     if assistant.tp is not None:
+        if acfg.draft_vocab_size:
+            raise ValueError("a trimmed draft vocabulary (draft_vocab_size) is not supported on a sharded assistant")
         return _draft_step_sharded(assistant, target, cache, token, h_prev, position)
     return _draft_step(assistant, target, cache, token, h_prev, position)
 
@@ -110,20 +115,79 @@ def _head(assistant: Assistant):
 
 
 def _draft_step(assistant, target, cache, token, h_prev, position):
-    acfg, tcfg = assistant.config, target.config
-    p, mm = assistant.params, assistant.matmul
     b = token.shape[0]
     lengths = cache.lengths.astype(jnp.int32)[:, None]
     pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32).reshape(-1), (b,))[:, None]
-    hn = assistant_stack(assistant, target, token[:, None], h_prev[:, None], shared_kv(tcfg, cache), lengths,
+    hn = assistant_stack(assistant, target, token[:, None], h_prev[:, None], shared_kv(target.config, cache), lengths,
                          pos)[:, 0]
+    out, h_next = _finish(assistant, hn)
+    return full_logits(assistant, out), h_next
+
+
+def draft_logits(assistant: Assistant, target: Target, kv: dict, tokens: jax.Array, h_prev: jax.Array,
+                 lengths: jax.Array, position: jax.Array):
+    """The draft step for `Q` queries per row at once, over the HEAD's vocabulary -> (logits float32
+    `[B, Q, N]`, h_next `[B, Q, H_target]`). N is the vocabulary, or `draft_vocab_size` with a
+    trimmed head (`draft_ids` maps an index to its token). Arguments as `assistant_stack`'s. The
+    loop's greedy drafting (`jaxspec.drafters.mtp.draft_chain`, Q = 1) and training (every position of
+    a row at once) both run it, so what is trained is what drafts."""
+    if assistant.tp is not None:
+        raise ValueError("draft_logits runs an unsharded assistant (draft_step shards)")
+    check_fit(assistant.config, target.config)
+    hn = assistant_stack(assistant, target, tokens, h_prev, kv, lengths, position)
+    return _finish(assistant, hn)
+
+
+def _finish(assistant: Assistant, hn: jax.Array):
+    """(head logits float32 [..., N], h_next [..., H_target]) from the final-normed hidden [..., Ha]."""
+    acfg, p, mm = assistant.config, assistant.params, assistant.matmul
     h_next = linear(hn, p["post_projection"], mm)
-    head = _head(assistant)
-    if acfg.use_ordered_embeddings:
-        out = centroid_logits(assistant, hn, head)
+    if acfg.draft_vocab_size:
+        out = linear(hn, p["draft_head"], mm).astype(jnp.float32)
+    elif acfg.use_ordered_embeddings:
+        flat = hn.reshape(-1, hn.shape[-1])
+        out = centroid_logits(assistant, flat, _head(assistant)).reshape(*hn.shape[:-1], acfg.vocab_size)
     else:
-        out = linear(hn, head, mm).astype(jnp.float32)
+        out = linear(hn, _head(assistant), mm).astype(jnp.float32)
     return out, h_next
+
+
+def draft_ids(assistant: Assistant, index: jax.Array) -> jax.Array:
+    """Token ids of head indices (`draft_logits`' last axis): the trimmed vocabulary's, else the index."""
+    index = index.astype(jnp.int32)
+    if assistant.config.draft_vocab_size:
+        return jnp.take(assistant.params["draft_vocab"].astype(jnp.int32), index)
+    return index
+
+
+def full_logits(assistant: Assistant, logits: jax.Array) -> jax.Array:
+    """Head logits `[..., N]` over the whole vocabulary `[..., V]`: with a trimmed head every other
+    token gets -inf, so no sampler ever drafts it (q = 0 there; the verify still scores every token,
+    so the output is the target's whatever the head leaves out)."""
+    acfg = assistant.config
+    if not acfg.draft_vocab_size:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (acfg.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., assistant.params["draft_vocab"].astype(jnp.int32)].set(logits)
+
+
+def with_draft_vocab(assistant: Assistant, ids) -> Assistant:
+    """`assistant` with a trimmed head over token ids `ids` (distinct, in range; their order is the
+    head's): "draft_vocab" the ids, "draft_head" their rows of the head's table (the tied table:
+    a shared one is the target's) in the assistant's dtype, gathered once here, not per step."""
+    acfg = assistant.config
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"draft vocabulary must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+    if ids.min() < 0 or ids.max() >= acfg.vocab_size or len(np.unique(ids)) != ids.size:
+        raise ValueError(f"draft vocabulary ids must be distinct and in [0, {acfg.vocab_size})")
+    if acfg.use_ordered_embeddings:
+        raise ValueError("a trimmed draft vocabulary replaces the ordered-embeddings head: build the assistant "
+                         "without use_ordered_embeddings")
+    cfg = dataclasses.replace(acfg, draft_vocab_size=int(ids.size))
+    ids = jnp.asarray(ids, jnp.int32)
+    params = dict(assistant.params, draft_vocab=ids, draft_head=take_rows(_head(assistant), ids, assistant.dtype))
+    return assistant.replace(config=cfg, params=params)
 
 
 def assistant_stack(assistant: Assistant, target: Target, tokens: jax.Array, h_prev: jax.Array, kv: dict,

@@ -32,13 +32,13 @@ from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, all_fin
 from safetensors import SafetensorError, safe_open
 
 from . import fingerprint, gguf
-from .assistant import Assistant
+from .assistant import Assistant, with_draft_vocab
 from .checkpoint_files import (INDEX_FILE, MANIFEST, WEIGHT_FILES, FileProblem, checkpoint_files,  # noqa: F401
                                read_config, save_files, why_not)
 from .config import AssistantConfig, TargetConfig, check_fit, quantization_format
 from .dense import is_dense, prepared
 from .layer_scan import is_stacked, stack_params, unstack_params
-from .params import (BUFFERS, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, check_params, quant_spec, quantizable,
+from .params import (BUFFERS, DERIVED, INDEX, LINEAR, TOP_LEVEL, assistant_shapes, check_params, quant_spec, quantizable,
                      quantize_params, target_shapes)
 from .target import Target
 
@@ -422,12 +422,18 @@ def load_assistant(path: str, *, dtype=jnp.bfloat16, quantize=None, matmul: Disp
                                       f"tie_word_embeddings={cfg.tie_word_embeddings}, hidden_size={cfg.hidden_size}, "
                                       f"target hidden_size={tcfg.hidden_size}")
         shapes = {k: v for k, v in shapes.items() if k != "embed_tokens"}
+    shapes = {k: v for k, v in shapes.items() if k not in DERIVED}  # rebuilt below from the ids
     skip = lambda name: _ignorable(name, cfg.text) or (cfg.tie_word_embeddings and name == "lm_head")
     params = _load_params(path, files, shapes, quantization_format(d), skip, cfg.text.family, dtype, quantize, progress,
                           "load_assistant")
     assistant = prepared(Assistant(config=cfg, params=params, matmul=matmul))
     if shared:  # the target's table as the target holds it (dense or quantized: the dispatch takes either)
         assistant = assistant.replace(params=dict(assistant.params, embed_tokens=target.params["embed_tokens"]))
+    if cfg.draft_vocab_size:  # the trimmed head's rows, gathered once from the (shared) table
+        try:
+            assistant = with_draft_vocab(assistant, np.asarray(assistant.params["draft_vocab"]))
+        except ValueError as e:
+            raise _not_loadable(path, str(e)) from None
     return assistant
 
 
@@ -474,6 +480,7 @@ def save(model, path: str, *, shard_bytes: int = 4 << 30, config_extra: dict | N
     extra = dict(config_extra or {})
     d.update(extra)
     omit = {"embed_tokens"} if isinstance(model, Assistant) and extra.get("shared_embedding") == SHARED_EMBEDDING else set()
+    omit |= set(DERIVED)  # rebuilt at load
     formats: dict[str, tuple[int, int]] = {}
     tensors: list[tuple[str, Any]] = []
     params = model.params if isinstance(model, Assistant) else unstack_params(cfg, model.params)

@@ -182,6 +182,9 @@ class AssistantConfig:
     centroid_intermediate_top_k: int = 32
     tie_word_embeddings: bool = True
     model_type: str = "gemma4_assistant"
+    # jaxspec's trimmed draft vocabulary (FR-Spec / VocabTrim): > 0 means the head scores only these
+    # many tokens (params "draft_vocab", the ids, and "draft_head", their head rows); 0: every token.
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         t = self.text
@@ -193,8 +196,13 @@ class AssistantConfig:
         if t.num_kv_shared_layers != t.num_hidden_layers:
             raise ValueError(f"every assistant layer must be KV-shared: num_kv_shared_layers="
                              f"{t.num_kv_shared_layers}, num_hidden_layers={t.num_hidden_layers}")
-        for name in ("backbone_hidden_size", "num_centroids", "centroid_intermediate_top_k"):
+        for name in ("backbone_hidden_size", "num_centroids", "centroid_intermediate_top_k", "draft_vocab_size"):
             number(name, getattr(self, name))
+        if self.draft_vocab_size:
+            if self.draft_vocab_size > t.vocab_size:
+                raise ValueError(f"draft_vocab_size={self.draft_vocab_size} > vocab_size={t.vocab_size}")
+            if self.use_ordered_embeddings:  # two ways of cutting the head's work: one at a time
+                raise ValueError("draft_vocab_size and use_ordered_embeddings cannot both be set")
         if self.use_ordered_embeddings:
             if t.vocab_size % self.num_centroids:
                 raise ValueError(f"vocab_size={t.vocab_size} is not a multiple of num_centroids={self.num_centroids}")
@@ -213,7 +221,9 @@ class AssistantConfig:
                     backbone_hidden_size=self.backbone_hidden_size,
                     use_ordered_embeddings=self.use_ordered_embeddings, num_centroids=self.num_centroids,
                     centroid_intermediate_top_k=self.centroid_intermediate_top_k,
-                    tie_word_embeddings=self.tie_word_embeddings)
+                    tie_word_embeddings=self.tie_word_embeddings,
+                    # absent when 0, so configs without a trimmed head read as they always did
+                    **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}))
 
     @property
     def architecture(self) -> str:

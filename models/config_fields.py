@@ -69,6 +69,7 @@ FIELD_RANGES: dict[str, Range] = {
     "backbone_hidden_size": Range(1, _WIDTH),
     "num_centroids": Range(1, _TOKENS),
     "centroid_intermediate_top_k": Range(1, _TOKENS),  # and <= num_centroids when used
+    "draft_vocab_size": Range(0, _TOKENS),            # 0: the head covers the vocabulary; <= vocab_size
     "rms_norm_eps": Range(1e-12, 1.0, integer=False),
     "final_logit_softcapping": Range(1e-3, 1e6, integer=False),  # null / absent: no cap
     "rope_theta": Range(1.0, 1e12, integer=False),

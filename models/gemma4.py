@@ -276,6 +276,7 @@ def assistant_fields(d: dict[str, Any]) -> dict[str, Any]:
         centroid_intermediate_top_k=int_field(d, "centroid_intermediate_top_k", 32),
         tie_word_embeddings=flag("tie_word_embeddings", d.get("tie_word_embeddings", True)),
         model_type=mt,
+        draft_vocab_size=int_field(d, "draft_vocab_size", 0),  # jaxspec's trimmed head (AssistantConfig)
     )
 
 

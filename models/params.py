@@ -19,10 +19,13 @@ from jaxspec.kernels.quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from .config import AssistantConfig, TargetConfig
 
 LINEAR, VECTOR, INDEX = "linear", "vector", "index"  # 2-D weight | float buffer | integer buffer
-BUFFERS = ("layer_scalar", "token_ordering")  # stored without a ".weight" suffix
+BUFFERS = ("layer_scalar", "token_ordering", "draft_vocab")  # stored without a ".weight" suffix
 # The assistant's modules outside its inner text model (checkpoints name them without "model.").
 TOP_LEVEL = ("pre_projection", "post_projection", "lm_head", "masked_embedding.centroids",
-             "masked_embedding.token_ordering")
+             "masked_embedding.token_ordering", "draft_vocab", "draft_head")
+# Derived from the head's table and "draft_vocab" when loaded (`models.assistant.with_draft_vocab`),
+# never saved: a 32k-token head is 21 MB at 8 bits, the ids 128 KB.
+DERIVED = ("draft_head",)
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 
@@ -84,6 +87,9 @@ def assistant_shapes(cfg: AssistantConfig) -> Shapes:
     if cfg.use_ordered_embeddings:
         out["masked_embedding.centroids"] = ((cfg.num_centroids, a.hidden_size), LINEAR)
         out["masked_embedding.token_ordering"] = ((a.vocab_size,), INDEX)
+    if cfg.draft_vocab_size:
+        out["draft_vocab"] = ((cfg.draft_vocab_size,), INDEX)
+        out["draft_head"] = ((cfg.draft_vocab_size, a.hidden_size), LINEAR)
     return out
 
 

@@ -43,6 +43,14 @@ class Drafter:
         T = 0, a sample from the filtered q at T > 0."""
         position = state.cache.lengths + DRAFT_POSITION_OFFSET
         cache = state.cache
+        if mode.greedy and not mode.bias and not mode.penalties and assistant.tp is None:
+            # plain argmax drafts: the chain training unrolls (draft_chain), over the head's own
+            # vocabulary (a trimmed head never builds the [B, V] logits)
+            kv = models.shared_kv(target.config, cache)
+            drafts, _ = draft_chain(assistant, target, kv, state.bonus[:, None], state.draft[:, None],
+                                    cache.lengths.astype(jnp.int32)[:, None], position.astype(jnp.int32)[:, None],
+                                    k - 1)
+            return drafts[:, 0], None, None
         # With penalties the drafts are penalised as the verify will be (the counts so far plus the
         # drafts before): not needed for exactness, but the drafts then follow the penalised target.
         counts = state.counts if mode.penalties else None
@@ -68,6 +76,26 @@ class Drafter:
 
     def counters(self, h_prev) -> dict[str, int]:
         return {}
+
+
+def draft_chain(assistant, target, kv: dict, token, h_prev, lengths, position, steps: int):
+    """The loop's greedy drafting, for `Q` queries per row at once: `steps` draft steps
+    (`models.draft_logits`), each drafting the argmax of the head (mapped to token ids: `draft_ids`)
+    and feeding it, with its h_next, to the next. token [B, Q], h_prev [B, Q, H_target], kv
+    `models.shared_kv` of the target's cache, lengths / position [B, Q] as `models.assistant_stack`
+    takes them. Returns (drafts int32 [B, Q, steps], [steps] head logits float32 [B, Q, N]).
+
+    `Drafter.propose` runs it at Q = 1 on the loop's state; training-time test
+    (`jaxspec.train.ttt`) runs it over every position of a row, so the drafter is trained on its own
+    drafts exactly as the loop makes them (unrolled, as DRAFT_UNROLL unrolls the loop's steps)."""
+    drafts, logits = [], []
+    for _ in range(steps):
+        lg, h_next = models.draft_logits(assistant, target, kv, token, h_prev, lengths, position)
+        token = models.draft_ids(assistant, jnp.argmax(lg, axis=-1))
+        drafts.append(token)
+        logits.append(lg)
+        h_prev = h_next.astype(h_prev.dtype)  # the loop carries h_next in the target hidden's dtype
+    return jnp.stack(drafts, axis=-1), logits
 
 
 DEFAULT = Drafter()

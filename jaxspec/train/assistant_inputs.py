@@ -12,10 +12,12 @@ shared /tmp let another user create it first and make a victim's --resume train 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import stat
+import sys
 
 import numpy as np
 
@@ -36,6 +38,22 @@ def one_line(e: BaseException | str, limit: int = 400) -> str:
     """The message on one line of at most `limit` characters (a longer one cut with a marker)."""
     s = " ".join(str(e).split()) or type(e).__name__
     return s if len(s) <= limit else f"{s[:limit - 40]} ... [{len(s) - limit + 40} more characters]"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are a UsageError (one line), not ~40 lines of usage."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (--help lists the flags)")
+
+
+def cli(prog: str, run, argv) -> int:
+    """`run(argv)`'s exit status; a UsageError is one line on stderr and status 2 (the train commands' main)."""
+    try:
+        return run(argv)
+    except UsageError as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 2
 
 
 # ---- the flags ------------------------------------------------------------------------------------
