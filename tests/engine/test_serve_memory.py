@@ -128,15 +128,16 @@ def test_serve_checks_kv_positions_against_the_memory(capsys, monkeypatch):
     it is refused before loading, in one line naming the flag and the largest pool that fits;
     that pool goes on to load, one block more does not."""
     port = memory_of(monkeypatch, 12 << 30, "host memory")
-    err = serve_fails(capsys, "--kv-positions", str(1 << 26), "--port", port)
+    err = serve_fails(capsys, "--kv-positions", str(1 << 26), "--max-batch", "4", "--port", port)
     for part in ("--kv-positions 67108864 with --max-batch 4", "a pool of 67108864 positions for 4 slots",
                  "10.8 GiB of host memory (12.0 GiB less a tenth", "lower --kv-positions (at most "):
         assert part in err, err
     fit = int(re.search(r"at most (\d+)\)", err).group(1))
     assert fit % 16 == 0 and fit >= 4 * 4096  # the default pool fits where --max-batch 64 does
-    assert cli.main(["serve", "--kv-positions", str(fit), "--port", port]) == 1  # fits: it goes on to load
+    assert cli.main(["serve", "--kv-positions", str(fit), "--max-batch", "4", "--port", port]) == 1  # fits: it loads
     assert "a model was about to be loaded" in capsys.readouterr().err
-    assert "lower --kv-positions" in serve_fails(capsys, "--kv-positions", str(fit + 16), "--port", port)
+    assert "lower --kv-positions" in serve_fails(capsys, "--kv-positions", str(fit + 16), "--max-batch", "4",
+                                                 "--port", port)
 
 
 # ---- issue 65: the memory the run may fill, not the whole host --------------------------------------
