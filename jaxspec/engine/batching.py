@@ -71,6 +71,7 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.kernels import EMPTY
+from jaxspec.kernels.xla import program_options
 
 from jaxspec.drafters import base as drafters
 from jaxspec.engine import loop, sampling
@@ -146,8 +147,19 @@ def _row_cache(cache: models.KVCache, slot) -> models.KVCache:
                          table=take(cache.table))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "loop_spec", "last"), donate_argnums=(0,))
-def _prefill_chunk(state: loop.DecodeState, target, slot, tokens, n_valid, key, limit, rows, prompt=None, *,
+def _prefill_chunk(*args, **kw) -> loop.DecodeState:
+    """`_prefill_chunk_body`, jitted with jaxspec's program options (kernels.xla.program_options:
+    known only once the backend is, so the jit is made on first use)."""
+    return _prefill_chunk_jit()(*args, **kw)
+
+
+@functools.cache
+def _prefill_chunk_jit():
+    return jax.jit(_prefill_chunk_body, static_argnames=("spec", "loop_spec", "last"), donate_argnums=(0,),
+                   compiler_options=program_options() or None)
+
+
+def _prefill_chunk_body(state: loop.DecodeState, target, slot, tokens, n_valid, key, limit, rows, prompt=None, *,
                    spec: loop.PrefillSpec, loop_spec: loop.LoopSpec, last: bool) -> loop.DecodeState:
     """One chunk of a prompt (`tokens [1, W]`, the first `n_valid` real) into row `slot` of a paged
     state, continuing at the row's length. The row computes alone (batch 1): its result does not
