@@ -5,7 +5,7 @@
 
 In one process: greedy "The capital of France is", 32 new tokens, through `jaxspec.generate` with
 the CLI's keywords (`jaxspec generate --model gemma-3-270m`: classic, block size 4), then through a
-4-slot BatchEngine built as `jaxspec serve` builds it (ServeConfig's slots, rounds, block size and
+4-slot BatchEngine built as `jaxspec serve --max-batch 4` builds it (ServeConfig's rounds, block size and
 prefill chunk) with a 1,024-position request capacity and a 4,096-position KV pool (the server's
 own default pool is larger and only slower to compile), three other requests (greedy and sampled,
 other prompts) beside it. Prints both texts, whether the tokens are equal, generate's decode tok/s
@@ -62,7 +62,7 @@ def main():
     out["cli_text"] = tok.decode(r.tokens[0])
 
     c = ServeConfig()
-    engine = BatchEngine(target, None, slots=c.max_batch, max_new_tokens=64, capacity=1024, block_size=c.block_size,
+    engine = BatchEngine(target, None, slots=4, max_new_tokens=64, capacity=1024, block_size=c.block_size,
                          eos_token_ids=eos, rounds_per_step=c.rounds_per_chunk, kv_blocks=4096 // 16, block_tokens=16,
                          prefill_chunk=c.prefill_chunk)
     t0 = time.perf_counter()

@@ -24,6 +24,11 @@ the ids written out (`IdTokenizer`, no stop ids).
 `--sampling`: greedy (T = 0), uniform (every request T = 0.8, top_p 0.95) or mixed (request i gets
 one of 16 distinct (temperature, top_p) settings and its own seed): mixed against uniform is what
 sharing one batch across settings costs.
+`--step-tokens A,B,...` sweeps the engine's token budget a step (issue 66: decode rounds first, then
+chunks of the waiting prompts; default: the engine's), each budget a configuration of its own, in the
+sweep and in the long workload (the budget is a row's `step_tokens`, its prefill lanes `lanes`):
+    python benchmarks/serve_bench.py --target 12b --k-values 1 --max-slots 32 --rounds-per-step 4 \
+        --prompt-len 64 --max-tokens 64 --clients 32 --step-tokens 512,2048,8192 --http --out DIR
 `--repeats N` runs each configuration N times and reports the median run (benchmarks/serve_guard.py
 uses 3). Writes DIR/serve.json and DIR/serve.md.
 
@@ -75,6 +80,11 @@ from jaxspec.progress import bar  # noqa: E402
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
+
+
+def _budget(step_tokens: int | None) -> dict:
+    """The engine's (or Server's) keyword for a swept budget; none for the default."""
+    return {} if step_tokens is None else {"step_tokens": step_tokens}
 
 
 def load(args, matmul):
@@ -258,11 +268,12 @@ def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: i
                     req = dict(arrived=arrived, first=None)
                     requests.append(req)
                 owner[slot] = (c, [], req)
-        was = engine.prefilling[long_slot][1] if long_slot in engine.prefilling else None
+        was = engine.prefilling[long_slot].done if long_slot in engine.prefilling else None
         chunks = engine.chunks
         events = engine.step()
         steps += 1
-        this = dict(long_chunk=was is not None and engine.prefilling.get(long_slot, [0, len(long_ids)])[1] > was,
+        now_at = engine.prefilling[long_slot].done if long_slot in engine.prefilling else len(long_ids)
+        this = dict(long_chunk=was is not None and now_at > was,
                     chunks=engine.chunks - chunks)
         for ev in events:
             now = time.perf_counter()
@@ -321,11 +332,11 @@ def long_main(args, target, assistant, argv) -> None:
     per_short = -(-(args.prompt_len + args.max_tokens + 2 * 16) // block)
     kv_blocks = clients * per_short + capacity // block
     rows = []
-    for k in args.k_values:
+    for k, budget in ((k, b) for k in args.k_values for b in args.step_tokens or [None]):
         engine = BatchEngine(target, assistant if k > 1 else None, slots=clients + 1,
                              max_new_tokens=max(args.max_tokens, args.long_tokens), capacity=capacity, block_size=k,
                              eos_token_ids=(), rounds_per_step=args.rounds_per_step, kv_blocks=kv_blocks,
-                             block_tokens=block, prefill_chunk=args.prefill_chunk)
+                             block_tokens=block, prefill_chunk=args.prefill_chunk, **_budget(budget))
         t = time.perf_counter()
         for ids, n in ((long_ids, args.long_tokens), (short[0], args.max_tokens)):  # compile: chunks, steps
             engine.admit(ids, n, seed=0)
@@ -334,8 +345,10 @@ def long_main(args, target, assistant, argv) -> None:
         compile_s = time.perf_counter() - t
         r = long_request(engine, clients, short, args.max_tokens, long_ids, args.long_tokens, args.baseline_s)
         rows.append(dict(k_asked=k, k=engine.block_size, clients=clients, prefill_chunk=args.prefill_chunk,
-                         warm_up_s=compile_s, chunks=engine.chunks, **r))
-        print(f"K={engine.block_size} clients={clients} chunk={args.prefill_chunk}: p99 gap {r['gap_p99_before_ms']:.1f} "
+                         step_tokens=engine.step_tokens, lanes=engine.lanes, warm_up_s=compile_s,
+                         chunks=engine.chunks, **r))
+        print(f"K={engine.block_size} clients={clients} chunk={args.prefill_chunk} budget={engine.step_tokens}: "
+              f"p99 gap {r['gap_p99_before_ms']:.1f} "
               f"-> {r['gap_p99_during_ms']:.1f} ms ({r['p99_ratio']:.2f}x), long request TTFT "
               f"{r['long_ttft_s']:.2f} s, done in {r['long_total_s']:.2f} s; short TTFT p50 "
               f"{r['short_ttft_p50_before_ms']:.1f} -> {r['short_ttft_p50_during_ms']:.1f} ms, max "
@@ -351,12 +364,12 @@ def long_main(args, target, assistant, argv) -> None:
              f"Stream i starts after i x {args.max_tokens} / {clients} steps. Short TTFT: a stream request's arrival "
              "(its previous request's end) to its first token, for requests arriving before the long one / while it "
              "runs. The 20 largest gaps while it runs are in serve_long.json (top_gaps_during).", "",
-             "| K asked | K run | streams | gaps before / during | p50 gap before ms | p99 gap before ms | "
+             "| K asked | K run | step tokens (lanes) | streams | gaps before / during | p50 gap before ms | p99 gap before ms | "
              "p50 gap during ms | p99 gap during ms | p99 ratio | max gap during ms | long TTFT s | long total s | "
              "short requests before / during | short TTFT before p50 / max ms | short TTFT during p50 / max ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['k_asked']} | {r['k']} | {r['clients']} | {r['gaps_before']} / {r['gaps_during']} | "
+        lines.append(f"| {r['k_asked']} | {r['k']} | {r['step_tokens']} ({r['lanes']}) | {r['clients']} | {r['gaps_before']} / {r['gaps_during']} | "
                      f"{r['gap_p50_before_ms']:.1f} | {r['gap_p99_before_ms']:.1f} | {r['gap_p50_during_ms']:.1f} | "
                      f"{r['gap_p99_during_ms']:.1f} | {r['p99_ratio']:.2f} | {r['gap_max_during_ms']:.1f} | "
                      f"{r['long_ttft_s']:.2f} | {r['long_total_s']:.2f} | "
@@ -396,8 +409,10 @@ def main(argv=None) -> None:
     ap.add_argument("--long-tokens", type=int, default=64, help="--long-prompt: the long request's new tokens")
     ap.add_argument("--baseline-s", type=float, default=5.0, help="--long-prompt: streaming before it arrives")
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
-                    help=f"prompt tokens prefilled per step at most (default {PREFILL_CHUNK}, the engine's)")
+                    help=f"the chunk width prompts are cut into (default {PREFILL_CHUNK}, the engine's)")
     ap.add_argument("--block-tokens", type=int, default=16, help="positions per KV pool block")
+    ap.add_argument("--step-tokens", type=_ints, default=[],
+                    help="comma-separated token budgets a step to sweep, each a configuration (default: the engine's)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a terminal)")
     args = ap.parse_args(argv)
@@ -420,19 +435,21 @@ def main(argv=None) -> None:
     rows = []
     configs = len(args.k_values) * len(args.clients) * len(args.sampling) * (2 if args.http else 1)
     sweep = bar(total=configs, desc="configurations", unit="run", enabled=False if args.quiet else None)
-    for k in args.k_values:
+    for k, budget in ((k, b) for k in args.k_values for b in args.step_tokens or [None]):
         for n in args.clients:
             slots = min(n, args.max_slots)
             if args.http:  # the server's own engine (its capacity, budget and stop ids) for both rows
                 server = Server(target, assistant if k > 1 else None, tokenizer, model_name="bench", block_size=k,
                                 rounds_per_chunk=args.rounds_per_step, max_batch=slots,
-                                max_queue=SERVE_KNOBS["max_queue"].hi)  # never a 429: every client waits its turn
+                                max_queue=SERVE_KNOBS["max_queue"].hi,  # never a 429: every client waits its turn
+                                **_budget(budget))
                 engine = server.engine
             else:
                 engine = BatchEngine(target, assistant if k > 1 else None, slots=slots,
                                      max_new_tokens=args.max_tokens, capacity=args.capacity, block_size=k,
                                      eos_token_ids=(), rounds_per_step=args.rounds_per_step,
-                                     prefill_chunk=args.prefill_chunk, block_tokens=args.block_tokens)
+                                     prefill_chunk=args.prefill_chunk, block_tokens=args.block_tokens,
+                                     **_budget(budget))
             widths = {-(-len(p) // 16): p for p in prompts}  # one prompt per prefill width
             if set(args.sampling) != {"greedy"}:
                 engine.warm_up()  # every step program (greedy alone needs only the first)
@@ -450,35 +467,40 @@ def main(argv=None) -> None:
                     r = sorted(tries, key=lambda x: x["tokens_per_s"])[len(tries) // 2]  # the median run
                     used = [(b - a) // args.repeats for a, b in zip(steps, engine.steps)]
                     rows.append(dict(mode=mode, sampling=kind, k_asked=k, k=engine.block_size, fallback=engine.fallback,
-                                     clients=n, slots=slots, steps_per_program=used,
+                                     clients=n, slots=slots, step_tokens=engine.step_tokens, lanes=engine.lanes,
+                                     steps_per_program=used,
                                      repeats_tokens_per_s=[x["tokens_per_s"] for x in tries], **r))
                     sweep.update(1)
                     with sweep.external_write_mode():  # the result line (stdout) between two redraws of the bar
-                        print(f"{mode} {kind} K={engine.block_size} clients={n} slots={slots}: {r['tokens_per_s']:.1f} "
+                        print(f"{mode} {kind} K={engine.block_size} clients={n} slots={slots} budget={engine.step_tokens}: "
+                              f"{r['tokens_per_s']:.1f} "
                               f"tok/s, TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} "
                               f"tok/s, steps per program {used}", flush=True)
     sweep.close()
-    base = {(r["mode"], r["sampling"], r["clients"]): r["tokens_per_s"] for r in rows if r["k_asked"] == 1}
-    one = {(r["mode"], r["sampling"], r["k_asked"]): r["tokens_per_s"] for r in rows if r["clients"] == 1}
-    uniform = {(r["mode"], r["k_asked"], r["clients"]): r["tokens_per_s"] for r in rows if r["sampling"] == "uniform"}
+    base = {(r["mode"], r["sampling"], r["clients"], r["step_tokens"]): r["tokens_per_s"] for r in rows
+            if r["k_asked"] == 1}
+    one = {(r["mode"], r["sampling"], r["k_asked"], r["step_tokens"]): r["tokens_per_s"] for r in rows
+           if r["clients"] == 1}
+    uniform = {(r["mode"], r["k_asked"], r["clients"], r["step_tokens"]): r["tokens_per_s"] for r in rows
+               if r["sampling"] == "uniform"}
     lines = [f"# serve_bench — {what}", "", environment_line(args.commit), "",
              f"Command: `python benchmarks/serve_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"{args.requests_per_client} requests per client, {args.max_tokens} tokens each (the median of "
              f"{args.repeats} run(s) a row); slots = min(clients, "
              f"{args.max_slots}); {args.capacity} cache positions per slot; {args.rounds_per_step} round(s) per step.",
              "",
-             "| path | sampling | K asked | K run | clients | slots | tok/s (all) | x one client | / uniform | "
+             "| path | sampling | K asked | K run | clients | slots | step tokens (lanes) | tok/s (all) | x one client | / uniform | "
              "TTFT median ms | TTFT p90 ms | per-stream tok/s | speculative / classic | steps per program |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        b = base.get((r["mode"], r["sampling"], r["clients"]))
-        o = one.get((r["mode"], r["sampling"], r["k_asked"]))
-        u = uniform.get((r["mode"], r["k_asked"], r["clients"]))
+        b = base.get((r["mode"], r["sampling"], r["clients"], r["step_tokens"]))
+        o = one.get((r["mode"], r["sampling"], r["k_asked"], r["step_tokens"]))
+        u = uniform.get((r["mode"], r["k_asked"], r["clients"], r["step_tokens"]))
         spec = f"{r['tokens_per_s'] / b:.2f}" if r["k_asked"] > 1 and b else ""
         scale = f"{r['tokens_per_s'] / o:.2f}" if o else ""
         vs = f"{r['tokens_per_s'] / u:.2f}" if u and r["sampling"] == "mixed" else ""
         lines.append(f"| {r['mode']} | {r['sampling']} | {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | "
-                     f"{r['tokens_per_s']:.1f} | {scale} | {vs} | {r['ttft_median_s'] * 1e3:.0f} | "
+                     f"{r['step_tokens']} ({r['lanes']}) | {r['tokens_per_s']:.1f} | {scale} | {vs} | {r['ttft_median_s'] * 1e3:.0f} | "
                      f"{r['ttft_p90_s'] * 1e3:.0f} | {r['stream_tokens_per_s']:.1f} | {spec} | "
                      f"{r['steps_per_program']} |")
     write_report(args.out, "serve", dict(environment(args.commit), what=what, args=vars(args)), rows, lines)

@@ -4,6 +4,8 @@
     python benchmarks/serve_guard.py run --out DIR/new            # device call 1: this tree
     python benchmarks/serve_guard.py run --tree .carry/serve-old --out DIR/old   # device call 2: the old tree
     python benchmarks/serve_guard.py compare DIR/old DIR/new --out docs/benchmark_results/FILE.md
+    python benchmarks/serve_guard.py run --parts budget,budget-long --out DIR/budget   # the step budget sweep
+    python benchmarks/serve_guard.py budgets DIR/budget --out docs/benchmark_results/FILE.md
 
 Any change to serving code (the batch engine, the scheduler, the server, the paged pool, the kernels a
 decode step runs) runs it against the previous main in one device lease, the two `run`s back to back
@@ -16,6 +18,9 @@ preset (random 4-bit weights, K = 1, 4 rounds a step, 64-token prompts, 64 new t
 - sweep: engine and HTTP rows, 1 / 8 / 32 clients, greedy and mixed sampling, 8 requests per client,
   each row the median of 3 runs (a tree whose serve_bench has no `--repeats`: 1 run, said in the table);
 - long: 8 streams, then one 16,384-token request, at the tree's default prefill settings.
+- budget, budget-long (issue 66: the default of `--step-tokens`): the sweep at 32 clients (engine and HTTP,
+  greedy) and the long workload, once per budget of `run --step-tokens` (default 512,2048,8192);
+  `budgets` tabulates throughput at 32 clients against the long workload's p99 gap and first token.
 `compare` puts the two runs' rows side by side, marks a drop of more than 5% (exit status 1), and
 checks the serving issue's targets on the new run (HTTP greedy at 32 clients >= 3,000 tok/s; 8 clients
 >= 7x one; mixed >= 0.85x greedy at 32; the streams' p99 gap <= 3x and <= 40 ms beside the long
@@ -39,7 +44,12 @@ SWEEP = ["--target", "12b", "--k-values", "1", "--max-slots", "32", "--rounds-pe
          "--http", "--quiet"]
 LONG = ["--target", "12b", "--long-prompt", "16384", "--long-tokens", "64", "--clients", "8", "--prompt-len", "64",
         "--max-tokens", "64", "--rounds-per-step", "1", "--baseline-s", "10", "--k-values", "1", "--quiet"]
-PARTS = {"sweep": (SWEEP, 420), "long": (LONG, 150)}  # seconds each may take
+BUDGET = ["--target", "12b", "--k-values", "1", "--max-slots", "32", "--rounds-per-step", "4", "--prompt-len", "64",
+          "--max-tokens", "64", "--clients", "32", "--sampling", "greedy", "--requests-per-client", "8", "--http",
+          "--quiet"]
+STEP_TOKENS = "512,2048,8192"  # Sarathi-Serve's strict budget, vLLM's online default off the H100, its H200 one
+# seconds each may take; budget and budget-long fit one device call together, sweep and long another
+PARTS = {"sweep": (SWEEP, 420), "long": (LONG, 150), "budget": (BUDGET, 330), "budget-long": (LONG, 240)}
 
 TARGETS = [  # (what, check(new rows) -> (value, met))
     "HTTP greedy, 32 clients >= 3,000 tok/s", "HTTP greedy, 8 clients >= 7.0x one client",
@@ -64,8 +74,9 @@ def prepare(commit: str, dest: str = OLD) -> int:
     return 0
 
 
-def run(tree: str, out: str, commit: str | None, parts: list[str]) -> int:
-    """Each part's serve_bench in `tree` (its own code, on PYTHONPATH), logged under `out`."""
+def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: str = STEP_TOKENS) -> int:
+    """Each part's serve_bench in `tree` (its own code, on PYTHONPATH), logged under `out`; the budget
+    parts once per budget of `step_tokens`."""
     tree = os.path.abspath(tree)
     if commit is None:
         stamp = os.path.join(tree, "COMMIT")
@@ -78,7 +89,8 @@ def run(tree: str, out: str, commit: str | None, parts: list[str]) -> int:
     status = 0
     for part in parts:
         args, limit = PARTS[part]
-        cmd = [sys.executable, bench, *args, *(repeats if part == "sweep" else []), "--commit", commit,
+        budgets = ["--step-tokens", step_tokens] if part.startswith("budget") else []
+        cmd = [sys.executable, bench, *args, *(repeats if part == "sweep" else []), *budgets, "--commit", commit,
                "--out", os.path.join(out, part)]
         t0 = time.perf_counter()
         with open(os.path.join(out, f"{part}.log"), "w") as log:
@@ -114,6 +126,30 @@ def targets(sweep: list[dict], long: list[dict]) -> list[tuple[str, str, bool]]:
                 bool(r and r["p99_ratio"] <= 3.0 and r["gap_p99_during_ms"] <= 40.0)))
     out.append((TARGETS[4], f"{r['long_ttft_s']:.2f} s" if r else "not run", bool(r and r["long_ttft_s"] <= 2.0)))
     return out
+
+
+def budgets(d: str, out: str | None) -> int:
+    """The budget parts of one run: per step budget, tokens/s and TTFT at 32 clients (engine, HTTP)
+    beside the long workload's stream gaps and the long request's first token."""
+    sweep, long = _rows(d, "budget/serve.json"), {r["step_tokens"]: r for r in _rows(d, "budget-long/serve_long.json")}
+    lines = ["| step tokens (lanes) | engine tok/s at 32 | HTTP tok/s at 32 | HTTP TTFT median ms | "
+             "long: p99 gap during ms | p99 during / before | long request's first token s |",
+             "|---|---|---|---|---|---|---|"]
+    for budget in sorted({r["step_tokens"] for r in sweep} | set(long)):
+        rows = {r["mode"]: r for r in sweep if r["step_tokens"] == budget}
+        lanes = next((r["lanes"] for r in [*rows.values(), long.get(budget)] if r), "?")
+        cell = lambda r, f, s=1.0: f"{r[f] * s:.0f}" if r else "-"  # noqa: E731
+        g = long.get(budget)
+        lines.append(f"| {budget} ({lanes}) | {cell(rows.get('engine'), 'tokens_per_s')} | "
+                     f"{cell(rows.get('http'), 'tokens_per_s')} | {cell(rows.get('http'), 'ttft_median_s', 1e3)} | "
+                     + (f"{g['gap_p99_during_ms']:.1f} | {g['p99_ratio']:.2f}x | {g['long_ttft_s']:.2f} |" if g
+                        else "- | - | - |"))
+    text = "\n".join(lines) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
 
 
 def compare(old: str, new: str, out: str | None) -> int:
@@ -172,7 +208,11 @@ def main(argv=None) -> int:
     r.add_argument("--tree", default=ROOT)
     r.add_argument("--out", required=True)
     r.add_argument("--commit", default=None, help="default: the tree's COMMIT file, else its git HEAD")
-    r.add_argument("--parts", default="sweep,long", help="sweep, long or both")
+    r.add_argument("--parts", default="sweep,long", help="comma-separated: sweep, long, budget, budget-long")
+    r.add_argument("--step-tokens", default=STEP_TOKENS, help="the budget parts' budgets (comma-separated)")
+    b = sub.add_parser("budgets", help="the budget parts of a run as one table")
+    b.add_argument("dir")
+    b.add_argument("--out", default=None)
     c = sub.add_parser("compare", help="two runs side by side")
     c.add_argument("old")
     c.add_argument("new")
@@ -184,8 +224,10 @@ def main(argv=None) -> int:
         parts = [x for x in args.parts.split(",") if x]
         bad = sorted(set(parts) - set(PARTS))
         if bad:
-            raise SystemExit(f"--parts: unknown {bad} (sweep, long)")
-        return run(args.tree, args.out, args.commit, parts)
+            raise SystemExit(f"--parts: unknown {bad} ({', '.join(PARTS)})")
+        return run(args.tree, args.out, args.commit, parts, args.step_tokens)
+    if args.cmd == "budgets":
+        return budgets(args.dir, args.out)
     return compare(args.old, args.new, args.out)
 
 

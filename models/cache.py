@@ -166,9 +166,24 @@ def paged_block_bytes(config: TargetConfig, block: int, dtype=jnp.bfloat16) -> i
     return per * block * jnp.dtype(dtype).itemsize
 
 
+def _moved_as_bits(x: jax.Array) -> bool:
+    """Whether a gather or scatter moves `x`'s values as uint16: XLA's CPU backend has no bfloat16
+    (or float16) gather or scatter, so it converts the whole operand to float32 and back around each
+    one: for a paged cache, every global layer's whole pool, every round (a 270M decode step at 4,096
+    positions per slot spent most of its time there, and more with the pool). The same 16 bits as
+    uint16 move without a conversion. Elsewhere the values move as they are."""
+    return x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating) and jax.default_backend() == "cpu"
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+
 def paged_view(pool: jax.Array, table: jax.Array, layer=None) -> jax.Array:
     """`[B, capacity, H, D]`: each row's positions gathered from `pool [(G,) N, block, H, D]` (layer
     `layer` of a stack) through `table [B, capacity // block]`; zeros where a row has no block."""
+    if _moved_as_bits(pool):
+        return jax.lax.bitcast_convert_type(paged_view(_bits(pool), table, layer), pool.dtype)
     b, nb = table.shape
     if layer is None:
         got = pool.at[table].get(mode="fill", fill_value=0)
@@ -180,6 +195,9 @@ def paged_view(pool: jax.Array, table: jax.Array, layer=None) -> jax.Array:
 def paged_write(pool: jax.Array, table: jax.Array, new: jax.Array, start: jax.Array, layer=None) -> jax.Array:
     """`pool` with `new [B, T, H, D]` written at positions `start [B] + arange(T)` of each row (through
     its table); positions in no block of the row (or past the capacity) are dropped."""
+    if _moved_as_bits(pool):
+        return jax.lax.bitcast_convert_type(
+            paged_write(_bits(pool), table, _bits(new.astype(pool.dtype)), start, layer), pool.dtype)
     b, t = new.shape[:2]
     nb, block, n = table.shape[1], pool.shape[-3], pool.shape[-4]
     p = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -227,6 +245,9 @@ def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array, layer=None) -> 
 def write_cols(buf: jax.Array, new: jax.Array, cols: jax.Array, layer=None) -> jax.Array:
     """`buf[b, cols[b, t]] = new[b, t]` for every (b, t); columns outside the buffer are dropped.
     `layer`: buf is a stack `[G, B, C, ...]`, written at that layer in place."""
+    if _moved_as_bits(buf):
+        return jax.lax.bitcast_convert_type(write_cols(_bits(buf), _bits(new.astype(buf.dtype)), cols, layer),
+                                            buf.dtype)
     b, t = new.shape[:2]
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     if layer is None:

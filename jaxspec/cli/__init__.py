@@ -665,12 +665,11 @@ def cmd_serve(args) -> int:
         raise UsageError(str(e)) from None
     _check_backend()
     dtype = _dtype(args)
-    _check_batch_memory(tcfg, args.max_batch, args.block_size if assistant_dir or args.draft == "ngram" else 1, dtype,
-                        _dir_bytes(gguf_src or model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0),
-                        kv_positions=args.kv_positions)
+    config = _serve_config(args).resolved()  # the machine's slots and positions where no flag names them
+    _check_batch_memory(tcfg, config, args.block_size if assistant_dir or args.draft == "ngram" else 1, dtype,
+                        _dir_bytes(gguf_src or model_dir) + (_dir_bytes(assistant_dir) if assistant_dir else 0))
     target, assistant, _ = _load_pair(args, model_dir, assistant_dir, dtype, gguf_src, None if args.tokenizer else tok)
-    srv = server.Server(target, assistant, tok, _serve_config(args), model_name=name, aliases=aliases,
-                        drafter=args.draft)
+    srv = server.Server(target, assistant, tok, config, model_name=name, aliases=aliases, drafter=args.draft)
     if not args.no_warmup:  # the library's lines (_library_notes) name each compile between these two
         _note("jaxspec: warming up: compiling the first programs (a new shape compiles on its first request) ...")
         _note(f"jaxspec: warmed up in {srv.warm_up():.1f} s")
@@ -688,15 +687,17 @@ def cmd_serve(args) -> int:
     return EXIT_OK
 
 
-def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int,
-                        kv_positions: int | None = None) -> None:
-    """UsageError when --max-batch slots cannot fit the memory the run may fill (`memory_limit`; the
-    estimate, serve_memory.batch_memory, bounds the warm-up's peak too: the KV pool (--kv-positions,
-    else the server's positions per slot), the decode step's temporaries, the paged views, the verify
-    logits, the weights and on a CPU the process itself)."""
+def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int) -> None:
+    """UsageError when the resolved serving config's slots (`max_batch`) cannot fit the memory the
+    run may fill (`memory_limit`; the estimate, serve_memory.batch_memory, bounds the warm-up's peak
+    too: the KV pool (--kv-positions, else the server's positions per slot), the decode step's
+    temporaries, the paged views of a request's positions, the verify logits, the weights and on a
+    CPU the process itself)."""
     from jaxspec.engine.loop_config import slot_capacity
     from jaxspec.engine.memory import batch_memory, largest_batch, largest_pool
-    from jaxspec.serve.config import BATCH_CONTEXT, request_capacity
+    from jaxspec.serve.config import BATCH_CONTEXT
+
+    max_batch, kv_positions = config.max_batch, config.kv_positions
 
     mem = memory_limit()
     if mem is None:
@@ -704,7 +705,7 @@ def _check_batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_byt
     limit, what, host = mem
     capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
     kw = dict(capacity=capacity, host=host,
-              request_capacity=request_capacity(tcfg.max_position_embeddings))  # Server.batch_capacity
+              request_capacity=config.request_capacity(tcfg.max_position_embeddings))  # Server.batch_capacity
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, kv_positions=kv_positions, **kw)
     if need.total > limit and kv_positions is not None:
         pool = largest_pool(limit, tcfg, max_batch, block_size, dtype, weight_bytes, most=kv_positions, **kw)

@@ -6,10 +6,16 @@ from jaxspec import weights_cache
 from jaxspec.engine import compile_cache
 from jaxspec.engine.generate import MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
 from jaxspec.drafters.base import KINDS as DRAFT_KINDS
-from jaxspec.serve.config import RANGES as SERVE_KNOBS, ServeConfig
+from jaxspec.serve.config import PLATFORM_DEFAULTS, RANGES as SERVE_KNOBS, ServeConfig
 from jaxspec.cli.serve_flags import DEFAULT_MAX_CONNECTIONS, FD_RESERVE
 
 SERVE = ServeConfig()  # serve's defaults
+
+
+def _multiple_of(knob: str, after_default: str = "") -> str:
+    """A serve knob's range, multiple and default, as its flag's help says them."""
+    k = SERVE_KNOBS[knob]
+    return f"{k.span} and a multiple of {k.multiple} (default {getattr(SERVE, knob)}{after_default})"
 
 
 MODEL_HELP = ("the target model: a directory (config.json, *.safetensors, tokenizer.json), a .gguf file (or a "
@@ -143,15 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"verify width K, {SERVE_KNOBS['block_size'].span} (default {SERVE.block_size}; 1 decodes "
                         "classically)")
     v.add_argument("--prefill-chunk", type=int, default=SERVE.prefill_chunk, metavar="N",
-                   help=f"prompt tokens prefilled per step at most, {SERVE_KNOBS['prefill_chunk'].span} and a "
-                        f"multiple of {SERVE_KNOBS['prefill_chunk'].multiple} (default {SERVE.prefill_chunk}): a long "
-                        "prompt is prefilled in chunks between the decode steps, so the running streams wait a chunk "
-                        "per step, not the whole prefill; larger chunks prefill a long prompt faster and stall the "
-                        "others longer")
+                   help=f"the width prompts are cut into, {_multiple_of('prefill_chunk')}: a prompt advances "
+                        "one chunk per step, between the decode steps, so the running streams wait for chunks, not a "
+                        "whole prefill; wider chunks prefill a long prompt faster and make a step with chunks longer")
+    budget = ("the decode rounds of every slot count first, what is left buys one --prefill-chunk of as many waiting "
+              "prompts as fit (at least one), in one program; larger budgets admit bursts sooner (throughput, time "
+              "to first token) and make the running streams' worst gap longer")
+    v.add_argument("--step-tokens", type=int, default=SERVE.step_tokens, metavar="N",
+                   help=f"a step's token budget, {_multiple_of('step_tokens', ', provisional until measured')}: {budget}")
     v.add_argument("--max-batch", type=int, default=SERVE.max_batch, metavar="N",
                    help=f"requests decoding together, continuously batched, {SERVE_KNOBS['max_batch'].span} "
-                        "(default 4: with K = 4, 16 verify rows, "
-                        "the multirow kernel's window). Memory grows with N: the slots share a KV pool of N x (the "
+                        "(default 4 on a GPU: with K = 4, 16 verify rows, the multirow kernel's window; 1 on a CPU, "
+                        "where every step computes a whole row bucket: from 2 slots on, 16 rows). Memory grows with N: the slots share a KV pool of N x (the "
                         "context, at most 4096) positions (or --kv-positions), 3.5 times over with the decode step's "
                         "temporaries, plus 4 float32 logits of (K + 1) x vocabulary; checked at start, on a CPU "
                         "with ~1.5 GiB for the process, against the host memory less a tenth for the system, the "
@@ -166,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "one that fits waits in the queue until enough blocks are free; one longer than the whole "
                         "pool is refused with HTTP 400. The memory check at start counts this pool in place of "
                         "--max-batch x 4096 positions")
+    v.add_argument("--max-context", type=int, default=SERVE.max_context, metavar="N",
+                   help=f"positions one request may hold, its prompt and output, a multiple of "
+                        f"{SERVE_KNOBS['max_context'].multiple}, {SERVE_KNOBS['max_context'].span}, at most the "
+                        f"model's context (default 32768 on a GPU, {PLATFORM_DEFAULTS['cpu']['max_context']} on a CPU, "
+                        "where each decode round reads a request's whole table of positions: a longer one slows every "
+                        "token). Longer requests are refused with HTTP 400")
     v.add_argument("--rounds-per-chunk", type=int, default=SERVE.rounds_per_chunk, metavar="R",
                    help=f"decode rounds between two reads of the new tokens and two admissions, "
                         f"{SERVE_KNOBS['rounds_per_chunk'].span} (default {SERVE.rounds_per_chunk}; 1 suits a large "

@@ -22,20 +22,21 @@ the blocks the request's prompt + budget + K can write, all at once (host bookke
 the free blocks waits (`can_admit`). Its end (finished, cancelled, failed) gives them back at once:
 its table row points nowhere first, so what its row still computes in an in-flight step is dropped.
 
-A prompt is prefilled in chunks (`_prefill_chunk`): each step first queues up to `prefill_chunk`
-prompt tokens of the waiting prompts, then the decode rounds, so a long prompt delays the running
-streams by a chunk per step, not by its whole prefill. The prompts whose rest fits one chunk (they
-finish this step) go before the ones with more left, each class in admission order: a short request
-admitted behind a long prompt gets its first token after a step or two, not after the whole long
-prefill (a 16K-token prompt is 128 chunks of 128). After a step whose budget went to short ones
-while a long prompt waited, the long ones go first, so the oldest long prompt advances at least every
-other step however many short ones arrive. A chunk's width depends on its own prompt only
-(`prefill_chunk` unless it is the prompt's last: the rest's bucket, `size_bucket`), never on the
-order, so the order changes when a request's tokens come, not which tokens. A chunk runs on the
-request's row alone (batch 1: a [B, P] prefill's logits differ in the last bits from a [1, P] one on
-CPU, XLA blocks its dot by row count, and a request's output must not depend on what it was admitted
-with); its last chunk picks the first token as `loop.prefill` does and writes every per-row field of
-the slot (`_put_row`), which makes the row live for that step's rounds. Nothing waits for the device.
+A prompt is prefilled in chunks of `prefill_chunk` tokens (the last one padded), one chunk of a
+prompt a step, queued before the step's decode rounds, so a long prompt delays the running streams
+by a step's chunks, not by its whole prefill. A step has one token budget (`step_tokens`): every
+slot's decode rounds are counted first, what is left buys lanes (`lanes`, fixed per engine), and
+the waiting prompts' next chunks fill them and run in one program (`packed_prefill`). The prompts
+whose rest fits one chunk (they finish this step) take lanes before the ones with more left, each
+class in admission order: a short request admitted behind a long prompt gets its first token after a
+step or two, not after the whole long prefill. After a step whose lanes went to short ones while a
+long prompt waited, the long ones go first, so the oldest long prompt advances at least every other
+step however many short ones arrive. Where a prompt is cut depends on the prompt alone, and a lane
+computes the same whatever the other lanes hold (its forward's shape is fixed: see packed_prefill),
+so the budget and the order change when a request's tokens come, not which tokens. A prompt's last
+chunk picks the first token as `loop.prefill` does and writes every per-row field of the slot
+(`packed_prefill.put_lanes`), which makes the row live for that step's rounds. Nothing waits for the
+device.
 Until then the row is done: the rounds leave its outputs alone, and what they write into its cache
 lies at or past its length, which the next chunk overwrites before reading (the rollback rule of
 models/cache.py). A finished or cancelled row stays in the state, inactive and owning no block, until
@@ -71,13 +72,13 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.kernels import EMPTY
-from jaxspec.kernels.xla import program_options
 
 from jaxspec.drafters import base as drafters
-from jaxspec.engine import loop, sampling
+from jaxspec.engine import loop, packed_prefill, sampling
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
-from jaxspec.engine.loop_config import MAX_PREFILL_CHUNK, PREFILL_CHUNK, LoopConfig, size_bucket
+from jaxspec.engine.loop_config import (MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK, STEP_TOKENS, LoopConfig,
+                                        round_up)
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -105,90 +106,6 @@ class SlotEvent:
     error: str | None = None
 
 
-def _put_row(state: loop.DecodeState, one: loop.DecodeState, slot) -> loop.DecodeState:
-    """`state` with row `slot` replaced by `one`'s only row: every per-row field (`loop.row_fields`:
-    its cache, tokens, budget, counters, key, sampling values, log-probabilities, and any field
-    added later), so nothing of the slot's previous request survives; the shared fields (stop ids,
-    round count, histogram) stay the state's. A paged cache's pools are shared, not a row's: they
-    are taken whole from `one` (the row's prefill wrote into them), its table row is written."""
-    def put(big, row, axis=0):
-        return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
-
-    special = {"cache": lambda c, oc: _put_cache(c, oc, slot),
-               "key": lambda k, ok: k.at[slot].set(ok)}  # one's key is the row's own (scalar)
-    return state.replace(**{f: special.get(f, lambda a, b: jax.tree.map(put, a, b))(getattr(state, f), getattr(one, f))
-                            for f in loop.row_fields()})
-
-
-def _put_cache(c: models.KVCache, oc: models.KVCache, slot) -> models.KVCache:
-    """`c` with row `slot` replaced by the batch-1 cache `oc`'s row (block pools: `oc`'s, whole)."""
-    def put(big, row, axis=0):
-        return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis)
-
-    def buf(j, b, o):  # the K/V buffers are [(G,) B, L, H, D]: rows on axis ndim - 4
-        return o if j in c.paged else put(b, o, b.ndim - 4)
-    return c.replace(k=tuple(buf(j, b, o) for j, (b, o) in enumerate(zip(c.k, oc.k))),
-                     v=tuple(buf(j, b, o) for j, (b, o) in enumerate(zip(c.v, oc.v))),
-                     lengths=put(c.lengths, oc.lengths), pos=None if c.pos is None else put(c.pos, oc.pos),
-                     table=None if c.table is None else put(c.table, oc.table))
-
-
-_insert = functools.partial(jax.jit, donate_argnums=(0,))(_put_row)
-
-
-def _row_cache(cache: models.KVCache, slot) -> models.KVCache:
-    """Row `slot` of a paged cache as a batch-1 cache: its rings, positions, length and table row,
-    and the whole pools (a forward on it writes into them through the table row)."""
-    def take(b, axis=0):
-        return jax.lax.dynamic_slice_in_dim(b, slot, 1, axis)
-    return cache.replace(k=tuple(b if j in cache.paged else take(b, b.ndim - 4) for j, b in enumerate(cache.k)),
-                         v=tuple(b if j in cache.paged else take(b, b.ndim - 4) for j, b in enumerate(cache.v)),
-                         lengths=take(cache.lengths), pos=None if cache.pos is None else take(cache.pos),
-                         table=take(cache.table))
-
-
-def _prefill_chunk(*args, **kw) -> loop.DecodeState:
-    """`_prefill_chunk_body`, jitted with jaxspec's program options (kernels.xla.program_options:
-    known only once the backend is, so the jit is made on first use)."""
-    return _prefill_chunk_jit()(*args, **kw)
-
-
-@functools.cache
-def _prefill_chunk_jit():
-    return jax.jit(_prefill_chunk_body, static_argnames=("spec", "loop_spec", "last"), donate_argnums=(0,),
-                   compiler_options=program_options() or None)
-
-
-def _prefill_chunk_body(state: loop.DecodeState, target, slot, tokens, n_valid, key, limit, rows, prompt=None, *,
-                   spec: loop.PrefillSpec, loop_spec: loop.LoopSpec, last: bool) -> loop.DecodeState:
-    """One chunk of a prompt (`tokens [1, W]`, the first `n_valid` real) into row `slot` of a paged
-    state, continuing at the row's length. The row computes alone (batch 1): its result does not
-    depend on the other rows. `last`: the prompt's final chunk; its last position's logits give the
-    first token (as `loop.prefill`: the same key split, the same choice) and every per-row field of
-    the slot is written (`_put_row`), which makes the row live for the next decode step; `prompt`
-    (int32 [1, capacity], the whole prompt, given with the last chunk) seeds the drafter's state
-    (`loop.draft_seed`, then the engine's drafter takes what it uses: `loop.start`)."""
-    row = _row_cache(state.cache, slot)
-    w = tokens.shape[1]
-    valid = (jnp.arange(w, dtype=jnp.int32) < n_valid)[None, :]
-    at = jnp.reshape(n_valid - 1, (1,)).astype(jnp.int32)
-    logits, hidden, row = models.forward(target, tokens, row, valid=valid, logits_at=at)
-    row = row.replace(lengths=(row.lengths - w + n_valid).astype(jnp.int32))
-    if not last:
-        return state.replace(cache=_put_cache(state.cache, row, slot))
-    finite = jnp.all(jnp.isfinite(logits[:, 0]), axis=-1)
-    key, k_first = sampling.split(key, 2)
-    n_prompt = row.lengths  # the prompt's length: every chunk is in the cache now
-    counts = loop.prompt_counts(spec, prompt, n_prompt, logits.shape[-1])  # the penalties' (repetition: the prompt)
-    first = sampling.choose(k_first, logits[:, 0], rows, spec.sampling, counts)
-    lps = None
-    if spec.sampling.logprobs >= 0:
-        lps = sampling.token_logprobs(logits, first[:, None], spec.sampling.logprobs)
-    seed = loop.draft_seed(spec, hidden[:, n_valid - 1], prompt, n_prompt, first)
-    one = loop._first_state(spec, row, first, seed, limit, state.stop_ids, key, finite, rows, lps, counts)
-    return _put_row(state, loop.start(loop_spec, one), slot)
-
-
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _assign(state: loop.DecodeState, slot, table_row) -> loop.DecodeState:
     """Give row `slot` its blocks (`table_row`) and an empty cache (length 0, no ring position), done
@@ -207,15 +124,6 @@ def _release(state: loop.DecodeState, slot) -> loop.DecodeState:
     return state.replace(cache=c.replace(table=c.table.at[slot].set(c.num_blocks)), done=state.done.at[slot].set(True))
 
 
-@jax.jit
-def _first(state: loop.DecodeState, slot):
-    """What the host reads of a request's prefill (row `slot` after its last chunk): its token, done,
-    finite and the token's logprobs (one dispatch; read after the next step is queued, so the read
-    does not stall the device)."""
-    lps = None if state.lp is None else (state.lp[slot, 0], state.top_ids[slot, 0], state.top_lp[slot, 0])
-    return state.bonus[slot], state.done[slot], state.finite[slot], lps
-
-
 class BatchEngine:
     """`slots` requests decoding together (see the module docstring). `max_new_tokens`: the largest
     budget a request may ask; `capacity`: cache positions a request may hold (prompt + budget + K must
@@ -223,11 +131,13 @@ class BatchEngine:
     layers' K/V live in a pool of `kv_blocks` blocks of `block_tokens` positions shared by the slots
     (default: `slots` full-capacity rows' worth): a request takes the blocks its prompt + budget + K
     need at admission and gives them back when it ends, so long and short requests share the pool
-    (`can_admit` says whether one fits now). `prefill_chunk`: prompt tokens per step at most (a
-    multiple of PROMPT_BUCKET): a prompt is prefilled in chunks of that many tokens, one step's chunks
-    queued before its decode rounds, so a long prompt never stops the running streams for longer than
-    a chunk. `block_size` is probed once at `slots` rows at T = 0 (`LoopConfig.for_slots`: the
-    engine's K, verify width and capacity, in `config`), as generate does.
+    (`can_admit` says whether one fits now). `prefill_chunk`: the chunk width (a multiple of
+    PROMPT_BUCKET; at most the capacity is used): a prompt is prefilled a chunk a step, the step's
+    chunks queued before its decode rounds. `step_tokens`: a step's token budget, the decode rounds'
+    `slots x rounds_per_step x verify width` first, the rest in chunks (`lanes`, at least one).
+    `prefill_group`: lanes per forward (default `packed_prefill.group_for`: one on a CPU).
+    `block_size` is probed once at `slots` rows at T = 0 (`LoopConfig.for_slots`: the engine's K,
+    verify width and capacity, in `config`), as generate does.
     params (a SamplingParams) or its keywords (temperature, top_k, top_p, ...): the request of an
     admission without its own (its budget, seed and logprobs fill what `admit` leaves open). `modes`: the
     program ladder (default MODES); only programs that a step needs are compiled (`warm_up`
@@ -237,7 +147,7 @@ class BatchEngine:
                  block_size: int = 4, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
                  rounds_per_step: int = 1, modes=MODES, params: sampling.SamplingParams | None = None,
                  kv_blocks: int | None = None, block_tokens: int = PROMPT_BUCKET, prefill_chunk: int = PREFILL_CHUNK,
-                 drafter=None, **knobs):
+                 step_tokens: int = STEP_TOKENS, prefill_group: int | None = None, drafter=None, **knobs):
         check_int("slots", slots, 1)
         check_int("max_new_tokens", max_new_tokens, 1)
         check_block_size(block_size, target.config.max_position_embeddings)
@@ -246,6 +156,11 @@ class BatchEngine:
         check_int("prefill_chunk", prefill_chunk, PROMPT_BUCKET, MAX_PREFILL_CHUNK)
         if prefill_chunk % PROMPT_BUCKET:
             raise ValueError(f"prefill_chunk must be a multiple of {PROMPT_BUCKET}, got {prefill_chunk}")
+        check_int("step_tokens", step_tokens, PROMPT_BUCKET, MAX_STEP_TOKENS)
+        if step_tokens % PROMPT_BUCKET:
+            raise ValueError(f"step_tokens must be a multiple of {PROMPT_BUCKET}, got {step_tokens}")
+        if prefill_group is not None:
+            check_int("prefill_group", prefill_group, 1, 1 << 12)
         self.default = sampling.SamplingParams.build(params, **knobs)
         if kv_blocks is not None:
             check_int("kv_blocks", kv_blocks, 1)
@@ -257,7 +172,9 @@ class BatchEngine:
         self.target, self.slots, self.capacity = target, slots, self.config.capacity
         self.max_new_tokens, self.rounds_per_step = max_new_tokens, rounds_per_step
         kv_blocks = slots * (self.capacity // block_tokens) if kv_blocks is None else kv_blocks
-        self.block_tokens, self.kv_blocks, self.prefill_chunk = block_tokens, kv_blocks, prefill_chunk
+        # A chunk wider than a request's capacity would only compute padding.
+        self.block_tokens, self.kv_blocks = block_tokens, kv_blocks
+        self.prefill_chunk = min(prefill_chunk, round_up(self.capacity, PROMPT_BUCKET))
         k, self.fallback = self.config.block_size, self.config.fallback
         self.block_size = k
         self.modes = tuple(modes)
@@ -280,19 +197,27 @@ class BatchEngine:
                                  self.gen.rows(slots), cache=cache)
         self.state = jax.tree.map(jnp.copy, blank)  # its zero fields share one buffer: steps donate each
         self.window = rounds_per_step * k + 1  # tokens a row gains per step, at most (+ the prefill's)
+        # The step's budget: the decode rounds (every slot's verify rows, live or not) first, then lanes.
+        self.step_tokens = step_tokens
+        self.decode_tokens = slots * rounds_per_step * self.config.verify_width
+        self.lanes = packed_prefill.lanes_for(step_tokens, self.prefill_chunk, self.decode_tokens)
+        self.prefill_group = min(self.lanes, prefill_group or packed_prefill.group_for(
+            self.lanes, self.prefill_chunk, jax.devices()[0].platform))
+        self.lanes = round_up(self.lanes, self.prefill_group)  # whole groups (a group is padded anyway)
         self._decode: dict[int, object] = {}  # mode index -> compiled rounds
         self.seen = [0] * slots
-        self.fresh: dict[int, object] = {}  # slot -> its prefill's `_first` (device arrays), not reported yet
+        self.fresh: dict[int, tuple] = {}  # slot -> (its step's firsts (device arrays), its lane), not reported yet
         self.owner: list[object | None] = [None] * slots
         self.need: list[sampling.SamplingMode | None] = [None] * slots  # what each live request needs
         self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
         self.free_blocks = list(range(kv_blocks - 1, -1, -1))  # a stack: the lowest block ids first
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  # the pool blocks each slot owns
-        self.prefilling: dict[int, list] = {}  # slot -> [ids, tokens prefilled, key, limit, rows]; admission order
+        self.prefilling: dict[int, packed_prefill.Prompt] = {}  # waiting prompts, in admission order
         self.long_passed = False  # the last step ran no chunk of a long prompt (short ones took the budget)
         self.admissions = 0
         self.steps = [0] * len(self.modes)  # steps run per program (what mixing costs)
         self.chunks = 0  # prefill chunks run
+        self.prefill_steps = 0  # packed prefill programs run (one a step at most)
         self.pending = None  # (snapshot, tickets) of the last dispatched step, not read yet
 
     @property
@@ -312,8 +237,8 @@ class BatchEngine:
         return self._decode[mode_index]
 
     def warm_up(self) -> None:
-        """Compile every program the engine may run (each step's ladder and the prefill of a
-        PROMPT_BUCKET-token prompt; a longer prompt's chunk widths compile on first use). Logs (INFO,
+        """Compile every program the engine may run (each step's ladder and the packed prefill, one
+        program for every prompt length and load). Logs (INFO,
         logger jaxspec.engine.batching) when it starts and how long it took."""
         t0 = time.perf_counter()
         log.info("batch engine warm-up: %d step programs and a prefill (%d slots, K=%d) ...", len(self.modes),
@@ -391,58 +316,37 @@ class BatchEngine:
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
-        _, _, key, limit, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
+        _, _, key, _, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
                                                      seed=seed, params=params.per_row())
         self.blocks[slot] = [self.free_blocks.pop() for _ in range(n_blocks)]
         table = np.full((self.capacity // self.block_tokens,), self.kv_blocks, np.int32)
         table[:n_blocks] = self.blocks[slot]
         self.state = _assign(self.state, jnp.int32(slot), jnp.asarray(table))
-        self.prefilling[slot] = [list(ids), 0, key, limit, rows_]
+        self.prefilling[slot] = packed_prefill.Prompt(list(ids), 0, np.asarray(jax.random.key_data(key)),
+                                                      max_new_tokens, jax.device_get(rows_))
         self.admissions += 1
         self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
         self.need[slot] = need
         return slot
 
     def _prefill_step(self) -> None:
-        """Queue this step's prefill chunks, `prefill_chunk` tokens in all at most (at least one
-        chunk), one chunk per prompt. A chunk is `prefill_chunk` tokens unless it is a prompt's last:
-        that one is the rest's bucket (`size_bucket`, at most `prefill_chunk`), the width `generate`
-        gives the whole prompt when it fits one chunk (the same computation as its prefill). Short prompts (the rest fits one
-        chunk: they finish now) go first, then long ones (a full chunk each, so one runs only when no
-        short one did); each class in admission order, a short one that does not fit what is left
-        waits for the next step while a later, narrower one may fill it. After a step that passed the
-        long ones over, they go first (`long_passed`): the oldest advances at least every other step,
-        and the short ones wait a step at most for the long ones."""
-        c = self.prefill_chunk
-        long = [s for s, p in self.prefilling.items() if len(p[0]) - p[1] > c]
-        short = [s for s in self.prefilling if s not in long]
-        left, ran_long = c, False
-        for slot in (long + short if self.long_passed else short + long):
-            ids, done, key, limit, rows = self.prefilling[slot]
-            rest = len(ids) - done
-            width = c if rest > c else min(size_bucket(rest, PROMPT_BUCKET), c)
-            if width > left:
-                continue
-            n = min(rest, width)
-            last = n == rest
-            chunk = np.zeros((1, width), np.int32)
-            chunk[0, :n] = ids[done:done + n]
-            prompt = None
-            if last:  # the whole prompt, for the drafter's history
-                prompt = np.zeros((1, self.capacity), np.int32)
-                prompt[0, :len(ids)] = ids
-                prompt = jnp.asarray(prompt)
-            self.state = _prefill_chunk(self.state, self.target, jnp.int32(slot), jnp.asarray(chunk),
-                                        jnp.int32(n), key, limit, rows, prompt, spec=self.pspec,
-                                        loop_spec=self.gen.spec, last=last)
-            self.chunks += 1
-            left -= width
-            ran_long |= not last
-            self.prefilling[slot][1] = done + n
-            if last:
+        """Queue this step's packed prefill program: the next chunk of as many waiting prompts as
+        there are lanes (`packed_prefill.plan`: short ones first, long ones first after a step that
+        passed them over), in one program."""
+        chosen, self.long_passed = packed_prefill.plan(self.prefilling, self.lanes, self.prefill_chunk,
+                                                       self.long_passed)
+        lanes = packed_prefill.pack(self.prefilling, chosen, self.lanes, self.prefill_group, self.prefill_chunk,
+                                    self.capacity, self.slots)
+        self.state, firsts = packed_prefill.run(self.state, self.target, lanes, spec=self.pspec,
+                                                loop_spec=self.gen.spec, group=self.prefill_group)
+        self.chunks += len(chosen)
+        self.prefill_steps += 1
+        for lane, slot in enumerate(chosen):
+            p = self.prefilling[slot]
+            p.done += min(p.rest, self.prefill_chunk)
+            if not p.rest:
                 del self.prefilling[slot]
-                self.fresh[slot] = _first(self.state, jnp.int32(slot))
-        self.long_passed = bool(long) and not ran_long
+                self.fresh[slot] = (firsts, lane)
 
     def _mode_index(self) -> int:
         """The cheapest program that covers every live request."""
@@ -450,7 +354,7 @@ class BatchEngine:
         return next(i for i, m in enumerate(self.modes) if all(m.covers(n) for n in needs))
 
     def step(self) -> list[SlotEvent]:
-        """Queue this step's prefill chunks (`prefill_chunk` prompt tokens at most), then
+        """Queue this step's prefill program (a chunk of as many waiting prompts as `lanes`), then
         `rounds_per_step` rounds for every slot, then report the previous step's: each
         live slot's new tokens (finished slots are freed). Pipelined: the device runs the new rounds
         while the host reads the last ones, so the host's work between steps costs no device time
@@ -475,8 +379,11 @@ class BatchEngine:
         if not due and not self._reported(report):
             due, self.fresh = self.fresh, {}  # nobody else's tokens would wait for these: read them now
         events, firsts = [], {}
-        for slot, arrays in due.items():  # queued before this step's work: reading them does not wait for it
-            first, done, finite, lps = jax.device_get(arrays)
+        read = {}  # one read per prefill program
+        for slot, (arrays, lane) in due.items():  # queued before this step's work: reading them does not wait for it
+            got = read.setdefault(id(arrays), jax.device_get(arrays))
+            first, done, finite = (x[lane] for x in got[:3])
+            lps = None if got[3] is None else tuple(x[lane] for x in got[3])
             if not finite:
                 self._free(slot)
                 events.append(SlotEvent(slot=slot, tokens=[], done=True, rounds=0, drafted=0, accepted=0,

@@ -274,12 +274,13 @@ class Generator:
         return programs.compiled(self.decode_program(target, assistant, state)).as_text()
 
     def inputs(self, prompt_ids, *, max_new_tokens=None, eos_token_ids=(), stop_token_ids=(), seed=0,
-               prompt_width=None, params=None):
+               prompt_width=None, params=None, choices: int = 1):
         """(prompt, lengths, key, limit, stop_ids, rows) arrays for `gen(target, assistant, *inputs)`.
         seed: an integer in [0, 2**64) (`sampling.seed_key`; ValueError otherwise). params: the
-        rows' sampling (see `rows`)."""
-        sampling.validate_seed(seed)
-        rows = _as_batch(prompt_ids)
+        rows' sampling (see `rows`). choices: per prompt row (`choice_rows`): row b * choices + i
+        has its own key, seed + i's, so it draws what the prompt alone with that seed draws."""
+        check_choices(choices, seed)
+        rows = choice_rows(_as_batch(prompt_ids), choices)
         row_params = self.rows(len(rows), params)
         n = self.spec.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if not 1 <= n <= self.spec.max_new_tokens:
@@ -289,8 +290,10 @@ class Generator:
         prompt = np.zeros((len(rows), width), np.int32)
         for i, r in enumerate(rows):
             prompt[i, :len(r)] = r
+        key = sampling.seed_key(seed) if choices == 1 else jnp.stack(
+            [sampling.seed_key(seed + i) for _ in range(len(rows) // choices) for i in range(choices)])
         return (jnp.asarray(prompt), jnp.asarray([len(r) for r in rows], jnp.int32),
-                sampling.seed_key(seed), jnp.full((len(rows),), n, jnp.int32),
+                key, jnp.full((len(rows),), n, jnp.int32),
                 stop_array((*eos_token_ids, *stop_token_ids)), row_params)
 
     @staticmethod
@@ -388,6 +391,22 @@ def _as_batch(prompt_ids) -> list[list[int]]:
     if not rows:
         raise ValueError("empty prompt: no rows")
     return rows
+
+
+def check_choices(n, seed) -> int:
+    """n (choices per prompt row) in 1..MAX_CHOICES, and seed + n - 1 a seed; ValueError otherwise."""
+    if not sampling.RANGES["n"].holds(n):
+        raise ValueError(f"n must be {sampling.RANGES['n'].describe()}, got {n!r}")
+    sampling.validate_seed(seed)
+    if n > 1 and not sampling.RANGES["seed"].holds(seed + n - 1):
+        raise ValueError(f"n={n} choices take the seeds {seed}..{seed + n - 1}, past the largest seed "
+                         f"{sampling.SEED_LIMIT - 1}")
+    return int(n)
+
+
+def choice_rows(rows: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt row n times in a row: result row b * n + i is prompt b's choice i."""
+    return [r for r in rows for _ in range(n)]
 
 
 def _plain_ints(t) -> bool:
@@ -530,13 +549,15 @@ def request_of(params: sampling.SamplingParams | None = None, **knobs) -> sampli
 
 def plan(target, prompt_ids, request: sampling.SamplingParams, *, assistant=None, block_size: int = 4,
          eos_token_ids: Sequence[int] | None = None, verify_pad=None, cache_size: int | None = None,
-         exactness_probe: bool = True, rounds_per_chunk: int | None = None, drafter=None) -> Plan:
+         exactness_probe: bool = True, rounds_per_chunk: int | None = None, drafter=None, n: int = 1) -> Plan:
     """A request (`request_of`) -> a Plan: every input check (on the host, before anything is
     compiled), then every program the call needs compiled at once (`programs.compile_all`), the
     exactness probe (T = 0), the Generator and its input arrays. `rounds_per_chunk`: streaming's
-    plan (its fixed-round decode program instead of the decode loop). `drafter`: see `generate`."""
+    plan (its fixed-round decode program instead of the decode loop). `drafter`, `n`: see `generate`."""
     _check_target(target)  # first: the default stop ids below read its config
-    rows = _as_batch(prompt_ids)
+    n = check_choices(n, request.seed)
+    prompts = _as_batch(prompt_ids)
+    rows = choice_rows(prompts, n)
     if eos_token_ids is None:
         eos_token_ids = _default_stop_ids(target)
     drafter = drafters.resolve(drafter, assistant)
@@ -547,8 +568,8 @@ def plan(target, prompt_ids, request: sampling.SamplingParams, *, assistant=None
     def generator(c: LoopConfig):
         gen = make_generate(block_size=c.block_size, max_new_tokens=c.budget, verify_pad=c.verify_pad,
                             cache_size=c.cache_size, params=request, drafter=drafter)
-        return gen, gen.inputs(rows, max_new_tokens=request.max_new_tokens, eos_token_ids=stop, seed=request.seed,
-                               prompt_width=c.prompt_width)
+        return gen, gen.inputs(prompts, max_new_tokens=request.max_new_tokens, eos_token_ids=stop, seed=request.seed,
+                               prompt_width=c.prompt_width, choices=n)
 
     # Compile what the K asked for needs (probe, prefill, decode) at once, before the probe runs;
     # when the probe then lowers K, the smaller K's programs compile on their own.
@@ -567,7 +588,7 @@ def plan(target, prompt_ids, request: sampling.SamplingParams, *, assistant=None
 
 def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingParams | None = None,
              block_size: int = 4, eos_token_ids: Sequence[int] | None = None, verify_pad=None,
-             cache_size: int | None = None, exactness_probe: bool = True, drafter=None,
+             cache_size: int | None = None, exactness_probe: bool = True, drafter=None, n: int = 1,
              **knobs) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens per prompt row with `target`, speculatively when an
     `assistant` or a `drafter` is given (block_size K in 1..MAX_BLOCK_SIZE: K-1 drafts + one K-wide
@@ -594,10 +615,13 @@ def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingPar
     cache_size: KV positions per row (None: just enough).
     exactness_probe: at T = 0, check once per shape that a K-wide verify is bit-identical to K
     single steps and fall back to classic decoding with a warning when it is not.
+    n: choices per prompt row, 1..16 (OpenAI's n): the result has n rows per prompt row, prompt b's
+    choice i at row b * n + i, drawn with seed + i (what that prompt alone gives with seed + i; at
+    temperature 0 every choice is the greedy text). The stats count every row.
     A new temperature / top_k / top_p / bias / penalty value compiles nothing: they are runtime inputs.
     """
     p = plan(target, prompt_ids, request_of(params, **knobs), assistant=assistant, block_size=block_size,
              eos_token_ids=eos_token_ids, verify_pad=verify_pad, cache_size=cache_size,
-             exactness_probe=exactness_probe, drafter=drafter)
+             exactness_probe=exactness_probe, drafter=drafter, n=n)
     state, prefill_s, decode_s = p.gen.run(target, p.params, *p.inputs)
     return p.result(state, prefill_s, decode_s)

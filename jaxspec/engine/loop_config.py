@@ -38,10 +38,18 @@ PROMPT_BUCKET = ROW_TILE  # the narrowest prompt width: whole row tiles (the pre
 BUDGET_BUCKET = 32  # the smallest static output buffer (max_new_tokens' bucket)
 BUCKET_STEP = 1024  # buckets are powers of two up to this, then its multiples
 SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per request (the context, capped)
-# BatchEngine's default prompt tokens per step: each chunk step delays the running streams. H200, 12B,
-# a 16K-token prompt beside 8 streams: chunk 128 -> their p99 gap 1.8x, the long request's first token
-# after 3.1 s; 256 -> 2.7x, 2.7 s; 512 -> 1.75 s, 64 ms chunk steps (docs/benchmark_results/serve-long-2026-12-04.md).
+# BatchEngine's default chunk width: a prompt advances one chunk a step, so it sets how fast a long
+# prompt prefills and how long a step with chunks takes. H200, 12B, a 16K-token prompt beside 8 streams
+# (one chunk a step): 128 -> their p99 gap 1.8x, the long request's first token after 3.1 s; 256 -> 2.7x,
+# 2.7 s; 512 -> 1.75 s, 64 ms chunk steps (docs/benchmark_results/serve-long-2026-12-04.md).
 PREFILL_CHUNK = 128
+# BatchEngine's default token budget a step (decode rounds first, then prefill chunks). PROVISIONAL,
+# not measured: issue 66 asks for it from an H200 sweep (throughput at 32 clients against the long/short
+# p99; `benchmarks/serve_bench.py --step-tokens`). 2,048 is vLLM's online-server default off the
+# H100/H200 and Sarathi-Serve's relaxed budget; vLLM's 8,192 on an H200 pays for real tokens only (its
+# batch is ragged), our packed program pays for whole chunks, so its worst step costs more per budget.
+STEP_TOKENS = 2048
+MAX_STEP_TOKENS = 1 << 20  # a typo's bound: the lanes are host arrays built every step
 # prefill_chunk at most (BatchEngine and `jaxspec serve`): a prompt's last chunk is its rest, so a chunk
 # wider than the prompt changes nothing; this is past the longest request the server holds (32,768
 # positions) and keeps a typo from compiling a prefill program a million rows wide.

@@ -43,7 +43,7 @@ class StreamChunk:
 
 def stream_generate(target, prompt_ids, *, assistant=None, params=None, block_size: int = 4,
                     eos_token_ids: Sequence[int] | None = None, verify_pad=None, cache_size: int | None = None,
-                    exactness_probe: bool = True, rounds_per_chunk: int = 1, drafter=None,
+                    exactness_probe: bool = True, rounds_per_chunk: int = 1, drafter=None, n: int = 1,
                     **knobs) -> Iterator[StreamChunk]:
     """`jaxspec.generate` as an iterator of StreamChunks (same arguments, output and stats: the
     request as `params` or its keywords). Input errors raise here, as does the exactness probe's
@@ -54,7 +54,7 @@ def stream_generate(target, prompt_ids, *, assistant=None, params=None, block_si
     rounds_per_chunk = check_int("rounds_per_chunk", rounds_per_chunk, 1, MAX_ROUNDS_PER_CHUNK)
     p = plan(target, prompt_ids, request_of(params, **knobs), assistant=assistant, block_size=block_size,
              eos_token_ids=eos_token_ids, verify_pad=verify_pad, cache_size=cache_size,
-             exactness_probe=exactness_probe, rounds_per_chunk=rounds_per_chunk, drafter=drafter)
+             exactness_probe=exactness_probe, rounds_per_chunk=rounds_per_chunk, drafter=drafter, n=n)
     return _stream(p, target, rounds_per_chunk)
 
 

@@ -66,15 +66,17 @@ class Server:
     Hence 4 by default (docs/benchmark_results/serve-h200-2026-12-02.md). `max_queue`: requests
     waiting for a slot at most; more are answered 429 with Retry-After. `kv_positions`: the KV pool the
     slots share, in cache positions (default: max_batch x min(context, BATCH_CONTEXT), the memory
-    check's); `prefill_chunk`: prompt tokens prefilled per step at most (a multiple of 16).
-    `aliases`: other names a request's "model" may give (`jaxspec serve --model gemma-3-270m` serves
+    check's); `prefill_chunk`: the width prompts are cut into, one chunk of a prompt a step;
+    `step_tokens`: a step's token budget (the decode rounds first, then chunks of the waiting prompts).
+    `max_batch` and `max_context` left None are the machine's (`ServeConfig.resolved`: 1 slot and
+    4,096 positions a request on a CPU). `aliases`: other names a request's "model" may give (`jaxspec serve --model gemma-3-270m` serves
     "gemma-3-270m", also named by its file's name); /v1/models lists `model_name` only.
     Three layers: `openai_schema.OpenAISchema` (bodies -> requests, responses), `scheduler.Scheduler`
     (the worker and its batch engine), and here the routes."""
 
     def __init__(self, target, assistant, tokenizer, config: ServeConfig | None = None, *, model_name: str,
                  drafter=None, aliases: tuple[str, ...] = (), **knobs):
-        self.config = ServeConfig.build(config, **knobs)
+        self.config = ServeConfig.build(config, **knobs).resolved()  # None: the machine's slots and positions
         check_block_size(self.config.block_size, target.config.max_position_embeddings)  # K within the context
         self.target, self.tok, self.model_name = target, tokenizer, model_name
         self.context = target.config.max_position_embeddings

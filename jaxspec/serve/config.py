@@ -9,11 +9,19 @@ import dataclasses
 import numbers
 
 from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
-from jaxspec.engine.loop_config import (BUDGET_BUCKET, MAX_PREFILL_CHUNK, PREFILL_CHUNK, PROMPT_BUCKET,
-                                        slot_capacity)
+from jaxspec.engine.loop_config import (BUDGET_BUCKET, MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK,
+                                        PROMPT_BUCKET, STEP_TOKENS, slot_capacity)
 
 BATCH_CONTEXT = 4096  # KV pool positions per slot (the pool: max_batch x this, shared by the slots)
 REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its prompt and output)
+
+# The knobs a config leaves None take the machine's defaults (`ServeConfig.resolved`). On a CPU: one
+# slot, since XLA computes every row of a step's row bucket (16 rows from 2 slots on: one client's
+# step at 4 slots did ~4x the work of 1), and 4,096 positions a request, since each decode round
+# reads a row's whole table of positions (the 270M's 1-slot step at 32,768 took 2.3x the time of
+# 4,096; docs/benchmark_results/first-impression-cpu-2026-12-05.md).
+PLATFORM_DEFAULTS = {"cpu": dict(max_batch=1, max_context=BATCH_CONTEXT)}
+DEFAULTS = dict(max_batch=4, max_context=REQUEST_CONTEXT)  # a GPU (or any other device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +58,14 @@ RANGES = {
     # 100,000th waits for 100,000 requests (of 100 tokens each: over an hour at the ~2,000 tokens/s
     # of docs/benchmark_results/serve-h200-2026-12-03.md); a 429 with Retry-After serves it better.
     "max_queue": Knob(1, 100_000),
+    # Positions one request may hold (prompt + output), at most the model's context.
+    "max_context": Knob(PROMPT_BUCKET, 1 << 20, PROMPT_BUCKET),
     # The pool is blocks of PROMPT_BUCKET positions; 64 Mi positions is 4096 slots x 16,384.
     "kv_positions": Knob(PROMPT_BUCKET, 1 << 26, PROMPT_BUCKET, " (the KV pool's blocks)"),
     # BatchEngine checks the same bounds (a chunk's rows are whole row tiles).
     "prefill_chunk": Knob(PROMPT_BUCKET, MAX_PREFILL_CHUNK, PROMPT_BUCKET),
+    # BatchEngine checks the same bounds; below a chunk (with the decode rounds) a step still runs one.
+    "step_tokens": Knob(PROMPT_BUCKET, MAX_STEP_TOKENS, PROMPT_BUCKET),
 }
 
 
@@ -64,24 +76,40 @@ class ServeConfig:
     decoding together; `rounds_per_chunk`: rounds between two reads of the new tokens (and two
     admissions); `max_queue`: requests waiting for a slot at most (more are refused with a 429);
     `kv_positions`: the KV pool the slots share, in cache positions (None: `kv_pool`'s default);
-    `prefill_chunk`: prompt tokens prefilled per step at most."""
+    `prefill_chunk`: the chunk width a prompt is cut into (one chunk of a prompt a step);
+    `step_tokens`: the target tokens a step computes at most, the decode rounds' first, then one
+    chunk of as many waiting prompts as fit (at least one); `max_context`: positions one request
+    may hold, its prompt and output (at most the model's context). `max_batch` and `max_context`
+    None: the machine's (`resolved`: 1 and 4,096 on a CPU, 4 and 32,768 elsewhere)."""
 
     block_size: int = 4
-    max_batch: int = 4
+    max_batch: int | None = None
     rounds_per_chunk: int = 4
     max_queue: int = 64
     kv_positions: int | None = None
     prefill_chunk: int = PREFILL_CHUNK
+    step_tokens: int = STEP_TOKENS
+    max_context: int | None = None
 
     def __post_init__(self):
         for name, knob in RANGES.items():
             v = getattr(self, name)
-            if v is None and name == "kv_positions":
+            if v is None and name in OPTIONAL:
                 continue
             if not knob.holds(v):
-                none = "None or " if name == "kv_positions" else ""
+                none = "None or " if name in OPTIONAL else ""
                 raise ValueError(f"{name} must be {none}{knob.describe()}, got {v!r}"[:300])
             object.__setattr__(self, name, int(v))  # a numpy integer is kept as a Python int
+
+    def resolved(self, platform: str | None = None) -> ServeConfig:
+        """This config with the knobs it leaves None set to `platform`'s defaults (None: JAX's
+        default backend; `PLATFORM_DEFAULTS`); kv_positions stays None (`kv_pool`)."""
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        defaults = PLATFORM_DEFAULTS.get(platform, DEFAULTS)
+        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     @classmethod
     def build(cls, config: ServeConfig | None = None, **knobs) -> ServeConfig:
@@ -95,18 +123,26 @@ class ServeConfig:
 
     def kv_pool(self, context: int | None) -> int:
         """The KV pool's positions: `kv_positions`, else max_batch x the context at most
-        BATCH_CONTEXT (what the CLI's memory check counts)."""
+        BATCH_CONTEXT (what the CLI's memory check counts). A resolved config's."""
         if self.kv_positions is not None:
             return self.kv_positions
-        return self.max_batch * slot_capacity(context, BATCH_CONTEXT)
+        return self._set("max_batch") * slot_capacity(context, BATCH_CONTEXT)
+
+    def request_capacity(self, context: int | None) -> int:
+        """Cache positions one request may hold (its prompt and output): the context, at most
+        max_context. A resolved config's."""
+        return slot_capacity(context, self._set("max_context"))
+
+    def request_tokens(self, context: int | None) -> int:
+        """New tokens one request may ask at most: half its positions (at most BATCH_CONTEXT's
+        half), in whole budget buckets. A resolved config's."""
+        return max(1, min(self.request_capacity(context), BATCH_CONTEXT) // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
+
+    def _set(self, name: str) -> int:
+        v = getattr(self, name)
+        if v is None:
+            raise ValueError(f"{name} is None: resolve the config first (ServeConfig.resolved)")
+        return v
 
 
-def request_capacity(context: int | None) -> int:
-    """Cache positions one request may hold (its prompt and output): the context, at most REQUEST_CONTEXT."""
-    return slot_capacity(context, REQUEST_CONTEXT)
-
-
-def request_tokens(context: int | None) -> int:
-    """New tokens one request may ask at most: half its positions (at most BATCH_CONTEXT's half),
-    in whole budget buckets."""
-    return max(1, min(request_capacity(context), BATCH_CONTEXT) // 2 // BUDGET_BUCKET * BUDGET_BUCKET)
+OPTIONAL = ("kv_positions", "max_batch", "max_context")  # None: a default (`resolved`, `kv_pool`)

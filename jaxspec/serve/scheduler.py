@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from jaxspec.engine import compile_cache, sampling
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.loop_config import PROMPT_BUCKET, round_up
-from jaxspec.serve.config import ServeConfig, request_capacity, request_tokens
+from jaxspec.serve.config import ServeConfig
 from jaxspec.serve.protocol import capacity_note
 from jaxspec.text.tokenizer import IncrementalDecoder
 
@@ -151,13 +151,14 @@ class Scheduler:
     reads of the new tokens (and two admissions); at most `max_queue` jobs wait (`submit` raises
     QueueFull past it). A request holds `batch_capacity` positions and `batch_tokens` new tokens at
     most (`config.request_capacity`, `request_tokens` of the target's context); the slots share a
-    pool of `config.kv_pool` cache positions; `prefill_chunk` prompt tokens per step at most."""
+    pool of `config.kv_pool` cache positions; a step computes `step_tokens` target tokens at most (decode
+    first, then `prefill_chunk`-wide chunks of the waiting prompts)."""
 
     def __init__(self, target, assistant, tok, config: ServeConfig, *, drafter=None):
         self.target, self.assistant, self.tok, self.drafter = target, assistant, tok, drafter
-        self.config = config
+        self.config = config = config.resolved()  # the machine's slots and positions where it names none
         context = target.config.max_position_embeddings
-        self.batch_capacity, self.batch_tokens = request_capacity(context), request_tokens(context)
+        self.batch_capacity, self.batch_tokens = config.request_capacity(context), config.request_tokens(context)
         self.kv_positions = config.kv_pool(context)
         self._engine: BatchEngine | None = None  # built on first use (warm_up or the first request)
         self.slots: dict[int, tuple[Job, _Text]] = {}
@@ -187,13 +188,14 @@ class Scheduler:
                 capacity=round_up(self.batch_capacity, block), block_size=c.block_size,
                 eos_token_ids=self.tok.eos_token_ids, rounds_per_step=c.rounds_per_chunk,
                 kv_blocks=max(1, self.kv_positions // block), block_tokens=block, prefill_chunk=c.prefill_chunk,
+                step_tokens=c.step_tokens,
                 drafter=self.drafter)
         return self._engine
 
     def warm_up(self) -> float:
         """Compile every program a request that fits a slot runs (each of the engine's step programs,
         the prefill of a short prompt), before the first client waits for it; then count what is
-        built later (/health's "compiles": a longer prompt's prefill chunk widths).
+        built later (/health's "compiles": none are expected, every prompt's chunks run in one program).
         Seconds."""
         t0 = time.perf_counter()
         engine = self.engine

@@ -67,8 +67,9 @@ def test_long_request_workload(tmp_path):
     serve_bench.main(["--target", "tiny", "--assistant", "tiny", "--layers", "2", "--long-prompt", "200",
                       "--long-tokens", "5", "--clients", "2", "--prompt-len", "12", "--max-tokens", "6",
                       "--k-values", "1", "--prefill-chunk", "32", "--baseline-s", "0.5", "--backend", "xla",
-                      "--out", out])
+                      "--step-tokens", "112", "--out", out])
     r, = json.load(open(os.path.join(out, "serve_long.json")))["rows"]
+    assert r["step_tokens"] == 112 and r["lanes"] == (112 - 3 * 1 * 1) // 32  # first 3 slots x 1 round x 1 token (K = 1)
     assert r["long_tokens"] == 5 and r["chunks"] >= 2 * 7  # the warm-up's long prompt and the measured one
     assert r["gaps_before"] > 0 and r["gaps_during"] > 0 and r["long_total_s"] >= r["long_ttft_s"] > 0
     assert r["short_requests_before"] > 0 and r["short_ttft_max_before_ms"] >= r["short_ttft_p50_before_ms"] > 0

@@ -3,6 +3,8 @@ targets from the rows; `prepare` writes a commit's tree without the default pair
 serve_bench's two workloads, tested in test_serve_bench.py; on the 12B it needs the H200.)"""
 import json
 import os
+
+import numpy as np
 import subprocess
 import sys
 
@@ -51,6 +53,26 @@ def test_compare_flags_drops_and_reads_the_targets(tmp_path, capsys):
     assert met[serve_guard.TARGETS[4]] == (long[0]["long_ttft_s"] <= 2)
     # no drop: exit status 0
     assert serve_guard.main(["compare", str(tmp_path / "old"), str(tmp_path / "old")]) == 0
+
+
+def test_budgets_puts_each_budget_beside_its_long_workload(tmp_path, capsys):
+    rng = seeded_rng()
+    budgets = sorted(int(b) for b in rng.choice(np.arange(1, 64) * 128, 3, replace=False))
+    sweep = [dict(mode=m, step_tokens=b, lanes=b // 128, tokens_per_s=float(rng.uniform(100, 4000)),
+                  ttft_median_s=float(rng.uniform(0.05, 0.5))) for b in budgets for m in ("engine", "http")]
+    long = [dict(step_tokens=b, lanes=b // 128, gap_p99_during_ms=float(rng.uniform(10, 60)),
+                 p99_ratio=float(rng.uniform(1, 5)), long_ttft_s=float(rng.uniform(1, 4))) for b in budgets[1:]]
+    for part, name, rows in (("budget", "serve.json", sweep), ("budget-long", "serve_long.json", long)):
+        os.makedirs(tmp_path / part)
+        (tmp_path / part / name).write_text(json.dumps({"rows": rows}))
+    assert serve_guard.main(["budgets", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for b in budgets:
+        row = next(line for line in lines if line.startswith(f"| {b} ({b // 128}) |"))
+        http = next(r for r in sweep if r["step_tokens"] == b and r["mode"] == "http")
+        assert f"| {http['tokens_per_s']:.0f} | {http['ttft_median_s'] * 1e3:.0f} |" in row
+        g = next((r for r in long if r["step_tokens"] == b), None)
+        assert row.endswith(f"| {g['p99_ratio']:.2f}x | {g['long_ttft_s']:.2f} |" if g else "| - | - | - |"), row
 
 
 def test_prepare_writes_the_tree_without_weights(tmp_path):

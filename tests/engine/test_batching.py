@@ -183,25 +183,26 @@ def test_nan_prefill_logits_come_back_as_the_slots_error():
 def test_admission_writes_every_per_row_field():
     """A slot's new request overwrites every per-row field of the state (issue 55): the fields are
     read from DecodeState itself, so one added later (a new sampling value in RowParams, a counter)
-    is covered without naming it. Random values everywhere; after `_insert` the slot's row is the
-    new request's on every leaf, the other rows and the shared fields are unchanged."""
+    is covered without naming it. Random values everywhere; after `packed_prefill.put_lanes` of three
+    lanes (a prompt's last chunk into slot 1, a middle chunk into slot 3, an unused lane) slot 1 is the
+    new request's on every leaf, slot 3 took its cache rows only, the other rows and the shared fields
+    are unchanged, and the unused lane wrote nothing."""
     import dataclasses
 
     import jax
     import jax.numpy as jnp
-    from jaxspec.engine import batching, loop, sampling
+    from jaxspec.engine import loop, packed_prefill, sampling
     from jaxspec.engine.generate import PROMPT_BUCKET
     from support.seeds import seeded_rng
 
     rng = seeded_rng()
-    engine = BatchEngine(TARGET, None, slots=3, max_new_tokens=8, capacity=32, block_size=1)
+    engine = BatchEngine(TARGET, None, slots=4, max_new_tokens=8, capacity=32, block_size=1)
     spec = engine.gen.spec
 
     def randomized(state):
         def fill(x):
             if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-                return jax.random.split(jax.random.key(int(rng.integers(1 << 30))), x.shape[0]) if x.ndim else \
-                    jax.random.key(int(rng.integers(1 << 30)))
+                return jax.random.split(jax.random.key(int(rng.integers(1 << 30))), x.shape[0])
             if x.dtype == jnp.bool_:
                 return jnp.asarray(rng.integers(0, 2, x.shape).astype(bool))
             if jnp.issubdtype(x.dtype, jnp.integer):
@@ -214,14 +215,15 @@ def test_admission_writes_every_per_row_field():
         return {jax.tree_util.keystr(p): np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
                                                     else x) for p, x in flat}
 
+    slot, last = jnp.asarray([1, 3, 4], jnp.int32), jnp.asarray([True, False, True])
     old = randomized(engine.state)
-    one = randomized(loop.blank_state(spec, TARGET, 1, PROMPT_BUCKET, engine.stop_ids, sampling.seed_key(3),
-                                      engine.gen.rows(1), cache=batching._row_cache(engine.state.cache, 0)))
+    lanes = packed_prefill._lane_cache(engine.state.cache, slot, slot < 4)
+    one = randomized(loop.blank_state(spec, TARGET, 3, PROMPT_BUCKET, engine.stop_ids,
+                                      jax.random.split(sampling.seed_key(3), 3), engine.gen.rows(3), cache=lanes))
     # the block pools are every row's (a prefill chunk writes into them): taken whole from `one`
     pools = {f".cache.{kv}[{j}]" for kv in "kv" for j in engine.state.cache.paged}
     before, new_row = leaves(old), leaves(one)
-    slot = 1
-    after = leaves(batching._insert(old, one, jnp.int32(slot)))
+    after = leaves(jax.jit(packed_prefill.put_lanes)(old, one, slot, last))
     assert set(after) == set(before) == set(new_row)
     assert set(loop.row_fields()) | set(loop.SHARED_FIELDS) == {f.name for f in dataclasses.fields(loop.DecodeState)}
     checked = 0
@@ -234,13 +236,13 @@ def test_admission_writes_every_per_row_field():
             np.testing.assert_array_equal(got, row, err_msg=path)
             checked += 1
             continue
-        if row.ndim == was.ndim - 1:  # the key: one key for the prefill, one per row in the state
-            row = row[None]
         axes = [i for i, (a, b) in enumerate(zip(was.shape, row.shape)) if a != b]
-        assert len(axes) == 1 and was.shape[axes[0]] == 3 and row.shape[axes[0]] == 1, (path, was.shape, row.shape)
+        assert len(axes) == 1 and was.shape[axes[0]] == 4 and row.shape[axes[0]] == 3, (path, was.shape, row.shape)
         ax = axes[0]
-        for s in range(3):
-            want = row.take(0, axis=ax) if s == slot else was.take(s, axis=ax)
+        for s in range(4):
+            want = was.take(s, axis=ax)
+            if s == 1 or (s == 3 and path.startswith(".cache")):
+                want = row.take(0 if s == 1 else 1, axis=ax)
             np.testing.assert_array_equal(got.take(s, axis=ax), want, err_msg=f"{path} row {s}")
         checked += 1
     assert pools and checked >= 20  # every per-row leaf: cache K/V of each layer (pools, rings, table), tokens, counters, key, RowParams, logprobs

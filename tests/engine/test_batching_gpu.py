@@ -72,7 +72,8 @@ def test_sampled_rows_of_a_mixed_batch_equal_their_runs_alone():
 def test_a_long_prompt_gives_the_same_tokens_alone_and_beside_1_3_7_others():
     """Issue 56: a prompt prefilled in chunks between other rows' decode steps gives bitwise the
     same greedy tokens alone in the engine and beside 1, 3 and 7 other requests (Pallas path, K = 4):
-    its chunks run on its row alone and the decode step computes a row the same whatever the others."""
+    its chunks run in the packed prefill's fixed [G, 64] groups (beside other prompts' chunks or padding
+    lanes) and the decode step computes a row the same whatever the others."""
     import numpy as np
 
     target, assistant, _ = dp.load_default_pair()

@@ -1,5 +1,5 @@
 """`jaxspec serve`'s knobs (jaxspec.serve.config): one range table, which `ServeConfig`, `Server`'s
-keywords, the CLI's flags and the batch engine (prefill_chunk) all enforce: a value past a bound is
+keywords, the CLI's flags and the batch engine (prefill_chunk, step_tokens) all enforce: a value past a bound is
 refused by each, in one line naming the field (the flag, for the CLI) and its range, before a model
 is touched or loaded; the bounds themselves pass. A full queue: the scheduler's `QueueFull` (no
 HTTP in it), a 429 through the app with Retry-After, as the official `openai` client sees it, and
@@ -7,6 +7,7 @@ the server serves on. No program is compiled."""
 import asyncio
 import socket
 
+import jax
 import pytest
 
 pytest.importorskip("fastapi")
@@ -31,7 +32,9 @@ DOCUMENTED = [("block_size", "--block-size", 1, 16, 1),
               ("rounds_per_chunk", "--rounds-per-chunk", 1, 64, 1),
               ("max_queue", "--max-queue", 1, 100_000, 1),
               ("kv_positions", "--kv-positions", 16, 1 << 26, 16),
-              ("prefill_chunk", "--prefill-chunk", 16, 1 << 16, 16)]
+              ("prefill_chunk", "--prefill-chunk", 16, 1 << 16, 16),
+              ("step_tokens", "--step-tokens", 16, 1 << 20, 16),
+              ("max_context", "--max-context", 16, 1 << 20, 16)]
 
 
 def out_of_range():
@@ -85,12 +88,39 @@ def test_the_bounds_and_a_value_between_pass_everywhere(name, flag, lo, hi, ever
         assert getattr(cli._serve_config(args), name) == value
 
 
-def test_the_batch_engine_takes_the_same_prefill_chunks():
-    """BatchEngine (a library entry point of its own) checks prefill_chunk against the same bounds."""
-    knob = RANGES["prefill_chunk"]
+def test_slots_and_positions_left_open_are_the_machines():
+    """A CPU serves one slot and 4,096 positions a request unless told otherwise (a GPU 4 and
+    32,768); a named value stays, on any machine; the server and the CLI resolve the same way."""
+    assert ServeConfig().resolved("cpu") == ServeConfig(max_batch=1, max_context=4096)
+    assert ServeConfig().resolved("gpu") == ServeConfig(max_batch=4, max_context=32768)
+    slots, context = seeded_int(2, 64), 16 * seeded_int(1, 4096)
+    for platform in ("cpu", "gpu"):
+        named = ServeConfig(max_batch=slots, max_context=context)
+        assert named.resolved(platform) == named
+    assert ServeConfig(max_batch=slots).resolved("cpu").max_context == 4096
+    # a request's positions and budget follow max_context, within the model's context
+    cpu = ServeConfig().resolved("cpu")
+    assert cpu.request_capacity(32768) == 4096 and cpu.request_capacity(1024) == 1024
+    assert cpu.request_tokens(32768) == 2048
+    assert ServeConfig(max_context=context).resolved("cpu").request_capacity(1 << 20) == context
+    with pytest.raises(ValueError, match="resolve the config first"):
+        ServeConfig().request_capacity(32768)
+    # this machine: what the CLI passes the server, resolved by the backend JAX runs on
+    args = cli.build_parser().parse_args(["serve", "--port", free_port()])
+    assert (args.max_batch, args.max_context) == (None, None)
+    assert cli._serve_config(args).resolved() == ServeConfig().resolved(jax.default_backend())
+
+
+@pytest.mark.parametrize("name", ["prefill_chunk", "step_tokens"])
+def test_the_batch_engine_takes_the_same_prefill_chunks_and_budgets(name):
+    """BatchEngine (a library entry point of its own) checks prefill_chunk and step_tokens against the
+    same bounds."""
+    knob = RANGES[name]
     for value in (knob.hi + knob.multiple, knob.lo - knob.multiple):
-        with pytest.raises(ValueError, match=f"prefill_chunk must be an integer in {knob.lo}..{knob.hi}, "):
-            BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, prefill_chunk=value)
+        with pytest.raises(ValueError, match=f"{name} must be an integer in {knob.lo}..{knob.hi}, "):
+            BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, **{name: value})
+    with pytest.raises(ValueError, match=f"{name} must be a multiple of {knob.multiple}"):
+        BatchEngine(NoModel(), None, slots=1, max_new_tokens=8, block_size=1, **{name: knob.lo + knob.multiple // 2})
 
 
 def test_a_full_queue_is_queue_full_in_the_scheduler_and_a_429_through_the_app():

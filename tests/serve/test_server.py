@@ -26,7 +26,7 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range("
 
 @pytest.fixture(scope="module")
 def server():
-    s = Running()
+    s = Running("--max-batch", "4")  # 4 slots on any machine (a CPU's default is 1)
     yield s
     s.stop()
 
@@ -88,7 +88,7 @@ def test_stop_strings_cut_the_text(server):
 
 
 def test_concurrent_streams_each_equal_their_run_alone(server):
-    """8 streams at once on 4 slots (--max-batch 4, the default): they decode together (the health
+    """8 streams at once on 4 slots (--max-batch 4): they decode together (the health
     endpoint sees several active at once), and each text equals the request's run alone."""
     lengths = [8 + 2 * i for i in range(len(PROMPTS))]
     alone = [complete(server, p, n) for p, n in zip(PROMPTS, lengths)]
