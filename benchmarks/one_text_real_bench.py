@@ -10,7 +10,8 @@ prefill chunk) with a 1,024-position request capacity and a 4,096-position KV po
 own default pool is larger and only slower to compile), three other requests (greedy and sampled,
 other prompts) beside it. Prints both texts, whether the tokens are equal, generate's decode tok/s
 (best of 3 warm runs), the engine's tokens/s over all four requests (second drain, warm), and the
-compile seconds of each (first run). bfloat16, all cores."""
+compile seconds of each (first run), and a 500-token prompt's prefill seconds (best of 2 warm
+runs). bfloat16, all cores."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,14 @@ def main():
     out["generate_tok_s"] = max(rates)
     out["cli_tokens"] = r.tokens[0]
     out["cli_text"] = tok.decode(r.tokens[0])
+
+    long_ids = (ids + tok.encode(" " + " ".join(t for t, _ in OTHERS)) * 40)[:500]  # a 500-token prompt's prefill
+    pre = []
+    for _ in range(3):
+        rl = jaxspec.generate(target, [long_ids], params=sampling.SamplingParams(max_new_tokens=2), block_size=4,
+                              eos_token_ids=(), verify_pad=None, drafter=None)
+        pre.append(rl.stats.prefill_s)
+    out["prefill_500_s"] = min(pre[1:])
 
     c = ServeConfig()
     engine = BatchEngine(target, None, slots=4, max_new_tokens=64, capacity=1024, block_size=c.block_size,
