@@ -92,8 +92,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     Chooses by the static T and `matmul.attention_kernels` (the model's DispatchConfig): T <= ROW_TILE
     (decode, verify) runs `decode_attention` (the Pallas flash-decoding kernel) or `dense_attention`
     (the einsum reference); both give a query the same bits whatever T, the property greedy parity
-    rests on. Longer blocks (prefill) run `flash_attention` (Pallas) or `blocked_attention` (online
-    softmax in XLA); neither builds the [T, C] score matrix. A head dim the kernels cannot tile (not
+    rests on. Longer blocks (prefill) run `flash_attention` (Pallas) or, in XLA, on a CPU
+    `dense_attention_blocks` (a query's decode bits at any prefill width: one request, one text) and
+    elsewhere `blocked_attention` (online softmax); none builds the [T, C] score matrix. A head dim the kernels cannot tile (not
     a power of two >= 16) takes the XLA path.
 
     k and v may be `Layer`s of stacked caches (one index for both): the kernels read the layer in
@@ -123,7 +124,27 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
         k, v = k.take(), v.take()
     if t <= ROW_TILE:
         return dense_attention(q, k, v, visible(q_pos, k_pos, window))
+    if jax.default_backend() == "cpu":
+        return dense_attention_blocks(q, k, v, q_pos, k_pos, window)
     return blocked_attention(q, k, v, q_pos, k_pos, window, q_block=q_block, k_block=k_block)
+
+
+def dense_attention_blocks(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                           window: int | None = None) -> jax.Array:
+    """`dense_attention` for any number of queries, ROW_TILE at a time (lax.map): the CPU's path for
+    a prefill. A query then gets the bits a decode step gives it whatever the prefill's width
+    (generate's prompt bucket, an engine's 128-token lanes) and the cache's size, which an online
+    softmax over key blocks (`blocked_attention`, whose sums follow the block width and the
+    causal skips) does not. It reads every key block for every query block, about twice the causal
+    work of `blocked_attention` (the GPU's XLA fallback keeps that one)."""
+    b, t, hq, d = q.shape
+    n = -(-t // ROW_TILE)
+    qp = jnp.pad(q, ((0, 0), (0, n * ROW_TILE - t), (0, 0), (0, 0)))
+    pp = jnp.pad(q_pos, ((0, 0), (0, n * ROW_TILE - t)), mode="edge")
+    qs = jnp.moveaxis(qp.reshape(b, n, ROW_TILE, hq, d), 1, 0)
+    ps = jnp.moveaxis(pp.reshape(b, n, ROW_TILE), 1, 0)
+    out = jax.lax.map(lambda a: dense_attention(a[0], k, v, visible(a[1], k_pos, window)), (qs, ps))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * ROW_TILE, hq * d)[:, :t]
 
 
 def scale_of(value: float, dtype) -> jax.Array:

@@ -194,7 +194,12 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         # longer ones read the old contents below the start plus their own keys, then write.
         ring_short = t <= s_ring - (cfg.sliding_window or 0) - 1
         old_pos = jnp.where(cache.pos < start[:, None], cache.pos, EMPTY)
-        ring_keys_pos = ring_pos if ring_short else jnp.concatenate([old_pos, new_pos], axis=1)
+        # the long path's keys: old ring ++ new block; on the XLA path (a CPU) new ++ old, so a prefill from
+        # an empty ring has its keys at slot = position, as a cache without a ring (dense_attention's
+        # key blocks then see one layout whatever the ring's size: one request, one text)
+        new_first = not mm.attention_kernels
+        ring_keys_pos = ring_pos if ring_short else jnp.concatenate(
+            [new_pos, old_pos] if new_first else [old_pos, new_pos], axis=1)
 
     h = embed(target, tokens, dt)
     pli = _per_layer_inputs(target, tokens, h) if cfg.has_per_layer_inputs else None
@@ -207,7 +212,7 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     step = SimpleNamespace(b=b, t=t, t_real=t_real, start=start, pos=pos, slot_pos=slot_pos, tables=tables,
                            cache=cache, hides=valid is not None)
     if cache.pos is not None:
-        step.cols, step.ring_short, step.ring_keys_pos = cols, ring_short, ring_keys_pos
+        step.cols, step.ring_short, step.ring_keys_pos, step.new_first = cols, ring_short, ring_keys_pos, new_first
     ks, vs = list(cache.k), list(cache.v)
     plan = scan_plan(cfg)
     period, groups = plan.period, plan.groups
@@ -366,8 +371,9 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
             ks[slot], vs[slot] = write_cols(old_k, k, step.cols, index), write_cols(old_v, v, step.cols, index)
             if not step.ring_short:
                 old_k, old_v = take(_at(old_k, index)), take(_at(old_v, index))
-                new_kv[slot] = (jnp.concatenate([old_k, k.astype(old_k.dtype)], axis=1),
-                                jnp.concatenate([old_v, v.astype(old_v.dtype)], axis=1))
+                pair = lambda old, new: [new, old] if step.new_first else [old, new]  # noqa: E731
+                new_kv[slot] = (jnp.concatenate(pair(old_k, k.astype(old_k.dtype)), axis=1),
+                                jnp.concatenate(pair(old_v, v.astype(old_v.dtype)), axis=1))
         elif direct:
             ks[slot] = paged_write(ks[slot], cache.table, k, step.start, index)
             vs[slot] = paged_write(vs[slot], cache.table, v, step.start, index)

@@ -33,6 +33,7 @@ _NEG = float(np.finfo(np.float32).min)  # finite running-max sentinel: exp(_NEG 
 _TARGET_PROGRAMS = 128                  # Hkv * splits: about one wave of the H200's 132 SMs
 _COMBINE_BLOCK_D = 32                   # combine programs own a slice of D: more of them in flight
 _COMBINE_UNROLL = 8                     # splits whose partials the combine loads at once
+DENSE_KEY_BLOCK = 64                    # key slots per softmax block of dense_attention (the XLA path)
 
 
 def default_split(c: int, hkv: int, block_k: int) -> int:
@@ -272,28 +273,44 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Scaled-by-1.0 GQA attention over all C keys at once (the reference, and the short path).
+    """Scaled-by-1.0 GQA attention over all C keys (the reference, and the short path).
 
     q `[B, T, Hq, D]`, k/v `[B, C, Hkv, D]`, mask bool `[B, T, C]` (True = visible).
-    Returns `[B, T, Hq * D]` in q's dtype. Scores and softmax in float32; the probabilities are cast
-    to v's dtype before the weighted sum (as HF does).
+    Returns `[B, T, Hq * D]` in q's dtype. Scores and softmax in float32; the probabilities (each
+    key block's, unnormalised, as in `blocked_attention`) are cast to v's dtype before the weighted
+    sum (as HF casts its probabilities); a query that sees nothing gives 0.
 
     Row invariance: a block of T < ROW_TILE queries is padded to ROW_TILE (pad rows repeat the last
     row's mask and are dropped), so a [B, 1] decode step and a [B, K] verify run the same dot
     shapes (XLA picks kernels and fusions per shape) and each real row gets the same result.
-    """
+
+    Key-count invariance: the keys are cut into blocks of DENSE_KEY_BLOCK slots (the last one
+    padded, hidden). Each block's softmax partial (its max, its sum of exp, its weighted sum of V)
+    reduces over exactly DENSE_KEY_BLOCK slots, and the blocks are combined by a reduce over the
+    block axis that is not the minor one, which XLA's CPU code accumulates block by block. A block
+    a query sees nothing of adds exact zeros, so a query's bits do not depend on how many empty
+    slots follow its keys: a generate cache of 96 positions and an engine's of 4,096 give the same
+    row (a plain reduce over all C slots sums in an order that follows C: docs/design.md)."""
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    c, hkv = k.shape[1], k.shape[2]
     if t < ROW_TILE:
         pad = ROW_TILE - t
         q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
         mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)), mode="edge")
-    tp = q.shape[1]
+    tp, bk = q.shape[1], DENSE_KEY_BLOCK
+    nb = -(-c // bk)
+    if nb * bk != c:
+        k, v = (jnp.pad(x, ((0, 0), (0, nb * bk - c), (0, 0), (0, 0))) for x in (k, v))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, nb * bk - c)))
     qg = q.reshape(b, tp, hkv, hq // hkv, d)
-    s = einsum_f32("btkgd,bckd->bkgtc", qg, k.astype(q.dtype))
-    s = jnp.where(mask[:, None, None, :, :], s, _NEG)
-    s = s - jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s)
-    p = p / jnp.sum(p, axis=-1, keepdims=True)
-    o = einsum_f32("bkgtc,bckd->btkgd", p.astype(v.dtype), v)
-    return o[:, :t].reshape(b, t, hq * d).astype(q.dtype)
+    seen = mask.reshape(b, 1, 1, tp, nb, bk)
+    s = einsum_f32("btkgd,bjckd->bkgtjc", qg, k.reshape(b, nb, bk, hkv, d).astype(q.dtype))
+    s = jnp.where(seen, s, _NEG)
+    m = jnp.max(s, axis=-1)                                        # [B, Hkv, G, T, nb]
+    p = jnp.where(seen, jnp.exp(s - m[..., None]), 0.0)
+    o = einsum_f32("bkgtjc,bjckd->bkgtjd", p.astype(v.dtype), v.reshape(b, nb, bk, hkv, d))
+    part = jnp.concatenate([o, jnp.sum(p, axis=-1)[..., None]], axis=-1)  # [..., nb, D + 1]: V sums, exp sum
+    w = jnp.exp(m - jnp.max(m, axis=-1, keepdims=True))              # a block seen by nothing: 0 x 0
+    acc = jnp.sum(part * w[..., None], axis=-2)                     # over blocks: not the minor axis
+    out = acc[..., :d] / jnp.where(acc[..., d:] > 0, acc[..., d:], 1.0)
+    return jnp.moveaxis(out, 3, 1)[:, :t].reshape(b, t, hq * d).astype(q.dtype)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,35 @@ from .quant import QuantizedWeight, dequantize
 # order (measured on JAX 0.10.2, float32 and bfloat16, [2048, 640], [640, 2048], [4096, 512], 2..16
 # rows; tests/kernels/test_kernels.py checks it). So on a CPU one row is padded to 2, not to ROW_TILE.
 CPU_DOT_ROWS = 2
+
+
+# XLA's CPU backend (JAX 0.10.2) hands a reduce of 4096 elements or more, with the elementwise ops
+# after it, to a YNNPACK fusion and emits a smaller one itself, in another order (and YNNPACK's exp
+# rounds some inputs otherwise than XLA's). A row's norm or softmax then depended on how many rows
+# shared the op: the batch. With this option on a program only dots go to YNNPACK, and XLA's own
+# reduces and elementwise code give a row the same bits at 1 to 128 rows (measured: norms over 256
+# and 640, softmaxes over 64 to 262,144, the sampler's sort and cumsum; tests/engine/
+# test_batch_invariance.py). It is set per program (jaxspec's own, `program_options`), never in
+# XLA_FLAGS: a user's other programs keep XLA's defaults.
+CPU_PROGRAM_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+def program_options() -> dict:
+    """The XLA options jaxspec compiles its programs with: CPU_PROGRAM_OPTIONS on a CPU when this
+    jaxlib knows them (else none, with one warning: a row's bits may then depend on its batch), and
+    none elsewhere (the GPU path is unchanged)."""
+    return dict(_cpu_options()) if jax.default_backend() == "cpu" else {}
+
+
+@functools.cache
+def _cpu_options() -> tuple:
+    try:  # one tiny compile: an XLA that lacks the option (or its value) refuses it at compile time
+        jax.jit(lambda x: x + 1, compiler_options=CPU_PROGRAM_OPTIONS).lower(jnp.zeros((2,), jnp.float32)).compile()
+    except Exception as e:  # noqa: BLE001 (XLA's own error types vary by version)
+        warnings.warn(f"this jaxlib refuses {CPU_PROGRAM_OPTIONS} ({str(e).splitlines()[0][:200]}): on a CPU a "
+                      "request's text may then depend on the requests batched beside it", stacklevel=2)
+        return ()
+    return tuple(CPU_PROGRAM_OPTIONS.items())
 
 
 def dense_rows() -> int:

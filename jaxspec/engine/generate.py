@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.kernels import ROW_TILE
+from jaxspec.kernels.xla import program_options
 
 from jaxspec.engine import compile_cache
 from jaxspec.engine import loop
@@ -113,7 +114,11 @@ class GenerationResult:
 # The jitted function
 
 
-_PREFILL = jax.jit(loop.prefill, static_argnums=0)  # shared by every Generator (keyed by PrefillSpec)
+@functools.cache
+def _prefill_jit():
+    """loop.prefill jitted (shared by every Generator, keyed by PrefillSpec), with jaxspec's program
+    options (kernels.xla.program_options: known once the backend is, so made on first use)."""
+    return jax.jit(loop.prefill, static_argnums=0, compiler_options=program_options() or None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,8 +134,9 @@ def _jits(spec: loop.LoopSpec):
     def decode_rounds(t, a, s, rounds):
         return loop.decode_rounds(spec, t, a, s, rounds)
 
-    return (jax.jit(generate), jax.jit(decode, donate_argnums=(2,)),
-            jax.jit(decode_rounds, static_argnums=(3,), donate_argnums=(2,)))
+    opts = program_options() or None
+    return (jax.jit(generate, compiler_options=opts), jax.jit(decode, donate_argnums=(2,), compiler_options=opts),
+            jax.jit(decode_rounds, static_argnums=(3,), donate_argnums=(2,), compiler_options=opts))
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,7 +198,7 @@ class Generator:
     def prefill_program(self, target, prompt, lengths, key, limit, stop_ids, rows) -> programs.Program:
         spec = self.prefill_spec(target, prompt)
         args = (target, prompt, lengths, key, limit, stop_ids, rows)
-        return programs.Program("prefill", spec, args, lambda: _PREFILL.lower(spec, *args))
+        return programs.Program("prefill", spec, args, lambda: _prefill_jit().lower(spec, *args))
 
     def params(self, assistant):
         """What the compiled programs take as the drafter's params: the assistant when this spec's

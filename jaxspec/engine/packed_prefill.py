@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.engine import loop, sampling
+from jaxspec.kernels.xla import program_options
 
 # Tokens one group's forward computes at most on an accelerator: a `[G, W]` forward of ~512 rows
 # is past the point where a GPU's matmuls stop being bound by reading the weights (Sarathi-Serve's
@@ -184,8 +185,19 @@ def put_lanes(state: loop.DecodeState, one: loop.DecodeState, slot, last) -> loo
     return state.replace(cache=cache, **new)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "loop_spec", "group"), donate_argnums=(0,))
-def run(state: loop.DecodeState, target, lanes: dict, *, spec: loop.PrefillSpec, loop_spec: loop.LoopSpec,
+def run(*args, **kw):
+    """`_run`, jitted with jaxspec's program options (kernels.xla.program_options: known only once
+    the backend is, so the jit is made on first use)."""
+    return _run_jit()(*args, **kw)
+
+
+@functools.cache
+def _run_jit():
+    return jax.jit(_run, static_argnames=("spec", "loop_spec", "group"), donate_argnums=(0,),
+                   compiler_options=program_options() or None)
+
+
+def _run(state: loop.DecodeState, target, lanes: dict, *, spec: loop.PrefillSpec, loop_spec: loop.LoopSpec,
         group: int):
     """One step's chunks (`pack`'s lanes, `lanes["groups"]` groups of `group` hold a real one) into
     their slots -> (the state, what the host reads of each lane's slot after it: first token, done,

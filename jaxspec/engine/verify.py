@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.kernels import ROW_TILE, DispatchConfig, select_path
+from jaxspec.kernels.xla import program_options
 
 from jaxspec.engine import programs
 
@@ -133,7 +134,7 @@ def probe_programs(target, batch: int, block_size: int, width: int) -> list:
         def lower(args=args):
             def exactness_probe(t, tokens, n, c):  # the name JAX logs (compile_cache.CompileLog)
                 return _probe_forward(t, tokens, n, c)
-            return jax.jit(exactness_probe).lower(*args)
+            return jax.jit(exactness_probe, compiler_options=program_options() or None).lower(*args)
         out.append(programs.Program("exactness_probe", None, args, lower))
     return out
 

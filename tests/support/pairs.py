@@ -13,9 +13,10 @@ XLA = DispatchConfig(backend="xla")
 
 
 def make_pair(seed=0, vocab=256, dtype=jnp.float32, matmul=XLA, target_damp=0.2, assistant_damp=0.03,
-              layers=4):
+              layers=4, **target):
+    """`target`: more fields of the target's config (e.g. hidden_size); the assistant fits it."""
     td = presets.tiny_target_dict(vocab_size=vocab, num_hidden_layers=layers,
-                                  layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+                                  layer_types=["sliding_attention", "full_attention"] * (layers // 2), **target)
     tcfg = models.TargetConfig.from_dict(td)
     acfg = models.AssistantConfig.from_dict(presets.tiny_assistant_dict(td, text=dict(hidden_size=tcfg.hidden_size)))
     k1, k2 = jax.random.split(jax.random.key(seed))
