@@ -21,9 +21,10 @@ of their own, `http_clients.py`, as real clients would be): the engine row then 
 the server's own engine (its cache size, budget and the tokenizer's stop ids), so the two rows
 differ only by HTTP, JSON and the server's worker thread. A preset has no tokenizer: its text is
 the ids written out (`IdTokenizer`, no stop ids).
-`--sampling`: greedy (T = 0), uniform (every request T = 0.8, top_p 0.95) or mixed (request i gets
+`--sampling`: greedy (T = 0), uniform (every request T = 0.8, top_p 0.95), mixed (request i gets
 one of 16 distinct (temperature, top_p) settings and its own seed): mixed against uniform is what
-sharing one batch across settings costs.
+sharing one batch across settings costs; penalized (greedy, every other request with presence 0.5,
+frequency 0.3 and repetition 1.2 penalties): against greedy, what the penalties cost a batch.
 `--step-tokens A,B,...` sweeps the engine's token budget a step (issue 66: decode rounds first, then
 chunks of the waiting prompts; default: the engine's), each budget a configuration of its own, in the
 sweep and in the long workload (the budget is a row's `step_tokens`, its prefill lanes `lanes`):
@@ -120,10 +121,15 @@ class IdTokenizer:
 MIXED = [(round(0.5 + 0.05 * i, 2), (None, 0.9, 0.95, 0.8)[i % 4]) for i in range(16)]
 
 
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+
+
 def setting(kind: str, i: int) -> dict:
     """Request i's sampling fields for --sampling `kind`."""
     if kind == "greedy":
         return dict(temperature=0.0)
+    if kind == "penalized":  # issue 68's sweep: greedy, every other request with all three penalties
+        return dict(temperature=0.0, **(PENALTIES if i % 2 else {}))
     t, p = (0.8, 0.95) if kind == "uniform" else MIXED[i % len(MIXED)]
     return dict(temperature=t, top_p=p, seed=1000 + i)
 
@@ -140,7 +146,7 @@ def serve(engine: BatchEngine, prompts, clients: int, per_client: int, max_token
             c, arrived = queue.pop(0)
             kw = setting(kind, sent)
             sent += 1
-            params = sampling.SamplingParams(temperature=kw["temperature"], top_p=kw.get("top_p"))
+            params = sampling.SamplingParams(**{k: v for k, v in kw.items() if k != "seed"})
             slot = engine.admit(todo[c].pop(0), max_tokens, seed=kw.get("seed", 0), params=params)
             owner[slot] = (c, arrived)
             tokens[slot] = 0
@@ -403,7 +409,8 @@ def main(argv=None) -> None:
                     help="each configuration also through `jaxspec serve`'s HTTP app (streamed completions), the "
                          "engine rows then with the server's engine and stop ids")
     ap.add_argument("--sampling", type=lambda s: s.split(","), default=["greedy"],
-                    help="comma-separated: greedy, uniform (T 0.8, top_p 0.95), mixed (16 distinct settings)")
+                    help="comma-separated: greedy, uniform (T 0.8, top_p 0.95), mixed (16 distinct settings), "
+                         "penalized (greedy, penalties on every other request)")
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="the long-request workload with a prompt of this many tokens (0: the sweep)")
     ap.add_argument("--long-tokens", type=int, default=64, help="--long-prompt: the long request's new tokens")
@@ -416,9 +423,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a terminal)")
     args = ap.parse_args(argv)
-    bad = set(args.sampling) - {"greedy", "uniform", "mixed"}
+    bad = set(args.sampling) - {"greedy", "uniform", "mixed", "penalized"}
     if bad:
-        raise SystemExit(f"--sampling: unknown {sorted(bad)} (greedy, uniform, mixed)")
+        raise SystemExit(f"--sampling: unknown {sorted(bad)} (greedy, uniform, mixed, penalized)")
     os.makedirs(args.out, exist_ok=True)
     backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
     matmul = DispatchConfig.from_env(backend=backend)
@@ -489,7 +496,8 @@ def main(argv=None) -> None:
              f"{args.repeats} run(s) a row); slots = min(clients, "
              f"{args.max_slots}); {args.capacity} cache positions per slot; {args.rounds_per_step} round(s) per step.",
              "",
-             "| path | sampling | K asked | K run | clients | slots | step tokens (lanes) | tok/s (all) | x one client | / uniform | "
+             "| path | sampling | K asked | K run | clients | slots | step tokens (lanes) | tok/s (all) | x one client | "
+             "/ uniform (mixed), / greedy (penalized) | "
              "TTFT median ms | TTFT p90 ms | per-stream tok/s | speculative / classic | steps per program |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -498,7 +506,9 @@ def main(argv=None) -> None:
         u = uniform.get((r["mode"], r["k_asked"], r["clients"], r["step_tokens"]))
         spec = f"{r['tokens_per_s'] / b:.2f}" if r["k_asked"] > 1 and b else ""
         scale = f"{r['tokens_per_s'] / o:.2f}" if o else ""
-        vs = f"{r['tokens_per_s'] / u:.2f}" if u and r["sampling"] == "mixed" else ""
+        g = base.get((r["mode"], "greedy", r["clients"], r["step_tokens"]))
+        ref = {"mixed": u, "penalized": g}.get(r["sampling"])
+        vs = f"{r['tokens_per_s'] / ref:.2f}" if ref else ""
         lines.append(f"| {r['mode']} | {r['sampling']} | {r['k_asked']} | {r['k']} | {r['clients']} | {r['slots']} | "
                      f"{r['step_tokens']} ({r['lanes']}) | {r['tokens_per_s']:.1f} | {scale} | {vs} | {r['ttft_median_s'] * 1e3:.0f} | "
                      f"{r['ttft_p90_s'] * 1e3:.0f} | {r['stream_tokens_per_s']:.1f} | {spec} | "
