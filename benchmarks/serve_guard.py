@@ -84,7 +84,9 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
             ["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     bench = os.path.join(tree, "benchmarks", "serve_bench.py")
     repeats = ["--repeats", "3"] if "--repeats" in open(bench).read() else []
-    env = dict(os.environ, PYTHONPATH=tree, PYTHONUNBUFFERED="1")
+    # the tree first; what was on the path stays after it (carried wheels: fastapi, uvicorn on the device)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p),
+               PYTHONUNBUFFERED="1")
     os.makedirs(out, exist_ok=True)
     status = 0
     for part in parts:
