@@ -41,6 +41,7 @@ def batched():
         for ev in engine.step():
             got[where[ev.slot]] += ev.tokens
     assert sum(engine.steps[1:]) > 0  # the sampling programs ran
+    assert engine.block_size == 4 and not engine.fallback  # K = 4 ran: no silent fallback to classic
     return target, assistant, prompts, engine, got
 
 
@@ -92,4 +93,5 @@ def test_a_long_prompt_gives_the_same_tokens_alone_and_beside_1_3_7_others():
             for ev in engine.step():
                 got.setdefault(where[ev.slot], []).extend(ev.tokens)
         runs.append(got["long"])
+    assert engine.block_size == 4 and not engine.fallback  # K = 4 ran: no silent fallback to classic
     assert len(runs[0]) == 48 and all(r == runs[0] for r in runs), runs
