@@ -71,15 +71,17 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"random test inputs: {SEED_ENV}={run_seed()} replays them")
 
 
-# The files that take longest on 2 CPU cores, longest first (each 1.5-5 min on the CI machine).
-# `make test` hands out whole files to its workers (pytest -n 2 --dist loadfile) in collection order
-# (xdist's own reordering is off: pytest_configure), so these start first, the short files fill in
-# after them, and no long file is left running alone at the end. The rest go most tests first.
-SLOW_FILES = ("test_default_pair.py", "test_train_assistant.py", "test_kernels.py", "test_shard.py", "test_docs_blocks.py",
-              "test_server.py", "test_generate.py", "test_speculative_bench.py", "test_compile_cache.py",
-              "test_gemma3_real.py", "test_checkpoint.py", "test_long_context.py", "test_layer_scan.py",
-              "test_notebook.py", "test_cli.py", "test_dense_weights.py", "test_named_pairs.py",
-              "test_position_acceptance.py")
+# The files that take longest on 2 CPU cores, longest first (per-file wall of a fast-tier run,
+# 2026-12-05; about 1-3.5 min each on the CI machine). `make test` hands out whole files to its
+# workers (pytest -n 2 --dist loadfile) in collection order (xdist's own reordering is off:
+# pytest_configure), so these start first, the short files fill in after them, and no long file is
+# left running alone at the end. The rest go most tests first.
+SLOW_FILES = ("test_long_context.py", "test_generate.py", "test_batching.py", "test_serve_bench.py", "test_server.py",
+              "test_sampling_generate.py", "test_flash_attention.py", "test_paged_batching.py", "test_cli.py",
+              "test_ngram_serving.py", "test_compile_cache.py", "test_ngram_drafter.py", "test_decode_attention.py",
+              "test_kernel_bench.py", "test_layer_scan.py", "test_kernels.py", "test_default_pair.py",
+              "test_penalties_generate.py", "test_context_bench.py", "test_batch_invariance.py", "test_server_pool.py",
+              "test_speculative_bench.py", "test_server_traffic.py")
 
 
 def pytest_collection_modifyitems(config, items):
