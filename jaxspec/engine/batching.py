@@ -22,11 +22,12 @@ the blocks the request's prompt + budget + K can write, all at once (host bookke
 the free blocks waits (`can_admit`). Its end (finished, cancelled, failed) gives them back at once:
 its table row points nowhere first, so what its row still computes in an in-flight step is dropped.
 
-A prompt is prefilled in chunks of `prefill_chunk` tokens (the last one padded), one chunk of a
-prompt a step, queued before the step's decode rounds, so a long prompt delays the running streams
-by a step's chunks, not by its whole prefill. A step has one token budget (`step_tokens`): every
+A prompt is prefilled in chunks of `prefill_chunk` tokens (the last one padded), as many chunks a
+step as the step's budget has lanes left (see below), queued before the step's decode rounds, so a
+long prompt delays the running streams by a step's chunks, not by its whole prefill. A step has one token budget (`step_tokens`): every
 slot's decode rounds are counted first, what is left buys lanes (`lanes`, fixed per engine), and
-the waiting prompts' next chunks fill them and run in one program (`packed_prefill`). The prompts
+the waiting prompts' next chunks fill them and run in one program (`packed_prefill`): every waiting
+prompt one lane, then the long prompts' further chunks in the lanes left. The prompts
 whose rest fits one chunk (they finish this step) take lanes before the ones with more left, each
 class in admission order: a short request admitted behind a long prompt gets its first token after a
 step or two, not after the whole long prefill. After a step whose lanes went to short ones while a
@@ -135,7 +136,8 @@ class BatchEngine:
     PROMPT_BUCKET; at most the capacity is used): a prompt is prefilled a chunk a step, the step's
     chunks queued before its decode rounds. `step_tokens`: a step's token budget, the decode rounds'
     `slots x rounds_per_step x verify width` first, the rest in chunks (`lanes`, at least one).
-    `prefill_group`: lanes per forward (default `packed_prefill.group_for`: one on a CPU).
+    `prefill_group`: lanes per forward (default one: see packed_prefill; with more, a prompt takes
+    at most one chunk a step).
     `block_size` is probed once at `slots` rows at T = 0 (`LoopConfig.for_slots`: the engine's K,
     verify width and capacity, in `config`), as generate does.
     params (a SamplingParams) or its keywords (temperature, top_k, top_p, ...): the request of an
@@ -201,8 +203,7 @@ class BatchEngine:
         self.step_tokens = step_tokens
         self.decode_tokens = slots * rounds_per_step * self.config.verify_width
         self.lanes = packed_prefill.lanes_for(step_tokens, self.prefill_chunk, self.decode_tokens)
-        self.prefill_group = min(self.lanes, prefill_group or packed_prefill.group_for(
-            self.lanes, self.prefill_chunk, jax.devices()[0].platform))
+        self.prefill_group = min(self.lanes, prefill_group or 1)
         self.lanes = round_up(self.lanes, self.prefill_group)  # whole groups (a group is padded anyway)
         self._decode: dict[int, object] = {}  # mode index -> compiled rounds
         self.seen = [0] * slots
@@ -334,14 +335,14 @@ class BatchEngine:
         there are lanes (`packed_prefill.plan`: short ones first, long ones first after a step that
         passed them over), in one program."""
         chosen, self.long_passed = packed_prefill.plan(self.prefilling, self.lanes, self.prefill_chunk,
-                                                       self.long_passed)
+                                                       self.long_passed, self.prefill_group)
         lanes = packed_prefill.pack(self.prefilling, chosen, self.lanes, self.prefill_group, self.prefill_chunk,
                                     self.capacity, self.slots)
         self.state, firsts = packed_prefill.run(self.state, self.target, lanes, spec=self.pspec,
                                                 loop_spec=self.gen.spec, group=self.prefill_group)
         self.chunks += len(chosen)
         self.prefill_steps += 1
-        for lane, slot in enumerate(chosen):
+        for lane, slot in enumerate(chosen):  # a slot's lanes in order: its last one reads its first token
             p = self.prefilling[slot]
             p.done += min(p.rest, self.prefill_chunk)
             if not p.rest:

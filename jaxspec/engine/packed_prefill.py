@@ -2,24 +2,31 @@
 
 A step's token budget (`step_tokens`) pays for every slot's decode rounds first (the decode program
 computes all slots, live or not: `slots x rounds x verify width` target tokens); what is left buys
-prefill lanes of `prefill_chunk` (W) tokens each, one lane per waiting prompt, at least one lane a
-step so a prompt always advances (`lanes_for`). The engine fixes its lane count P at construction.
+prefill lanes of `prefill_chunk` (W) tokens each (`lanes_for`), at least one lane a step so a prompt
+always advances. The engine fixes its lane count P at construction.
 
 Where a prompt is cut depends on the prompt alone: chunk i is tokens [i W, (i + 1) W), the last one
-padded to W. The budget decides how many prompts advance in a step, never where a prompt is cut, and a
-prompt advances one chunk a step (its next chunk reads the KV the last one wrote).
+padded to W. The budget decides how many chunks run in a step, never where a prompt is cut. Every
+waiting prompt gets a lane before any gets a second; lanes still free then go to the long prompts'
+next chunks, oldest first (`plan`). A prompt's chunks run in lane order, each reading the KV the one
+before wrote, so a long prompt takes several chunks a step where the budget has room.
 
 The program (`run`) takes P lanes and computes them G at a time (`group`): a `[G, W]` forward per
 group, over as many groups as hold a real lane (a loop with a traced bound: a step with one prompt
-waiting costs one group, not P lanes). Each lane reads and writes its own slot's rows (rings, length,
-table row; the shared pools through that table row); an unused lane's table row points nowhere and
-its rows are never stored, so its writes are dropped. Exactness: on the CPU's XLA path a dot's
-per-row bits depend on its row count, not on the other rows' values or a row's place among them, so
-a lane computes the same whether it shares its group with nothing or with G - 1 other prompts: the
-group's shape `[G, W]` is fixed per engine whatever number of lanes is real (tests/engine/
-test_packed_prefill.py). A prompt's last chunk picks its first token as `loop.prefill` does (the
-same key split, the penalties' prompt counts, logprobs, the drafter's seed) and writes every per-row
-field of its slot, which makes the row live for the step's decode rounds.
+waiting costs one group, not P lanes). G is 1 by default on every platform: on the H200 (12B shapes,
+2026-12-05) groups of 4 x 128 made a lone 64-token admission run a 512-row forward (the streams' p99
+gap 13.8 -> 59.7 ms beside admissions) and a 16K prompt's first token came at 7.69 s (3.14 before),
+while at 128 rows a forward already computes at the matrix units' rate. Each lane reads and writes
+its own slot's rows (rings, length, table row; the shared pools through that table row); an unused
+lane's table row points nowhere and its rows are never stored, so its writes are dropped. Exactness:
+a dot's per-row bits depend on its row count (the CPU's XLA path; the GPU's kernels by static row
+count), not on the other rows' values or a row's place among them, so a lane computes the same
+whether it shares its group with nothing or with G - 1 other prompts: the group's shape `[G, W]` is
+fixed per engine whatever number of lanes is real (tests/engine/test_packed_prefill.py). With G > 1
+a prompt gets at most one lane a step (two of its chunks in one forward would not see each other).
+A prompt's last chunk picks its first token as `loop.prefill` does (the same key split, the
+penalties' prompt counts, logprobs, the drafter's seed) and writes every per-row field of its slot,
+which makes the row live for the step's decode rounds.
 """
 from __future__ import annotations
 
@@ -34,26 +41,10 @@ from jaxspec import models
 from jaxspec.engine import loop, sampling
 from jaxspec.kernels.xla import program_options
 
-# Tokens one group's forward computes at most on an accelerator: a `[G, W]` forward of ~512 rows
-# is past the point where a GPU's matmuls stop being bound by reading the weights (Sarathi-Serve's
-# strict budget; ~300 tokens in theory, 1-2K in practice on an H100, ../shared/reference notes), so
-# packing more lanes per group buys little and makes a lone prompt pay for more padding.
-GROUP_TOKENS = 512
-
-
 def lanes_for(step_tokens: int, chunk: int, decode_tokens: int) -> int:
     """Prefill lanes a step may run: what the budget leaves after the decode rounds' tokens, in
     chunks, at least one (a prompt always advances)."""
     return max(1, (step_tokens - decode_tokens) // chunk)
-
-
-def group_for(lanes: int, chunk: int, platform: str) -> int:
-    """Lanes per forward by default: on a CPU one (its matmuls gain nothing from more rows than a
-    chunk has, and a lone prompt would pay for the padding); on an accelerator as many as fit
-    GROUP_TOKENS, at most `lanes`."""
-    if platform == "cpu":
-        return 1
-    return max(1, min(lanes, GROUP_TOKENS // chunk))
 
 
 @dataclasses.dataclass
@@ -72,21 +63,29 @@ class Prompt:
         return len(self.ids) - self.done
 
 
-def plan(prompts: dict[int, Prompt], lanes: int, chunk: int, long_first: bool) -> tuple[list[int], bool]:
-    """(the slots that get a lane this step, in lane order; whether a long prompt waited and got
-    none). Short prompts (the rest fits one chunk: they finish now) go first, then long ones, each
-    class in admission order (`prompts`' order); after a step that passed the long ones over
-    (`long_first`) the long ones go first, so the oldest advances at least every other step."""
+def plan(prompts: dict[int, Prompt], lanes: int, chunk: int, long_first: bool, group: int = 1
+         ) -> tuple[list[int], bool]:
+    """(the slots that get a lane this step, in lane order, a slot once per chunk it advances;
+    whether a long prompt waited and got none). Short prompts (the rest fits one chunk: they finish
+    now) go first, then long ones, each class in admission order (`prompts`' order); after a step
+    that passed the long ones over (`long_first`) the long ones go first, so the oldest advances at
+    least every other step. Lanes left once every prompt has one go to the long prompts' next chunks,
+    oldest first (only with `group` 1: a group's lanes run in one forward)."""
     long = [s for s, p in prompts.items() if p.rest > chunk]
     short = [s for s in prompts if s not in long]
     chosen = (long + short if long_first else short + long)[:lanes]
-    return chosen, bool(long) and not any(s in long for s in chosen)
+    passed = bool(long) and not any(s in long for s in chosen)
+    if group == 1:
+        for s in long:
+            more = min(-(-prompts[s].rest // chunk) - 1, lanes - len(chosen)) if s in chosen else 0
+            chosen += [s] * max(0, more)
+    return chosen, passed
 
 
 def pack(prompts: dict[int, Prompt], chosen: list[int], lanes: int, group: int, chunk: int, capacity: int,
          num_slots: int) -> dict:
-    """The program's lane inputs (host arrays, one transfer): each chosen prompt's next chunk
-    (right-padded to `chunk`), its slot, real tokens, whether it is the prompt's last, and for the
+    """The program's lane inputs (host arrays, one transfer): each chosen lane's chunk (a slot's
+    lanes its next chunks in order, right-padded to `chunk`), its slot, real tokens, whether it is the prompt's last, and for the
     last its whole prompt (the drafter's history, the penalties' counts), key, budget and sampling.
     Unused lanes: slot `num_slots` (nowhere), one real token (a valid index), lane 0's values;
     `groups`: the groups of `group` lanes that hold a chosen one (the program skips the rest)."""
@@ -95,11 +94,14 @@ def pack(prompts: dict[int, Prompt], chosen: list[int], lanes: int, group: int, 
     slot = np.full((lanes,), num_slots, np.int32)
     n_valid, last, limit = np.ones((lanes,), np.int32), np.zeros((lanes,), bool), np.ones((lanes,), np.int32)
     keys, rows = [prompts[chosen[0]].key] * lanes, [prompts[chosen[0]].rows] * lanes
+    at = {}  # slot -> where its next lane's chunk starts (a slot's lanes take its chunks in order)
     for i, s in enumerate(chosen):
         p = prompts[s]
-        n = min(p.rest, chunk)
-        tokens[i, :n] = p.ids[p.done:p.done + n]
-        slot[i], n_valid[i], last[i], limit[i], keys[i], rows[i] = s, n, n == p.rest, p.limit, p.key, p.rows
+        start = at.get(s, p.done)
+        n = min(len(p.ids) - start, chunk)
+        at[s] = start + n
+        tokens[i, :n] = p.ids[start:start + n]
+        slot[i], n_valid[i], last[i], limit[i], keys[i], rows[i] = s, n, start + n == len(p.ids), p.limit, p.key, p.rows
         if last[i]:
             prompt[i, :len(p.ids)] = p.ids
     keys, rows = np.stack(keys), jax.tree.map(lambda *r: np.concatenate(r), *rows)

@@ -7,6 +7,7 @@ rules give; bad budgets are refused before any compute."""
 import numpy as np
 import pytest
 
+import jaxspec
 from jaxspec.engine import packed_prefill
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.sampling import SamplingParams
@@ -80,6 +81,11 @@ def test_the_budget_sets_how_many_prompts_advance_and_the_order_rules_which():
     assert packed_prefill.plan(waiting, 3, 32, False) == ([0, 2, 1], True)
     assert packed_prefill.plan(waiting, 4, 32, False) == ([0, 2, 1, 3], False)
     assert packed_prefill.plan(waiting, 2, 32, True) == ([3, 0], False)  # passed over last step: long first
+    # lanes left once each prompt has one: the long prompts' next chunks, oldest first (one forward a
+    # lane); with two lanes a forward a prompt keeps one lane a step
+    assert packed_prefill.plan(waiting, 6, 32, False) == ([0, 2, 1, 3, 3, 3], False)
+    assert packed_prefill.plan(waiting, 9, 32, False) == ([0, 2, 1, 3, 3, 3, 3], False)  # 100 tokens: 4 chunks
+    assert packed_prefill.plan(waiting, 6, 32, False, group=2) == ([0, 2, 1, 3], False)
     assert packed_prefill.lanes_for(2048, 128, 4 * 4 * 8) == 15  # decode rounds first, then whole chunks
     assert packed_prefill.lanes_for(256, 128, 1024) == 1  # a prompt always advances
 
@@ -90,3 +96,23 @@ def test_bad_budgets_are_refused_before_compute():
             BatchEngine(TARGET, None, slots=1, max_new_tokens=8, capacity=64, prefill_chunk=32, step_tokens=bad)
     with pytest.raises(ValueError, match="prefill_group"):
         BatchEngine(TARGET, None, slots=1, max_new_tokens=8, capacity=64, prefill_group=0)
+
+
+def test_a_long_prompt_takes_several_chunks_a_step_and_gives_the_same_tokens():
+    """With one lane a forward (the default) and lanes to spare, a long prompt's chunks run in one
+    step's program, each reading the KV the one before wrote, and greedy equals classic decoding;
+    beside two short prompts it takes the two lanes they leave, then its last chunk the next step,
+    with bitwise the same tokens and logprobs as all three in one step."""
+    e = BatchEngine(TARGET, ASSISTANT, slots=4, max_new_tokens=16, capacity=128, block_size=4, prefill_chunk=CHUNK,
+                    step_tokens=4 * CHUNK + 16, eos_token_ids=())  # 4 x 4 rows of K = 4 rounds, then 4 lanes
+    assert e.block_size == 4 and e.fallback is None and (e.lanes, e.prefill_group) == (4, 1)
+    rng = seeded_rng()
+    vocab = TARGET.config.vocab_size
+    long = (rng.integers(2, vocab, int(rng.integers(2 * CHUNK + 1, 3 * CHUNK))).tolist(), 12, 5, SamplingParams())
+    shorts = [(rng.integers(2, vocab, int(rng.integers(2, CHUNK))).tolist(), 8, 6 + i, SAMPLED) for i in range(2)]
+    alone, first = _run(e, [long])
+    assert first == (3, 1)  # its three chunks in the first step's one program
+    assert alone[0][0] == jaxspec.generate(TARGET, [long[0]], max_new_tokens=12, block_size=1).tokens[0]
+    together, first = _run(e, [long, *shorts])
+    assert first == (4, 1)  # the shorts' chunks, then the long prompt's first two in the lanes left
+    assert together[0] == alone[0]
