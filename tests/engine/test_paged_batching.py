@@ -111,10 +111,11 @@ def test_a_short_request_goes_ahead_of_a_long_prefill(engine):
             if ev.done:
                 ended[ev.slot] = steps
             got[ev.slot] += ev.tokens
-    # in admission order: both at step 5. The long one's last chunk runs at step 6; its first token is
-    # read then unless the short one is still reported at step 6 (its tokens must not wait for the chunk)
+    # in admission order: both at step 5. Passed over at step 1, the long one goes first at step 2 and
+    # takes both lanes (chunks 0-1), then 2-3, and its last chunk runs at step 4; its first token is
+    # read then unless a short one is still reported at step 4 (its tokens must not wait for the chunk)
     ended_short = max(ended[slots[1]], ended[slots[2]])
-    assert first[slots[1]] == first[slots[2]] == 1 and first[slots[0]] == (6 if ended_short < 6 else 7)
+    assert first[slots[1]] == first[slots[2]] == 1 and first[slots[0]] == (4 if ended_short < 4 else 5)
     for slot, (ids, n) in zip(slots, requests):
         assert got[slot] == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=n).tokens[0]
 
