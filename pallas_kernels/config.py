@@ -81,8 +81,9 @@ class DispatchConfig:
       dots); models made to be saved, trained or sharded (the presets) keep it off. $JAXSPEC_DENSE_WEIGHTS.
     paged_attention: with the attention kernels, a decode or verify over a paged KV pool reads each
       row's blocks through its table (`paged_attention`) instead of gathering every row's whole
-      capacity first. Off until its speed and its bitwise agreement are measured on a GPU (models
-      reads it). $JAXSPEC_PAGED_ATTENTION.
+      capacity first (models reads it). On by default since the H200 runs of 2026-12-05: its GPU
+      tests bitwise against the gathered path, and the serving step at 32 slots with no pool gather
+      left (32 clients over HTTP 1,572 tok/s against the previous main's 1,386). $JAXSPEC_PAGED_ATTENTION.
     """
 
     backend: str = "pallas"
@@ -94,7 +95,7 @@ class DispatchConfig:
     verify_pad: bool = False
     attention: str = "auto"
     dense: bool | None = None
-    paged_attention: bool = False
+    paged_attention: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -43,12 +43,11 @@ SLOT_CAPACITY = 8192  # BatchEngine's default cache positions per request (the c
 # (one chunk a step): 128 -> their p99 gap 1.8x, the long request's first token after 3.1 s; 256 -> 2.7x,
 # 2.7 s; 512 -> 1.75 s, 64 ms chunk steps (docs/benchmark_results/serve-long-2026-12-04.md).
 PREFILL_CHUNK = 128
-# BatchEngine's default token budget a step (decode rounds first, then prefill chunks). PROVISIONAL,
-# not measured: issue 66 asks for it from an H200 sweep (throughput at 32 clients against the long/short
-# p99; `benchmarks/serve_bench.py --step-tokens`). 2,048 is vLLM's online-server default off the
-# H100/H200 and Sarathi-Serve's relaxed budget; vLLM's 8,192 on an H200 pays for real tokens only (its
-# batch is ragged), our packed program pays for whole chunks, so its worst step costs more per budget.
-STEP_TOKENS = 2048
+# BatchEngine's default token budget a step (decode rounds first, then prefill chunks), from the H200
+# sweep of 2026-12-05 (12B shapes, docs/benchmark_results/serve-h200-2026-12-05.md): at 32 clients
+# 512 gave 1,572 tok/s over HTTP and 2,048 1,623 (-3%), but beside a 16K prompt the streams' p99 gap
+# was 60 ms at 512 and 268 ms at 2,048 (the long prompt takes every lane left: 15 chunks a step).
+STEP_TOKENS = 512
 MAX_STEP_TOKENS = 1 << 20  # a typo's bound: the lanes are host arrays built every step
 # prefill_chunk at most (BatchEngine and `jaxspec serve`): a prompt's last chunk is its rest, so a chunk
 # wider than the prompt changes nothing; this is past the longest request the server holds (32,768
