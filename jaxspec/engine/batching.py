@@ -228,11 +228,12 @@ class BatchEngine:
                         self.prefill_chunk)
         self.pool = BlockPool(kv_blocks, block_tokens, reuse=reuse, root=root)
         rings = cache.pos is not None and any(cache.is_ring(j) for j in range(len(cache.k)))
-        self.snaps = (RingSnapshots(cache, ring_snapshots or slots)
+        self.snaps = (RingSnapshots(cache, ring_snapshots or max(4, 2 * slots))
                       if reuse and rings else None)
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  # the pool blocks each slot holds
         self.digests: dict[int, list[bytes]] = {}  # prefilling slot -> its prompt's block digests
         self.registered = [0] * slots  # a prefilling slot's first blocks already registered
+        self.shared = [0] * slots  # a prefilling slot's first positions another prompt had computed
         self.prefilling: dict[int, packed_prefill.Prompt] = {}  # waiting prompts, in admission order
         self.long_passed = False  # the last step ran no chunk of a long prompt (short ones took the budget)
         self.admissions = 0
@@ -347,7 +348,7 @@ class BatchEngine:
         _, _, key, _, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
                                                      seed=seed, params=params.per_row())
         ids = list(ids)
-        shared, digests, at = self._lookup(ids)
+        shared, found, digests, at = self._lookup(ids)
         self.blocks[slot] = self.pool.take(shared, n_blocks - len(shared))
         table = np.full((self.capacity // self.block_tokens,), self.kv_blocks, np.int32)
         table[:n_blocks] = self.blocks[slot]
@@ -358,6 +359,7 @@ class BatchEngine:
         self.pool.queried += len(ids)
         self.pool.hit += start
         self.digests[slot], self.registered[slot] = digests, len(shared)
+        self.shared[slot] = len(found) * self.block_tokens
         self.prefilling[slot] = packed_prefill.Prompt(ids, start, np.asarray(jax.random.key_data(key)),
                                                       max_new_tokens, jax.device_get(rows_))
         self.admissions += 1
@@ -365,14 +367,15 @@ class BatchEngine:
         self.need[slot] = need
         return slot
 
-    def _lookup(self, ids: list[int]) -> tuple[list[int], list[bytes], int | None]:
-        """(the pool blocks a prompt's prefill may start after, its full blocks' digests, the ring
-        snapshot to start from): the longest run of its first blocks that are cached, cut to a chunk
-        boundary below its last token (that token's logits pick the first token, so it is computed)
-        where a snapshot of the rings exists, when the engine has rings (prefix_cache: why)."""
+    def _lookup(self, ids: list[int]) -> tuple[list[int], list[int], list[bytes], int | None]:
+        """(the pool blocks a prompt's prefill may start after, its first blocks found cached, its full
+        blocks' digests, the ring snapshot to start from): the longest run of its first blocks that
+        are cached, cut to a chunk boundary below its last token (that token's logits pick the first
+        token, so it is computed) where a snapshot of the rings exists, when the engine has rings
+        (prefix_cache: why)."""
         digests = self.pool.digests(ids)
         if not digests:
-            return [], [], None
+            return [], [], [], None
         found = self.pool.match(ids, digests)
         per = self.prefill_chunk // self.block_tokens
         n = min(len(found), (len(ids) - 1) // self.prefill_chunk * per)
@@ -380,7 +383,7 @@ class BatchEngine:
         while n and self.snaps is not None and digests[n - 1] not in self.snaps:
             n -= per
         at = self.snaps.find(digests[n - 1]) if n and self.snaps is not None else None
-        return found[:n], digests, at
+        return found[:n], found, digests, at
 
     def _computed(self, slot: int, p: packed_prefill.Prompt) -> None:
         """After a chunk of `slot`'s prompt is queued: its full blocks written so far are registered
@@ -393,8 +396,14 @@ class BatchEngine:
         for i in range(self.registered[slot], upto):
             self.pool.register(self.blocks[slot][i], digests[i], p.ids[i * b:(i + 1) * b])
         self.registered[slot] = upto
-        if self.snaps is not None and p.done % self.prefill_chunk == 0 and 0 < p.done <= len(digests) * b:
-            self.snaps.take(self.state.cache, slot, digests[p.done // b - 1])
+        c, e = self.prefill_chunk, p.done
+        if self.snaps is not None and e % c == 0 and 0 < e <= len(digests) * b and (
+                p.rest <= c or self.shared[slot] // c * c == e or self.snaps.has_room):
+            # Which boundaries: where the prompt's last chunk starts or it ends (a chat's next turn
+            # extends this prompt), the deepest one another prompt had computed too (a shared system
+            # prompt), any while the store has room. Not all: a long prompt's later boundaries
+            # would evict every earlier snapshot, the useful ones too.
+            self.snaps.take(self.state.cache, slot, digests[e // b - 1])
         if not p.rest:
             del self.digests[slot]
 

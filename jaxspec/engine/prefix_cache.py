@@ -170,6 +170,10 @@ class RingSnapshots:
         self.at: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # digest -> slot, oldest first
         self.taken = 0
 
+    @property
+    def has_room(self) -> bool:
+        return len(self.at) < self.size
+
     def __contains__(self, digest: bytes) -> bool:
         return digest in self.at
 
