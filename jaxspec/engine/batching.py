@@ -75,7 +75,7 @@ from jaxspec.kernels import EMPTY
 
 from jaxspec.drafters import base as drafters
 from jaxspec.engine import loop, packed_prefill, sampling
-from jaxspec.engine.prefix_cache import BlockPool, RingSnapshots, restore, root_key
+from jaxspec.engine.prefix_cache import BlockPool, RingSnapshots, default_snapshots, restore, root_key
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
 from jaxspec.engine.loop_config import (MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK, STEP_TOKENS, LoopConfig,
@@ -228,7 +228,7 @@ class BatchEngine:
                         self.prefill_chunk)
         self.pool = BlockPool(kv_blocks, block_tokens, reuse=reuse, root=root)
         rings = cache.pos is not None and any(cache.is_ring(j) for j in range(len(cache.k)))
-        self.snaps = (RingSnapshots(cache, ring_snapshots or max(4, 2 * slots))
+        self.snaps = (RingSnapshots(cache, ring_snapshots or default_snapshots(slots))
                       if reuse and rings else None)
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  # the pool blocks each slot holds
         self.digests: dict[int, list[bytes]] = {}  # prefilling slot -> its prompt's block digests

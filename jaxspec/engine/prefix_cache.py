@@ -39,6 +39,12 @@ import numpy as np
 from jaxspec.kernels import EMPTY
 
 
+def default_snapshots(slots: int) -> int:
+    """Ring snapshots an engine keeps by default: two per slot, at least 4 (a 12B's rings are 341 MB
+    a slot: 2.7 GB at 4 slots)."""
+    return max(4, 2 * slots)
+
+
 def root_key(*parts) -> bytes:
     """The digest every chain of an engine starts from: what its blocks' K/V depend on besides the
     tokens (the model, dtype, drafter), so blocks never match across engines that differ in them."""
