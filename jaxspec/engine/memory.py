@@ -84,7 +84,7 @@ class BatchMemory:
                  f"outputs {_fmt(self.state)}", f"weights {_fmt(self.weights)}"]
         if self.views:
             parts.append(f"paged cache views {_fmt(self.views)}")
-        if self.snapshots:
+        if self.snapshots >= self.total // 100:  # in the total always; named where it matters (one line)
             parts.append(f"prefix ring snapshots {_fmt(self.snapshots)}")
         if self.runtime:
             parts.append(f"runtime and compiler {_fmt(self.runtime)}")
@@ -142,13 +142,13 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
 
 
 def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *, capacity: int, host: bool,
-                  most: int, request_capacity: int | None = None) -> int:
+                  most: int, request_capacity: int | None = None, prefix_cache: bool = False) -> int:
     """The largest batch in 0..most whose estimate fits `limit` bytes (0: not even one slot)."""
     lo, hi = 0, most
     while lo < hi:  # the estimate grows with the batch
         mid = (lo + hi + 1) // 2
         if batch_memory(tcfg, mid, block_size, dtype, weight_bytes, capacity=capacity, host=host,
-                        request_capacity=request_capacity).total <= limit:
+                        request_capacity=request_capacity, prefix_cache=prefix_cache).total <= limit:
             lo = mid
         else:
             hi = mid - 1
@@ -156,14 +156,15 @@ def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *
 
 
 def largest_pool(limit: int, tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
-                 host: bool, most: int, request_capacity: int | None = None) -> int:
+                 host: bool, most: int, request_capacity: int | None = None, prefix_cache: bool = False) -> int:
     """The largest `kv_positions` in 0..most, a multiple of POOL_BLOCK, whose estimate at `max_batch`
     slots fits `limit` bytes (0: not even one block)."""
     lo, hi = 0, most // POOL_BLOCK
     while lo < hi:  # the estimate grows with the pool
         mid = (lo + hi + 1) // 2
         if batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, capacity=capacity, host=host,
-                        request_capacity=request_capacity, kv_positions=mid * POOL_BLOCK).total <= limit:
+                        request_capacity=request_capacity, kv_positions=mid * POOL_BLOCK,
+                        prefix_cache=prefix_cache).total <= limit:
             lo = mid
         else:
             hi = mid - 1

@@ -201,7 +201,10 @@ def test_prefix_ring_snapshots_are_counted(tiny_cfg):
     snaps = RingSnapshots(models.init_paged_cache(tiny_cfg, b, 256, 64, POOL_BLOCK, jnp.bfloat16),
                           default_snapshots(b))
     real = _nbytes((snaps.k, snaps.v, snaps.pos))
-    assert real <= with_.snapshots <= 1.1 * real and "prefix ring snapshots" in with_.describe()
+    assert real <= with_.snapshots <= 1.1 * real
     assert with_.total - batch_memory(tiny_cfg, b, 4, jnp.bfloat16, 1 << 20, **kw).total == with_.snapshots
     short = dict(kw, request_capacity=16)
     assert batch_memory(tiny_cfg, b, 4, jnp.bfloat16, 1 << 20, prefix_cache=True, **short).snapshots == 0
+    big = models.TargetConfig.from_dict(presets.TARGETS["12b"])  # 341 MB of rings a slot, 8 copies at 4 slots
+    at_12b = batch_memory(big, 4, 4, jnp.bfloat16, 7 << 30, prefix_cache=True, **dict(kw, request_capacity=32768))
+    assert "prefix ring snapshots 2.5 GiB" in at_12b.describe()
