@@ -91,3 +91,35 @@ def test_the_flag_turns_reuse_off():
     assert cli._serve_config(cli.build_parser().parse_args(["serve"])).prefix_cache is True
     with pytest.raises(ValueError, match="prefix_cache must be True or False"):
         Server(TARGET, ASSISTANT, TOK, model_name="m", prefix_cache="no")
+
+
+def test_histogram_buckets_and_counters_never_go_down():
+    """A value on a bucket's bound counts in it (Prometheus' le); a gap of n tokens is n observations of
+    its share; an engine the scheduler drops keeps its pool's counters in the base."""
+    from jaxspec.engine.prefix_cache import BlockPool
+    from jaxspec.serve.metrics import Metrics
+
+    rng = seeded_rng()
+    m = Metrics()
+    bound = float(rng.choice([0.1, 0.25, 0.5]))
+    m.tokens(1, first_s=bound)
+    m.tokens(4, gap_s=4 * 0.003)
+    pool = BlockPool(8, 16)
+    pool.take([], 3)
+    pool.queried, pool.hit = 100, 32
+    m.retire(pool)
+    fresh = BlockPool(8, 16)
+    fresh.queried = 10
+    text = m.render(pool=fresh, waiting=0, running=0, served=0)
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in parser.text_string_to_metric_families(text) for s in f.samples}
+    assert got[("jaxspec_time_to_first_token_seconds_bucket", (("le", str(bound)),))] == 1
+    below = max(b for b in (0.01, 0.025, 0.05, 0.1, 0.25) if b < bound)
+    assert got[("jaxspec_time_to_first_token_seconds_bucket", (("le", str(below)),))] == 0
+    assert got[("jaxspec_inter_token_latency_seconds_count", ())] == 4
+    assert got[("jaxspec_inter_token_latency_seconds_bucket", (("le", "0.0025"),))] == 0
+    assert got[("jaxspec_inter_token_latency_seconds_bucket", (("le", "0.005"),))] == 4
+    assert got[("jaxspec_inter_token_latency_seconds_sum", ())] == pytest.approx(0.012)
+    assert got[("jaxspec_prefix_cache_queried_tokens_total", ())] == 110
+    assert got[("jaxspec_prefix_cache_hit_rate", ())] == pytest.approx(32 / 110)
+    assert got[("jaxspec_kv_blocks", (("state", "free"),))] == 8 and got[("jaxspec_generated_tokens_total", ())] == 5
