@@ -21,6 +21,11 @@ the blocks the request's prompt + budget + K can write, all at once (host bookke
 `blocks`), so a running request never runs out and is never preempted; a request that does not fit
 the free blocks waits (`can_admit`). Its end (finished, cancelled, failed) gives them back at once:
 its table row points nowhere first, so what its row still computes in an in-flight step is dropped.
+With prefix reuse (`prefix_cache`, jaxspec/engine/prefix_cache.py) the pool's blocks are counted
+references: a prompt whose first chunks another prompt computed holds those blocks too and starts
+its prefill after them (its rings from a snapshot); a block nobody holds stays cached until a
+request needs it. Only prompt blocks are shared, and a row writes only at or past its own length, so
+no row ever writes into a block it shares.
 
 A prompt is prefilled in chunks of `prefill_chunk` tokens (the last one padded), one chunk of a
 prompt a step, queued before the step's decode rounds, so a long prompt delays the running streams

@@ -164,7 +164,8 @@ def _ring_entries(cache) -> tuple[int, ...]:
 class RingSnapshots:
     """`size` device copies of a row's rings (each ring buffer's K and V, the ring positions), named
     by the digest of the block that ends where they were taken, least recently used evicted.
-    `take` copies a row in; `put` (the engine's admission) copies one into a row."""
+    `take` copies a row in; `restore` (traced in the engine's admission program) copies one into a
+    row. A slot is overwritten only by a later `take`, queued after every read of it."""
 
     def __init__(self, cache, size: int):
         self.entries, self.size = _ring_entries(cache), size
