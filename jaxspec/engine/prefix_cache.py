@@ -21,10 +21,11 @@ Rings. A sliding layer's ring (models/cache.py) is per row and not paged: a row 
 position P needs the ring a prefill would hold at P, or the keys of its first W positions would miss
 their window. Recomputing the last window's tokens is not exact (their own sliding layers would read
 an empty ring, and every layer above reads what they write), so the engine keeps snapshots: after a
-prefill chunk ends at a chunk boundary, the row's rings (K, V, positions) are copied into one of
+prefill chunk ends at a chunk boundary, the row's rings (K, V, positions) may be copied into one of
 `RingSnapshots.size` device slots, named by the digest of the block ending there, least recently
-used evicted; a hit ends where a snapshot exists and copies it into the row. The cost: a copy of a
-row's rings per chunk boundary (device to device), and `size` rows of ring memory.
+used evicted; a hit ends where a snapshot exists and copies it into the row. Which boundaries is the
+engine's choice (`BatchEngine._computed`: a prompt's last, the deepest shared one, any while there is
+room). The cost: a device copy of a row's rings per snapshot taken, and `size` rows of ring memory.
 """
 from __future__ import annotations
 
