@@ -239,6 +239,7 @@ class BatchEngine:
         self.digests: dict[int, list[bytes]] = {}  # prefilling slot -> its prompt's block digests
         self.registered = [0] * slots  # a prefilling slot's first blocks already registered
         self.shared = [0] * slots  # a prefilling slot's first positions another prompt had computed
+        self._memo = None  # (ids, their digests) of the last lookup
         self.prefilling: dict[int, packed_prefill.Prompt] = {}  # waiting prompts, in admission order
         self.long_passed = False  # the last step ran no chunk of a long prompt (short ones took the budget)
         self.admissions = 0
@@ -300,9 +301,17 @@ class BatchEngine:
         held = min(self.capacity, self.kv_blocks * self.block_tokens)
         return max(0, min(self.max_new_tokens, self.config.room(n_prompt, held)))
 
-    def can_admit(self, n_prompt: int, max_new_tokens: int) -> bool:
-        """Whether a slot and the request's blocks are free now."""
-        return bool(self.free) and self.blocks_for(n_prompt, max_new_tokens) <= self.pool.available
+    def can_admit(self, n_prompt: int, max_new_tokens: int, ids=None) -> bool:
+        """Whether a slot and the request's blocks are free now. With the prompt's `ids`, the cached
+        blocks it would share that a running request holds cost nothing (without: every block is
+        counted, which may make it wait longer than it must)."""
+        need = self.blocks_for(n_prompt, max_new_tokens) - (0 if ids is None else self._held_shared(list(ids)))
+        return bool(self.free) and need <= self.pool.available
+
+    def _held_shared(self, ids: list[int]) -> int:
+        """Blocks a hit for `ids` would share that a running request holds (no free block pays for them)."""
+        shared = self._lookup(ids)[0]
+        return sum(self.pool.ref[b] > 0 for b in shared)
 
     def admit(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, owner: object = True,
               params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:
@@ -343,9 +352,10 @@ class BatchEngine:
         if not self.free:
             raise ValueError(f"all {self.slots} slots are taken")
         n_blocks = self.blocks_for(len(ids), max_new_tokens)
-        if n_blocks > self.pool.available:  # a hit needs fewer, but a request must fit without one
+        held = self._held_shared(list(ids))  # shared with a running request: no free block needed
+        if n_blocks - held > self.pool.available:
             raise ValueError(f"the KV pool has {self.pool.available} free blocks of {self.kv_blocks}, this request "
-                             f"needs {n_blocks} ({self.block_tokens} positions each)")
+                             f"needs {n_blocks - held} ({self.block_tokens} positions each)")
         seed = params.seed if seed is None else seed
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
@@ -378,7 +388,9 @@ class BatchEngine:
         are cached, cut to a chunk boundary below its last token (that token's logits pick the first
         token, so it is computed) where a snapshot of the rings exists, when the engine has rings
         (prefix_cache: why)."""
-        digests = self.pool.digests(ids)
+        memo = self._memo  # can_admit and admit look the same prompt up: its digests once
+        digests = memo[1] if memo is not None and memo[0] == ids else self.pool.digests(ids)
+        self._memo = (ids, digests)
         if not digests:
             return [], [], [], None
         found = self.pool.match(ids, digests)

@@ -142,9 +142,19 @@ class BlockPool:
 
     def register(self, block: int, digest: bytes, tokens) -> None:
         """`block` (held, written by a prefill chunk) holds the block named `digest`: a later prompt may
-        share it. A digest already registered keeps its block (this one stays private)."""
-        if self.reuse and digest not in self.block and block not in self.name:
-            self.block[digest], self.name[block], self.tokens[block] = block, digest, tuple(tokens)
+        share it. A digest already registered to a held block keeps it (this one stays private); one
+        registered to an idle block moves to this one (the idle copy is freed): a prompt that shares a
+        held block costs no free block."""
+        if not self.reuse or block in self.name:
+            return
+        old = self.block.get(digest)
+        if old is not None:
+            if self.ref[old] > 0:
+                return
+            self._forget(old)
+            del self.idle[old]
+            self.free.append(old)
+        self.block[digest], self.name[block], self.tokens[block] = block, digest, tuple(tokens)
 
     def _forget(self, block: int) -> None:
         d = self.name.pop(block)

@@ -292,7 +292,7 @@ class Scheduler:
                                     f"({capacity_note(engine.capacity, engine.kv_blocks * engine.block_tokens)})",
                                     400))
                 continue
-            if not engine.can_admit(len(job.ids), job.max_tokens):
+            if not engine.can_admit(len(job.ids), job.max_tokens, job.ids):
                 return  # a slot or its KV blocks free up when a running request ends
             with self.cond:
                 self.queue.popleft()

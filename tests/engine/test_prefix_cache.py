@@ -96,22 +96,32 @@ def test_a_prompt_still_prefilling_shares_its_blocks(engines):
 
 
 def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
-    """Eight requests over three prefixes through a 13-block pool, two at a time: idle cached blocks
+    """Eight requests over three prefixes through an 11-block pool, two at a time: idle cached blocks
     are evicted for new ones (and some still hit), a held block is never free, idle or handed to
-    another slot, and every request's output is the one without reuse."""
+    another slot. Then two requests of one prefix that do not fit the pool together run together:
+    the second, admitted once the first has prefilled, shares the first's four held blocks (it is
+    admitted on them: `can_admit` with its ids). Every request's output is the one without reuse."""
     rng = seeded_rng()
     vocab = TARGET.config.vocab_size
     heads = [rng.integers(2, vocab, 2 * CHUNK).tolist() for _ in range(3)]
-    requests = [(heads[i % 3] + rng.integers(2, vocab, int(rng.integers(3, 20))).tolist(), 8, 0, None)
+    requests = [(heads[i % 3] + rng.integers(2, vocab, int(rng.integers(3, 20))).tolist(), 8)
                 for i in (0, 1, 0, 2, 1, 0, 2, 2)]
-    kw = dict(KW, capacity=128, kv_blocks=13)
+    requests += [(heads[0] + rng.integers(2, vocab, n).tolist(), 8) for n in (19, 18)]  # 6 blocks each
+    kw = dict(KW, capacity=128, kv_blocks=11)
     outs = []
     for reuse in (True, False):
         e = BatchEngine(TARGET, ASSISTANT, prefix_cache=reuse, ring_snapshots=2, **kw)
-        waiting, out, where = list(enumerate(requests)), {}, {}
+        assert 2 * e.blocks_for(len(requests[-1][0]), 8) > e.kv_blocks
+        waiting, out, where, together = list(enumerate(requests)), {}, {}, False
         while waiting or e.live:
-            while waiting and e.can_admit(len(waiting[0][1][0]), waiting[0][1][1]):
-                i, (ids, n, _, _) = waiting.pop(0)
+            while waiting and e.can_admit(len(waiting[0][1][0]), 8, waiting[0][1][0]):
+                i, (ids, n) = waiting.pop(0)
+                if i == 9 and e.live:  # the last pair: after the first's prefill, which it shares
+                    if 8 in [where.get(s) for s in e.prefilling]:
+                        waiting.insert(0, (i, (ids, n)))
+                        break
+                    assert not e.can_admit(len(ids), n)  # counting every block, it would not fit
+                    together = True
                 where[e.admit(ids, n, seed=0, logprobs=1)] = i
                 out[i] = ([], [])
             for ev in e.step():
@@ -121,7 +131,10 @@ def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
             held = [b for s in range(e.slots) for b in e.blocks[s]]
             for b in held:
                 assert e.pool.ref[b] == held.count(b) and b not in e.pool.free and b not in e.pool.idle
+            if together and e.live == 2:
+                assert len(held) - len(set(held)) == 2 * CHUNK // BLOCK  # the shared prefix's blocks, once
         outs.append(out)
+        assert together == reuse  # without reuse the second waits for the first's blocks
         if reuse:
             assert e.pool.evicted > 0 and e.pool.hit > 0
     assert outs[0] == outs[1]
@@ -154,6 +167,12 @@ def test_block_pool_bookkeeping():
     assert pool.match(ids, d) == [a[0]]
     c = pool.take([], 4)  # three never-used blocks, then the least recently released cached one
     assert pool.evicted == 1 and a[2] in c and pool.cached == 2 and pool.match(ids, d) == [a[0]]
+    e = pool.take([], 1)[0]  # the same block computed again while its cached copy is idle: the copy is freed
+    idle_copy = pool.block[d[0]]
+    assert pool.ref[idle_copy] == 0
+    pool.register(e, d[0], ids[:4])
+    assert pool.match(ids, d) == [e] and idle_copy in pool.free and idle_copy not in pool.idle
+    pool.check()
     off = BlockPool(4, 4, reuse=False)
     assert off.digests(ids) == []
     off.register(off.take([], 1)[0], d[0], ids[:4])
