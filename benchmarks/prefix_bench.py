@@ -1,7 +1,7 @@
 """prefix_bench: time to first token of requests that share a long prompt prefix, prefix reuse on
 against off (issue 70), on the batch engine the server runs (`jaxspec.engine.batching.BatchEngine`).
 
-    python benchmarks/prefix_bench.py --target 12b --prefix-len 16384,4096 --out DIR     # the H200 workload
+    python benchmarks/prefix_bench.py --target 12b --prefix-len 16384,4096 --out DIR     # the H200 workload (chunk 512; the server default is 128: --prefill-chunk 128)
     python benchmarks/prefix_bench.py --target tiny --layers 2 --prefix-len 256 --suffix-len 16 \
         --requests 3 --prefill-chunk 64 --out DIR                                        # a CPU smoke run
 
