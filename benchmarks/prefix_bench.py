@@ -1,7 +1,7 @@
 """prefix_bench: time to first token of requests that share a long prompt prefix, prefix reuse on
 against off (issue 70), on the batch engine the server runs (`jaxspec.engine.batching.BatchEngine`).
 
-    python benchmarks/prefix_bench.py --target 12b --prefix-len 16384,4096 --out DIR     # the H200 workload (chunk 512; the server default is 128: --prefill-chunk 128)
+    python benchmarks/prefix_bench.py --target 12b --prefix-len 16384,4096 --out DIR     # the H200 workload
     python benchmarks/prefix_bench.py --target tiny --layers 2 --prefix-len 256 --suffix-len 16 \
         --requests 3 --prefill-chunk 64 --out DIR                                        # a CPU smoke run
 
@@ -10,8 +10,9 @@ one request with a random P-token prefix and a 64-token (--suffix-len) suffix pr
 (reuse on: its blocks and ring snapshot are cached), then --requests requests with the same prefix
 and fresh random suffixes run one after another. A request's time to first token is its admission
 to the step that reports its first token (every chunk of its prompt that is not found cached, and
-the step's dispatch). Reported: the median and each request's TTFT, reuse on / off (the issue's bar:
-<= 25%), the prompt tokens found cached, the primer's TTFT. Compilation is excluded: a warm-up
+the step's dispatch; chunks of --prefill-chunk, default 512, the server's default 128). Reported:
+the median and each request's TTFT, reuse on / off (the issue's bar: <= 25%), the prompt tokens
+found cached, the primer's TTFT. Compilation is excluded: a warm-up
 request of another prefix runs first (its chunks compile the prefill, its steps the decode, and with
 reuse on a second one with its prefix compiles the hit's programs). Writes DIR/prefix.json and
 DIR/prefix.md.
