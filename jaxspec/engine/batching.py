@@ -387,7 +387,14 @@ class BatchEngine:
         blocks' digests, the ring snapshot to start from): the longest run of its first blocks that
         are cached, cut to a chunk boundary below its last token (that token's logits pick the first
         token, so it is computed) where a snapshot of the rings exists, when the engine has rings
-        (prefix_cache: why)."""
+        (prefix_cache: why). Any error here is a miss, and turns reuse off (`_reuse_failed`)."""
+        try:
+            return self._find(ids)
+        except Exception as e:  # a cache never fails a request
+            self._reuse_failed(e)
+            return [], [], [], None
+
+    def _find(self, ids: list[int]) -> tuple[list[int], list[int], list[bytes], int | None]:
         memo = self._memo  # can_admit and admit look the same prompt up: its digests once
         digests = memo[1] if memo is not None and memo[0] == ids else self.pool.digests(ids)
         self._memo = (ids, digests)
@@ -405,9 +412,18 @@ class BatchEngine:
     def _computed(self, slot: int, p: packed_prefill.Prompt) -> None:
         """After a chunk of `slot`'s prompt is queued: its full blocks written so far are registered
         (a later prompt may share them), and at a chunk boundary the row's rings are copied into a
-        snapshot (read after the chunk's program: the device runs them in order)."""
+        snapshot (read after the chunk's program: the device runs them in order). An error here
+        (e.g. no device memory for a snapshot) turns reuse off; the prompt runs on."""
+        try:
+            self._remember(slot, p)
+        except Exception as e:
+            self._reuse_failed(e)
+        if not p.rest:
+            self.digests.pop(slot, None)
+
+    def _remember(self, slot: int, p: packed_prefill.Prompt) -> None:
         digests, b = self.digests.get(slot), self.block_tokens
-        if not digests:
+        if not digests or not self.pool.reuse:
             return
         upto = min(p.done // b, len(digests))
         for i in range(self.registered[slot], upto):
@@ -421,8 +437,12 @@ class BatchEngine:
             # prompt), any while the store has room. Not all: a long prompt's later boundaries
             # would evict every earlier snapshot, the useful ones too.
             self.snaps.take(self.state.cache, slot, digests[e // b - 1])
-        if not p.rest:
-            del self.digests[slot]
+
+    def _reuse_failed(self, e: Exception) -> None:
+        """Prefix reuse off for the rest of this engine's life (no lookup, registration or snapshot;
+        the blocks already cached are evicted as any idle block): a warning, no failed request."""
+        log.warning("prefix reuse turned off after an error: %s: %s", type(e).__name__, e)
+        self.pool.reuse, self.snaps, self.digests, self._memo = False, None, {}, None
 
     def _prefill_step(self) -> None:
         """Queue this step's packed prefill program: the next chunk of as many waiting prompts as

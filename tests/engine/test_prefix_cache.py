@@ -140,6 +140,22 @@ def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
     assert outs[0] == outs[1]
 
 
+def test_a_failing_cache_is_a_miss_and_the_requests_run_on(engines, caplog):
+    """A snapshot that cannot be taken (e.g. no device memory) turns reuse off with a warning; the
+    requests, the one prefilling then too, give what they give without reuse."""
+    _, off = engines
+    e = BatchEngine(TARGET, ASSISTANT, kv_blocks=24, ring_snapshots=4, **KW)
+    def fail(*a, **k):
+        raise MemoryError("no room for a snapshot")
+    e.snaps.take = fail
+    requests, _ = _requests(seeded_rng(), TARGET.config.vocab_size)
+    with caplog.at_level("WARNING", logger="jaxspec.engine.batching"):
+        got, hits = _serve(e, requests[:3])
+    assert "prefix reuse turned off after an error: MemoryError" in caplog.text
+    assert e.snaps is None and not e.pool.reuse and not any(hits)
+    assert got == _serve(off, requests[:3])[0]
+
+
 def test_block_pool_bookkeeping():
     pool = BlockPool(6, 4, root=b"r")
     ids = list(range(10, 22))
