@@ -73,7 +73,7 @@ def test_reuse_gives_the_tokens_and_logprobs_of_no_reuse(engines):
     requests, expect = _requests(rng, TARGET.config.vocab_size)
     got, hits = _serve(on, requests)
     ref, none = _serve(off, requests)
-    assert hits == expect and not any(none)
+    assert hits == expect and not any(none) and on.pool.reuse  # (an internal error would turn reuse off)
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a[0] == b[0], f"request {i}: tokens"
         assert a[1] == b[1], f"request {i}: logprobs"
@@ -91,8 +91,31 @@ def test_a_prompt_still_prefilling_shares_its_blocks(engines):
     requests = [(p, 12, 0, None), (p[:CHUNK + 3] + rng.integers(2, vocab, 20).tolist(), 12, 5, SAMPLED)]
     got, hits = _serve(on, requests, stagger=1)
     ref, _ = _serve(off, requests, stagger=1)
-    assert hits == [0, CHUNK]
+    assert hits == [0, CHUNK] and on.pool.reuse
     assert got == ref
+
+
+def test_one_prompt_twice_at_once_then_again(engines):
+    """The same prompt admitted twice at once: neither finds anything (nothing is computed yet), both
+    compute its blocks, the first's are registered and the second's stay private (freed at its end);
+    a third copy afterwards finds the first's. All three give the output without reuse."""
+    on, off = engines
+    rng = seeded_rng()
+    ids = rng.integers(2, TARGET.config.vocab_size, 2 * CHUNK + 9).tolist()
+    outs = []
+    for e in (on, off):
+        hit = e.pool.hit
+        slots = [e.admit(ids, 6, seed=0, logprobs=1) for _ in range(2)]
+        got = {s: [] for s in slots}
+        while e.live:
+            for ev in e.step():
+                got[ev.slot] += ev.tokens + ev.logprobs
+            e.pool.check()
+        assert e.pool.hit == hit
+        third, _ = _serve(e, [(ids, 6, 0, None)])
+        outs.append((got[slots[0]], got[slots[1]], third[0][0] + third[0][1]))
+        assert e.pool.hit - hit == (2 * CHUNK if e is on else 0) and e.pool.reuse == (e is on)
+    assert outs[0] == outs[1] and outs[0][0] == outs[0][1]
 
 
 def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
@@ -134,7 +157,7 @@ def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
             if together and e.live == 2:
                 assert len(held) - len(set(held)) == 2 * CHUNK // BLOCK  # the shared prefix's blocks, once
         outs.append(out)
-        assert together == reuse  # without reuse the second waits for the first's blocks
+        assert together == reuse == e.pool.reuse  # without reuse the second waits for the first's blocks
         if reuse:
             assert e.pool.evicted > 0 and e.pool.hit > 0
     assert outs[0] == outs[1]
