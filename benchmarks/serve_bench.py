@@ -31,7 +31,8 @@ sweep and in the long workload (the budget is a row's `step_tokens`, its prefill
     python benchmarks/serve_bench.py --target 12b --k-values 1 --max-slots 32 --rounds-per-step 4 \
         --prompt-len 64 --max-tokens 64 --clients 32 --step-tokens 512,2048,8192 --http --out DIR
 `--repeats N` runs each configuration N times and reports the median run (benchmarks/serve_guard.py
-uses 3). Writes DIR/serve.json and DIR/serve.md.
+uses 3). `--no-prefix-cache` turns prefix reuse off (benchmarks/prefix_bench.py measures what it buys;
+the sweep run with and without it is what it costs). Writes DIR/serve.json and DIR/serve.md.
 
 `--long-prompt N` runs the long-request workload instead (issue 56): --clients[0] closed-loop clients
 of exactly --prompt-len-token prompts stream (--max-tokens each, one after another; client i starts
@@ -342,7 +343,8 @@ def long_main(args, target, assistant, argv) -> None:
         engine = BatchEngine(target, assistant if k > 1 else None, slots=clients + 1,
                              max_new_tokens=max(args.max_tokens, args.long_tokens), capacity=capacity, block_size=k,
                              eos_token_ids=(), rounds_per_step=args.rounds_per_step, kv_blocks=kv_blocks,
-                             block_tokens=block, prefill_chunk=args.prefill_chunk, **_budget(budget))
+                             block_tokens=block, prefill_chunk=args.prefill_chunk,
+                             prefix_cache=not args.no_prefix_cache, **_budget(budget))
         t = time.perf_counter()
         for ids, n in ((long_ids, args.long_tokens), (short[0], args.max_tokens)):  # compile: chunks, steps
             engine.admit(ids, n, seed=0)
@@ -420,6 +422,9 @@ def main(argv=None) -> None:
     ap.add_argument("--block-tokens", type=int, default=16, help="positions per KV pool block")
     ap.add_argument("--step-tokens", type=_ints, default=[],
                     help="comma-separated token budgets a step to sweep, each a configuration (default: the engine's)")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="prefill every prompt whole (issue 70's bar: the sweep with reuse within 3%% of it; the "
+                         "sweep's clients cycle through 32 prompts, so with reuse a repeated prompt's blocks hit)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a terminal)")
     args = ap.parse_args(argv)
@@ -449,13 +454,14 @@ def main(argv=None) -> None:
                 server = Server(target, assistant if k > 1 else None, tokenizer, model_name="bench", block_size=k,
                                 rounds_per_chunk=args.rounds_per_step, max_batch=slots,
                                 max_queue=SERVE_KNOBS["max_queue"].hi,  # never a 429: every client waits its turn
-                                **_budget(budget))
+                                prefix_cache=not args.no_prefix_cache, **_budget(budget))
                 engine = server.engine
             else:
                 engine = BatchEngine(target, assistant if k > 1 else None, slots=slots,
                                      max_new_tokens=args.max_tokens, capacity=args.capacity, block_size=k,
                                      eos_token_ids=(), rounds_per_step=args.rounds_per_step,
                                      prefill_chunk=args.prefill_chunk, block_tokens=args.block_tokens,
+                                     prefix_cache=not args.no_prefix_cache,
                                      **_budget(budget))
             widths = {-(-len(p) // 16): p for p in prompts}  # one prompt per prefill width
             if set(args.sampling) != {"greedy"}:

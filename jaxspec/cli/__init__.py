@@ -705,7 +705,8 @@ def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int)
     limit, what, host = mem
     capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
     kw = dict(capacity=capacity, host=host,
-              request_capacity=config.request_capacity(tcfg.max_position_embeddings))  # Server.batch_capacity
+              request_capacity=config.request_capacity(tcfg.max_position_embeddings),  # Server.batch_capacity
+              prefix_cache=config.prefix_cache)
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, kv_positions=kv_positions, **kw)
     if need.total > limit and kv_positions is not None:
         pool = largest_pool(limit, tcfg, max_batch, block_size, dtype, weight_bytes, most=kv_positions, **kw)

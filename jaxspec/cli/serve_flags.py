@@ -94,7 +94,8 @@ def _check_serve_flags(args) -> None:
 
 def _serve_config(args) -> ServeConfig:
     """The server's knobs from their flags (checked by _check_serve_flags: each flag is a field)."""
-    return ServeConfig(**{name: getattr(args, name) for name in SERVE_KNOBS})
+    return ServeConfig(**{name: getattr(args, name) for name in SERVE_KNOBS},
+                       prefix_cache=not getattr(args, "no_prefix_cache", False))
 
 
 def _check_listen(host: str, port: int) -> None:

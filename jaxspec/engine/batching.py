@@ -21,6 +21,11 @@ the blocks the request's prompt + budget + K can write, all at once (host bookke
 `blocks`), so a running request never runs out and is never preempted; a request that does not fit
 the free blocks waits (`can_admit`). Its end (finished, cancelled, failed) gives them back at once:
 its table row points nowhere first, so what its row still computes in an in-flight step is dropped.
+With prefix reuse (`prefix_cache`, jaxspec/engine/prefix_cache.py) the pool's blocks are counted
+references: a prompt whose first chunks another prompt computed holds those blocks too and starts
+its prefill after them (its rings from a snapshot); a block nobody holds stays cached until a
+request needs it. Only prompt blocks are shared, and a row writes only at or past its own length, so
+no row ever writes into a block it shares.
 
 A prompt is prefilled in chunks of `prefill_chunk` tokens (the last one padded), as many chunks a
 step as the step's budget has lanes left (see below), queued before the step's decode rounds, so a
@@ -76,6 +81,7 @@ from jaxspec.kernels import EMPTY
 
 from jaxspec.drafters import base as drafters
 from jaxspec.engine import loop, packed_prefill, sampling
+from jaxspec.engine.prefix_cache import BlockPool, RingSnapshots, default_snapshots, restore, root_key
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
 from jaxspec.engine.loop_config import (MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK, STEP_TOKENS, LoopConfig,
@@ -107,13 +113,18 @@ class SlotEvent:
     error: str | None = None
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _assign(state: loop.DecodeState, slot, table_row) -> loop.DecodeState:
-    """Give row `slot` its blocks (`table_row`) and an empty cache (length 0, no ring position), done
-    (no decode step emits for it) until its prompt's last chunk."""
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("entries",))
+def _assign(state: loop.DecodeState, slot, table_row, length, snaps=None, at=None, *, entries=()) -> loop.DecodeState:
+    """Give row `slot` its blocks (`table_row`) and a cache of `length` positions: 0 (no ring
+    position), or a prefix hit's (its first blocks shared, its rings snapshot `at` of `snaps`,
+    `prefix_cache.RingSnapshots.arrays`); done (no decode step emits for it) until its prompt's last
+    chunk."""
     c = state.cache
-    c = c.replace(table=c.table.at[slot].set(table_row), lengths=c.lengths.at[slot].set(0),
-                  pos=None if c.pos is None else c.pos.at[slot].set(EMPTY))
+    c = c.replace(table=c.table.at[slot].set(table_row), lengths=c.lengths.at[slot].set(length))
+    if snaps is not None:
+        c = restore(c, entries, snaps, slot, at, length > 0)
+    elif c.pos is not None:
+        c = c.replace(pos=c.pos.at[slot].set(EMPTY))
     return state.replace(cache=c, done=state.done.at[slot].set(True))
 
 
@@ -149,7 +160,8 @@ class BatchEngine:
                  block_size: int = 4, eos_token_ids=None, seed: int = 0, exactness_probe: bool = True,
                  rounds_per_step: int = 1, modes=MODES, params: sampling.SamplingParams | None = None,
                  kv_blocks: int | None = None, block_tokens: int = PROMPT_BUCKET, prefill_chunk: int = PREFILL_CHUNK,
-                 step_tokens: int = STEP_TOKENS, prefill_group: int | None = None, drafter=None, **knobs):
+                 step_tokens: int = STEP_TOKENS, prefill_group: int | None = None, drafter=None,
+                 prefix_cache: bool = True, ring_snapshots: int | None = None, **knobs):
         check_int("slots", slots, 1)
         check_int("max_new_tokens", max_new_tokens, 1)
         check_block_size(block_size, target.config.max_position_embeddings)
@@ -163,6 +175,10 @@ class BatchEngine:
             raise ValueError(f"step_tokens must be a multiple of {PROMPT_BUCKET}, got {step_tokens}")
         if prefill_group is not None:
             check_int("prefill_group", prefill_group, 1, 1 << 12)
+        if ring_snapshots is not None:
+            check_int("ring_snapshots", ring_snapshots, 1, 1 << 12)
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {prefix_cache!r}")
         self.default = sampling.SamplingParams.build(params, **knobs)
         if kv_blocks is not None:
             check_int("kv_blocks", kv_blocks, 1)
@@ -211,8 +227,20 @@ class BatchEngine:
         self.owner: list[object | None] = [None] * slots
         self.need: list[sampling.SamplingMode | None] = [None] * slots  # what each live request needs
         self.ticket = [0] * slots  # which admission holds the slot (a snapshot's rows belong to theirs)
-        self.free_blocks = list(range(kv_blocks - 1, -1, -1))  # a stack: the lowest block ids first
-        self.blocks: list[list[int]] = [[] for _ in range(slots)]  # the pool blocks each slot owns
+        # Prefix reuse (jaxspec.engine.prefix_cache): a hit ends at a chunk boundary, so the chunks
+        # after it are cut where a full prefill cuts them (the same programs on the same inputs).
+        reuse = prefix_cache and self.prefill_chunk % block_tokens == 0
+        root = root_key(target.config, str(cache.dtype), self.drafter and self.drafter.kind, block_tokens,
+                        self.prefill_chunk)
+        self.pool = BlockPool(kv_blocks, block_tokens, reuse=reuse, root=root)
+        rings = cache.pos is not None and any(cache.is_ring(j) for j in range(len(cache.k)))
+        self.snaps = (RingSnapshots(cache, ring_snapshots or default_snapshots(slots))
+                      if reuse and rings else None)
+        self.blocks: list[list[int]] = [[] for _ in range(slots)]  # the pool blocks each slot holds
+        self.digests: dict[int, list[bytes]] = {}  # prefilling slot -> its prompt's block digests
+        self.registered = [0] * slots  # a prefilling slot's first blocks already registered
+        self.shared = [0] * slots  # a prefilling slot's first positions another prompt had computed
+        self._memo = None  # (ids, their digests) of the last lookup
         self.prefilling: dict[int, packed_prefill.Prompt] = {}  # waiting prompts, in admission order
         self.long_passed = False  # the last step ran no chunk of a long prompt (short ones took the budget)
         self.admissions = 0
@@ -229,6 +257,11 @@ class BatchEngine:
     @property
     def free(self) -> int:
         return self.slots - self.live
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """The pool blocks a new request may take: never used, or cached and held by nobody."""
+        return self.pool.free + list(self.pool.idle)
 
     def decode(self, mode_index: int):
         """The compiled step of `modes[mode_index]` (compiled on first use)."""
@@ -249,6 +282,8 @@ class BatchEngine:
         slot = self.admit([0], 1, seed=0)
         self._prefill_step()
         self.cancel(slot)
+        if self.snaps is not None:  # a chunk boundary's ring copy
+            self.snaps.warm(self.state.cache)
         log.info("batch engine warm-up took %.1f s", time.perf_counter() - t0)
 
     def blocks_for(self, n_prompt: int, max_new_tokens: int) -> int:
@@ -267,9 +302,17 @@ class BatchEngine:
         held = min(self.capacity, self.kv_blocks * self.block_tokens)
         return max(0, min(self.max_new_tokens, self.config.room(n_prompt, held)))
 
-    def can_admit(self, n_prompt: int, max_new_tokens: int) -> bool:
-        """Whether a slot and the request's blocks are free now."""
-        return bool(self.free) and self.blocks_for(n_prompt, max_new_tokens) <= len(self.free_blocks)
+    def can_admit(self, n_prompt: int, max_new_tokens: int, ids=None) -> bool:
+        """Whether a slot and the request's blocks are free now. With the prompt's `ids`, the cached
+        blocks it would share that a running request holds cost nothing (without: every block is
+        counted, which may make it wait longer than it must)."""
+        need = self.blocks_for(n_prompt, max_new_tokens) - (0 if ids is None else self._held_shared(list(ids)))
+        return bool(self.free) and need <= self.pool.available
+
+    def _held_shared(self, ids: list[int]) -> int:
+        """Blocks a hit for `ids` would share that a running request holds (no free block pays for them)."""
+        shared = self._lookup(ids)[0]
+        return sum(self.pool.ref[b] > 0 for b in shared)
 
     def admit(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, owner: object = True,
               params: sampling.SamplingParams | None = None, logprobs: int | None = None) -> int:
@@ -310,25 +353,97 @@ class BatchEngine:
         if not self.free:
             raise ValueError(f"all {self.slots} slots are taken")
         n_blocks = self.blocks_for(len(ids), max_new_tokens)
-        if n_blocks > len(self.free_blocks):
-            raise ValueError(f"the KV pool has {len(self.free_blocks)} free blocks of {self.kv_blocks}, this request "
-                             f"needs {n_blocks} ({self.block_tokens} positions each)")
+        held = self._held_shared(list(ids))  # shared with a running request: no free block needed
+        if n_blocks - held > self.pool.available:
+            raise ValueError(f"the KV pool has {self.pool.available} free blocks of {self.kv_blocks}, this request "
+                             f"needs {n_blocks - held} ({self.block_tokens} positions each)")
         seed = params.seed if seed is None else seed
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
         _, _, key, _, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
                                                      seed=seed, params=params.per_row())
-        self.blocks[slot] = [self.free_blocks.pop() for _ in range(n_blocks)]
+        ids = list(ids)
+        shared, found, digests, at = self._lookup(ids)
+        self.blocks[slot] = self.pool.take(shared, n_blocks - len(shared))
         table = np.full((self.capacity // self.block_tokens,), self.kv_blocks, np.int32)
         table[:n_blocks] = self.blocks[slot]
-        self.state = _assign(self.state, jnp.int32(slot), jnp.asarray(table))
-        self.prefilling[slot] = packed_prefill.Prompt(list(ids), 0, np.asarray(jax.random.key_data(key)),
+        start = len(shared) * self.block_tokens
+        snaps = None if self.snaps is None else self.snaps.arrays
+        self.state = _assign(self.state, jnp.int32(slot), jnp.asarray(table), jnp.int32(start), snaps,
+                             jnp.int32(at or 0), entries=() if self.snaps is None else self.snaps.entries)
+        self.pool.queried += len(ids)
+        self.pool.hit += start
+        self.digests[slot], self.registered[slot] = digests, len(shared)
+        self.shared[slot] = len(found) * self.block_tokens
+        self.prefilling[slot] = packed_prefill.Prompt(ids, start, np.asarray(jax.random.key_data(key)),
                                                       max_new_tokens, jax.device_get(rows_))
         self.admissions += 1
         self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
         self.need[slot] = need
         return slot
+
+    def _lookup(self, ids: list[int]) -> tuple[list[int], list[int], list[bytes], int | None]:
+        """(the pool blocks a prompt's prefill may start after, its first blocks found cached, its full
+        blocks' digests, the ring snapshot to start from): the longest run of its first blocks that
+        are cached, cut to a chunk boundary below its last token (that token's logits pick the first
+        token, so it is computed) where a snapshot of the rings exists, when the engine has rings
+        (prefix_cache: why). Any error here is a miss, and turns reuse off (`_reuse_failed`)."""
+        try:
+            return self._find(ids)
+        except Exception as e:  # a cache never fails a request
+            self._reuse_failed(e)
+            return [], [], [], None
+
+    def _find(self, ids: list[int]) -> tuple[list[int], list[int], list[bytes], int | None]:
+        memo = self._memo  # can_admit and admit look the same prompt up: its digests once
+        digests = memo[1] if memo is not None and memo[0] == ids else self.pool.digests(ids)
+        self._memo = (ids, digests)
+        if not digests:
+            return [], [], [], None
+        found = self.pool.match(ids, digests)
+        per = self.prefill_chunk // self.block_tokens
+        n = min(len(found), (len(ids) - 1) // self.prefill_chunk * per)
+        n -= n % per
+        while n and self.snaps is not None and digests[n - 1] not in self.snaps:
+            n -= per
+        at = self.snaps.find(digests[n - 1]) if n and self.snaps is not None else None
+        return found[:n], found, digests, at
+
+    def _computed(self, slot: int, p: packed_prefill.Prompt) -> None:
+        """After a chunk of `slot`'s prompt is queued: its full blocks written so far are registered
+        (a later prompt may share them), and at a chunk boundary the row's rings are copied into a
+        snapshot (read after the chunk's program: the device runs them in order). An error here
+        (e.g. no device memory for a snapshot) turns reuse off; the prompt runs on."""
+        try:
+            self._remember(slot, p)
+        except Exception as e:
+            self._reuse_failed(e)
+        if not p.rest:
+            self.digests.pop(slot, None)
+
+    def _remember(self, slot: int, p: packed_prefill.Prompt) -> None:
+        digests, b = self.digests.get(slot), self.block_tokens
+        if not digests or not self.pool.reuse:
+            return
+        upto = min(p.done // b, len(digests))
+        for i in range(self.registered[slot], upto):
+            self.pool.register(self.blocks[slot][i], digests[i], p.ids[i * b:(i + 1) * b])
+        self.registered[slot] = upto
+        c, e = self.prefill_chunk, p.done
+        if self.snaps is not None and e % c == 0 and 0 < e <= len(digests) * b and (
+                p.rest <= c or self.shared[slot] // c * c == e or self.snaps.has_room):
+            # Which boundaries: where the prompt's last chunk starts or it ends (a chat's next turn
+            # extends this prompt), the deepest one another prompt had computed too (a shared system
+            # prompt), any while the store has room. Not all: a long prompt's later boundaries
+            # would evict every earlier snapshot, the useful ones too.
+            self.snaps.take(self.state.cache, slot, digests[e // b - 1])
+
+    def _reuse_failed(self, e: Exception) -> None:
+        """Prefix reuse off for the rest of this engine's life (no lookup, registration or snapshot;
+        the blocks already cached are evicted as any idle block): a warning, no failed request."""
+        log.warning("prefix reuse turned off after an error: %s: %s", type(e).__name__, e)
+        self.pool.reuse, self.snaps, self.digests, self._memo = False, None, {}, None
 
     def _prefill_step(self) -> None:
         """Queue this step's packed prefill program: the next chunk of as many waiting prompts as
@@ -345,6 +460,7 @@ class BatchEngine:
         for lane, slot in enumerate(chosen):  # a slot's lanes in order: its last one reads its first token
             p = self.prefilling[slot]
             p.done += min(p.rest, self.prefill_chunk)
+            self._computed(slot, p)
             if not p.rest:
                 del self.prefilling[slot]
                 self.fresh[slot] = (firsts, lane)
@@ -429,8 +545,9 @@ class BatchEngine:
     def _free(self, slot: int) -> None:
         """The slot and its blocks back to the free lists; its row writes nothing from now on."""
         self.state = _release(self.state, jnp.int32(slot))
-        self.free_blocks.extend(reversed(self.blocks[slot]))
+        self.pool.release(self.blocks[slot])
         self.blocks[slot] = []
+        self.digests.pop(slot, None)
         self.owner[slot] = None
         self.prefilling.pop(slot, None)
         self.fresh.pop(slot, None)

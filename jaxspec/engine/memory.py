@@ -67,10 +67,12 @@ class BatchMemory:
     runtime: int
     views: int = 0
     kv_positions: int | None = None  # the shared pool's positions, when set apart from the slots'
+    snapshots: int = 0  # prefix reuse's ring snapshots (jaxspec.engine.prefix_cache)
 
     @property
     def total(self) -> int:
-        return self.cache + self.state + self.step + self.logits + self.weights + self.runtime + self.views
+        return (self.cache + self.state + self.step + self.logits + self.weights + self.runtime + self.views
+                + self.snapshots)
 
     def describe(self) -> str:
         """The terms, for a one-line error."""
@@ -82,20 +84,25 @@ class BatchMemory:
                  f"outputs {_fmt(self.state)}", f"weights {_fmt(self.weights)}"]
         if self.views:
             parts.append(f"paged cache views {_fmt(self.views)}")
+        if self.snapshots >= self.total // 100:  # in the total always; named where it matters (one line)
+            parts.append(f"prefix ring snapshots {_fmt(self.snapshots)}")
         if self.runtime:
             parts.append(f"runtime and compiler {_fmt(self.runtime)}")
         return f"about {_fmt(self.total)}: " + ", ".join(parts)
 
 
 def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
-                 host: bool, request_capacity: int | None = None, kv_positions: int | None = None) -> BatchMemory:
+                 host: bool, request_capacity: int | None = None, kv_positions: int | None = None,
+                 prefix_cache: bool = False) -> BatchMemory:
     """The estimate for `max_batch` slots of `capacity` cache positions each, verify width
     `block_size` (1: classic), weights of `weight_bytes` (the files); `host`: the memory is the
     CPU's, shared with the process and the compiler. `request_capacity`: positions one request may
     hold (the paged engine's views; None: no views counted). `kv_positions`: the global layers' pool
     shared by the slots, in positions (a multiple of POOL_BLOCK; `serve --kv-positions`): the KV
     cache is then the paged engine's (`models.paged_cache_bytes`: that pool, each slot's sliding
-    rings and block table), not `max_batch` x `capacity` positions; the other terms are the same."""
+    rings and block table), not `max_batch` x `capacity` positions; the other terms are the same.
+    `prefix_cache`: the engine keeps `prefix_cache.default_snapshots(max_batch)` copies of a slot's
+    sliding rings (none when the model has no ring)."""
     from jaxspec import models
     from jaxspec.engine.sampling import BIAS_SLOTS, TOP_LOGPROBS
 
@@ -118,19 +125,30 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
         full = [i for i in tcfg.cache_layers if not tcfg.is_sliding(i)] or list(tcfg.cache_layers)
         widest = max(tcfg.layer_kv_heads[i] * tcfg.layer_head_dims[i] for i in full)
         views = 2 * 2 * b * request_capacity * widest * np.dtype(dtype).itemsize  # K and V, two alive
+    snapshots = 0
+    if prefix_cache:
+        from jaxspec.engine.prefix_cache import default_snapshots
+
+        per_request = -(-(request_capacity or capacity) // POOL_BLOCK) * POOL_BLOCK
+        row = (models.paged_cache_bytes(tcfg, 2, per_request, 1, POOL_BLOCK, dtype)
+               - models.paged_cache_bytes(tcfg, 1, per_request, 1, POOL_BLOCK, dtype))  # a slot's rings (+ table)
+        rings = (any(tcfg.is_sliding(i) for i in tcfg.cache_layers)
+                 and models.ring_size(tcfg, per_request) < per_request)  # else every layer is paged
+        snapshots = default_snapshots(b) * row if rings else 0
     return BatchMemory(max_batch=b, capacity=capacity, cache=cache, state=b * per_row,
                        step=int(STEP_CACHE_COPIES * cache), logits=logits, weights=weights,
-                       runtime=HOST_RUNTIME if host else 0, views=views, kv_positions=kv_positions)
+                       runtime=HOST_RUNTIME if host else 0, views=views, kv_positions=kv_positions,
+                       snapshots=snapshots)
 
 
 def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *, capacity: int, host: bool,
-                  most: int, request_capacity: int | None = None) -> int:
+                  most: int, request_capacity: int | None = None, prefix_cache: bool = False) -> int:
     """The largest batch in 0..most whose estimate fits `limit` bytes (0: not even one slot)."""
     lo, hi = 0, most
     while lo < hi:  # the estimate grows with the batch
         mid = (lo + hi + 1) // 2
         if batch_memory(tcfg, mid, block_size, dtype, weight_bytes, capacity=capacity, host=host,
-                        request_capacity=request_capacity).total <= limit:
+                        request_capacity=request_capacity, prefix_cache=prefix_cache).total <= limit:
             lo = mid
         else:
             hi = mid - 1
@@ -138,14 +156,15 @@ def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *
 
 
 def largest_pool(limit: int, tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
-                 host: bool, most: int, request_capacity: int | None = None) -> int:
+                 host: bool, most: int, request_capacity: int | None = None, prefix_cache: bool = False) -> int:
     """The largest `kv_positions` in 0..most, a multiple of POOL_BLOCK, whose estimate at `max_batch`
     slots fits `limit` bytes (0: not even one block)."""
     lo, hi = 0, most // POOL_BLOCK
     while lo < hi:  # the estimate grows with the pool
         mid = (lo + hi + 1) // 2
         if batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, capacity=capacity, host=host,
-                        request_capacity=request_capacity, kv_positions=mid * POOL_BLOCK).total <= limit:
+                        request_capacity=request_capacity, kv_positions=mid * POOL_BLOCK,
+                        prefix_cache=prefix_cache).total <= limit:
             lo = mid
         else:
             hi = mid - 1

@@ -1,7 +1,7 @@
 """`jaxspec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the `serve` extra).
 
     POST /v1/completions, POST /v1/chat/completions   (`stream: true` for server-sent events)
-    GET /v1/models, GET /health
+    GET /v1/models, GET /health, GET /metrics (Prometheus text: `jaxspec.serve.metrics`)
 
 Requests decode together, continuously batched (`jaxspec.engine.batching.BatchEngine`): one worker thread
 admits waiting requests into free slots between rounds (in arrival order), runs a round for every
@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from jaxspec.serve import guard as serve_guard
+from jaxspec.serve import metrics as serve_metrics
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.generate import check_block_size
 from jaxspec.serve.config import BATCH_CONTEXT, REQUEST_CONTEXT, ServeConfig  # noqa: F401  (the server's API)
@@ -158,6 +159,10 @@ class Server:
             return {"status": "ok", "model": self.model_name, "active": self.active, "waiting": self.waiting,
                     "dropped": self.dropped, "served": self.served,
                     "compiles": [p.name for p in self.compiles.programs if p.lower_s or p.compile_s]}
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.scheduler.render_metrics(), media_type=serve_metrics.CONTENT_TYPE)
 
         @app.get("/v1/models")
         async def models_():

@@ -80,7 +80,9 @@ class ServeConfig:
     `step_tokens`: the target tokens a step computes at most, the decode rounds' first, then one
     chunk of as many waiting prompts as fit (at least one); `max_context`: positions one request
     may hold, its prompt and output (at most the model's context). `max_batch` and `max_context`
-    None: the machine's (`resolved`: 1 and 4,096 on a CPU, 4 and 32,768 elsewhere)."""
+    None: the machine's (`resolved`: 1 and 4,096 on a CPU, 4 and 32,768 elsewhere). `prefix_cache`:
+    a prompt's full blocks that an earlier prompt computed (the same tokens from position 0) are
+    shared, not prefilled again (`jaxspec.engine.prefix_cache`; the output is the same either way)."""
 
     block_size: int = 4
     max_batch: int | None = None
@@ -90,8 +92,11 @@ class ServeConfig:
     prefill_chunk: int = PREFILL_CHUNK
     step_tokens: int = STEP_TOKENS
     max_context: int | None = None
+    prefix_cache: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}"[:300])
         for name, knob in RANGES.items():
             v = getattr(self, name)
             if v is None and name in OPTIONAL:

@@ -21,6 +21,7 @@ from jaxspec.engine import compile_cache, sampling
 from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.loop_config import PROMPT_BUCKET, round_up
 from jaxspec.serve.config import ServeConfig
+from jaxspec.serve.metrics import Metrics
 from jaxspec.serve.protocol import capacity_note
 from jaxspec.text.tokenizer import IncrementalDecoder
 
@@ -39,6 +40,8 @@ class Job:
     logprobs: int | None = None  # alternatives per token to report, or None: no logprobs
     cancelled: threading.Event = field(default_factory=threading.Event)
     emit: object = None
+    arrived: float = 0.0  # perf_counter when submitted (/metrics' time to first token)
+    last: float | None = None  # when its last tokens were delivered (None: none yet)
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.dropped = 0  # requests stopped because their client went away
         self.served = 0
+        self.metrics = Metrics()  # /metrics: what requests took (the pool's state is read from the engine)
         self.compiles = compile_cache.CompileLog().__enter__()  # programs built (/health), emptied by warm_up
         threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
 
@@ -188,7 +192,7 @@ class Scheduler:
                 capacity=round_up(self.batch_capacity, block), block_size=c.block_size,
                 eos_token_ids=self.tok.eos_token_ids, rounds_per_step=c.rounds_per_chunk,
                 kv_blocks=max(1, self.kv_positions // block), block_tokens=block, prefill_chunk=c.prefill_chunk,
-                step_tokens=c.step_tokens,
+                step_tokens=c.step_tokens, prefix_cache=c.prefix_cache,
                 drafter=self.drafter)
         return self._engine
 
@@ -221,12 +225,20 @@ class Scheduler:
         self.compiles.programs.clear()
         return time.perf_counter() - t0
 
+    def render_metrics(self) -> str:
+        """/metrics' text (`jaxspec.serve.metrics`): the pool's blocks and prefix hits, the queue, the
+        batch, tokens and latencies."""
+        engine = self._engine  # not built here: /metrics before the first request reads zeros
+        return self.metrics.render(pool=None if engine is None else engine.pool, waiting=self.waiting,
+                                   running=self.active, served=self.served)
+
     def submit(self, job: Job) -> asyncio.Queue:
         """Queue a job (its events come on the returned queue); QueueFull, and the job not queued,
         when max_queue jobs already wait."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        job.arrived = time.perf_counter()
         with self.cond:
             waiting, limit = len(self.queue), self.config.max_queue
             if waiting >= limit:
@@ -250,6 +262,8 @@ class Scheduler:
                 for job, _ in self.slots.values():
                     job.emit(ErrorEvent(f"{type(e).__name__}: {e}", 500))
                 self.slots.clear()
+                if self._engine is not None:
+                    self.metrics.retire(self._engine.pool)
                 self._engine = None
 
     def _admit(self) -> None:
@@ -278,7 +292,7 @@ class Scheduler:
                                     f"({capacity_note(engine.capacity, engine.kv_blocks * engine.block_tokens)})",
                                     400))
                 continue
-            if not engine.can_admit(len(job.ids), job.max_tokens):
+            if not engine.can_admit(len(job.ids), job.max_tokens, job.ids):
                 return  # a slot or its KV blocks free up when a running request ends
             with self.cond:
                 self.queue.popleft()
@@ -299,6 +313,13 @@ class Scheduler:
                 self.dropped += 1
         for ev in engine.step():
             job, text = self.slots[ev.slot]
+            if ev.tokens:
+                now = time.perf_counter()
+                if job.last is None:
+                    self.metrics.tokens(len(ev.tokens), first_s=now - job.arrived)
+                else:
+                    self.metrics.tokens(len(ev.tokens), gap_s=now - job.last)
+                job.last = now
             if ev.error is not None:  # e.g. non-finite logits from the prompt: this request fails
                 job.emit(ErrorEvent(ev.error, 400))
                 del self.slots[ev.slot]

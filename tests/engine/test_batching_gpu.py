@@ -104,3 +104,41 @@ def test_a_long_prompt_gives_the_same_tokens_alone_and_beside_1_3_7_others():
         runs.append(got["long"])
     assert len(runs[0]) == 48 and all(r == runs[0] for r in runs), runs
     assert engine.block_size in (2, 4)  # speculative ran (K = 4 asked; see test_k4_runs_at_8_slots)
+
+
+def test_prefix_reuse_gives_the_tokens_and_logprobs_without_it():
+    """Issue 70 on the GPU (not run on the CPU session that wrote it): three prompts sharing a
+    128-token prefix (2 chunks of 64), after a fourth that computed it, beside two other requests:
+    each greedy request's tokens and logprobs with prefix reuse (it starts after the shared chunks,
+    its rings from a snapshot) equal the same engine's without reuse."""
+    import numpy as np
+
+    target, assistant, _ = dp.load_default_pair()
+    prompts = [p["ids"] for p in dp.heldout_prompts()[:2]]
+    rng = np.random.default_rng(1)
+    vocab = target.config.vocab_size
+    prefix = rng.integers(3, vocab, 128).tolist()
+    shared = [prefix + rng.integers(3, vocab, n).tolist() for n in (20, 5, 40, 64)]
+    runs = []
+    for reuse in (True, False):
+        engine = BatchEngine(target, assistant, slots=4, max_new_tokens=32, capacity=256, block_size=4,
+                             prefill_chunk=64, eos_token_ids=(), prefix_cache=reuse)
+        assert engine.block_size in (2, 4)  # speculative runs (K = 4 asked)
+        got, where = {}, {}
+        for i, ids in enumerate([shared[0]] + prompts + shared[1:]):
+            if i == 3:  # the others arrive once the first has prefilled
+                while engine.prefilling:
+                    for ev in engine.step():
+                        got.setdefault(where[ev.slot], []).append((ev.tokens, ev.logprobs))
+            while not engine.free:
+                for ev in engine.step():
+                    got.setdefault(where[ev.slot], []).append((ev.tokens, ev.logprobs))
+            where[engine.admit(ids, 32, logprobs=1)] = i
+        while engine.live:
+            for ev in engine.step():
+                got.setdefault(where[ev.slot], []).append((ev.tokens, ev.logprobs))
+        runs.append(({i: [t for ts, _ in v for t in ts] for i, v in got.items()},
+                     {i: [lp for _, lps in v for lp in lps] for i, v in got.items()}, engine.pool.hit))
+    (tokens, lps, hit), (tokens_off, lps_off, hit_off) = runs
+    assert hit >= 3 * 128 and hit_off == 0
+    assert tokens == tokens_off and lps == lps_off

@@ -187,3 +187,24 @@ def test_cgroup_limit_reads_v1_and_v2(tmp_path):
     assert serve_memory.cgroup_limit(str(proc), str(fs)) is None
     proc.write_text("3:cpu:/y\n")
     assert serve_memory.cgroup_limit(str(proc), str(fs)) is None
+
+
+def test_prefix_ring_snapshots_are_counted(tiny_cfg):
+    """With prefix reuse the estimate counts the engine's ring snapshots (prefix_cache.RingSnapshots:
+    default_snapshots(slots) copies of a slot's rings) within a tenth, plus a block table row each;
+    none without reuse, or when the window covers a request (no ring: every layer is paged)."""
+    from jaxspec.engine.prefix_cache import RingSnapshots, default_snapshots
+
+    b = int(seeded_rng().integers(1, 6))
+    kw = dict(capacity=256, host=False, request_capacity=256, kv_positions=1024)
+    with_ = batch_memory(tiny_cfg, b, 4, jnp.bfloat16, 1 << 20, prefix_cache=True, **kw)
+    snaps = RingSnapshots(models.init_paged_cache(tiny_cfg, b, 256, 64, POOL_BLOCK, jnp.bfloat16),
+                          default_snapshots(b))
+    real = _nbytes((snaps.k, snaps.v, snaps.pos))
+    assert real <= with_.snapshots <= 1.1 * real
+    assert with_.total - batch_memory(tiny_cfg, b, 4, jnp.bfloat16, 1 << 20, **kw).total == with_.snapshots
+    short = dict(kw, request_capacity=16)
+    assert batch_memory(tiny_cfg, b, 4, jnp.bfloat16, 1 << 20, prefix_cache=True, **short).snapshots == 0
+    big = models.TargetConfig.from_dict(presets.TARGETS["12b"])  # 341 MB of rings a slot, 8 copies at 4 slots
+    at_12b = batch_memory(big, 4, 4, jnp.bfloat16, 7 << 30, prefix_cache=True, **dict(kw, request_capacity=32768))
+    assert "prefix ring snapshots 2.5 GiB" in at_12b.describe()
