@@ -94,6 +94,12 @@ class KVCache:
         """Positions per block (paged caches)."""
         return int(self.k[self.paged[0]].shape[-3])
 
+    @property
+    def view_positions(self) -> int:
+        """Positions of a row that a forward reads and writes: a paged cache's table columns times
+        the block (the capacity, unless `narrow` cut the table), else the capacity."""
+        return int(self.table.shape[1]) * self.block if self.paged else self.capacity
+
 
 def ring_size(config: TargetConfig, capacity: int, max_block: int = ROW_TILE) -> int:
     """Slots of a sliding layer's buffer: min(capacity, sliding_window + max(max_block, ROW_TILE) + 1)."""
@@ -148,6 +154,20 @@ def paged_cache_bytes(config: TargetConfig, batch: int, capacity: int, num_block
     pools, _, ring_slots = _paged_layout(config, batch, capacity, num_blocks, block, max_block)
     kv = sum(2 * math.prod(x) for x in pools) * jnp.dtype(dtype).itemsize
     return kv + 4 * batch * (1 + ring_slots + capacity // block)
+
+
+def narrow(cache: KVCache, positions: int) -> KVCache:
+    """A paged cache whose forward reads and writes each row's first `positions` (whole blocks) only:
+    its table cut to those columns, so the view a layer gathers (`paged_view`) is that wide, writes
+    past it are dropped and the rings are untouched. A row all of whose positions a forward reads
+    or writes lie below it gets what the whole table gives it, bitwise, on the XLA path
+    (`dense_attention` reduces keys in fixed blocks: the cut-off slots, hidden from every query,
+    added exact zeros); its capacity (the rings' rule) stays. The batch engine's decode on a CPU runs
+    on it (`jaxspec.engine.batching`): a round at 4,096 positions took twice one at 256."""
+    if not cache.paged:
+        raise ValueError("narrow needs a paged cache (init_paged_cache)")
+    cols = min(int(cache.table.shape[1]), max(1, -(-int(positions) // cache.block)))
+    return cache if cols == cache.table.shape[1] else cache.replace(table=cache.table[:, :cols])
 
 
 def _paged_layout(config: TargetConfig, batch: int, capacity: int, num_blocks: int, block: int, max_block: int):
