@@ -64,8 +64,9 @@ round's cost grows with the view's width. So a step reads only as many positions
 rows can touch: the host bounds each row's positions (its prompt, plus K a round since: a round
 adds at most K to its length, and reads and writes at most a verify forward's width past it), and
 the step runs on the table cut to the power-of-two bucket above the largest (`view_bucket`, from
-VIEW_BUCKET up to the capacity; `models.narrow`), one program per bucket and sampling mode, each
-compiled (or loaded from disk) on first use. Rows still prefilling are left out of the bound:
+VIEW_BUCKET up to the capacity; `models.narrow`; while the bucket is within the sliding layers'
+rings, they are cut to it too, and `models.widen` puts the rounds' writes back), one program per
+bucket and sampling mode, each compiled (or loaded from disk) on first use. Rows still prefilling are left out of the bound:
 they are done, and what the rounds would write into their cache lies past their length (the
 next chunk writes it again). A row reads what the whole table gives it, bitwise (dense_attention's
 key blocks: tests/engine/test_view_buckets.py). Elsewhere (the attention kernels, a GPU) every step
@@ -127,6 +128,10 @@ def _assign(state: loop.DecodeState, slot, table_row) -> loop.DecodeState:
     c = c.replace(table=c.table.at[slot].set(table_row), lengths=c.lengths.at[slot].set(0),
                   pos=None if c.pos is None else c.pos.at[slot].set(EMPTY))
     return state.replace(cache=c, done=state.done.at[slot].set(True))
+
+
+# The rings' cut prefixes back into the whole rings, in place (models.widen).
+_widen = jax.jit(models.widen, donate_argnums=(0,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -265,6 +270,23 @@ class BatchEngine:
 
     def _narrowed(self, state: loop.DecodeState, view: int) -> loop.DecodeState:
         return state if view == self.capacity else state.replace(cache=models.narrow(state.cache, view))
+
+    def _rounds(self, mode_index: int, view: int) -> loop.DecodeState:
+        """The state after this step's rounds of `modes[mode_index]` at row view `view`: on the state's
+        cut (`models.narrow`), their writes put back into the whole cache (`models.widen`). Dispatched,
+        not waited for."""
+        fn = self.decode(mode_index, view)
+        if view == self.capacity:
+            return fn(self.state)
+        whole = self.state.cache
+        rings = models.cuts_rings(whole, view)
+        # What the rounds leave whole (they take cuts of it): the table, and the rings when cut. The
+        # pools go to the rounds (donated) and come back written.
+        rest = whole.replace(k=tuple(x if rings and j not in whole.paged else None for j, x in enumerate(whole.k)),
+                             v=tuple(x if rings and j not in whole.paged else None for j, x in enumerate(whole.v)),
+                             pos=whole.pos if rings else None)
+        out = fn(self._narrowed(self.state, view))
+        return out.replace(cache=_widen(rest, out.cache))
 
     def view_for(self, slots) -> int:
         """The row view a step whose decoding rows are `slots` reads (the module docstring): the
@@ -411,10 +433,7 @@ class BatchEngine:
         decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.prefilling]
         if decoding:
             i, view = self._mode_index(), self.view_for(decoding)
-            table = self.state.cache.table  # the whole table: the rounds read a cut of it, and never change it
-            self.state = self.decode(i, view)(self._narrowed(self.state, view))
-            if view != self.capacity:
-                self.state = self.state.replace(cache=self.state.cache.replace(table=table))
+            self.state = self._rounds(i, view)
             for s in decoding:
                 self.reach[s] += self.rounds_per_step * self.block_size
             self.steps[i] += 1

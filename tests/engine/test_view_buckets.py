@@ -1,7 +1,8 @@
 """The batch engine's row views on the CPU's XLA path (jaxspec.engine.batching, models.narrow): a step
 reads only the power-of-two bucket of positions its decoding rows can touch, not a request's whole
 table, and a request's tokens stay what jaxspec.generate gives it alone, bitwise, as it grows from
-one bucket into the next. The tiny pair; capacity 1,024, so the whole table is never the bucket.
+one bucket into the next (views within the sliding layers' rings cut them too). The tiny pair;
+capacity 1,024, so the whole table is never the bucket.
 (Under pytest XLA compiles at -O0, tests/conftest.py: there generate's and the engine's log-probabilities
 agree bit for bit; at the default level they differ in the last bits, with views cut or not.)"""
 import jax
@@ -16,7 +17,9 @@ from jaxspec.engine.loop_config import VIEW_BUCKET, view_bucket
 from support.pairs import make_pair
 from support.seeds import seeded_int, seeded_rng
 
-TARGET, ASSISTANT = make_pair(seed=11, layers=2, max_position_embeddings=2048)
+# A 240-position window: 257-slot rings (models.ring_size), which the 256-position view cuts (plain buffers
+# of 256 slots) and the 512 one does not; the requests below wrap them.
+TARGET, ASSISTANT = make_pair(seed=11, layers=2, max_position_embeddings=2048, sliding_window=240)
 VOCAB = TARGET.config.vocab_size
 CAPACITY, BLOCK = 1024, 16
 MODE = sampling.SamplingMode(sample=True, logprobs=0)  # one program a view: greedy and sampled rows
@@ -69,40 +72,43 @@ def test_requests_growing_across_views_equal_generate_and_compile_a_program_per_
     assert sorted(whole.view_steps) == [CAPACITY]
 
 
-def test_a_narrowed_forward_is_the_whole_tables_bitwise():
-    """models.narrow at the forward: a decode step and a verify on a paged cache whose table is cut
-    to the rows' first 64 positions give the logits, hidden states and pool writes the whole table
-    gives (its other blocks full of stale values), and so does the MTP assistant's draft step, which
-    reads the target's cache through the same views (models.shared_kv)."""
+def test_a_narrowed_forward_is_the_whole_caches_bitwise():
+    """models.narrow / models.widen at the forward: decode steps and a verify on a paged cache cut to
+    the rows' first 64 positions (the table, and the 257-slot rings made 64-slot buffers) give the
+    logits and hidden states the whole cache gives (its other blocks and slots full of stale
+    values), and so does the MTP assistant's draft step, which reads the target's cache through the
+    same views (models.shared_kv); widened back, the cache holds what the whole one holds at every
+    written position, so the steps after it on the whole cache are the same bits too."""
     rng = seeded_rng()
-    cap, block, pool = 256, 16, 40
+    cap, block, pool = 512, 16, 80
     cache = models.init_paged_cache(TARGET.config, 2, cap, pool, block, jnp.float32)
-    owned = rng.permutation(pool)[:8].reshape(2, 4)  # 4 blocks each: 64 positions
+    assert cache.pos is not None and cache.pos.shape[1] == 257 and models.cuts_rings(cache, 64)
     table = np.full((2, cap // block), pool, np.int32)
-    table[:, :4] = owned
+    table[:, :4] = rng.permutation(pool)[:8].reshape(2, 4)  # 4 blocks each: 64 positions
     stale = lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype)  # noqa: E731
-    cache = cache.replace(k=tuple(stale(x) if j in cache.paged else x for j, x in enumerate(cache.k)),
-                          v=tuple(stale(x) if j in cache.paged else x for j, x in enumerate(cache.v)),
+    cache = cache.replace(k=tuple(stale(x) for x in cache.k), v=tuple(stale(x) for x in cache.v),
                           table=jnp.asarray(table))
     fwd, step = jax.jit(models.forward), jax.jit(models.draft_step)
     prompt = jnp.asarray(rng.integers(2, VOCAB, (2, 32)), jnp.int32)
     lengths = np.array([30, 19])
     valid = jnp.arange(32)[None, :] < jnp.asarray(lengths)[:, None]
     _, _, cache = fwd(TARGET, prompt, cache, valid=valid)
-    cache = cache.replace(lengths=jnp.asarray(lengths, jnp.int32))
-    whole = narrow = cache
-    for width in (1, 4, 1):
+    whole = widened = cache.replace(lengths=jnp.asarray(lengths, jnp.int32))
+    for width, cut in ((1, True), (4, True), (1, True), (2, False)):
         tokens = jnp.asarray(rng.integers(2, VOCAB, (2, width)), jnp.int32)
         a = fwd(TARGET, tokens, whole)
-        b = fwd(TARGET, tokens, models.narrow(narrow, 64))
-        assert b[2].table.shape == (2, 4) and b[2].view_positions == 64
+        if cut:
+            small = models.narrow(widened, 64)
+            assert small.table.shape == (2, 4) and small.pos is None and small.k[0].shape[-3] == 64
+            b = fwd(TARGET, tokens, small)
+            token, h = tokens[:, 0], a[1][:, -1]
+            drafts = [step(ASSISTANT, TARGET, c, token, h, c.lengths) for c in (a[2], b[2])]
+            for x, y in zip(*drafts):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            widened = models.widen(widened, b[2])
+        else:  # the widened cache, whole again
+            b = fwd(TARGET, tokens, widened)
+            widened = b[2]
         for x, y in zip(a[:2], b[:2]):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        for x, y in zip(a[2].k + a[2].v, b[2].k + b[2].v):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        whole, narrow = a[2], b[2].replace(table=whole.table)
-        token, h = tokens[:, 0], a[1][:, -1]
-        drafts = [step(ASSISTANT, TARGET, c, token, h, c.lengths)
-                  for c in (whole, models.narrow(narrow, 64))]
-        for x, y in zip(*drafts):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        whole = a[2]
