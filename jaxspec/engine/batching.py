@@ -234,6 +234,7 @@ class BatchEngine:
         self.view_floor = VIEW_BUCKET if narrow_views(target) else self.capacity
         self.reach = [0] * slots  # per slot: a bound on its cache length when the next step's rounds start
         self.view_steps: dict[int, int] = {}  # view positions -> steps run at it
+        self._prefill = None  # the packed prefill's program (one shape per engine), built on first use
         self.seen = [0] * slots
         self.fresh: dict[int, tuple] = {}  # slot -> (its step's firsts (device arrays), its lane), not reported yet
         self.owner: list[object | None] = [None] * slots
@@ -397,8 +398,10 @@ class BatchEngine:
                                                        self.long_passed)
         lanes = packed_prefill.pack(self.prefilling, chosen, self.lanes, self.prefill_group, self.prefill_chunk,
                                     self.capacity, self.slots)
-        self.state, firsts = packed_prefill.run(self.state, self.target, lanes, spec=self.pspec,
-                                                loop_spec=self.gen.spec, group=self.prefill_group)
+        if self._prefill is None:
+            self._prefill = packed_prefill.compiled(self.state, self.target, lanes, spec=self.pspec,
+                                                    loop_spec=self.gen.spec, group=self.prefill_group)
+        self.state, firsts = self._prefill(self.state, self.target, lanes)
         self.chunks += len(chosen)
         self.prefill_steps += 1
         for lane, slot in enumerate(chosen):
