@@ -66,11 +66,12 @@ adds at most K to its length, and reads and writes at most a verify forward's wi
 the step runs on the table cut to the power-of-two bucket above the largest (`view_bucket`, from
 VIEW_BUCKET up to the capacity; `models.narrow`; while the bucket is within the sliding layers'
 rings, they are cut to it too, and `models.widen` puts the rounds' writes back), one program per
-bucket and sampling mode, each compiled (or loaded from disk) on first use. Rows still prefilling are left out of the bound:
-they are done, and what the rounds would write into their cache lies past their length (the
-next chunk writes it again). A row reads what the whole table gives it, bitwise (dense_attention's
-key blocks: tests/engine/test_view_buckets.py). Elsewhere (the attention kernels, a GPU) every step
-reads the whole table, as before: their arithmetic over fewer keys is not checked to be the same.
+bucket and sampling mode, each compiled (or loaded from disk) on first use. Rows still prefilling
+are left out of the bound: they are done, and what the rounds would write into their cache lies
+past their length (the next chunk writes it again). A row reads what the whole table gives it,
+bitwise (dense_attention's key blocks: tests/engine/test_view_buckets.py). Elsewhere (the attention
+kernels, a GPU) every step reads the whole table, as before: their arithmetic over fewer keys is
+not checked to be the same.
 """
 from __future__ import annotations
 
@@ -282,10 +283,10 @@ class BatchEngine:
         whole = self.state.cache
         rings = models.cuts_rings(whole, view)
         # What the rounds leave whole (they take cuts of it): the table, and the rings when cut. The
-        # pools go to the rounds (donated) and come back written.
+        # pools and lengths go to the rounds (donated) and come back written: not passed again.
         rest = whole.replace(k=tuple(x if rings and j not in whole.paged else None for j, x in enumerate(whole.k)),
                              v=tuple(x if rings and j not in whole.paged else None for j, x in enumerate(whole.v)),
-                             pos=whole.pos if rings else None)
+                             pos=whole.pos if rings else None, lengths=None)
         out = fn(self._narrowed(self.state, view))
         return out.replace(cache=_widen(rest, out.cache))
 
