@@ -56,13 +56,20 @@ def step_times(e, ids) -> tuple[list[float], list[float]]:
         t0 = time.perf_counter()
         e.step()
         walls.append(time.perf_counter() - t0)
-    fn = e.decode(0)
+    # the program the engine's steps run: the row view they read (a bucket of the table on a CPU's
+    # XLA path, jaxspec.engine.batching; the whole table in code without views)
+    view = e.view_for([s for s, o in enumerate(e.owner) if o is not None]) if hasattr(e, "view_for") else None
+    fn = e.decode(0) if view is None else e.decode(0, view)
     for _ in range(3):
         t0 = time.perf_counter()
-        e.state = jax.block_until_ready(fn(e.state))
+        if view is None:
+            e.state = jax.block_until_ready(fn(e.state))
+        else:  # what a step runs: the cut of the state, the rounds, and their writes back into it
+            e.state = jax.block_until_ready(e._rounds(0, view))
         alone.append(time.perf_counter() - t0)
-    while e.live:
-        e.step()
+    for slot, owner in enumerate(e.owner):  # its last rounds ran outside the steps: not reported
+        if owner is not None:
+            e.cancel(slot)
     e.step()
     return walls, alone
 
@@ -91,7 +98,9 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         g = jaxspec.generate(t, ids, max_new_tokens=a.tokens, eos_token_ids=[]).stats.decode_tokens_per_s
         row = [f"generate {g:.2f}"] + [f"engine {c} {engine_decode(e, ids, a.tokens):.2f}" for c, e in engines.items()]
-        print(f"round {r + 1} (load {os.getloadavg()[0]:.1f}), decode tok/s: " + " | ".join(row), flush=True)
+        views = {c: dict(getattr(e, "view_steps", {})) for c, e in engines.items()}  # steps per row view so far
+        print(f"round {r + 1} (load {os.getloadavg()[0]:.1f}), decode tok/s: " + " | ".join(row)
+              + (f" (steps per view: {views})" if any(views.values()) else ""), flush=True)
     if a.step_times:
         for c, e in engines.items():
             walls, alone = step_times(e, ids)

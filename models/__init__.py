@@ -18,8 +18,8 @@ from .assistant import (Assistant, assistant_stack, centroid_logits, draft_ids, 
                         make_assistant, visible_keys, with_draft_vocab)
 from jaxspec.kernels import ROW_TILE
 
-from .cache import (EMPTY, KVCache, cache_bytes, init_cache, init_paged_cache, paged_block_bytes, paged_cache_bytes,
-                    ring_size)
+from .cache import (EMPTY, KVCache, cache_bytes, cuts_rings, init_cache, init_paged_cache, narrow, paged_block_bytes,
+                    paged_cache_bytes, ring_size, widen)
 from .checkpoint import load_assistant, load_target, quantize_model, save
 from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
 from .dense import prepare_dense, weight_bytes
@@ -28,9 +28,10 @@ from .shard import shard
 from .target import Target, embed, forward, logits, make_target, row_bucket, shared_kv
 
 __all__ = [
-    "EMPTY", "ROW_TILE", "cache_bytes", "init_paged_cache", "paged_block_bytes", "paged_cache_bytes", "ring_size",
+    "EMPTY", "ROW_TILE", "cache_bytes", "cuts_rings", "init_paged_cache", "narrow", "paged_block_bytes",
+    "paged_cache_bytes", "ring_size",
     "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
     "centroid_logits", "check_fit", "draft_ids", "draft_logits", "draft_step", "full_logits", "embed", "forward", "init_cache", "load_assistant",
     "load_target", "logits", "make_assistant", "make_target", "prepare_dense", "presets", "quantize_model", "row_bucket", "save",
-    "shard", "shared_kv", "target_shapes", "visible_keys", "weight_bytes", "with_draft_vocab",
+    "shard", "shared_kv", "target_shapes", "visible_keys", "weight_bytes", "widen", "with_draft_vocab",
 ]

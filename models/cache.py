@@ -94,6 +94,12 @@ class KVCache:
         """Positions per block (paged caches)."""
         return int(self.k[self.paged[0]].shape[-3])
 
+    @property
+    def view_positions(self) -> int:
+        """Positions of a row that a forward reads and writes: a paged cache's table columns times
+        the block (the capacity, unless `narrow` cut the table), else the capacity."""
+        return int(self.table.shape[1]) * self.block if self.paged else self.capacity
+
 
 def ring_size(config: TargetConfig, capacity: int, max_block: int = ROW_TILE) -> int:
     """Slots of a sliding layer's buffer: min(capacity, sliding_window + max(max_block, ROW_TILE) + 1)."""
@@ -148,6 +154,53 @@ def paged_cache_bytes(config: TargetConfig, batch: int, capacity: int, num_block
     pools, _, ring_slots = _paged_layout(config, batch, capacity, num_blocks, block, max_block)
     kv = sum(2 * math.prod(x) for x in pools) * jnp.dtype(dtype).itemsize
     return kv + 4 * batch * (1 + ring_slots + capacity // block)
+
+
+def narrow(cache: KVCache, positions: int) -> KVCache:
+    """A paged cache whose forward reads and writes each row's first `positions` (whole blocks) only,
+    for rows all of whose positions a forward touches lie below it: its table cut to those columns
+    (the view a layer gathers, `paged_view`, is that wide; writes past it are dropped) and, when the
+    rings hold at least as many slots, the rings cut to those slots and made plain buffers (no
+    `pos`): below its ring's size a row's position p sits in slot p, as in a plain buffer. Such a
+    row gets what the whole cache gives it, bitwise, on the XLA path: the same keys in the same
+    slots, and the cut-off slots, hidden from its queries, added exact zeros (`dense_attention`'s
+    fixed key blocks). Its capacity stays. `widen` puts a forward's writes back into the whole
+    cache. The batch engine's decode on a CPU runs on it (`jaxspec.engine.batching`): at the 270M's
+    4,096 positions a round took twice one at 256, and its 529-slot rings ~15% of a round."""
+    if not cache.paged:
+        raise ValueError("narrow needs a paged cache (init_paged_cache)")
+    cols = min(int(cache.table.shape[1]), max(1, -(-int(positions) // cache.block)))
+    view = cols * cache.block
+    out = cache if cols == cache.table.shape[1] else cache.replace(table=cache.table[:, :cols])
+    if cuts_rings(cache, view):
+        cut = lambda x, j: x if j in cache.paged else x[..., :view, :, :]  # noqa: E731
+        out = out.replace(k=tuple(cut(x, j) for j, x in enumerate(cache.k)),
+                          v=tuple(cut(x, j) for j, x in enumerate(cache.v)), pos=None)
+    return out
+
+
+def cuts_rings(cache: KVCache, view: int) -> bool:
+    """Whether `narrow(cache, view)` makes its rings plain buffers of `view` slots (they hold that many)."""
+    return cache.pos is not None and view <= cache.pos.shape[1] and view < cache.capacity
+
+
+def widen(cache: KVCache, cut: KVCache) -> KVCache:
+    """The whole cache `cache` (as `narrow` cut it) with what forwards on the cut `cut` wrote: its
+    pools and lengths, and the prefix of the rings it cut, their positions recorded for the rows
+    whose length is within the cut (slot p holds position p below it); a row past it wrote nothing
+    there (its forwards' positions were past the cut: dropped) and keeps its ring as it was."""
+    out = cut.replace(table=cache.table)
+    if cut.pos is None and cache.pos is not None:
+        view = cut.table.shape[1] * cut.block
+        put = lambda whole, part, j: part if j in cache.paged else jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            whole, part, 0, whole.ndim - 3)
+        slots = jnp.arange(view, dtype=jnp.int32)[None, :]
+        n = cut.lengths.astype(jnp.int32)[:, None]
+        head = jnp.where((n <= view) & (slots < n), slots, cache.pos[:, :view])
+        out = out.replace(k=tuple(put(w, c, j) for j, (w, c) in enumerate(zip(cache.k, cut.k))),
+                          v=tuple(put(w, c, j) for j, (w, c) in enumerate(zip(cache.v, cut.v))),
+                          pos=cache.pos.at[:, :view].set(head))
+    return out
 
 
 def _paged_layout(config: TargetConfig, batch: int, capacity: int, num_blocks: int, block: int, max_block: int):

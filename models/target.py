@@ -177,8 +177,10 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
         raise ValueError(f"valid has shape {valid.shape}, expected {(b, t)}")
     new_pos = jnp.where(real, pos, EMPTY)  # the new keys' positions; hidden where not valid
 
-    # Full-capacity buffers: slot = position; the new block's invalid slots hidden.
-    slot_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], (b, cap))
+    # Full-capacity buffers: slot = position; the new block's invalid slots hidden. A paged cache's
+    # rows are read through views as wide as its table (`cache.narrow` may have cut it).
+    view = cache.view_positions
+    slot_pos = jnp.broadcast_to(jnp.arange(view, dtype=jnp.int32)[None, :], (b, view))
     if valid is not None:
         rel = slot_pos - start[:, None]
         inside = (rel >= 0) & (rel < t)
@@ -391,7 +393,8 @@ def _layer(target: Target, i: int, h, ks: list, vs: list, w: _Weights, entry, pl
     if pool is not None:  # the new positions back into the pool; the view is dropped
         pk, pv, at = pool
         if not cfg.kv_shared(i):
-            cols = jnp.clip(step.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], 0, cache.capacity - 1)
+            cols = jnp.clip(step.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], 0,
+                            cache.view_positions - 1)
             pk, pv = (paged_write(p_, cache.table, jnp.take_along_axis(x, cols[:, :, None, None], axis=1), step.start,
                                   at) for p_, x in ((pk, ks[slot]), (pv, vs[slot])))
         ks[slot], vs[slot] = pk, pv
@@ -441,7 +444,7 @@ def shared_kv(config: TargetConfig, cache: KVCache) -> dict[str, tuple[jax.Array
         if i is not None:
             j, index = cache_entry(config, i)
             if j in cache.paged:  # a block pool: the rows' views, slot = position
-                n = cache.capacity
+                n = cache.view_positions
                 pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (cache.batch, n))
                 out[t] = (paged_view(cache.k[j], cache.table, index), paged_view(cache.v[j], cache.table, index), pos)
                 continue

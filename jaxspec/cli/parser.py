@@ -179,8 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"positions one request may hold, its prompt and output, a multiple of "
                         f"{SERVE_KNOBS['max_context'].multiple}, {SERVE_KNOBS['max_context'].span}, at most the "
                         f"model's context (default 32768 on a GPU, {PLATFORM_DEFAULTS['cpu']['max_context']} on a CPU, "
-                        "where each decode round reads a request's whole table of positions: a longer one slows every "
-                        "token). Longer requests are refused with HTTP 400")
+                        "the KV pool's 4096 a slot). Longer requests are refused with HTTP 400")
     v.add_argument("--rounds-per-chunk", type=int, default=SERVE.rounds_per_chunk, metavar="R",
                    help=f"decode rounds between two reads of the new tokens and two admissions, "
                         f"{SERVE_KNOBS['rounds_per_chunk'].span} (default {SERVE.rounds_per_chunk}; 1 suits a large "

@@ -64,6 +64,20 @@ of greedy requests pays for no distribution and a new setting never compiles. A 
 same whichever program runs it (a greedy row is an argmax either way; a sampled row's filter with
 top_k and top_p off keeps every token), so its output does not depend on its batch mates (up to
 the GPU softmax rounding above, for sampled rows).
+
+On a CPU (the XLA path) a layer gathers each row's view of the pool (`models.paged_view`), and a
+round's cost grows with the view's width. So a step reads only as many positions as its decoding
+rows can touch: the host bounds each row's positions (its prompt, plus K a round since: a round
+adds at most K to its length, and reads and writes at most a verify forward's width past it), and
+the step runs on the table cut to the power-of-two bucket above the largest (`view_bucket`, from
+VIEW_BUCKET up to the capacity; `models.narrow`; while the bucket is within the sliding layers'
+rings, they are cut to it too, and `models.widen` puts the rounds' writes back), one program per
+bucket and sampling mode, each compiled (or loaded from disk) on first use. Rows still prefilling
+are left out of the bound: they are done, and what the rounds would write into their cache lies
+past their length (the next chunk writes it again). A row reads what the whole table gives it,
+bitwise (dense_attention's key blocks: tests/engine/test_view_buckets.py). Elsewhere (the attention
+kernels, a GPU) every step reads the whole table, as before: their arithmetic over fewer keys is
+not checked to be the same.
 """
 from __future__ import annotations
 
@@ -84,8 +98,9 @@ from jaxspec.engine import loop, packed_prefill, sampling
 from jaxspec.engine.prefix_cache import BlockPool, RingSnapshots, default_snapshots, restore, root_key
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
-from jaxspec.engine.loop_config import (MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK, STEP_TOKENS, LoopConfig,
-                                        round_up)
+from jaxspec.engine.loop_config import (MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK, STEP_TOKENS, VIEW_BUCKET,
+                                        LoopConfig, round_up, view_bucket)
+from jaxspec.kernels import ROW_TILE
 
 log = logging.getLogger(__name__)  # warm_up's start and time (INFO: silent unless logging is configured)
 
@@ -128,12 +143,23 @@ def _assign(state: loop.DecodeState, slot, table_row, length, snaps=None, at=Non
     return state.replace(cache=c, done=state.done.at[slot].set(True))
 
 
+# The rings' cut prefixes back into the whole rings, in place (models.widen).
+_widen = jax.jit(models.widen, donate_argnums=(0,))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _release(state: loop.DecodeState, slot) -> loop.DecodeState:
     """Row `slot` done and owning no block: what its decode steps still write is dropped, so its
     blocks can go to another request."""
     c = state.cache
     return state.replace(cache=c.replace(table=c.table.at[slot].set(c.num_blocks)), done=state.done.at[slot].set(True))
+
+
+def narrow_views(target) -> bool:
+    """Whether a batch engine's decode steps read bucketed row views (the module docstring): on the
+    XLA path (no attention kernels) on a CPU, where `dense_attention`'s key blocks make a row's
+    result independent of the slots past its keys."""
+    return jax.devices()[0].platform == "cpu" and not target.matmul.attention_kernels
 
 
 class BatchEngine:
@@ -221,7 +247,12 @@ class BatchEngine:
         self.lanes = packed_prefill.lanes_for(step_tokens, self.prefill_chunk, self.decode_tokens)
         self.prefill_group = min(self.lanes, prefill_group or 1)
         self.lanes = round_up(self.lanes, self.prefill_group)  # whole groups (a group is padded anyway)
-        self._decode: dict[int, object] = {}  # mode index -> compiled rounds
+        self._decode: dict[tuple[int, int], object] = {}  # (mode index, view positions) -> compiled rounds
+        # The row view a step reads (module docstring): bucketed on the XLA path on a CPU, else the capacity.
+        self.view_floor = VIEW_BUCKET if narrow_views(target) else self.capacity
+        self.reach = [0] * slots  # per slot: a bound on its cache length when the next step's rounds start
+        self.view_steps: dict[int, int] = {}  # view positions -> steps run at it
+        self._prefill = None  # the packed prefill's program (one shape per engine), built on first use
         self.seen = [0] * slots
         self.fresh: dict[int, tuple] = {}  # slot -> (its step's firsts (device arrays), its lane), not reported yet
         self.owner: list[object | None] = [None] * slots
@@ -263,22 +294,53 @@ class BatchEngine:
         """The pool blocks a new request may take: never used, or cached and held by nobody."""
         return self.pool.free + list(self.pool.idle)
 
-    def decode(self, mode_index: int):
-        """The compiled step of `modes[mode_index]` (compiled on first use)."""
-        if mode_index not in self._decode:
-            self._decode[mode_index] = self.gens[mode_index].compiled_rounds(
-                self.target, self.params, self.state, self.rounds_per_step)
-        return self._decode[mode_index]
+    def decode(self, mode_index: int, view: int | None = None):
+        """The compiled step of `modes[mode_index]` reading `view` positions of each row (default: the
+        capacity; compiled on first use). It takes a state whose table is cut to the view
+        (`models.narrow`)."""
+        view = self.capacity if view is None else view
+        if (mode_index, view) not in self._decode:
+            self._decode[mode_index, view] = self.gens[mode_index].compiled_rounds(
+                self.target, self.params, self._narrowed(self.state, view), self.rounds_per_step)
+        return self._decode[mode_index, view]
+
+    def _narrowed(self, state: loop.DecodeState, view: int) -> loop.DecodeState:
+        return state if view == self.capacity else state.replace(cache=models.narrow(state.cache, view))
+
+    def _rounds(self, mode_index: int, view: int) -> loop.DecodeState:
+        """The state after this step's rounds of `modes[mode_index]` at row view `view`: on the state's
+        cut (`models.narrow`), their writes put back into the whole cache (`models.widen`). Dispatched,
+        not waited for."""
+        fn = self.decode(mode_index, view)
+        if view == self.capacity:
+            return fn(self.state)
+        whole = self.state.cache
+        rings = models.cuts_rings(whole, view)
+        # What the rounds leave whole (they take cuts of it): the table, and the rings when cut. The
+        # pools and lengths go to the rounds (donated) and come back written: not passed again.
+        rest = whole.replace(k=tuple(x if rings and j not in whole.paged else None for j, x in enumerate(whole.k)),
+                             v=tuple(x if rings and j not in whole.paged else None for j, x in enumerate(whole.v)),
+                             pos=whole.pos if rings else None, lengths=None)
+        out = fn(self._narrowed(self.state, view))
+        return out.replace(cache=_widen(rest, out.cache))
+
+    def view_for(self, slots) -> int:
+        """The row view a step whose decoding rows are `slots` reads (the module docstring): the
+        bucket above every position their rounds may touch, each row's bound by its blocks too."""
+        grow = self.rounds_per_step * self.block_size + max(self.config.verify_width, ROW_TILE)
+        need = max((min(self.reach[s] + grow, len(self.blocks[s]) * self.block_tokens) for s in slots), default=1)
+        return view_bucket(need, self.capacity, self.block_tokens, self.view_floor)
 
     def warm_up(self) -> None:
-        """Compile every program the engine may run (each step's ladder and the packed prefill, one
-        program for every prompt length and load). Logs (INFO,
-        logger jaxspec.engine.batching) when it starts and how long it took."""
+        """Compile the programs a short request runs (each step's ladder at the narrowest row view,
+        and the packed prefill, one program for every prompt length and load); a wider view's step
+        compiles (or loads from disk) when a request first grows into it. Logs (INFO, logger
+        jaxspec.engine.batching) when it starts and how long it took."""
         t0 = time.perf_counter()
         log.info("batch engine warm-up: %d step programs and a prefill (%d slots, K=%d) ...", len(self.modes),
                  self.slots, self.block_size)
         for i in range(len(self.modes)):
-            self.decode(i)
+            self.decode(i, view_bucket(1, self.capacity, self.block_tokens, self.view_floor))
         slot = self.admit([0], 1, seed=0)
         self._prefill_step()
         self.cancel(slot)
@@ -453,17 +515,22 @@ class BatchEngine:
                                                        self.long_passed, self.prefill_group)
         lanes = packed_prefill.pack(self.prefilling, chosen, self.lanes, self.prefill_group, self.prefill_chunk,
                                     self.capacity, self.slots)
-        self.state, firsts = packed_prefill.run(self.state, self.target, lanes, spec=self.pspec,
-                                                loop_spec=self.gen.spec, group=self.prefill_group)
+        if self._prefill is None:
+            self._prefill = packed_prefill.compiled(self.state, self.target, lanes, spec=self.pspec,
+                                                    loop_spec=self.gen.spec, group=self.prefill_group)
+        self.state, firsts = self._prefill(self.state, self.target, lanes)
         self.chunks += len(chosen)
         self.prefill_steps += 1
+        final = {slot: lane for lane, slot in enumerate(chosen)}  # each slot's last lane this step
         for lane, slot in enumerate(chosen):  # a slot's lanes in order: its last one reads its first token
             p = self.prefilling[slot]
             p.done += min(p.rest, self.prefill_chunk)
-            self._computed(slot, p)
+            if final[slot] == lane:  # the state after the program holds the rings at this boundary only
+                self._computed(slot, p)
             if not p.rest:
                 del self.prefilling[slot]
                 self.fresh[slot] = (firsts, lane)
+                self.reach[slot] = len(p.ids)  # its cache length now: the next rounds start there
 
     def _mode_index(self) -> int:
         """The cheapest program that covers every live request."""
@@ -486,10 +553,14 @@ class BatchEngine:
         if self.prefilling:
             self._prefill_step()
         nxt = None
-        if any(o is not None and s not in self.prefilling for s, o in enumerate(self.owner)):
-            i = self._mode_index()
-            self.state = self.decode(i)(self.state)
+        decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.prefilling]
+        if decoding:
+            i, view = self._mode_index(), self.view_for(decoding)
+            self.state = self._rounds(i, view)
+            for s in decoding:
+                self.reach[s] += self.rounds_per_step * self.block_size
             self.steps[i] += 1
+            self.view_steps[view] = self.view_steps.get(view, 0) + 1
             nxt = (loop.snapshot(self.state, self.window),
                    [None if s in self.prefilling else t for s, t in enumerate(self.ticket)])
         report, self.pending = self.pending, nxt

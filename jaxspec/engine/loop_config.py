@@ -53,6 +53,11 @@ MAX_STEP_TOKENS = 1 << 20  # a typo's bound: the lanes are host arrays built eve
 # wider than the prompt changes nothing; this is past the longest request the server holds (32,768
 # positions) and keeps a typo from compiling a prefill program a million rows wide.
 MAX_PREFILL_CHUNK = 1 << 16
+# The narrowest row view a batch engine's decode reads on a CPU (`view_bucket`): a round there reads
+# every position of its view, and one at 4,096 took about twice one at 256 (the 270M, 1 slot;
+# docs/benchmark_results/first-impression-cpu-2026-12-05.md). Narrower saves little (the round's
+# weights dominate) and would compile a program for every doubling from a few positions up.
+VIEW_BUCKET = 256
 
 
 def round_up(x: int, m: int) -> int:
@@ -65,6 +70,14 @@ def size_bucket(n: int, floor: int) -> int:
     if n > BUCKET_STEP:
         return round_up(n, BUCKET_STEP)
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
+def view_bucket(n: int, capacity: int, block: int, floor: int = VIEW_BUCKET) -> int:
+    """The row view (positions, whole blocks) a decode step that touches positions below `n` runs
+    at: the next power of two, at least `floor`, at most `capacity`. Powers of two keep the programs
+    few (one per doubling: 5 up to 4,096) and a view at most twice what the rows need."""
+    v = max(floor, 1 << max(0, int(n) - 1).bit_length())
+    return min(int(capacity), round_up(v, block))
 
 
 def asked_k(block_size: int, drafting: bool) -> int:

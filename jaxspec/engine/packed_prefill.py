@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import models
-from jaxspec.engine import loop, sampling
+from jaxspec.engine import loop, programs, sampling
 from jaxspec.kernels.xla import program_options
 
 def lanes_for(step_tokens: int, chunk: int, decode_tokens: int) -> int:
@@ -191,6 +191,18 @@ def run(*args, **kw):
     """`_run`, jitted with jaxspec's program options (kernels.xla.program_options: known only once
     the backend is, so the jit is made on first use)."""
     return _run_jit()(*args, **kw)
+
+
+def compiled(state: loop.DecodeState, target, lanes: dict, *, spec: loop.PrefillSpec, loop_spec: loop.LoopSpec,
+             group: int):
+    """`(state, target, lanes) -> run(...)`'s result: `run`'s program for these shapes (an engine's
+    lanes have one shape), from memory, else whole from disk (`jaxspec.engine.programs`), else
+    compiled. Through `run`'s jit a new process traced and lowered it again before JAX's cache could
+    find it: ~2 s of a warm `jaxspec serve` start on a quiet 2-core CPU. The state is donated."""
+    args = (state, target, lanes)
+    return programs.compiled(programs.Program(
+        "packed_prefill", (spec, loop_spec, group), args,
+        lambda: _run_jit().lower(*args, spec=spec, loop_spec=loop_spec, group=group)))
 
 
 @functools.cache

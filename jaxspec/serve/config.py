@@ -17,9 +17,10 @@ REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its pro
 
 # The knobs a config leaves None take the machine's defaults (`ServeConfig.resolved`). On a CPU: one
 # slot, since XLA computes every row of a step's row bucket (16 rows from 2 slots on: one client's
-# step at 4 slots did ~4x the work of 1), and 4,096 positions a request, since each decode round
-# reads a row's whole table of positions (the 270M's 1-slot step at 32,768 took 2.3x the time of
-# 4,096; docs/benchmark_results/first-impression-cpu-2026-12-05.md).
+# step at 4 slots did ~4x the work of 1), and 4,096 positions a request, what the default pool holds
+# a slot. (A decode round used to read a row's whole table, so 32,768 made the 270M's 1-slot step 2.3x
+# slower than 4,096, docs/benchmark_results/first-impression-cpu-2026-12-05.md; on a CPU a step now
+# reads only a bucket of the positions its rows touch, jaxspec.engine.batching.)
 PLATFORM_DEFAULTS = {"cpu": dict(max_batch=1, max_context=BATCH_CONTEXT)}
 DEFAULTS = dict(max_batch=4, max_context=REQUEST_CONTEXT)  # a GPU (or any other device)
 
