@@ -472,6 +472,20 @@ class BatchEngine:
         at = self.snaps.find(digests[n - 1]) if n and self.snaps is not None else None
         return found[:n], found, digests, at
 
+    def _stops(self) -> dict[int, int] | None:
+        """Where each prefilling prompt's step must end, with ring snapshots on: a snapshot is read
+        from the state after the step's program, so a prompt's several chunks a step stop at the next
+        boundary worth one (`_remember`: where its last chunk starts, the deepest one another prompt
+        had computed); boundaries between them are not snapshotted."""
+        if self.snaps is None or not self.pool.reuse:
+            return None
+        c, stops = self.prefill_chunk, {}
+        for slot, p in self.prefilling.items():
+            ahead = [x for x in ((len(p.ids) - 1) // c * c, self.shared[slot] // c * c) if x > p.done]
+            if ahead:
+                stops[slot] = min(ahead)
+        return stops
+
     def _computed(self, slot: int, p: packed_prefill.Prompt) -> None:
         """After a chunk of `slot`'s prompt is queued: its full blocks written so far are registered
         (a later prompt may share them), and at a chunk boundary the row's rings are copied into a
@@ -512,7 +526,7 @@ class BatchEngine:
         there are lanes (`packed_prefill.plan`: short ones first, long ones first after a step that
         passed them over), in one program."""
         chosen, self.long_passed = packed_prefill.plan(self.prefilling, self.lanes, self.prefill_chunk,
-                                                       self.long_passed, self.prefill_group)
+                                                       self.long_passed, self.prefill_group, self._stops())
         lanes = packed_prefill.pack(self.prefilling, chosen, self.lanes, self.prefill_group, self.prefill_chunk,
                                     self.capacity, self.slots)
         if self._prefill is None:

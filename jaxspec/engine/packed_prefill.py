@@ -63,21 +63,24 @@ class Prompt:
         return len(self.ids) - self.done
 
 
-def plan(prompts: dict[int, Prompt], lanes: int, chunk: int, long_first: bool, group: int = 1
-         ) -> tuple[list[int], bool]:
+def plan(prompts: dict[int, Prompt], lanes: int, chunk: int, long_first: bool, group: int = 1,
+         stops: dict[int, int] | None = None) -> tuple[list[int], bool]:
     """(the slots that get a lane this step, in lane order, a slot once per chunk it advances;
     whether a long prompt waited and got none). Short prompts (the rest fits one chunk: they finish
     now) go first, then long ones, each class in admission order (`prompts`' order); after a step
     that passed the long ones over (`long_first`) the long ones go first, so the oldest advances at
     least every other step. Lanes left once every prompt has one go to the long prompts' next chunks,
-    oldest first (only with `group` 1: a group's lanes run in one forward)."""
+    oldest first (only with `group` 1: a group's lanes run in one forward), a prompt's step ending at
+    its `stops` entry (a chunk boundary ahead of it, where the engine wants the row's state) if any."""
     long = [s for s, p in prompts.items() if p.rest > chunk]
     short = [s for s in prompts if s not in long]
     chosen = (long + short if long_first else short + long)[:lanes]
     passed = bool(long) and not any(s in long for s in chosen)
     if group == 1:
         for s in long:
-            more = min(-(-prompts[s].rest // chunk) - 1, lanes - len(chosen)) if s in chosen else 0
+            p, stop = prompts[s], (stops or {}).get(s)
+            left = -(-p.rest // chunk) if stop is None or stop <= p.done else (stop - p.done) // chunk
+            more = min(left - 1, lanes - len(chosen)) if s in chosen else 0
             chosen += [s] * max(0, more)
     return chosen, passed
 

@@ -86,6 +86,8 @@ def test_the_budget_sets_how_many_prompts_advance_and_the_order_rules_which():
     assert packed_prefill.plan(waiting, 6, 32, False) == ([0, 2, 1, 3, 3, 3], False)
     assert packed_prefill.plan(waiting, 9, 32, False) == ([0, 2, 1, 3, 3, 3, 3], False)  # 100 tokens: 4 chunks
     assert packed_prefill.plan(waiting, 6, 32, False, group=2) == ([0, 2, 1, 3], False)
+    # a stop (where the engine reads a snapshot) ends the prompt's step there: chunks 0-1, not 0-3
+    assert packed_prefill.plan(waiting, 9, 32, False, stops={3: 64}) == ([0, 2, 1, 3, 3], False)
     assert packed_prefill.lanes_for(2048, 128, 4 * 4 * 8) == 15  # decode rounds first, then whole chunks
     assert packed_prefill.lanes_for(256, 128, 1024) == 1  # a prompt always advances
 
