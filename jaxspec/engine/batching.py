@@ -475,13 +475,16 @@ class BatchEngine:
     def _stops(self) -> dict[int, int] | None:
         """Where each prefilling prompt's step must end, with ring snapshots on: a snapshot is read
         from the state after the step's program, so a prompt's several chunks a step stop at the next
-        boundary worth one (`_remember`: where its last chunk starts, the deepest one another prompt
-        had computed); boundaries between them are not snapshotted."""
+        boundary `_remember` would snapshot (any while the store has room, else where its last chunk
+        starts and the deepest one another prompt had computed): the same boundaries as at one chunk
+        a step."""
         if self.snaps is None or not self.pool.reuse:
             return None
-        c, stops = self.prefill_chunk, {}
+        c, stops, room = self.prefill_chunk, {}, self.snaps.has_room
         for slot, p in self.prefilling.items():
             ahead = [x for x in ((len(p.ids) - 1) // c * c, self.shared[slot] // c * c) if x > p.done]
+            if room:
+                ahead.append(p.done + c)
             if ahead:
                 stops[slot] = min(ahead)
         return stops

@@ -82,17 +82,16 @@ def test_reuse_gives_the_tokens_and_logprobs_of_no_reuse(engines):
 
 
 def test_a_prompt_still_prefilling_shares_its_blocks(engines):
-    """The second request arrives one step after the first (two chunks of the first computed in
-    that step's two lanes, its snapshot taken at the step's end): it starts after them, both run
-    together, each as without reuse."""
+    """The second request arrives one step after the first (one chunk of the first computed, its
+    snapshot taken): it starts after that chunk, both run together, each as without reuse."""
     on, off = engines
     rng = seeded_rng()
     vocab = TARGET.config.vocab_size
     p = rng.integers(2, vocab, 3 * CHUNK + 7).tolist()
-    requests = [(p, 12, 0, None), (p[:2 * CHUNK + 3] + rng.integers(2, vocab, 20).tolist(), 12, 5, SAMPLED)]
+    requests = [(p, 12, 0, None), (p[:CHUNK + 3] + rng.integers(2, vocab, 20).tolist(), 12, 5, SAMPLED)]
     got, hits = _serve(on, requests, stagger=1)
     ref, _ = _serve(off, requests, stagger=1)
-    assert hits == [0, 2 * CHUNK] and on.pool.reuse
+    assert hits == [0, CHUNK] and on.pool.reuse
     assert got == ref
 
 
