@@ -475,19 +475,25 @@ class BatchEngine:
     def _stops(self) -> dict[int, int] | None:
         """Where each prefilling prompt's step must end, with ring snapshots on: a snapshot is read
         from the state after the step's program, so a prompt's several chunks a step stop at the next
-        boundary `_remember` would snapshot (any while the store has room, else where its last chunk
-        starts and the deepest one another prompt had computed): the same boundaries as at one chunk
-        a step."""
+        boundary `_snapshot_wanted` names: the same boundaries as at one chunk a step."""
         if self.snaps is None or not self.pool.reuse:
             return None
-        c, stops, room = self.prefill_chunk, {}, self.snaps.has_room
+        c, stops = self.prefill_chunk, {}
         for slot, p in self.prefilling.items():
-            ahead = [x for x in ((len(p.ids) - 1) // c * c, self.shared[slot] // c * c) if x > p.done]
-            if room:
-                ahead.append(p.done + c)
-            if ahead:
-                stops[slot] = min(ahead)
+            stop = next((e for e in range(p.done + c, len(p.ids), c) if self._snapshot_wanted(slot, p, e)), None)
+            if stop is not None:
+                stops[slot] = stop
         return stops
+
+    def _snapshot_wanted(self, slot: int, p: packed_prefill.Prompt, e: int) -> bool:
+        """Whether the rings of `slot` at position `e` of its prompt `p` are worth a snapshot: at a
+        chunk boundary within its full blocks, where its last chunk starts or it ends (a chat's next
+        turn extends this prompt), the deepest one another prompt had computed too (a shared system
+        prompt), any while the store has room. Not all: a long prompt's later boundaries would evict
+        every earlier snapshot, the useful ones too."""
+        c = self.prefill_chunk
+        return (e % c == 0 and 0 < e <= len(self.digests.get(slot) or ()) * self.block_tokens
+                and (len(p.ids) - e <= c or self.shared[slot] // c * c == e or self.snaps.has_room))
 
     def _computed(self, slot: int, p: packed_prefill.Prompt) -> None:
         """After a chunk of `slot`'s prompt is queued: its full blocks written so far are registered
@@ -509,14 +515,8 @@ class BatchEngine:
         for i in range(self.registered[slot], upto):
             self.pool.register(self.blocks[slot][i], digests[i], p.ids[i * b:(i + 1) * b])
         self.registered[slot] = upto
-        c, e = self.prefill_chunk, p.done
-        if self.snaps is not None and e % c == 0 and 0 < e <= len(digests) * b and (
-                p.rest <= c or self.shared[slot] // c * c == e or self.snaps.has_room):
-            # Which boundaries: where the prompt's last chunk starts or it ends (a chat's next turn
-            # extends this prompt), the deepest one another prompt had computed too (a shared system
-            # prompt), any while the store has room. Not all: a long prompt's later boundaries
-            # would evict every earlier snapshot, the useful ones too.
-            self.snaps.take(self.state.cache, slot, digests[e // b - 1])
+        if self.snaps is not None and self._snapshot_wanted(slot, p, p.done):
+            self.snaps.take(self.state.cache, slot, digests[p.done // b - 1])
 
     def _reuse_failed(self, e: Exception) -> None:
         """Prefix reuse off for the rest of this engine's life (no lookup, registration or snapshot;
