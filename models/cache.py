@@ -191,7 +191,7 @@ def widen(cache: KVCache, cut: KVCache) -> KVCache:
     there (its forwards' positions were past the cut: dropped) and keeps its ring as it was."""
     out = cut.replace(table=cache.table)
     if cut.pos is None and cache.pos is not None:
-        view = cut.table.shape[1] * cut.block
+        view = cut.view_positions
         put = lambda whole, part, j: part if j in cache.paged else jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
             whole, part, 0, whole.ndim - 3)
         slots = jnp.arange(view, dtype=jnp.int32)[None, :]
