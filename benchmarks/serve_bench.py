@@ -13,8 +13,9 @@ tokens/s (all tokens over the wall time), time to first token (arrival to the st
 it: the prefill and the next step's dispatch, plus any wait for a slot), per-stream tokens/s (a
 request's tokens after its first over the time since its first), the engine's K (after the
 exactness probe) and the speculative speedup against K = 1 at the same N.
-Compilation is excluded (a warm-up request per configuration). Prompts: random ids (presets) or
-the default pair's held-out prompts; every request decodes --max-tokens tokens (no stop ids).
+Compilation is excluded (a warm-up request per configuration). Prompts: random ids, fresh for every
+request (presets: no two share a prefix) or the default pair's held-out prompts, cycled; every request
+decodes --max-tokens tokens (no stop ids).
 `--http` adds, per configuration, the same clients through the HTTP server (`jaxspec.serve.app` behind
 its guard on a local port, streamed completions read with http.client by client threads in a process
 of their own, `http_clients.py`, as real clients would be): the engine row then uses
@@ -99,11 +100,40 @@ def load(args, matmul):
         dtype = jnp.dtype(args.dtype)
         t = models.load_target(os.path.join(path, "target"), dtype=dtype, matmul=matmul)
         a = models.load_assistant(os.path.join(path, "assistant"), dtype=dtype, matmul=matmul)
-        return t, a, [p["ids"] for p in dp.heldout_prompts(path)], "the default pair, its held-out prompts"
+        return t, a, Cycled(p["ids"] for p in dp.heldout_prompts(path)), "the default pair, its held-out prompts"
     t, a = random_pair(args.target, args.assistant, layers=args.layers, matmul=matmul, seed=args.seed)
-    prompts = [rng.integers(2, t.config.vocab_size, int(n)).tolist()
-               for n in rng.integers(args.prompt_len // 2, args.prompt_len + 1, 32)]
-    return t, a, prompts, f"preset {args.target}, random 4-bit weights, {args.prompt_len // 2}-{args.prompt_len}-token prompts"
+    prompts = Prompts(rng, t.config.vocab_size, args.prompt_len // 2, args.prompt_len)
+    return t, a, prompts, (f"preset {args.target}, random 4-bit weights, {args.prompt_len // 2}-{args.prompt_len}-token "
+                           "prompts, a fresh one for every request")
+
+
+class Prompts:
+    """A preset sweep's prompts: fresh random ids for every request `take` hands out, so no two
+    requests share a first block and the prefix cache never hits (issue 70's bar compares the sweep
+    with reuse on and off on requests that share nothing; the 32 prompts cycled before made a repeated
+    prompt's blocks hit). `widths()`: one prompt per prefill width, for the compile warm-up."""
+
+    def __init__(self, rng, vocab: int, lo: int, hi: int):
+        self.rng, self.vocab, self.lo, self.hi = rng, vocab, lo, hi
+
+    def _ids(self, n: int) -> list[int]:
+        return self.rng.integers(2, self.vocab, int(n)).tolist()
+
+    def take(self, count: int) -> list[list[int]]:
+        return [self._ids(n) for n in self.rng.integers(self.lo, self.hi + 1, count)]
+
+    def widths(self) -> list[list[int]]:
+        return [self._ids(max(self.lo, min(self.hi, 16 * w))) for w in range(-(-self.lo // 16), -(-self.hi // 16) + 1)]
+
+
+class Cycled(list):
+    """The default pair's held-out prompts, cycled in the same order by every run."""
+
+    def take(self, count: int) -> list[list[int]]:
+        return [self[i % len(self)] for i in range(count)]
+
+    def widths(self) -> list[list[int]]:
+        return list({-(-len(p) // 16): p for p in self}.values())
 
 
 class IdTokenizer:
@@ -243,7 +273,6 @@ def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: i
     LONG = "long"
     owner, gaps = {}, []  # slot -> (client, token stamps, request); gaps: (stamp, gap, client, step info)
     requests = []  # the short requests: {"arrived", "first"} (first: None until its first token)
-    sent = [0] * clients
     # Client c's first request waits c * max_tokens / clients engine steps. Started together, equal
     # requests end in the same step and every stream re-admits at once: a step with all the streams'
     # prefills swings the p99 before, and a long request arriving then meets no stream mid-request.
@@ -263,15 +292,14 @@ def long_request(engine: BatchEngine, clients: int, short_prompts, max_tokens: i
             if long_at is None and now >= arrive:
                 long_at = now
                 queue.insert(0, (LONG, now))  # admitted next: ahead of the streams' next requests (it arrived first)
-            while queue and engine.can_admit(len(long_ids) if queue[0][0] == LONG else len(short_prompts[0]),
+            while queue and engine.can_admit(len(long_ids) if queue[0][0] == LONG else short_prompts.hi,
                                              long_tokens if queue[0][0] == LONG else max_tokens):
                 c, arrived = queue.pop(0)
                 if c == LONG:
                     slot = long_slot = engine.admit(long_ids, long_tokens, seed=0)
                     req = None
                 else:
-                    slot = engine.admit(short_prompts[(c * 997 + sent[c]) % len(short_prompts)], max_tokens, seed=0)
-                    sent[c] += 1
+                    slot = engine.admit(short_prompts.take(1)[0], max_tokens, seed=0)
                     req = dict(arrived=arrived, first=None)
                     requests.append(req)
                 owner[slot] = (c, [], req)
@@ -332,7 +360,7 @@ def long_main(args, target, assistant, argv) -> None:
     rng = np.random.default_rng(args.seed)
     vocab = target.config.vocab_size
     clients = args.clients[0]
-    short = [rng.integers(2, vocab, args.prompt_len).tolist() for _ in range(32)]
+    short = Prompts(rng, vocab, args.prompt_len, args.prompt_len)  # a fresh prompt a request: none hits a prefix
     long_ids = rng.integers(2, vocab, args.long_prompt).tolist()
     block = args.block_tokens
     capacity = -(-(args.long_prompt + args.long_tokens + 2 * 16) // block) * block
@@ -346,7 +374,7 @@ def long_main(args, target, assistant, argv) -> None:
                              block_tokens=block, prefill_chunk=args.prefill_chunk,
                              prefix_cache=not args.no_prefix_cache, **_budget(budget))
         t = time.perf_counter()
-        for ids, n in ((long_ids, args.long_tokens), (short[0], args.max_tokens)):  # compile: chunks, steps
+        for ids, n in ((long_ids, args.long_tokens), (short.take(1)[0], args.max_tokens)):  # compile: chunks, steps
             engine.admit(ids, n, seed=0)
             while engine.live:
                 engine.step()
@@ -423,8 +451,8 @@ def main(argv=None) -> None:
     ap.add_argument("--step-tokens", type=_ints, default=[],
                     help="comma-separated token budgets a step to sweep, each a configuration (default: the engine's)")
     ap.add_argument("--no-prefix-cache", action="store_true",
-                    help="prefill every prompt whole (issue 70's bar: the sweep with reuse within 3%% of it; the "
-                         "sweep's clients cycle through 32 prompts, so with reuse a repeated prompt's blocks hit)")
+                    help="prefill every prompt whole (issue 70's bar: the sweep with reuse within 3%% of it; a "
+                         "preset's requests share no prefix, so the sweep measures what reuse costs)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quiet", action="store_true", help="no progress bar (shown on stderr only when it is a terminal)")
     args = ap.parse_args(argv)
@@ -463,25 +491,27 @@ def main(argv=None) -> None:
                                      prefill_chunk=args.prefill_chunk, block_tokens=args.block_tokens,
                                      prefix_cache=not args.no_prefix_cache,
                                      **_budget(budget))
-            widths = {-(-len(p) // 16): p for p in prompts}  # one prompt per prefill width
+            widths = prompts.widths()  # one prompt per prefill width
             if set(args.sampling) != {"greedy"}:
                 engine.warm_up()  # every step program (greedy alone needs only the first)
-            for p in widths.values():  # compile: each prompt width's prefill
+            for p in widths:  # compile: each prompt width's prefill
                 engine.admit(p, 2, seed=0)
                 while engine.live:
                     engine.step()
             for kind in args.sampling:
-                runs = [("engine", lambda: serve(engine, prompts, n, args.requests_per_client, args.max_tokens, kind))]
+                per_run = n * args.requests_per_client
+                runs = [("engine", lambda: serve(engine, prompts.take(per_run), n, args.requests_per_client,
+                                                 args.max_tokens, kind))]
                 if args.http:
-                    runs.append(("http", lambda: _http_run(server, widths.values(), prompts, n, args, kind)))
+                    runs.append(("http", lambda: _http_run(server, widths, prompts.take(per_run), n, args, kind)))
                 for mode, run in runs:
-                    steps = list(engine.steps)
+                    steps, hit = list(engine.steps), engine.pool.hit
                     tries = [run() for _ in range(args.repeats)]
                     r = sorted(tries, key=lambda x: x["tokens_per_s"])[len(tries) // 2]  # the median run
                     used = [(b - a) // args.repeats for a, b in zip(steps, engine.steps)]
                     rows.append(dict(mode=mode, sampling=kind, k_asked=k, k=engine.block_size, fallback=engine.fallback,
                                      clients=n, slots=slots, step_tokens=engine.step_tokens, lanes=engine.lanes,
-                                     steps_per_program=used,
+                                     steps_per_program=used, prefix_hit_tokens=engine.pool.hit - hit,
                                      repeats_tokens_per_s=[x["tokens_per_s"] for x in tries], **r))
                     sweep.update(1)
                     with sweep.external_write_mode():  # the result line (stdout) between two redraws of the bar

@@ -31,6 +31,7 @@ def test_tiny_pair_clients_and_block_sizes(tmp_path, monkeypatch, capsys):
         assert r["requests"] == 2 * r["clients"] and r["tokens"] == 6 * r["requests"]  # no stop ids: full budgets
         assert r["k"] == r["k_asked"] and r["tokens_per_s"] > 0 and r["ttft_p90_s"] >= r["ttft_median_s"] > 0
         assert r["stream_tokens_per_s"] > 0
+        assert r["prefix_hit_tokens"] == 0  # a fresh prompt a request: the sweep measures no reuse
         assert len(r["repeats_tokens_per_s"]) == 2 and r["tokens_per_s"] == max(r["repeats_tokens_per_s"])  # median of 2: the upper
     md = open(os.path.join(out, "serve.md")).read()
     assert "| engine | greedy | 3 | 3 | 3 | 3 |" in md and "speculative / classic" in md
