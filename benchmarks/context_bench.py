@@ -10,7 +10,8 @@ peak memory after the length (lengths run in increasing order, so each peak is t
 shorter one's when that was higher). For each --spec-context length with --assistant: a K = 4
 speculative run on the same prompt, its greedy output against classic, the exactness probe's verdict
 (no fallback) and the round cost in classic decode steps. --attention xla runs the XLA attention
-(the reference) instead of the Pallas kernels for an A/B. Writes DIR/context.json, DIR/context.md
+(the reference) instead of the Pallas kernels for an A/B; --backend picks the matmul path (auto: the
+kernels on a GPU, XLA elsewhere). Writes DIR/context.json, DIR/context.md
 and DIR/context.png after every length, so a run cut short keeps what finished.
 """
 from __future__ import annotations
@@ -40,8 +41,11 @@ def _ints(s: str) -> list[int]:
 
 
 def build(args):
+    # "auto": the Pallas kernels on a GPU; elsewhere XLA (the kernels' interpreter times nothing real
+    # and compiled a tiny sweep ~2.4x slower on the CPU)
+    backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
     return random_pair(args.target, args.assistant, layers=args.layers, seed=args.seed,
-                       matmul=DispatchConfig.from_env(attention=args.attention))
+                       matmul=DispatchConfig.from_env(attention=args.attention, backend=backend))
 
 
 def peak_bytes() -> int | None:
@@ -120,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--attention", choices=("auto", "xla"), default="auto")
+    ap.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto",
+                    help="the matmul path (auto: pallas on a GPU, else xla)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default="")
     ap.add_argument("--time-budget", type=float, default=0, help="skip lengths once this many s have passed")
@@ -129,7 +135,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     target, assistant = build(args)
     what = (f"preset {args.target}" + (f" (first {args.layers} layers)" if args.layers else "")
-            + f", random 4-bit weights, B = 1, greedy, {args.max_tokens} new tokens, attention {args.attention}")
+            + f", random 4-bit weights, B = 1, greedy, {args.max_tokens} new tokens, attention {args.attention}, "
+            f"matmul {target.matmul.backend}")
     meta = dict(what=what, env=environment_line(args.commit), command="python benchmarks/context_bench.py "
                 + " ".join(sys.argv[1:] if argv is None else argv), build_s=time.perf_counter() - t0)
     rng = np.random.default_rng(args.seed)

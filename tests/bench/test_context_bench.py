@@ -26,4 +26,4 @@ def test_tiny_sweep_writes_rows_and_speculative_parity(tmp_path):
     saved = json.load(open(os.path.join(out, "context.json")))
     assert saved["rows"] == json.loads(json.dumps(rows))
     md = open(os.path.join(out, "context.md")).read()
-    assert "| 200 |" in md and "| 40 |" in md
+    assert "| 200 |" in md and "| 40 |" in md and "matmul xla" in md  # auto on a CPU: not the kernels' interpreter
