@@ -7,8 +7,9 @@ capacity 1,024, so the whole table is never the bucket.
 agree bit for bit; at the default level this tiny model's logits differ in the last bits, with views cut
 or not: from -O1 on XLA's CPU code contracts a * b + c into one FMA inside a fused kernel, and the
 engine's programs fuse the model otherwise than generate's. Without FMA (--xla_cpu_max_isa=AVX) they
-agree at the default level too, and so do the real Gemma 3 270M's and the default pair's at the default
-level, measured: docs/benchmark_results/first-impression-cpu-2026-12-05.md.)"""
+agree at the default level too; the real Gemma 3 270M's and the default pair's agree at the default level
+in bfloat16, the default pair's in float32 do not: benchmarks/engine_bits_bench.py,
+docs/benchmark_results/first-impression-cpu-2026-12-05.md.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
