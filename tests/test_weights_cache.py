@@ -102,3 +102,17 @@ def test_generate_converts_once_then_reads_the_cache(tiny, tmp_path, capsys, mon
     third = run()
     assert builds == [tiny, tiny] and "converting" in third.err and third.out == plain.out
     assert weights_cache.lookup(tiny) == entry and sized == [os.path.getsize(tiny)] * 4
+
+
+def test_chat_on_a_cached_gguf_names_the_gguf(tiny, tmp_path, capsys, monkeypatch):
+    """`--chat` on a GGUF without a chat template is refused (exit 2) with the GGUF's own message, the
+    one --no-weights-cache gives (its file named, "a base model?"), also once the run reads the
+    cache's entry: not "this model directory", a directory the user never named."""
+    monkeypatch.setenv(weights_cache.ENV, str(tmp_path / "cache"))
+    weights_cache.build(tiny, str(tmp_path / "cache"))
+    argv = ["generate", "t5 t9", "--model", tiny, "--chat", "--max-tokens", "2"]
+    errs = []
+    for extra in ([], ["--no-weights-cache"]):
+        assert cli.main(argv + extra) == 2
+        errs.append(capsys.readouterr().err.splitlines()[-1])
+    assert errs[0] == errs[1] and f"{tiny} has no chat template" in errs[0] and "a base model?" in errs[0], errs

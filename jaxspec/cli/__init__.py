@@ -538,6 +538,10 @@ def cmd_generate(args) -> int:
 
     try:
         tok = load_tokenizer(model_dir, args.tokenizer)
+        if gguf_src is not None and args.tokenizer is None:
+            # a cache entry's tokenizer is the GGUF's, rebuilt: its errors name the file the user's
+            # --model stands for (the GGUF's "a base model?" note), not a directory they never gave
+            tok.source = gguf_src
         if args.chat:
             ids = tok.encode_chat(prompt)
         else:

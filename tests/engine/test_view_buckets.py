@@ -4,7 +4,12 @@ table, and a request's tokens stay what jaxspec.generate gives it alone, bitwise
 one bucket into the next (views within the sliding layers' rings cut them too). The tiny pair;
 capacity 1,024, so the whole table is never the bucket.
 (Under pytest XLA compiles at -O0, tests/conftest.py: there generate's and the engine's log-probabilities
-agree bit for bit; at the default level they differ in the last bits, with views cut or not.)"""
+agree bit for bit; at the default level this tiny model's logits differ in the last bits, with views cut
+or not: from -O1 on XLA's CPU code contracts a * b + c into one FMA inside a fused kernel, and the
+engine's programs fuse the model otherwise than generate's. Without FMA (--xla_cpu_max_isa=AVX) they
+agree at the default level too; the real Gemma 3 270M's and the default pair's agree at the default level
+in bfloat16, the default pair's in float32 do not: benchmarks/engine_bits_bench.py,
+docs/benchmark_results/first-impression-cpu-2026-12-05.md.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
