@@ -337,8 +337,9 @@ class BatchEngine:
         compiles (or loads from disk) when a request first grows into it. Logs (INFO, logger
         jaxspec.engine.batching) when it starts and how long it took."""
         t0 = time.perf_counter()
-        log.info("batch engine warm-up: %d step programs and a prefill (%d slots, K=%d) ...", len(self.modes),
-                 self.slots, self.block_size)
+        plural = lambda n: "s" * (n != 1)  # noqa: E731
+        log.info("batch engine warm-up: %d step program%s and a prefill (%d slot%s, K=%d) ...", len(self.modes),
+                 plural(len(self.modes)), self.slots, plural(self.slots), self.block_size)
         for i in range(len(self.modes)):
             self.decode(i, view_bucket(1, self.capacity, self.block_tokens, self.view_floor))
         slot = self.admit([0], 1, seed=0)
