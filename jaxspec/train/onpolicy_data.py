@@ -11,17 +11,20 @@ writes itself from short openers, in equal shares; held-out prompts (--heldout, 
 any training text holding a piece of one is dropped. `--random-prompts`: random token ids instead (a
 target without a tokenizer: the tests).
 
-Continuations: the target's own, --new-tokens each (`jaxspec.generate`, classic): --sampled-share of
-the rows sampled (--temperature, top_p 0.95), the rest greedy; the held-out prompts' greedy
-continuations too (for the trimmed vocabulary's coverage, never trained on). Then every row is scored
-once by the target and the k (--top-logits) most likely tokens of each continuation position are
+Continuations: the target's own, --new-tokens each (`jaxspec.generate`, classic): the held-out
+prompts' greedy continuations first, every one (for the trimmed vocabulary's coverage and the
+evaluation, never trained on), then --gen-batch training rows at a time, --sampled-share of the
+batches sampled (--temperature, top_p 0.95), the rest greedy, interleaved. Each batch is scored by
+the target at once and the k (--top-logits) most likely tokens of each continuation position are
 kept with their log-probabilities: the KL targets of `jaxspec.train.ttt`, small on disk.
 
 Writes into --work (a directory of yours): data.npz (rows int32 [n, P + T], top_ids int32 [n, T, k],
 top_lp float16 [n, T, k], kind int8 [n] (index into info.json's kinds), sampled bool [n],
-heldout_rows int32 [m, P + T], counts int64 [V]: how often the target wrote each token in the
-training continuations, the trimmed vocabulary's ranking) and info.json (sources, sizes, times).
---minutes bounds the call: generation stops after the batch that passes its share.
+heldout_rows int32 [m, P + T] (a prompt shorter than P right-padded with 0, its continuation at P),
+heldout_lengths int32 [m] (each held-out prompt's length), counts int64 [V]: how often the target
+wrote each token in the training continuations, the trimmed vocabulary's ranking) and info.json
+(sources, sizes, times). --minutes bounds the whole call: a batch starts only if the last one's
+time still fits (the end keeps up to 30 s for writing).
 """
 from __future__ import annotations
 
@@ -143,15 +146,15 @@ def make_scorer(target, prompt_len: int, k: int):
     head's work at P = 64, T = 128 (and half the scoring time on a CPU) for nothing."""
     tcfg = target.config
 
-    @jax.jit
-    def score(x):
-        cache = models.init_cache(tcfg, x.shape[0], x.shape[1], target.dtype, ring=False)
-        _, hidden, _ = models.forward(target, x, cache)  # its logits are dead code
-        lp = jax.nn.log_softmax(models.head_logits(target, hidden[:, prompt_len - 1:-1]), axis=-1)
+    @jax.jit  # the target is an argument: closed over, its weights were constants baked into the program
+    def score(t, x):
+        cache = models.init_cache(tcfg, x.shape[0], x.shape[1], t.dtype, ring=False)
+        _, hidden, _ = models.forward(t, x, cache)  # its logits are dead code
+        lp = jax.nn.log_softmax(models.head_logits(t, hidden[:, prompt_len - 1:-1]), axis=-1)
         v, i = jax.lax.top_k(lp, k)
         return i.astype(jnp.int32), v.astype(jnp.float16)
 
-    return score
+    return lambda x: score(target, x)
 
 
 def teacher_topk(target, rows: np.ndarray, prompt_len: int, k: int, batch: int, scorer=None):
