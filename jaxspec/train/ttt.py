@@ -91,7 +91,8 @@ def build_parser():
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per in-training evaluation")
     p.add_argument("--eval-new-tokens", type=int, default=64)
     p.add_argument("--minutes", type=float, default=9.5, help="the whole call")
-    p.add_argument("--eval-reserve", type=float, default=None, help="seconds kept for the end: save, step costs, final evaluation (default: measured)")
+    p.add_argument("--eval-reserve", type=float, default=None,
+                   help="seconds kept for the end: save, step costs, final evaluation (default: measured)")
     p.add_argument("--bits", type=int, default=8, choices=(0, 4, 8))
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -224,10 +225,11 @@ def _run(argv) -> int:
     # just measured (a fixed 150 s fit 24 prompts at the first recipe's H200 pace, 4.1 s each, and
     # would have skipped some of 32)
     per_prompt = evals[0]["seconds"] / min(args.eval_prompts, len(held_prompts))
-    # fixed: save, reload and step costs (~30 s on the H200 of 2026-12-04) and the loaded drafter's and
-    # the short prompts' programs
-    reserve = args.eval_reserve if args.eval_reserve is not None else max(150.0 if on_gpu else 120.0, (
-        90.0 if on_gpu else 120.0) + per_prompt * (min(args.eval_prompts, len(held_prompts)) + 1.25 * len(held_prompts)))
+    n_eval = min(args.eval_prompts, len(held_prompts)) + 1.25 * len(held_prompts)  # a quarter's margin
+    # plus, fixed: save, reload and step costs (~30 s on the H200 of 2026-12-04) and the loaded
+    # drafter's and the short prompts' programs
+    reserve = args.eval_reserve if args.eval_reserve is not None else max(
+        150.0 if on_gpu else 120.0, (90.0 if on_gpu else 120.0) + per_prompt * n_eval)
     end_train = end - reserve
     log(f"evaluation {per_prompt:.1f}s a prompt: {reserve:.0f}s kept for the end ({len(held_prompts)} prompts)")
     step, total, history = 0, args.steps, []
