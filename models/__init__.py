@@ -25,13 +25,13 @@ from .config import AssistantConfig, RopeConfig, TargetConfig, check_fit
 from .dense import prepare_dense, weight_bytes
 from .params import assistant_shapes, target_shapes
 from .shard import shard
-from .target import Target, embed, forward, logits, make_target, row_bucket, shared_kv
+from .target import Target, embed, forward, head_logits, logits, make_target, row_bucket, shared_kv
 
 __all__ = [
     "EMPTY", "ROW_TILE", "cache_bytes", "cuts_rings", "init_paged_cache", "narrow", "paged_block_bytes",
     "paged_cache_bytes", "ring_size",
     "Assistant", "AssistantConfig", "assistant_stack", "KVCache", "RopeConfig", "Target", "TargetConfig", "assistant_shapes",
-    "centroid_logits", "check_fit", "draft_ids", "draft_logits", "draft_step", "full_logits", "embed", "forward", "init_cache", "load_assistant",
+    "centroid_logits", "check_fit", "draft_ids", "draft_logits", "draft_step", "full_logits", "embed", "forward", "head_logits", "init_cache", "load_assistant",
     "load_target", "logits", "make_assistant", "make_target", "prepare_dense", "presets", "quantize_model", "row_bucket", "save",
     "shard", "shared_kv", "target_shapes", "visible_keys", "weight_bytes", "widen", "with_draft_vocab",
 ]

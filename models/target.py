@@ -247,11 +247,19 @@ def _forward(target: Target, tokens: jax.Array, cache: KVCache, *, valid, capaci
     eps = cfg.rms_norm_eps
     hidden = rms_norm(h, norm_scale(cfg, p["norm"]), eps)
     at = hidden if logits_at is None else hidden[jnp.arange(b), logits_at.astype(jnp.int32)][:, None]
-    out = linear(at, head_weight(target), mm).astype(jnp.float32)
+    return head_logits(target, at), hidden, cache.replace(k=tuple(ks), v=tuple(vs), lengths=start + t, pos=ring_pos)
+
+
+def head_logits(target: Target, hidden: jax.Array) -> jax.Array:
+    """float32 logits `[..., V]` of post-final-norm hidden states `[..., H]` (`forward`'s second
+    output): the head and softcap `forward` applies. Scoring only some positions of a long row
+    (the data stage scores continuations, not prompts) computes the head on those alone."""
+    cfg = target.config
+    out = linear(hidden, head_weight(target), target.matmul).astype(jnp.float32)
     if cfg.final_logit_softcapping is not None:
         c = cfg.final_logit_softcapping
         out = jnp.tanh(out / c) * c
-    return out, hidden, cache.replace(k=tuple(ks), v=tuple(vs), lengths=start + t, pos=ring_pos)
+    return out
 
 
 class _Weights:

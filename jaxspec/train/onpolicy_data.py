@@ -11,17 +11,20 @@ writes itself from short openers, in equal shares; held-out prompts (--heldout, 
 any training text holding a piece of one is dropped. `--random-prompts`: random token ids instead (a
 target without a tokenizer: the tests).
 
-Continuations: the target's own, --new-tokens each (`jaxspec.generate`, classic): --sampled-share of
-the rows sampled (--temperature, top_p 0.95), the rest greedy; the held-out prompts' greedy
-continuations too (for the trimmed vocabulary's coverage, never trained on). Then every row is scored
-once by the target and the k (--top-logits) most likely tokens of each continuation position are
+Continuations: the target's own, --new-tokens each (`jaxspec.generate`, classic): the held-out
+prompts' greedy continuations first, every one (for the trimmed vocabulary's coverage and the
+evaluation, never trained on), then --gen-batch training rows at a time, --sampled-share of the
+batches sampled (--temperature, top_p 0.95), the rest greedy, interleaved. Each batch is scored by
+the target at once and the k (--top-logits) most likely tokens of each continuation position are
 kept with their log-probabilities: the KL targets of `jaxspec.train.ttt`, small on disk.
 
 Writes into --work (a directory of yours): data.npz (rows int32 [n, P + T], top_ids int32 [n, T, k],
 top_lp float16 [n, T, k], kind int8 [n] (index into info.json's kinds), sampled bool [n],
-heldout_rows int32 [m, P + T], counts int64 [V]: how often the target wrote each token in the
-training continuations, the trimmed vocabulary's ranking) and info.json (sources, sizes, times).
---minutes bounds the call: generation stops after the batch that passes its share.
+heldout_rows int32 [m, P + T] (a prompt shorter than P right-padded with 0, its continuation at P),
+heldout_lengths int32 [m] (each held-out prompt's length), counts int64 [V]: how often the target
+wrote each token in the training continuations, the trimmed vocabulary's ranking) and info.json
+(sources, sizes, times). --minutes bounds the whole call: a batch starts only if the last one's
+time still fits (the end keeps up to 30 s for writing).
 """
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ def build_prompts(args, target, tok, heldout, end_by: float):
     if args.random_prompts or tok is None:
         held = random_prompts(target.config.vocab_size, args.heldout_prompts, p, args.seed + 1)
         train = random_prompts(target.config.vocab_size, args.prompts, p, args.seed, avoid=held)
-        return train, np.zeros(len(train), np.int8), held, dict(source="random token ids")
+        return train, np.zeros(len(train), np.int8), held.tolist(), dict(source="random token ids")
     texts, info = sources.training_texts(args.max_files)
     probes = heldout_probes(heldout)
     dropped = 0
@@ -105,50 +108,125 @@ def build_prompts(args, target, tok, heldout, end_by: float):
         rows += got
         kind += [i] * len(got)
     order = rng.permutation(len(rows))[:args.prompts]
-    held = np.asarray([tok.encode(h["text"])[:p] for h in heldout if len(tok.encode(h["text"])) >= p], np.int32)
+    # every held-out prompt, cut to P tokens: the written ones are 13-20 tokens long, and dropping
+    # prompts shorter than P silently left the stories and letters out of the measurement
+    held = [tok.encode(h["text"])[:p] for h in heldout]
     info.update(dropped_for_heldout=dropped, heldout_kinds=sorted({h.get("kind", "?") for h in heldout}))
     return np.asarray(rows, np.int32)[order], np.asarray(kind, np.int8)[order], held, info
 
 
-def continue_rows(target, prompts, new_tokens: int, batch: int, sampled: bool, temperature: float, seed: int,
-                  end_by: float) -> np.ndarray:
-    """[M, P + T]: prompts and the target's continuations (whole batches, until `end_by`)."""
+def continue_batch(target, prompts: list[list[int]], new_tokens: int, width: int, sampled: bool,
+                   temperature: float, seed: int) -> np.ndarray:
+    """int32 [b, width + new_tokens]: each prompt (right-padded with 0 to `width`) and the target's
+    `new_tokens` continuation at [width:], classic decoding, sampled (top_p 0.95) or greedy."""
+    kw = dict(temperature=temperature, top_p=0.95, seed=seed) if sampled else {}
+    r = jaxspec.generate(target, prompts, max_new_tokens=new_tokens, block_size=1, eos_token_ids=[], **kw)
+    out = np.zeros((len(prompts), width + new_tokens), np.int32)
+    for i, (x, t) in enumerate(zip(prompts, r.tokens)):
+        out[i, :len(x)] = x
+        out[i, width:] = t[:new_tokens]
+    return out
+
+
+def continue_all(target, prompts: list[list[int]], new_tokens: int, width: int, batch: int) -> np.ndarray:
+    """Greedy continuations of every prompt (the held-out ones), `batch` rows per call, the last
+    batch padded with copies of its last prompt so that every call runs the one compiled shape."""
     out = []
-    for i in range(0, len(prompts) - batch + 1, batch):
-        if out and time.time() > end_by:
-            log(f"continuations: time is up after {len(out) * batch} rows")
-            break
+    for i in range(0, len(prompts), batch):
         part = prompts[i:i + batch]
-        kw = dict(temperature=temperature, top_p=0.95, seed=seed + i) if sampled else {}
-        r = jaxspec.generate(target, part.tolist(), max_new_tokens=new_tokens, block_size=1, eos_token_ids=[], **kw)
-        out.append(np.concatenate([part, np.asarray([t[:new_tokens] for t in r.tokens], np.int32)], axis=1))
-    if not out:
-        raise RuntimeError(f"no batch of {batch} prompts to continue ({len(prompts)} prompts)")
+        rows = continue_batch(target, part + [part[-1]] * (batch - len(part)), new_tokens, width, False, 0.0, 0)
+        out.append(rows[:len(part)])
     return np.concatenate(out)
 
 
-def teacher_topk(target, rows: np.ndarray, prompt_len: int, k: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """The target's k most likely tokens and log-probabilities at every continuation position
-    (the position before each continuation token), scored with one forward per batch of rows."""
+def make_scorer(target, prompt_len: int, k: int):
+    """jit (rows int32 [b, P + T]) -> the target's k most likely tokens int32 and log-probabilities
+    float16 [b, T, k] at every continuation position (the position before each continuation token).
+    The head runs on those T positions only: the prompt's P positions' logits were a third of the
+    head's work at P = 64, T = 128 (and half the scoring time on a CPU) for nothing."""
     tcfg = target.config
 
-    @jax.jit
-    def score(x):
-        cache = models.init_cache(tcfg, x.shape[0], x.shape[1], target.dtype, ring=False)
-        logits, _, _ = models.forward(target, x, cache)
-        lp = jax.nn.log_softmax(logits[:, prompt_len - 1:-1].astype(jnp.float32), axis=-1)
+    @jax.jit  # the target is an argument: closed over, its weights were constants baked into the program
+    def score(t, x):
+        cache = models.init_cache(tcfg, x.shape[0], x.shape[1], t.dtype, ring=False)
+        _, hidden, _ = models.forward(t, x, cache)  # its logits are dead code
+        lp = jax.nn.log_softmax(models.head_logits(t, hidden[:, prompt_len - 1:-1]), axis=-1)
         v, i = jax.lax.top_k(lp, k)
         return i.astype(jnp.int32), v.astype(jnp.float16)
 
+    return lambda x: score(target, x)
+
+
+def teacher_topk(target, rows: np.ndarray, prompt_len: int, k: int, batch: int, scorer=None):
+    """`make_scorer`'s (ids [n, T, k], log-probs [n, T, k]) for `rows`, `batch` rows per forward (the
+    last padded with copies of its last row: one compiled shape)."""
+    score = scorer or make_scorer(target, prompt_len, k)
     ids, lps = [], []
     for i in range(0, len(rows), batch):
         part = rows[i:i + batch]
-        pad = batch - len(part)  # one compiled shape
+        pad = batch - len(part)
         x = np.concatenate([part, np.repeat(part[-1:], pad, 0)]) if pad else part
         a, b = score(jnp.asarray(x))
         ids.append(np.asarray(a)[:len(part)])
         lps.append(np.asarray(b)[:len(part)])
     return np.concatenate(ids), np.concatenate(lps)
+
+
+def batch_order(n_sampled: int, n_greedy: int) -> list[bool]:
+    """Which batches are sampled, interleaved so that any prefix keeps the sampled share (a run cut
+    short by --minutes still has both kinds, where running all sampled batches first left none greedy)."""
+    out, s = [], 0
+    total = n_sampled + n_greedy
+    for i in range(total):
+        take = s < ((i + 1) * n_sampled + total // 2) // total  # the share of the first i + 1, rounded
+        out.append(take)
+        s += take
+    return out
+
+
+def generate_and_score(target, args, prompts: np.ndarray, end_by: float):
+    """Rows of training data, one generation batch at a time, each scored at once: `--minutes` then
+    bounds the whole stage (the scoring ran after all the generation, unbounded, and could carry a
+    device call past its limit). A batch starts only if the last one's time still fits before
+    `end_by` (the slower kind's: a sampled batch costs more than a greedy one). -> (rows [n, P + T],
+    top_ids, top_lp, sampled bool [n], index into `prompts` [n], times)."""
+    b, p = args.gen_batch, args.prompt_tokens
+    n_b = len(prompts) // b
+    n_s = int(round(args.sampled_share * n_b))
+    score = make_scorer(target, p, args.top_logits)
+    rows, ids, lps, sampled, index = [], [], [], [], []
+    times = dict(generation_s=0.0, scoring_s=0.0, batches=0)
+    last = {True: 0.0, False: 0.0}  # the last batch's seconds, sampled and greedy
+    s_i, g_i = 0, n_s  # sampled batches take prompt batches 0.., greedy ones n_s..
+    for i, is_s in enumerate(batch_order(n_s, n_b - n_s)):
+        if i and time.time() + max(last.values()) > end_by:
+            log(f"continuations: time is up after {i} of {n_b} batches ({i * b} rows)")
+            break
+        j = s_i if is_s else g_i
+        s_i, g_i = s_i + is_s, g_i + (not is_s)
+        t = time.time()
+        part = continue_batch(target, prompts[j * b:(j + 1) * b].tolist(), args.new_tokens, p, is_s,
+                              args.temperature, args.seed + j * b)
+        t1 = time.time()
+        a, c = teacher_topk(target, part, p, args.top_logits, args.score_batch, score)
+        t2 = time.time()
+        rows.append(part)
+        ids.append(a)
+        lps.append(c)
+        sampled += [is_s] * b
+        index.append(np.arange(j * b, (j + 1) * b))
+        times["generation_s"] += t1 - t
+        times["scoring_s"] += t2 - t1
+        times["batches"] += 1
+        last[is_s] = t2 - t  # a kind's first batch compiles too: an estimate on the safe side
+        if i < 2 or (i + 1) % 8 == 0 or i + 1 == n_b:
+            log(f"continuations: batch {i + 1}/{n_b} ({'sampled' if is_s else 'greedy'}, {b} rows): generation "
+                f"{t1 - t:.1f}s, scoring {t2 - t1:.1f}s")
+    if not rows:
+        raise RuntimeError(f"no batch of {b} prompts to continue ({len(prompts)} prompts)")
+    times = {k: round(v, 1) for k, v in times.items()}
+    return (np.concatenate(rows), np.concatenate(ids), np.concatenate(lps), np.asarray(sampled),
+            np.concatenate(index), times)
 
 
 def write_heldout(path: str, tok, per_kind: int, seed: int, written_from: str | None) -> dict:
@@ -244,32 +322,27 @@ def _run(argv) -> int:
     t = time.time()
     prompts, kind, held, info = build_prompts(args, target, tok, heldout, start + 0.3 * (end - start))
     log(f"prompts: {len(prompts)} training, {len(held)} held-out ({time.time() - t:.1f}s)")
-    n_s = int(round(args.sampled_share * len(prompts) / args.gen_batch)) * args.gen_batch
-    gen_end = start + 0.8 * (end - start)
+    if len(prompts) < args.gen_batch:
+        raise RuntimeError(f"{len(prompts)} prompts are fewer than one --gen-batch ({args.gen_batch})")
     t = time.time()
-    parts, sampled = [], []
-    if n_s:
-        parts.append(continue_rows(target, prompts[:n_s], args.new_tokens, args.gen_batch, True, args.temperature,
-                                   args.seed, gen_end))
-        sampled += [True] * len(parts[-1])
-    if len(prompts) - n_s >= args.gen_batch:
-        parts.append(continue_rows(target, prompts[n_s:], args.new_tokens, args.gen_batch, False, 0.0, 0, gen_end))
-        sampled += [False] * len(parts[-1])
-    rows = np.concatenate(parts)
-    kind = np.concatenate([kind[:len(parts[0])], kind[n_s:n_s + len(parts[1])]]) if len(parts) == 2 else kind[:len(rows)]
-    held_rows = continue_rows(target, held, args.new_tokens, min(len(held), args.gen_batch), False, 0.0, 0, end)
-    gen_s = time.time() - t
-    log(f"continuations: {len(rows)} rows ({sum(sampled)} sampled) + {len(held_rows)} held-out in {gen_s:.1f}s")
-    t = time.time()
-    top_ids, top_lp = teacher_topk(target, rows, args.prompt_tokens, args.top_logits, args.score_batch)
-    log(f"teacher top-{args.top_logits}: {top_ids.shape} in {time.time() - t:.1f}s")
+    # the held-out prompts first, every one of them (they are the evaluation: a time-cut left some out)
+    held_rows = continue_all(target, held, args.new_tokens, args.prompt_tokens, min(len(held), args.gen_batch))
+    held_len = np.asarray([len(h) for h in held], np.int32)
+    log(f"held-out: {len(held_rows)} prompts ({int((held_len < args.prompt_tokens).sum())} shorter than "
+        f"{args.prompt_tokens} tokens, right-padded) continued in {time.time() - t:.1f}s")
+    # the stage's last seconds are kept for writing the data
+    rows, top_ids, top_lp, sampled, index, times = generate_and_score(
+        target, args, prompts, end - min(30.0, 0.05 * (end - start)))
+    kind = kind[index]
+    log(f"continuations: {len(rows)} rows ({int(sampled.sum())} sampled), teacher top-{args.top_logits}: "
+        f"generation {times['generation_s']}s, scoring {times['scoring_s']}s")
     counts = np.bincount(rows[:, args.prompt_tokens:].reshape(-1), minlength=target.config.vocab_size)
     np.savez(os.path.join(args.work, "data.npz"), rows=rows, top_ids=top_ids, top_lp=top_lp, kind=kind,
-             sampled=np.asarray(sampled), heldout_rows=held_rows, counts=counts)
-    info.update(target=name, prompts=len(rows), sampled=int(sum(sampled)), temperature=args.temperature,
+             sampled=sampled, heldout_rows=held_rows, heldout_lengths=held_len, counts=counts)
+    info.update(target=name, prompts=len(rows), sampled=int(sampled.sum()), temperature=args.temperature,
                 prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, top_logits=args.top_logits,
-                kinds=list(KINDS), heldout=len(held_rows), generation_s=round(gen_s, 1),
-                seconds=round(time.time() - start, 1), device=str(jax.devices()[0]))
+                kinds=list(KINDS), heldout=len(held_rows), gen_batch=args.gen_batch, score_batch=args.score_batch,
+                **times, seconds=round(time.time() - start, 1), device=str(jax.devices()[0]))
     with open(os.path.join(args.work, "info.json"), "w") as f:
         json.dump(info, f, indent=1, default=str)
     log(f"data written to {args.work} in {time.time() - start:.1f}s")

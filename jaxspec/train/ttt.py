@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxspec import models
 from jaxspec.kernels import DispatchConfig, QuantizedWeight, dequantize
+from jaxspec.models.dense import prepared
 from jaxspec.train import assistant as ta
 from jaxspec.train import assistant_inputs as inputs
 from jaxspec.train import shared
@@ -90,7 +91,8 @@ def build_parser():
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per in-training evaluation")
     p.add_argument("--eval-new-tokens", type=int, default=64)
     p.add_argument("--minutes", type=float, default=9.5, help="the whole call")
-    p.add_argument("--eval-reserve", type=float, default=None, help="seconds kept for the final evaluation")
+    p.add_argument("--eval-reserve", type=float, default=None,
+                   help="seconds kept for the end: save, step costs, final evaluation (default: measured)")
     p.add_argument("--bits", type=int, default=8, choices=(0, 4, 8))
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -118,6 +120,10 @@ def _check(args, on_gpu: bool):
     try:
         z = np.load(path)
         data = {k: z[k] for k in ("rows", "top_ids", "top_lp", "heldout_rows", "counts")}
+        # each held-out prompt's length (a short one is right-padded to the prompt width); data
+        # written before the lengths were kept hold full-width prompts only
+        data["heldout_lengths"] = (z["heldout_lengths"] if "heldout_lengths" in z.files else
+                                   np.full(len(data["heldout_rows"]), data["heldout_rows"].shape[1], np.int32))
         with open(os.path.join(args.data, "info.json")) as f:
             info = json.load(f)
     except Exception as e:
@@ -138,18 +144,21 @@ def _run(argv) -> int:
     args = build_parser().parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     data, info = _check(args, on_gpu)
-    reserve = args.eval_reserve if args.eval_reserve is not None else (150.0 if on_gpu else 120.0)
     end = start + 60.0 * args.minutes
-    end_train = end - reserve
     os.makedirs(args.out, exist_ok=True)
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     name = ta.target_name_of(args.target, args.target_name)
     target = models.load_target(args.target, dtype=dtype, matmul=DispatchConfig.from_env(backend="auto", dense=False))
     tcfg = target.config
+    # training reads the quantized weights; the loop runs on what inference loads: on a CPU the weights
+    # made dense once (`models.dense.prepared`), else every decode step dequantized all of them (a
+    # 1.3 s target step against ~0.25 s, measured on the 270M) and the evaluations, the step costs
+    # and the speedup in results.json were those of a target nobody runs. A GPU keeps the one target.
+    run_target = target if on_gpu else prepared(target.replace(matmul=DispatchConfig.from_env(backend="auto")))
     P = info["prompt_tokens"]
     rows, top_ids, top_lp = data["rows"], data["top_ids"], data["top_lp"]
     seq = rows.shape[1]
-    held_prompts = [list(map(int, r[:P])) for r in data["heldout_rows"]]
+    held_prompts = [list(map(int, r[:min(P, n)])) for r, n in zip(data["heldout_rows"], data["heldout_lengths"])]
     log(f"ttt: target {name} ({tcfg.num_hidden_layers} layers, vocab {tcfg.vocab_size}); {len(rows)} rows of {seq}, "
         f"{len(held_prompts)} held-out prompts, {jax.devices()[0]}")
 
@@ -179,16 +188,19 @@ def _run(argv) -> int:
     tp = ta.teacher_target(target).params
     rows_d, ids_d, lp_d = jnp.asarray(rows), jnp.asarray(top_ids), jnp.asarray(top_lp)
 
+    # the data are arguments: closed over, jit embeds arrays as constants in the program (JAX 0.10.2
+    # here: 67 MB of int32 made 134 MB of HLO text and a 50x slower compile), and the full data stage
+    # writes ~430 MB
     @jax.jit
-    def train_step(p, o, frozen, tp, step, lr):
+    def train_step(p, o, frozen, tp, rows_d, ids_d, lp_d, step, lr):
         idx = jax.random.randint(jax.random.fold_in(jax.random.fold_in(key, 2), step), (args.batch,), 0,
                                  rows_d.shape[0])
         (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(p, frozen, tp, rows_d[idx], ids_d[idx], lp_d[idx])
         u, o = tx.update(g, o, p)
         return jax.tree.map(lambda w, d: w - lr * d, p, u), o, loss, aux
 
-    def drafter(params, dt=dtype):
-        a = ta.to_assistant(acfg, params, {"embed_tokens": target.params["embed_tokens"]}, None, dt)
+    def drafter(params, dt=dtype, tgt=run_target):
+        a = ta.to_assistant(acfg, params, {"embed_tokens": tgt.params["embed_tokens"]}, None, dt)
         return a if vocab is None else models.with_draft_vocab(a, vocab)
 
     evals, best = [], None
@@ -196,7 +208,7 @@ def _run(argv) -> int:
     def evaluate(step):
         nonlocal best
         t = time.time()
-        st = loop_eval(target, drafter(p), held_prompts[:args.eval_prompts], args.eval_new_tokens)
+        st = loop_eval(run_target, drafter(p), held_prompts[:args.eval_prompts], args.eval_new_tokens)
         evals.append(dict(step=step, tokens_per_round=st["tokens_per_round"],
                           per_position=st["per_position_acceptance"], seconds=round(time.time() - t, 1)))
         if best is None or st["tokens_per_round"] > best[1]:
@@ -206,8 +218,20 @@ def _run(argv) -> int:
 
     # the first evaluation compiles the classic and speculative programs: the one recorded (and timed,
     # for the step count below) is the second
-    loop_eval(target, drafter(p), held_prompts[:args.eval_prompts], args.eval_new_tokens)
+    loop_eval(run_target, drafter(p), held_prompts[:args.eval_prompts], args.eval_new_tokens)
     evaluate(0)
+    # what the end keeps: the last step's evaluation, saving, reloading (its speculative program
+    # compiles again), the step costs and the final evaluation of every held-out prompt, at the pace
+    # just measured (a fixed 150 s fit 24 prompts at the first recipe's H200 pace, 4.1 s each, and
+    # would have skipped some of 32)
+    per_prompt = evals[0]["seconds"] / min(args.eval_prompts, len(held_prompts))
+    n_eval = min(args.eval_prompts, len(held_prompts)) + 1.25 * len(held_prompts)  # a quarter's margin
+    # plus, fixed: save, reload and step costs (~30 s on the H200 of 2026-12-04) and the loaded
+    # drafter's and the short prompts' programs
+    reserve = args.eval_reserve if args.eval_reserve is not None else max(
+        150.0 if on_gpu else 120.0, (90.0 if on_gpu else 120.0) + per_prompt * n_eval)
+    end_train = end - reserve
+    log(f"evaluation {per_prompt:.1f}s a prompt: {reserve:.0f}s kept for the end ({len(held_prompts)} prompts)")
     step, total, history = 0, args.steps, []
     n_cal = max(1, min(10, args.warmup - 1))  # timed steps, within the warm-up (its lr does not need total)
     t_train = t_cal = time.time()
@@ -216,7 +240,7 @@ def _run(argv) -> int:
             log(f"time is up at step {step}")
             break
         lr = lr_at(step, total or args.max_steps, args.lr, args.warmup)
-        p, o, loss, aux = train_step(p, o, frozen, tp, jnp.int32(step), jnp.float32(lr))
+        p, o, loss, aux = train_step(p, o, frozen, tp, rows_d, ids_d, lp_d, jnp.int32(step), jnp.float32(lr))
         step += 1
         if step == 1:
             float(loss)
@@ -226,10 +250,15 @@ def _run(argv) -> int:
             float(loss)
             per = (time.time() - t_cal) / n_cal
             left = end_train - time.time()
-            n_evals = (left / per) // args.eval_every
-            budget = left - n_evals * (evals[-1]["seconds"] + 1.0)
-            total = int(min(args.max_steps, step + max(0.0, budget) * 0.95 / per))
-            log(f"{per * 1e3:.1f} ms/step -> {total} steps ({n_evals:.0f} evaluations of {evals[-1]['seconds']}s)")
+            # each step carries 1/eval_every of an evaluation: counting the evaluations of the steps
+            # left at `per` alone charged evaluations to steps the evaluations themselves displace
+            # (a quarter of the steps at 20 ms a step and 10 s an evaluation every 1,000; every step
+            # but the calibration's on a CPU dry run evaluating every 10)
+            eval_s = evals[-1]["seconds"] + 1.0
+            n_more = max(0.0, left) * 0.95 / (per + eval_s / args.eval_every)
+            total = int(min(args.max_steps, step + n_more))
+            log(f"{per * 1e3:.1f} ms/step -> {total} steps ({n_more / args.eval_every:.0f} evaluations of "
+                f"{evals[-1]['seconds']}s)")
         if step % 50 == 0 or step == total:
             lv = float(loss)
             if not math.isfinite(lv):
@@ -239,19 +268,23 @@ def _run(argv) -> int:
             if step % 200 == 0:
                 log(f"step {step}/{total} loss {lv:.4f} draft==argmax {' '.join(f'{x:.3f}' for x in a[0::3])}")
         if step % args.eval_every == 0 and time.time() < end_train:
+            t_eval = time.time()
             evaluate(step)
+            t_cal += time.time() - t_eval  # the calibration times training steps, not an evaluation among them
     if not evals or evals[-1]["step"] != step:
         evaluate(step)
     train_s = time.time() - t_train
 
     # ---- save the best, reload, measure it on every held-out prompt ---------------------------------
     best_params = jax.tree.map(jnp.asarray, best[2])
-    files = ta.save_drafter(args.out, drafter(best_params, jnp.bfloat16), target, name, args.bits)
+    files = ta.save_drafter(args.out, drafter(best_params, jnp.bfloat16, target), target, name, args.bits)
     mib = sum(v for k, v in files.items() if k.endswith(".safetensors")) / 2 ** 20
     log(f"saved the best drafter (step {best[0]}, {best[1]} tokens/round) to {args.out}: {mib:.2f} MiB of weights")
-    loaded = models.load_assistant(args.out, target=target, dtype=dtype)
-    final = loop_eval(target, loaded, held_prompts, args.eval_new_tokens, end_by=end)
-    costs = ta.step_costs(target, loaded)
+    loaded = models.load_assistant(args.out, target=run_target, dtype=dtype)
+    # the step costs before the final evaluation, which `end` bounds: after it they carried the call
+    # ~20 s past --minutes (their compile, on the H200 of 2026-12-04)
+    costs = ta.step_costs(run_target, loaded)
+    final = loop_eval(run_target, loaded, held_prompts, args.eval_new_tokens, end_by=end)
     results = dict(command=[PROG] + list(argv if argv is not None else sys.argv[1:]), data=info,
                    drafter=dict(layers=args.layers, ffn=args.ffn, unroll=args.unroll, ce_weight=args.ce_weight,
                                 bits=args.bits, weights_mib=round(mib, 3), within_limit=mib <= MAX_DRAFTER_MIB),
