@@ -11,8 +11,9 @@ between the wall time and the summed kernel time is time the GPU sat idle betwee
 gaps, host work). Writes DIR/profile.md, DIR/profile.json and the raw trace under DIR/trace/; prints
 the table last. `--draft` profiles the assistant's draft steps instead (`--assistant`, default the
 target's own: `default` is the shipped pair), chained and unrolled as the loop runs them, one
-"forward" per step. On a machine without a GPU it reports the host's XLA executor events instead (the
-Pallas kernels then run in interpret mode, so only the plumbing is meaningful there).
+"forward" per step. On a machine without a GPU it reports the host's XLA executor events instead, of
+the XLA matmul path (`--backend`, auto: the Pallas kernels on a GPU only; `--backend pallas` there
+traces their interpreter, so only the plumbing is meaningful).
 """
 from __future__ import annotations
 
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--context", type=int, default=64, help="positions already in the cache (target forwards)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto",
+                    help="the matmul path (auto: pallas on a GPU, else xla)")
     ap.add_argument("--devices", type=int, default=1,
                     help="split the models over this process's N devices (models.shard); times are per device")
     ap.add_argument("--commit", default=None, help="the commit to name in the report (default: git rev-parse)")
@@ -202,7 +205,10 @@ def main(argv=None) -> int:
     no_command_buffers()  # else the kernels replayed inside CUDA graphs are missing from the trace
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    target, assistant, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env())
+    # "auto": the Pallas kernels on a GPU, whose trace this tool reads; elsewhere XLA (a trace of the
+    # kernels' interpreter times nothing real, and compiles slowly)
+    backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
+    target, assistant, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env(backend=backend))
     target, assistant = split_pair(target, assistant, args.devices)
     if args.devices > 1:
         what += f", split over {args.devices} devices"
