@@ -21,18 +21,24 @@ K = 4
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_streaming_equals_generate(temperature):
+    """Streamed and whole, the same tokens and drafter counters, on draws until one in which the
+    n-gram drafter matched (a sampled continuation may repeat none of its n-grams in 24 tokens: seen
+    once in CI; every draw's run is the same programs, so the extra draws compile nothing)."""
     rng = seeded_rng()
-    head = rng.integers(2, TARGET.config.vocab_size, 4).tolist()
-    rows = [head * 3, rng.integers(2, TARGET.config.vocab_size, 7).tolist()]
-    kw = dict(max_new_tokens=24, drafter="ngram", block_size=K, temperature=temperature,
-              seed=int(rng.integers(1 << 30)), eos_token_ids=[], exactness_probe=False)
-    want = jaxspec.generate(TARGET, rows, **kw)
-    chunks = list(streaming.stream_generate(TARGET, rows, rounds_per_chunk=2, **kw))
-    got = chunks[-1].result
-    assert [sum((c.tokens[b] for c in chunks), []) for b in range(2)] == got.tokens == want.tokens
-    assert (got.stats.drafter, got.stats.block_size) == ("ngram", K)
-    assert got.stats.accepted_hist == want.stats.accepted_hist and got.stats.draft_stats == want.stats.draft_stats
-    assert want.stats.draft_stats["matched_rounds"] > 0
+    for _ in range(8):
+        head = rng.integers(2, TARGET.config.vocab_size, 4).tolist()
+        rows = [head * 3, rng.integers(2, TARGET.config.vocab_size, 7).tolist()]
+        kw = dict(max_new_tokens=24, drafter="ngram", block_size=K, temperature=temperature,
+                  seed=int(rng.integers(1 << 30)), eos_token_ids=[], exactness_probe=False)
+        want = jaxspec.generate(TARGET, rows, **kw)
+        chunks = list(streaming.stream_generate(TARGET, rows, rounds_per_chunk=2, **kw))
+        got = chunks[-1].result
+        assert [sum((c.tokens[b] for c in chunks), []) for b in range(2)] == got.tokens == want.tokens
+        assert (got.stats.drafter, got.stats.block_size) == ("ngram", K)
+        assert got.stats.accepted_hist == want.stats.accepted_hist and got.stats.draft_stats == want.stats.draft_stats
+        if want.stats.draft_stats["matched_rounds"] > 0:
+            break
+    assert want.stats.draft_stats["matched_rounds"] > 0  # the drafter drafted: the comparison was not vacuous
 
 
 def test_engine_requests_equal_generate_alone():
