@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jaxspec import models  # noqa: E402
 from harness import environment_line, random_pair, write_report  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels.config import BACKEND_CHOICES  # noqa: E402
 
 from jaxspec.engine.generate import plan, request_of  # noqa: E402
 
@@ -41,11 +42,10 @@ def _ints(s: str) -> list[int]:
 
 
 def build(args):
-    # "auto": the Pallas kernels on a GPU; elsewhere XLA (the kernels' interpreter times nothing real
-    # and compiled a tiny sweep ~2.4x slower on the CPU)
-    backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
+    # "auto" (resolve_backend): the Pallas kernels on a GPU; elsewhere XLA (the kernels' interpreter
+    # times nothing real and compiled a tiny sweep ~2.4x slower on the CPU)
     return random_pair(args.target, args.assistant, layers=args.layers, seed=args.seed,
-                       matmul=DispatchConfig.from_env(attention=args.attention, backend=backend))
+                       matmul=DispatchConfig.from_env(attention=args.attention, backend=args.backend))
 
 
 def peak_bytes() -> int | None:
@@ -124,7 +124,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--attention", choices=("auto", "xla"), default="auto")
-    ap.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto",
+    ap.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                     help="the matmul path (auto: pallas on a GPU, else xla)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default="")

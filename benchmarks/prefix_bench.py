@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 
-import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +33,7 @@ from harness import environment, environment_line, random_pair, write_report  # 
 
 from jaxspec.engine.batching import BatchEngine  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels.config import BACKEND_CHOICES  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=1, help="K (an assistant needed for K > 1)")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--block-tokens", type=int, default=16)
-    ap.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
+    ap.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", required=True)
@@ -99,9 +99,8 @@ def main(argv=None) -> None:
     if args.block_size > 1 and not args.assistant:
         raise SystemExit("--block-size > 1 needs --assistant")
     os.makedirs(args.out, exist_ok=True)
-    backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
     target, assistant = random_pair(args.target, args.assistant, layers=args.layers,
-                                    matmul=DispatchConfig.from_env(backend=backend), seed=args.seed)
+                                    matmul=DispatchConfig.from_env(backend=args.backend), seed=args.seed)
     rng = np.random.default_rng(args.seed)
     rows = []
     for p in args.prefix_len:

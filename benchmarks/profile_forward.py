@@ -36,6 +36,7 @@ from speculative_bench import (draft_loop, forward_loop, load_pair, resolve_defa
                                weight_bytes_per_token)
 
 from jaxspec.kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels.config import BACKEND_CHOICES  # noqa: E402
 
 # Kernel-name patterns, first match wins. pallas_kernels.launch names its kernels q{bits}gemv_m*_n*
 # (qmv, multirow) and q{bits}qmm_m*_n* (the tiled GEMM), with _x{count} for several weights in one
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--context", type=int, default=64, help="positions already in the cache (target forwards)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto",
+    ap.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                     help="the matmul path (auto: pallas on a GPU, else xla)")
     ap.add_argument("--devices", type=int, default=1,
                     help="split the models over this process's N devices (models.shard); times are per device")
@@ -205,10 +206,9 @@ def main(argv=None) -> int:
     no_command_buffers()  # else the kernels replayed inside CUDA graphs are missing from the trace
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    # "auto": the Pallas kernels on a GPU, whose trace this tool reads; elsewhere XLA (a trace of the
-    # kernels' interpreter times nothing real, and compiles slowly)
-    backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
-    target, assistant, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env(backend=backend))
+    # "auto" (resolve_backend): the Pallas kernels on a GPU, whose trace this tool reads; elsewhere XLA
+    # (a trace of the kernels' interpreter times nothing real, and compiles slowly)
+    target, assistant, what = load_pair(args, jnp.bfloat16, DispatchConfig.from_env(backend=args.backend))
     target, assistant = split_pair(target, assistant, args.devices)
     if args.devices > 1:
         what += f", split over {args.devices} devices"

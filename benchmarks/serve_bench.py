@@ -62,7 +62,6 @@ import statistics
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,6 +77,7 @@ from jaxspec.engine.loop_config import PREFILL_CHUNK  # noqa: E402
 from jaxspec.serve.guard import Guard  # noqa: E402
 from jaxspec.text import load_tokenizer  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
+from jaxspec.kernels.config import BACKEND_CHOICES  # noqa: E402
 from jaxspec.progress import bar  # noqa: E402
 
 
@@ -431,7 +431,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="presets: prompts of half to all this many ids")
     ap.add_argument("--capacity", type=int, default=1024, help="cache positions per slot")
-    ap.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
+    ap.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None)
@@ -460,8 +460,7 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"--sampling: unknown {sorted(bad)} (greedy, uniform, mixed, penalized)")
     os.makedirs(args.out, exist_ok=True)
-    backend = args.backend if args.backend != "auto" else ("pallas" if jax.default_backend() == "gpu" else "xla")
-    matmul = DispatchConfig.from_env(backend=backend)
+    matmul = DispatchConfig.from_env(backend=args.backend)  # "auto": resolve_backend
     if args.assistant is None and args.target != "default":
         args.assistant = args.target
     target, assistant, prompts, what = load(args, matmul)

@@ -88,8 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-    target, _ = random_pair(args.target, None, matmul=DispatchConfig.from_env(backend=backend))
+    target, _ = random_pair(args.target, None, matmul=DispatchConfig.from_env(backend="auto"))
     kw = dict(slots=args.slots, max_new_tokens=args.capacity - args.prompt_len - 16, capacity=args.capacity,
               block_size=1, eos_token_ids=(), rounds_per_step=args.rounds_per_step)
     if args.prefill_chunk and "prefill_chunk" in inspect.signature(BatchEngine).parameters:
