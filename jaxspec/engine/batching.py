@@ -424,8 +424,10 @@ class BatchEngine:
         if seed is None:
             seed = int(self.seeds.integers(0, 2**63))
         slot = self.owner.index(None)
-        _, _, key, _, _, rows_ = self.gen.inputs([ids], max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
-                                                     seed=seed, params=params.per_row())
+        # host values only: reading a device array back here would wait for every step already queued
+        # (the engine's pipelining lost at each admission; tests/engine/test_batching.py checks)
+        key = sampling.seed_key_data(seed)
+        rows_ = sampling.row_params([params.per_row()], self.gen.spec.sampling, xp=np)
         ids = list(ids)
         shared, found, digests, at = self._lookup(ids)
         self.blocks[slot] = self.pool.take(shared, n_blocks - len(shared))
@@ -439,8 +441,7 @@ class BatchEngine:
         self.pool.hit += start
         self.digests[slot], self.registered[slot] = digests, len(shared)
         self.shared[slot] = len(found) * self.block_tokens
-        self.prefilling[slot] = packed_prefill.Prompt(ids, start, np.asarray(jax.random.key_data(key)),
-                                                      max_new_tokens, jax.device_get(rows_))
+        self.prefilling[slot] = packed_prefill.Prompt(ids, start, key, max_new_tokens, rows_)
         self.admissions += 1
         self.seen[slot], self.owner[slot], self.ticket[slot] = 1, owner, self.admissions
         self.need[slot] = need

@@ -281,8 +281,10 @@ class RowParams:
     repetition: jax.Array   # float32 [B]; 1: off
 
 
-def row_params(params: Sequence[SamplingParams], mode: SamplingMode) -> RowParams:
-    """RowParams for one SamplingParams per row; ValueError when `mode` cannot run one of them."""
+def row_params(params: Sequence[SamplingParams], mode: SamplingMode, xp=jnp) -> RowParams:
+    """RowParams for one SamplingParams per row; ValueError when `mode` cannot run one of them.
+    `xp=np`: host arrays (the batch engine's admission keeps them on the host: reading device
+    arrays back would wait for every step already queued on the device)."""
     for i, p in enumerate(params):
         if not mode.covers(p):
             raise ValueError(f"row {i}'s sampling {p} needs a program with {p.mode()}, this one is {mode}")
@@ -291,14 +293,14 @@ def row_params(params: Sequence[SamplingParams], mode: SamplingMode) -> RowParam
     for i, p in enumerate(params):
         for j, (t, v) in enumerate(p.logit_bias):
             ids[i, j], vals[i, j] = t, v
-    return RowParams(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-                     top_k=jnp.asarray([p.top_k or 0 for p in params], jnp.int32),
-                     top_p=jnp.asarray([1.0 if p.top_p is None else p.top_p for p in params], jnp.float32),
-                     min_p=jnp.asarray([p.min_p or 0.0 for p in params], jnp.float32),
-                     bias_ids=jnp.asarray(ids), bias=jnp.asarray(vals),
-                     presence=jnp.asarray([p.presence_penalty for p in params], jnp.float32),
-                     frequency=jnp.asarray([p.frequency_penalty for p in params], jnp.float32),
-                     repetition=jnp.asarray([p.repetition_penalty for p in params], jnp.float32))
+    return RowParams(temperature=xp.asarray([p.temperature for p in params], np.float32),
+                     top_k=xp.asarray([p.top_k or 0 for p in params], np.int32),
+                     top_p=xp.asarray([1.0 if p.top_p is None else p.top_p for p in params], np.float32),
+                     min_p=xp.asarray([p.min_p or 0.0 for p in params], np.float32),
+                     bias_ids=xp.asarray(ids), bias=xp.asarray(vals),
+                     presence=xp.asarray([p.presence_penalty for p in params], np.float32),
+                     frequency=xp.asarray([p.frequency_penalty for p in params], np.float32),
+                     repetition=xp.asarray([p.repetition_penalty for p in params], np.float32))
 
 
 def validate_sampling(temperature, top_k, top_p, draft="sample") -> None:
@@ -358,6 +360,15 @@ def validate_seed(seed) -> int:
     if not RANGES["seed"].holds(s):
         raise ValueError(f"seed must be an integer in [0, 2**64) (0 .. {SEED_LIMIT - 1}), got {s}")
     return s
+
+
+def seed_key_data(seed) -> np.ndarray:
+    """`jax.random.key_data(seed_key(seed))` as a host array, computed on the host under JAX's
+    default threefry2x32 (its two 32-bit words); with another PRNG it is read back from the device."""
+    s = validate_seed(seed)
+    if jax.config.jax_default_prng_impl == "threefry2x32":
+        return np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
+    return np.asarray(jax.random.key_data(seed_key(s)))
 
 
 def seed_key(seed) -> jax.Array:

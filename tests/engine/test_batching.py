@@ -246,3 +246,29 @@ def test_admission_writes_every_per_row_field():
             np.testing.assert_array_equal(got.take(s, axis=ax), want, err_msg=f"{path} row {s}")
         checked += 1
     assert pools and checked >= 20  # every per-row leaf: cache K/V of each layer (pools, rings, table), tokens, counters, key, RowParams, logprobs
+
+
+
+def test_admission_reads_nothing_back_from_the_device():
+    """admit() builds its host values on the host: a step already queued keeps the device busy while
+    the host admits the next request (the engine's pipelining). Reading a fresh device array back
+    waits for every computation queued before it: here a long one (~1 s of matmuls on 2 cores) is queued, and
+    it must still be running when admit() returns (a ~1 ms host call; before the fix admit waited for
+    it). The request then runs as generate runs it alone."""
+    import jax
+    import jax.numpy as jnp
+
+    engine = BatchEngine(TARGET, ASSISTANT, slots=3, max_new_tokens=24, capacity=64, block_size=4)
+    long = jax.jit(lambda x: jax.lax.fori_loop(0, 30, lambda i, y: jnp.tanh(y @ y), x))
+    x = jnp.full((1024, 1024), 0.01, jnp.float32)
+    long(x).block_until_ready()  # compiled
+    held = long(x)
+    ids = [5, 9, 2, 7]
+    engine.admit(ids, 8, seed=11)
+    assert not held.is_ready(), "admit() waited for the computation queued before it"
+    held.block_until_ready()
+    tokens = []
+    while engine.live:
+        for ev in engine.step():
+            tokens += ev.tokens
+    assert tokens == jaxspec.generate(TARGET, [ids], assistant=ASSISTANT, max_new_tokens=8).tokens[0]
