@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from scipy import stats as sstats
 
 from jaxspec.engine import sampling
+from support.seeds import seeded_rng
 from support.sampling_ref import np_filter_probs  # noqa: F401
 
 
@@ -62,6 +63,24 @@ def test_seed_key():
     for bad in (-1, 2**64, 2.0**63, True, np.bool_(False), "1", None):
         with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
             sampling.seed_key(bad)
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            sampling.seed_key_data(bad)
+    rng = seeded_rng()
+    for s in [0, 7, 2**32, 2**64 - 1, *map(int, rng.integers(0, 2**63, 4, dtype=np.int64))]:
+        host = sampling.seed_key_data(s)  # what the batch engine's admission uses, computed on the host
+        assert host.dtype == np.uint32 and host.tolist() == data(s), s
+
+
+def test_host_row_params_equal_the_device_ones():
+    """row_params(xp=np) (the batch engine's admission) holds the values and dtypes the device arrays do."""
+    params = [sampling.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logit_bias=((3, 1.5),),
+                                      presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.3),
+              sampling.SamplingParams()]
+    mode = params[0].mode()
+    host, dev = sampling.row_params(params, mode, xp=np), jax.device_get(sampling.row_params(params, mode))
+    for name in host.__dataclass_fields__:
+        h, d = getattr(host, name), getattr(dev, name)
+        assert isinstance(h, np.ndarray) and h.dtype == d.dtype and np.array_equal(h, d), name
 
 
 def np_inverse_cdf(p, u):
