@@ -379,9 +379,9 @@ def seed_key(seed) -> jax.Array:
     another default PRNG implementation: `jax.random.key(seed & 0xFFFFFFFF)`, folded with the high
     word when it is not 0."""
     s = validate_seed(seed)
-    hi, lo = s >> 32, s & 0xFFFFFFFF
     if jax.config.jax_default_prng_impl == "threefry2x32":
-        return jax.random.wrap_key_data(np.asarray([hi, lo], np.uint32), impl="threefry2x32")
+        return jax.random.wrap_key_data(seed_key_data(s), impl="threefry2x32")
+    hi, lo = s >> 32, s & 0xFFFFFFFF
     key = jax.random.key(lo)
     return jax.random.fold_in(key, hi) if hi else key
 

@@ -248,13 +248,12 @@ def test_admission_writes_every_per_row_field():
     assert pools and checked >= 20  # every per-row leaf: cache K/V of each layer (pools, rings, table), tokens, counters, key, RowParams, logprobs
 
 
-
 def test_admission_reads_nothing_back_from_the_device():
     """admit() builds its host values on the host: a step already queued keeps the device busy while
     the host admits the next request (the engine's pipelining). Reading a fresh device array back
-    waits for every computation queued before it: here a long one (~1 s of matmuls on 2 cores) is queued, and
-    it must still be running when admit() returns (a ~1 ms host call; before the fix admit waited for
-    it). The request then runs as generate runs it alone."""
+    waits for every computation queued before it: here a long one (~1 s of matmuls on 2 cores) is
+    queued, and it must still be running when admit() returns (a ~1 ms host call; before the fix
+    admit waited for it). The request then runs as generate runs it alone."""
     import jax
     import jax.numpy as jnp
 
