@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory laid out like the default pair (target/, assistant/, tokenizer.json)")
     g.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     g.add_argument("--draft", choices=DRAFT_KINDS, default=None,
-                   help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup: "
+                   help="what drafts: mtp (the assistant; the default when there is one), ngram (prompt lookup: "
                         "the continuation of the last tokens' latest earlier occurrence in the prompt and output; no "
-                        "drafter model, pays when the text copies its prompt, e.g. code edits, extraction)")
+                        "drafter model, pays when the text copies its prompt, e.g. code edits, extraction) or hybrid "
+                        "(prompt lookup where the last 2-3 tokens occurred before, else the assistant)")
     g.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (one user turn)")
     g.add_argument("--max-tokens", type=int, default=128, metavar="N",
@@ -107,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "pair directory laid out like the default pair")
     v.add_argument("--no-assistant", action="store_true", help="classic decoding (no drafting)")
     v.add_argument("--draft", choices=DRAFT_KINDS, default=None,
-                   help="what drafts: mtp (the assistant; the default when there is one) or ngram (prompt lookup, "
-                        "no drafter model)")
+                   help="what drafts: mtp (the assistant; the default when there is one), ngram (prompt lookup, "
+                        "no drafter model) or hybrid (prompt lookup where it matches, else the assistant)")
     v.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use instead of the model directory's")
     v.add_argument("--model-name", metavar="NAME", help="the model id clients name (default: the name --model or "
                                                        "--pair gave a known model, its file's name also accepted; "

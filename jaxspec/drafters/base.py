@@ -37,6 +37,7 @@ from flax import struct
 _MODULES = {
     "mtp": "jaxspec.drafters.mtp",      # the MTP assistant: a small model over the target's hidden state
     "ngram": "jaxspec.drafters.ngram",  # prompt lookup: the continuation of the last n-gram's latest match
+    "hybrid": "jaxspec.drafters.hybrid",  # prompt lookup where the row's last n-gram matches, else the assistant
 }
 KINDS = tuple(_MODULES)
 

@@ -597,8 +597,10 @@ def generate(target, prompt_ids, *, assistant=None, params: sampling.SamplingPar
 
     drafter: None (the MTP `assistant` when one is given, else classic decoding), "mtp" (needs the
     assistant), "ngram" (prompt lookup: drafts the continuation of the latest earlier occurrence of
-    the last n tokens in the prompt and output; no model, pays on text that copies its prompt), or a
-    drafter object (`jaxspec.drafters.ngram.Drafter(n_min=2, n_max=4)`). Stats say which ran.
+    the last n tokens in the prompt and output; no model, pays on text that copies its prompt), "hybrid"
+    (per row and round: prompt lookup where the last 2-3 tokens occurred before, else the assistant;
+    needs it), or a drafter object (`jaxspec.drafters.ngram.Drafter(n_min=2, n_max=4)`). Stats say
+    which ran.
 
     prompt_ids: one sequence of ints or a list of them (a batch; rows may differ in length).
     params: the request, a `jaxspec.SamplingParams`; its fields as keywords build one (or replace params'):

@@ -80,7 +80,7 @@ def test_point_mass_accept_is_the_one_hot_rule():
 
 
 def test_drafter_registry_and_errors():
-    assert base.KINDS == ("mtp", "ngram")
+    assert base.KINDS == ("mtp", "ngram", "hybrid")
     assert base.get("ngram").DEFAULT == ngram.Drafter()
     assert base.resolve(None, None) is None
     assert base.resolve("ngram", None).kind == "ngram"

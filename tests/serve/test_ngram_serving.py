@@ -15,7 +15,7 @@ from support.cli_errors import one_line_error
 from support.seeds import seeded_rng
 from support.pairs import make_pair
 
-TARGET, _ = make_pair(seed=5, layers=2)
+TARGET, ASSISTANT = make_pair(seed=5, layers=2)
 K = 4
 
 
@@ -41,19 +41,23 @@ def test_streaming_equals_generate(temperature):
     assert want.stats.draft_stats["matched_rounds"] > 0  # the drafter drafted: the comparison was not vacuous
 
 
-def test_engine_requests_equal_generate_alone():
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_engine_requests_equal_generate_alone(drafter):
     """Prompts that hold their own classic continuation (so drafts come from them), longer than a
     prefill chunk: each request's tokens are classic decoding's, and its accepted drafts are
-    generate's with the same drafter alone, so the engine's history holds every chunk of the prompt."""
+    generate's with the same drafter alone, so the engine's history holds every chunk of the prompt
+    (hybrid: the assistant drafts the rounds lookup does not, in the slots' batch)."""
+    assistant = ASSISTANT if drafter == "hybrid" else None
     rng = seeded_rng()
     vocab = TARGET.config.vocab_size
     heads = rng.integers(2, vocab, (3, 5)).tolist()
     conts = jaxspec.generate(TARGET, heads, max_new_tokens=32, eos_token_ids=[]).tokens
     # one prompt width bucket (33..48 tokens) and one budget bucket: the runs alone are two programs
     requests = [(h + c[:30], n) for h, c, n in zip(heads, conts, (20, 9, 24))] + [(heads[1] + conts[1][:28], 12)]
-    engine = BatchEngine(TARGET, None, slots=2, max_new_tokens=24, capacity=96, block_size=K, drafter="ngram",
+    requests.append((rng.integers(2, vocab, 40).tolist(), 16))  # copies nothing: the hybrid's assistant drafts
+    engine = BatchEngine(TARGET, assistant, slots=2, max_new_tokens=24, capacity=96, block_size=K, drafter=drafter,
                          prefill_chunk=16, eos_token_ids=[])
-    assert (engine.block_size, engine.drafter.kind, engine.fallback) == (K, "ngram", None)
+    assert (engine.block_size, engine.drafter.kind, engine.fallback) == (K, drafter, None)
     waiting, got, accepted, where = list(enumerate(requests)), {}, {}, {}
     while waiting or engine.live:
         while waiting and engine.free:
@@ -64,13 +68,16 @@ def test_engine_requests_equal_generate_alone():
             got[where[ev.slot]] += ev.tokens
             accepted[where[ev.slot]] = ev.accepted
     assert engine.chunks > len(requests)  # some prompts took several chunks
+    assisted = 0
     for i, (ids, n) in enumerate(requests):
         classic = jaxspec.generate(TARGET, [ids], max_new_tokens=n, eos_token_ids=[])
-        alone = jaxspec.generate(TARGET, [ids], max_new_tokens=n, eos_token_ids=[], drafter="ngram", block_size=K,
-                                 exactness_probe=False)
+        alone = jaxspec.generate(TARGET, [ids], assistant=assistant, max_new_tokens=n, eos_token_ids=[], drafter=drafter,
+                                 block_size=K, exactness_probe=False)
         assert got[i] == classic.tokens[0] == alone.tokens[0], f"request {i}"
         assert accepted[i] == alone.stats.accepted, f"request {i}"
+        assisted += alone.stats.draft_stats.get("assisted_rounds", 0)
     assert sum(accepted.values()) > 0
+    assert (assisted > 0) == (drafter == "hybrid")
 
 
 def test_cli_generate_draft_ngram(pair, capsys):

@@ -1,0 +1,99 @@
+"""Prompt lookup first, the MTP assistant otherwise: each row takes the n-gram draft when its last
+n tokens (n from n_max down to n_min) occur earlier in its prompt or output, the assistant's draft
+when they do not (`jaxspec.drafters.ngram`, `jaxspec.drafters.mtp`).
+
+Why: prompt lookup is nearly free and wins where the text copies its prompt (code edits, extraction:
+2.5x on the real Gemma 3 270M), the assistant wins on text that copies nothing. A round whose every
+row found a match skips the assistant's draft steps (one `lax.cond`: at B = 1, every matched round),
+so a matched round costs what an n-gram round costs. On a GPU a conditional reads its predicate back
+once a round (as a nested loop would: `mtp.DRAFT_UNROLL`); not measured there yet.
+
+n_min defaults to 2: a 1-token match proposes whatever followed the last occurrence of one token,
+and on text that copies nothing the assistant drafts better (on open prose prompt lookup's first
+drafts, n = 3..1, were accepted 0.25 of the time, the 12-04 assistant's 0.46, both on Gemma 3 270M:
+docs/benchmark_results/ngram-cpu-2026-12-04.md, drafter-h200-2026-12-04.md). Not tuned further.
+
+Exactness: the loop's verify and walk are the same whichever drafter a row used. Sampled rows keep
+the target's distribution: an n-gram row's draft is a point mass, given to the accept step as
+q = one_hot(d), whose rule (accept with p(d), else sample p without d) is the point-mass rule (as
+`draft="argmax"` does); an assistant row keeps its q.
+
+Per-row state: the assistant's h_prev and the n-gram history; counters: the n-gram's (its matched
+rounds are the rounds it drafted) and `assisted_rounds`, the rows' rounds the assistant drafted.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxspec.drafters import mtp, ngram
+from jaxspec.drafters.base import Round, Seed
+
+N_MIN = 2
+
+
+@struct.dataclass
+class State:
+    h_prev: jax.Array       # [B, H]: the MTP drafter's state
+    lookup: ngram.State     # the n-gram drafter's state (history, counters)
+    assisted: jax.Array     # int32 [B]: rounds the assistant drafted, per row
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    kind: ClassVar[str] = "hybrid"
+    needs_params: ClassVar[bool] = True
+    n_min: int = N_MIN
+    n_max: int = ngram.N_MAX
+
+    def __post_init__(self):
+        ngram.Drafter(n_min=self.n_min, n_max=self.n_max)  # the same bounds, the same errors
+
+    @property
+    def _lookup(self) -> ngram.Drafter:
+        return ngram.Drafter(n_min=self.n_min, n_max=self.n_max)
+
+    def describe(self) -> str:
+        return f"hybrid (prompt lookup n={self.n_max}..{self.n_min}, else the MTP assistant)"
+
+    def init(self, seed: Seed) -> State:
+        return State(h_prev=mtp.DEFAULT.init(seed), lookup=self._lookup.init(seed),
+                     assisted=jnp.zeros_like(seed.n_prompt))
+
+    def propose(self, assistant, target, state, k: int, key, mode):
+        s = state.draft
+        d_n, n, start = ngram.lookup(s.lookup.history, s.lookup.n_prompt + state.n_out, k - 1, self.n_min,
+                                     self.n_max)
+        found = n > 0
+        inner = state.replace(draft=s.h_prev)
+
+        def assist():
+            d, q, _ = mtp.DEFAULT.propose(assistant, target, inner, k, key, mode)
+            return d, q
+
+        shapes = jax.eval_shape(assist)
+
+        def lookup_only():  # what assist() would return, unused where every row found a match
+            return tuple(None if x is None else jnp.zeros(x.shape, x.dtype) for x in shapes)
+
+        d_a, q_a = jax.lax.cond(jnp.all(found), lookup_only, assist)
+        drafts = jnp.where(found[:, None], d_n, d_a)
+        q = None if q_a is None else jnp.where(found[:, None, None], jax.nn.one_hot(d_n, q_a.shape[-1], dtype=q_a.dtype),
+                                               q_a)
+        return drafts, q, (found, start < s.lookup.n_prompt)
+
+    def advance(self, s: State, info, rnd: Round) -> State:
+        found, _ = info
+        return State(h_prev=mtp.DEFAULT.advance(s.h_prev, None, rnd), lookup=self._lookup.advance(s.lookup, info, rnd),
+                     assisted=s.assisted + (rnd.active & ~found).astype(jnp.int32))
+
+    def counters(self, s: State) -> dict[str, int]:
+        return dict(self._lookup.counters(s.lookup), assisted_rounds=int(np.sum(s.assisted)))
+
+
+DEFAULT = Drafter()
