@@ -1,6 +1,12 @@
 """ngram_bench: prompt-lookup (n-gram) drafting against classic decoding on task sets, one prompt at a time.
 
     python benchmarks/ngram_bench.py --target gemma-3-270m --k-values 4,8 --repeats 3 --out DIR
+    python benchmarks/ngram_bench.py --target default --drafters ngram,mtp,hybrid --k-values 4 --out DIR
+
+`--drafters` (default ngram): the drafters to run at each K, among ngram, mtp (the assistant) and
+hybrid (prompt lookup where the row's last n-gram matches, else the assistant); mtp and hybrid need
+`--assistant DIR` (a drafter trained for the target), or `--target default`, the shipped pair (its
+assistant and tokenizer).
 
 For each task set (benchmarks/tasks/*.json: code_edit, extract, prose) and each prompt, alone (B = 1),
 greedy: classic decoding and n-gram drafting at every K, alternating within each repetition (the
@@ -34,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import jaxspec  # noqa: E402
 from jaxspec import models  # noqa: E402
 from jaxspec.engine import verify
-from jaxspec.drafters import ngram  # noqa: E402
+from jaxspec.drafters import hybrid, mtp, ngram  # noqa: E402
 from jaxspec.kernels import DispatchConfig  # noqa: E402
 from jaxspec.engine.loop_config import CAPACITY_ROUND, PROMPT_BUCKET, round_up  # noqa: E402
 from jaxspec.text import load_tokenizer  # noqa: E402
@@ -42,22 +48,33 @@ from jaxspec.text import load_tokenizer  # noqa: E402
 G = importlib.import_module("jaxspec.engine.generate")
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 SETS = ("code_edit", "extract", "prose")
+DRAFTERS = ("ngram", "mtp", "hybrid")
 
 
 def load(args):
+    """(target, assistant or None, tokenizer)."""
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     # None: the loader's rule (XLA on a CPU, the Pallas kernels on a GPU)
     matmul = DispatchConfig.from_env().replace(backend=args.backend) if args.backend else None
+    if args.target == "default":
+        from jaxspec.pairs import load_pair
+        return load_pair("default", dtype, assistant=args.assistant, matmul=matmul)
     path = args.target
     if not os.path.exists(path):
         from jaxspec.models import gguf
         path = gguf.by_name(path)
-    return models.load_target(path, dtype=dtype, matmul=matmul), load_tokenizer(path, None)
+    target = models.load_target(path, dtype=dtype, matmul=matmul)
+    assistant = None if args.assistant is None else models.load_assistant(args.assistant, dtype=dtype, matmul=matmul,
+                                                                           target=target)
+    return target, assistant, load_tokenizer(path, None)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="gemma-3-270m", help="a checkpoint directory, a .gguf, or a known name")
+    ap.add_argument("--target", default="gemma-3-270m",
+                    help="a checkpoint directory, a .gguf, a known name, or 'default' (the shipped pair)")
+    ap.add_argument("--assistant", default=None, help="a drafter directory (mtp, hybrid)")
+    ap.add_argument("--drafters", default="ngram", type=lambda s: s.split(","), help="among ngram, mtp, hybrid")
     ap.add_argument("--sets", default=",".join(SETS), help="task set names (benchmarks/tasks/NAME.json) or files")
     ap.add_argument("--k-values", default="4,8", type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--n-min", type=int, default=ngram.N_MIN)
@@ -69,8 +86,13 @@ def main(argv=None):
     ap.add_argument("--backend", default=None, choices=["pallas", "xla"])
     ap.add_argument("--out", default="out/ngram")
     args = ap.parse_args(argv)
+    bad = [d for d in args.drafters if d not in DRAFTERS]
+    if bad:
+        raise SystemExit(f"--drafters: unknown {', '.join(bad)} (expected {', '.join(DRAFTERS)})")
 
-    target, tok = load(args)
+    target, assistant, tok = load(args)
+    if assistant is None and set(args.drafters) - {"ngram"}:
+        raise SystemExit("--drafters mtp / hybrid need --assistant DIR (or --target default)")
     sets = {}
     for name in args.sets.split(","):
         path = name if name.endswith(".json") else os.path.join(TASKS, f"{name}.json")
@@ -81,10 +103,12 @@ def main(argv=None):
     width = round_up(max(len(ids) for rows in sets.values() for ids in rows), PROMPT_BUCKET)
     cache = round_up(width + args.max_tokens + max(args.k_values) + 16, CAPACITY_ROUND)
     stop = tuple(tok.eos_token_ids)
-    drafter = ngram.Drafter(n_min=args.n_min, n_max=args.n_max)
-    configs = [("classic", 1)] + [(f"ngram K={k}", k) for k in args.k_values]
+    drafters = {"ngram": ngram.Drafter(n_min=args.n_min, n_max=args.n_max), "mtp": mtp.DEFAULT,
+                "hybrid": hybrid.Drafter(n_min=max(args.n_min, hybrid.N_MIN), n_max=args.n_max)}
+    configs = [("classic", 1, None)] + [(f"{d} K={k}", k, d) for d in args.drafters for k in args.k_values]
     gens = {name: jaxspec.make_generate(block_size=k, max_new_tokens=args.max_tokens, cache_size=cache,
-                                        drafter=drafter if k > 1 else None) for name, k in configs}
+                                        drafter=drafters[d] if k > 1 else None) for name, k, d in configs}
+    params = {name: assistant if d in ("mtp", "hybrid") else None for name, _, d in configs}
     probes = {k: verify.exactness_probe(target, 1, k, verify.verify_width(k, 1, False, target.matmul))
               for k in args.k_values}
     print(f"prompt width {width}, cache {cache}; exactness probe at B=1: {probes}", file=sys.stderr)
@@ -92,25 +116,25 @@ def main(argv=None):
     def run(name, ids):
         gen = gens[name]
         inputs = gen.inputs([ids], eos_token_ids=stop, prompt_width=width)
-        state, _, decode_s = gen.run(target, None, *inputs)
-        plan = G.Plan(gen=gen, params=None, inputs=inputs, batch=1,
+        state, _, decode_s = gen.run(target, params[name], *inputs)
+        plan = G.Plan(gen=gen, params=params[name], inputs=inputs, batch=1,
                                                    verify_width=gen.spec.block_size, fallback=None,
                                                    probe_logit_diff=None)
         return plan.result(state, 0.0, decode_s)
 
     t0 = time.perf_counter()
     for rows in sets.values():  # compile every program (one per configuration) and warm up
-        for name, _ in configs:
+        for name, _, _ in configs:
             run(name, rows[0])
     compile_s = time.perf_counter() - t0
     load_before = os.getloadavg()
     acc = {(s, name): dict(decode_s=[], tokens=0, row_rounds=0, hist=None, draft=None, identical=True, texts=[])
-           for s in sets for name, _ in configs}
+           for s in sets for name, _, _ in configs}
     for rep in range(args.repeats):
         for s, rows in sets.items():
             for i, ids in enumerate(rows):
                 ref = None
-                for name, _ in configs:
+                for name, _, _ in configs:
                     r = run(name, ids)
                     a = acc[(s, name)]
                     st = r.stats
@@ -134,7 +158,7 @@ def main(argv=None):
     rows_out = []
     for s in sets:
         base = sum(statistics.median(t) for t in acc[(s, "classic")]["decode_s"])
-        for name, k in configs:
+        for name, k, _ in configs:
             a = acc[(s, name)]
             dec = sum(statistics.median(t) for t in a["decode_s"])  # per prompt: the median repetition
             hist = a["hist"] or [0]
@@ -146,7 +170,8 @@ def main(argv=None):
                        position_acceptance=[sum(hist[i:]) / rr for i in range(1, len(hist))] if rr else [],
                        draft_stats=a["draft"] or {})
             rows_out.append(row)
-    meta = dict(target=args.target, dtype=args.dtype, backend=target.matmul.describe, max_tokens=args.max_tokens,
+    meta = dict(target=args.target, assistant=args.assistant, drafters=args.drafters, dtype=args.dtype,
+                backend=target.matmul.describe, max_tokens=args.max_tokens,
                 repeats=args.repeats, n_min=args.n_min, n_max=args.n_max, prompt_width=width, cache=cache,
                 probe_b1={str(k): [bool(v[0]), float(v[1])] for k, v in probes.items()}, compile_s=compile_s,
                 loadavg_before=load_before, loadavg_after=load_after, cpu=platform.processor() or platform.machine(),
@@ -156,18 +181,21 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ngram.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows_out), f, indent=1)
+    hybrid_n = f" (hybrid: {args.n_max}..{drafters['hybrid'].n_min})" if "hybrid" in args.drafters else ""
     lines = [f"# n-gram drafting vs classic ({args.target}, {meta['backend']}, {args.dtype}, B = 1, greedy)", "",
-             f"`{meta['command']}` at {meta['commit']}; n = {args.n_max}..{args.n_min}; load average "
+             f"`{meta['command']}` at {meta['commit']}; n = {args.n_max}..{args.n_min}{hybrid_n}; load average "
              f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; {args.repeats} repetitions, per prompt the "
              f"median; exactness probe at B = 1: {meta['probe_b1']}", "",
              "| set | config | tokens | tokens/round | per-position acceptance | accepted from prompt / output | "
-             "matched rounds | decode tok/s | speedup | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "matched rounds | assisted rounds | decode tok/s | speedup | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows_out:
         d = r["draft_stats"]
         lines.append(f"| {r['set']} | {r['config']} | {r['new_tokens']} | {r['tokens_per_round']:.2f} | "
                      f"{', '.join(f'{x:.2f}' for x in r['position_acceptance'])} | "
                      f"{d.get('accepted_from_prompt', '')} / {d.get('accepted_from_output', '')} | "
-                     f"{d.get('matched_rounds', '')} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{d.get('matched_rounds', '')} | {d.get('assisted_rounds', '')} | "
+                     f"{r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{'yes' if r['identical'] else 'NO'} |")
     with open(os.path.join(args.out, "ngram.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
