@@ -12,10 +12,10 @@ import pytest
 
 import jaxspec
 from jaxspec.drafters import base, hybrid
+from support.ngram_ref import py_lookup
 from support.distribution import N, PROMPT, SETTING, empirical, exact, tiny_pair, tv_threshold  # noqa: F401
 from support.pairs import pair
 from support.seeds import seeded_int, seeded_rng
-from test_ngram_drafter import py_lookup
 
 G = importlib.import_module("jaxspec.engine.generate")
 K, BUDGET = 4, 24

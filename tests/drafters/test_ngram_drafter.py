@@ -20,20 +20,10 @@ from jaxspec.engine import sampling
 from jaxspec.drafters import base, ngram
 from support.seeds import seeded_int, seeded_rng
 from support.pairs import pair
+from support.ngram_ref import py_lookup
 from support.distribution import N, PROMPT, SETTING, empirical, exact, tiny_pair, tv_threshold  # noqa: F401
 
 G = importlib.import_module("jaxspec.engine.generate")
-
-
-def py_lookup(h: list, m: int, n_min: int, n_max: int):
-    """The proposer's rule, written plainly: (drafts, n, start)."""
-    L = len(h)
-    for n in range(n_max, n_min - 1, -1):
-        for j in range(L - n - 1, -1, -1):  # latest first; h[j + n] (the continuation) exists
-            if h[j:j + n] == h[L - n:]:
-                start = j + n
-                return [h[start + i % (L - start)] for i in range(m)], n, start
-    return [h[-1]] * m, 0, 0
 
 
 @pytest.mark.parametrize("n_min,n_max,m", [(1, 3, 3), (2, 2, 7), (1, 1, 1), (3, 5, 4)])
