@@ -79,6 +79,7 @@ def main(argv=None):
     ap.add_argument("--k-values", default="4,8", type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--n-min", type=int, default=ngram.N_MIN)
     ap.add_argument("--n-max", type=int, default=ngram.N_MAX)
+    ap.add_argument("--hybrid-n-min", type=int, default=hybrid.N_MIN, help="the hybrid's shortest match")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0: all)")
@@ -104,7 +105,7 @@ def main(argv=None):
     cache = round_up(width + args.max_tokens + max(args.k_values) + 16, CAPACITY_ROUND)
     stop = tuple(tok.eos_token_ids)
     drafters = {"ngram": ngram.Drafter(n_min=args.n_min, n_max=args.n_max), "mtp": mtp.DEFAULT,
-                "hybrid": hybrid.Drafter(n_min=max(args.n_min, hybrid.N_MIN), n_max=args.n_max)}
+                "hybrid": hybrid.Drafter(n_min=args.hybrid_n_min, n_max=args.n_max)}
     configs = [("classic", 1, None)] + [(f"{d} K={k}", k, d) for d in args.drafters for k in args.k_values]
     gens = {name: jaxspec.make_generate(block_size=k, max_new_tokens=args.max_tokens, cache_size=cache,
                                         drafter=drafters[d] if k > 1 else None) for name, k, d in configs}
@@ -172,7 +173,8 @@ def main(argv=None):
             rows_out.append(row)
     meta = dict(target=args.target, assistant=args.assistant, drafters=args.drafters, dtype=args.dtype,
                 backend=target.matmul.describe, max_tokens=args.max_tokens,
-                repeats=args.repeats, n_min=args.n_min, n_max=args.n_max, prompt_width=width, cache=cache,
+                repeats=args.repeats, n_min=args.n_min, n_max=args.n_max, hybrid_n_min=args.hybrid_n_min,
+                prompt_width=width, cache=cache,
                 probe_b1={str(k): [bool(v[0]), float(v[1])] for k, v in probes.items()}, compile_s=compile_s,
                 loadavg_before=load_before, loadavg_after=load_after, cpu=platform.processor() or platform.machine(),
                 cores=os.cpu_count(), jax=jax.__version__, device=str(jax.devices()[0]),

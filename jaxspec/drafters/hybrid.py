@@ -11,7 +11,9 @@ once a round (as a nested loop would: `mtp.DRAFT_UNROLL`); not measured there ye
 n_min defaults to 2: a 1-token match proposes whatever followed the last occurrence of one token,
 and on text that copies nothing the assistant drafts better (on open prose prompt lookup's first
 drafts, n = 3..1, were accepted 0.25 of the time, the 12-04 assistant's 0.46, both on Gemma 3 270M:
-docs/benchmark_results/ngram-cpu-2026-12-04.md, drafter-h200-2026-12-04.md). Not tuned further.
+docs/benchmark_results/ngram-cpu-2026-12-04.md, drafter-h200-2026-12-04.md). On the default pair's
+three task sets n_min = 1 / 2 / 3 gave 2.10x / 2.11x / 2.04x on average, each set above both drafters
+alone (docs/benchmark_results/hybrid-cpu-2026-12-05.md).
 
 Exactness: the loop's verify and walk are the same whichever drafter a row used. Sampled rows keep
 the target's distribution: an n-gram row's draft is a point mass, given to the accept step as
