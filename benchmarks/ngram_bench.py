@@ -104,8 +104,9 @@ def main(argv=None):
     width = round_up(max(len(ids) for rows in sets.values() for ids in rows), PROMPT_BUCKET)
     cache = round_up(width + args.max_tokens + max(args.k_values) + 16, CAPACITY_ROUND)
     stop = tuple(tok.eos_token_ids)
-    drafters = {"ngram": ngram.Drafter(n_min=args.n_min, n_max=args.n_max), "mtp": mtp.DEFAULT,
-                "hybrid": hybrid.Drafter(n_min=args.hybrid_n_min, n_max=args.n_max)}
+    make = {"ngram": lambda: ngram.Drafter(n_min=args.n_min, n_max=args.n_max), "mtp": lambda: mtp.DEFAULT,
+            "hybrid": lambda: hybrid.Drafter(n_min=args.hybrid_n_min, n_max=args.n_max)}
+    drafters = {d: make[d]() for d in args.drafters}  # only those asked: their bounds are checked
     configs = [("classic", 1, None)] + [(f"{d} K={k}", k, d) for d in args.drafters for k in args.k_values]
     gens = {name: jaxspec.make_generate(block_size=k, max_new_tokens=args.max_tokens, cache_size=cache,
                                         drafter=drafters[d] if k > 1 else None) for name, k, d in configs}

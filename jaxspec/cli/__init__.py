@@ -447,8 +447,8 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
         model_dir, assistant_dir = _by_name(args.model, "--model"), args.assistant
     if args.no_assistant:
         assistant_dir = None
-    if draft == "mtp" and assistant_dir is None:
-        raise UsageError("--draft mtp needs an assistant: --assistant DIR, or a pair that ships one")
+    if draft in ("mtp", "hybrid") and assistant_dir is None:
+        raise UsageError(f"--draft {draft} needs an assistant: --assistant DIR, or a pair that ships one")
     return model_dir, assistant_dir
 
 

@@ -1,12 +1,14 @@
 """The hybrid drafter (`jaxspec.drafters.hybrid`: prompt lookup where a row's last n-gram matches,
 the MTP assistant otherwise): greedy output is classic decoding's with both kinds of rounds in one
-ragged batch, at the K asked; every round of a row is one kind or the other, chosen by the lookup
-rule (a host reference of it over the rows' own tokens); a round where every row matched skips the
-assistant (one `conditional` in the loop); sampled output has the target's distribution with rows
-of both kinds in one batch.
+batch, at the K asked; a copying row's rounds are lookup rounds as a host reference of the rule
+says; a round where every row matched or is done skips the assistant (the branch the loop's
+conditional took, counted); sampled output has the target's distribution with rows of both kinds
+in one batch.
 """
 import importlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,28 +21,51 @@ from support.seeds import seeded_int, seeded_rng
 
 G = importlib.import_module("jaxspec.engine.generate")
 K, BUDGET = 4, 24
+REF = BUDGET + K  # classic tokens past the budget: a last round's drafts are compared with them
+SEEN = 40  # classic tokens the copying row's prompt holds (the test model's greedy text loops by then)
+
+
+def lookup_rounds(prompt, full, limit):
+    """The lookup rounds of a row that copies its prompt, on the host (drafts accepted while they equal
+    the classic tokens `full`): how many rounds reach `limit` tokens, or None when a round would find
+    no match (the assistant would draft it)."""
+    n, rounds = 1, 0
+    while n < limit:
+        drafts, found, _ = py_lookup(prompt + full[:n], K - 1, hybrid.N_MIN, hybrid.Drafter().n_max)
+        if not found:
+            return None
+        acc = 0
+        while acc < K - 1 and drafts[acc] == full[n + acc]:
+            acc += 1
+        n += min(acc + 1, limit - n)
+        rounds += 1
+    return rounds
 
 
 @pytest.fixture(scope="module")
 def case():
-    """A row whose prompt holds the start of its own classic continuation (lookup drafts it), a
-    random row (the assistant drafts most of its rounds), and their classic tokens."""
+    """A row whose prompt holds the start of its own classic continuation, chosen so that the lookup
+    rule matches at the start of every round (the host says so), a random row whose first round finds
+    no match, and their classic tokens (one batch, one program for every candidate)."""
     t, a = pair()
     rng = seeded_rng()
-    head = rng.integers(0, 256, 6).tolist()
-    cont = jaxspec.generate(t, [head], max_new_tokens=40, eos_token_ids=[]).tokens[0]
-    rows = [head + cont[:30], rng.integers(0, 256, 9).tolist()]
-    classic = jaxspec.generate(t, rows, max_new_tokens=BUDGET, eos_token_ids=[]).tokens
-    return t, a, rows, classic
+    for _ in range(16):
+        head = rng.integers(0, 256, 6).tolist()
+        cont = jaxspec.generate(t, [head], max_new_tokens=SEEN, eos_token_ids=[]).tokens[0]
+        rows = [head + cont, rng.integers(0, 256, 9).tolist()]
+        classic = jaxspec.generate(t, rows, max_new_tokens=REF, eos_token_ids=[]).tokens
+        rounds = lookup_rounds(rows[0], classic[0], BUDGET)
+        if rounds is not None and not py_lookup(rows[1] + classic[1][:1], K - 1, hybrid.N_MIN, 3)[1]:
+            return t, a, rows, classic, rounds
+    pytest.fail("no copying row whose every round matches in 16 draws")
 
 
 def test_greedy_equals_classic_with_both_kinds_of_round(case):
-    t, a, rows, classic = case
-    drafter = hybrid.Drafter()
+    t, a, rows, classic, _ = case
     # without the exactness probe (its fallback is test_generate's): K runs as asked or the test fails
-    r = jaxspec.generate(t, rows, assistant=a, max_new_tokens=BUDGET, eos_token_ids=[], drafter=drafter,
+    r = jaxspec.generate(t, rows, assistant=a, max_new_tokens=BUDGET, eos_token_ids=[], drafter=hybrid.Drafter(),
                          block_size=K, exactness_probe=False)
-    assert r.tokens == classic
+    assert r.tokens == [c[:BUDGET] for c in classic]
     s = r.stats
     assert (s.mode, s.drafter, s.block_size, s.fallback) == ("speculative", "hybrid", K, None)
     d = s.draft_stats
@@ -48,35 +73,30 @@ def test_greedy_equals_classic_with_both_kinds_of_round(case):
     assert d["matched_rounds"] + d["assisted_rounds"] == s.row_rounds
 
 
-def test_a_round_where_every_row_matched_skips_the_assistant(case):
-    """One row that copies its prompt: every round is a lookup round (the host rule says so at each
-    round's start), the assistant never drafts, and the loop holds the conditional that skips it."""
-    t, a, rows, classic = case
-    row, full = rows[0], classic[0]
-    p = G.plan(t, [row], G.request_of(max_new_tokens=BUDGET), assistant=a, block_size=K, eos_token_ids=[],
+def test_the_assistant_is_skipped_where_every_row_matched_or_is_done(case):
+    """The copying row beside the random row with a budget of 2 tokens (done after its first round):
+    the copying row's rounds are all lookup rounds, as many as the host rule says; the first round
+    runs the assistant (for the random row), every later one skips it (the only other row is done),
+    as the branch the loop's conditional took counts."""
+    t, a, rows, classic, rounds = case
+    p = G.plan(t, rows, G.request_of(max_new_tokens=BUDGET), assistant=a, block_size=K, eos_token_ids=[],
                drafter="hybrid", exactness_probe=False)
-    state, pre_s, dec_s = p.gen.run(t, p.params, *p.inputs)
+    limit = jnp.asarray([BUDGET, 2], jnp.int32)
+    state, pre_s, dec_s = p.gen.run(t, p.params, *p.inputs[:3], limit, *p.inputs[4:])
     r = p.result(state, pre_s, dec_s)
-    assert r.tokens == [full] and (r.stats.drafter, r.stats.block_size) == ("hybrid", K)
+    assert r.tokens == [classic[0][:BUDGET], classic[1][:2]]
+    assert (r.stats.drafter, r.stats.block_size) == ("hybrid", K)
+    d = jax.device_get(state.draft)
+    assert d.lookup.matched.tolist() == [rounds, 0] and d.assisted.tolist() == [0, 1]
+    assert d.skipped.tolist() == [rounds - 1, 0]
     assert " conditional(" in p.gen.compiled_decode_text(t, p.params, state)
-    n, rounds = 1, 0
-    while n < BUDGET:  # the host rule round by round (lookup drafts accepted while they equal classic's)
-        drafts, found, _ = py_lookup(row + full[:n], K - 1, hybrid.N_MIN, hybrid.Drafter().n_max)
-        assert found, f"round at {n}: the rule finds no match, the assistant would draft"
-        acc = 0
-        while acc < K - 1 and drafts[acc] == full[n + acc]:
-            acc += 1
-        n += min(acc + 1, BUDGET - n)
-        rounds += 1
-    assert r.stats.draft_stats["assisted_rounds"] == 0
-    assert r.stats.draft_stats["matched_rounds"] == r.stats.row_rounds == rounds
 
 
 def test_registry_and_errors():
     assert "hybrid" in base.KINDS and base.get("hybrid").DEFAULT == hybrid.Drafter()
     with pytest.raises(ValueError, match="'hybrid' needs an assistant"):
         base.resolve("hybrid", None)
-    for kw, match in [(dict(n_min=0), "n_min must be an integer in 1..16"), (dict(n_min=3, n_max=2), "larger")]:
+    for kw, match in [(dict(n_min=0), "hybrid n_min must be an integer in 1..16"), (dict(n_min=3, n_max=2), "larger")]:
         with pytest.raises(ValueError, match=match):
             hybrid.Drafter(**kw)
 

@@ -97,5 +97,8 @@ def test_cli_draft_errors(pair, capsys):
     err = one_line_error(capsys, "generate", "hi", "--model", target_dir, "--assistant", assistant_dir, "--draft",
                          "ngram")
     assert "--draft ngram drafts from the prompt, without an assistant" in err
-    err = one_line_error(capsys, "generate", "hi", "--model", target_dir, "--draft", "mtp")
-    assert "--draft mtp needs an assistant" in err
+    for draft in ("mtp", "hybrid"):
+        err = one_line_error(capsys, "generate", "hi", "--model", target_dir, "--draft", draft)
+        assert f"--draft {draft} needs an assistant" in err
+    err = one_line_error(capsys, "serve", "--model", target_dir, "--draft", "hybrid")
+    assert "--draft hybrid needs an assistant" in err
