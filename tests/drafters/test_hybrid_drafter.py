@@ -116,3 +116,16 @@ def test_sampled_first_three_tokens_match_target_distribution(tiny_pair, exact):
     print(f"hybrid K=3: TV {tv:.4f} (threshold {thr:.4f}), hist {r.stats.accepted_hist}, {d}")
     assert np.all(emp[exact == 0] == 0), "a sequence of probability 0 was generated"
     assert tv < thr
+
+
+def test_penalties_and_bias_keep_greedy_exact(case):
+    """Greedy with presence / repetition penalties and a logit bias (the verify penalises each
+    position with the counts plus the drafts before it, whichever drafter made them): classic's tokens."""
+    t, a, rows, _, _ = case
+    knobs = dict(max_new_tokens=BUDGET, eos_token_ids=[], presence_penalty=0.5, repetition_penalty=1.2,
+                 logit_bias={int(rows[1][0]): 4.0})
+    classic = jaxspec.generate(t, rows, **knobs)
+    r = jaxspec.generate(t, rows, assistant=a, drafter="hybrid", block_size=K, exactness_probe=False, **knobs)
+    assert r.tokens == classic.tokens
+    d = r.stats.draft_stats
+    assert (r.stats.drafter, r.stats.block_size) == ("hybrid", K) and d["assisted_rounds"] > 0, d
