@@ -91,8 +91,11 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"--drafters: unknown {', '.join(bad)} (expected {', '.join(DRAFTERS)})")
 
+    make = {"ngram": lambda: ngram.Drafter(n_min=args.n_min, n_max=args.n_max), "mtp": lambda: mtp.DEFAULT,
+            "hybrid": lambda: hybrid.Drafter(n_min=args.hybrid_n_min, n_max=args.n_max)}
+    drafters = {d: make[d]() for d in args.drafters}  # only those asked: their bounds are checked
     target, assistant, tok = load(args)
-    if assistant is None and set(args.drafters) - {"ngram"}:
+    if assistant is None and any(d.needs_params for d in drafters.values()):
         raise SystemExit("--drafters mtp / hybrid need --assistant DIR (or --target default)")
     sets = {}
     for name in args.sets.split(","):
@@ -104,13 +107,10 @@ def main(argv=None):
     width = round_up(max(len(ids) for rows in sets.values() for ids in rows), PROMPT_BUCKET)
     cache = round_up(width + args.max_tokens + max(args.k_values) + 16, CAPACITY_ROUND)
     stop = tuple(tok.eos_token_ids)
-    make = {"ngram": lambda: ngram.Drafter(n_min=args.n_min, n_max=args.n_max), "mtp": lambda: mtp.DEFAULT,
-            "hybrid": lambda: hybrid.Drafter(n_min=args.hybrid_n_min, n_max=args.n_max)}
-    drafters = {d: make[d]() for d in args.drafters}  # only those asked: their bounds are checked
     configs = [("classic", 1, None)] + [(f"{d} K={k}", k, d) for d in args.drafters for k in args.k_values]
     gens = {name: jaxspec.make_generate(block_size=k, max_new_tokens=args.max_tokens, cache_size=cache,
                                         drafter=drafters[d] if k > 1 else None) for name, k, d in configs}
-    params = {name: assistant if d in ("mtp", "hybrid") else None for name, _, d in configs}
+    params = {name: assistant if d and drafters[d].needs_params else None for name, _, d in configs}
     probes = {k: verify.exactness_probe(target, 1, k, verify.verify_width(k, 1, False, target.matmul))
               for k in args.k_values}
     print(f"prompt width {width}, cache {cache}; exactness probe at B=1: {probes}", file=sys.stderr)

@@ -35,6 +35,7 @@ import time
 import traceback
 import warnings
 
+from jaxspec.drafters import base as drafters
 from jaxspec.engine import compile_cache, sampling
 from jaxspec.engine.generate import check_block_size
 from jaxspec.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, MAX_MESSAGE, USER_ERRORS,
@@ -447,7 +448,7 @@ def _resolve_dirs(args) -> tuple[str, str | None]:
         model_dir, assistant_dir = _by_name(args.model, "--model"), args.assistant
     if args.no_assistant:
         assistant_dir = None
-    if draft in ("mtp", "hybrid") and assistant_dir is None:
+    if draft is not None and drafters.get(draft).DEFAULT.needs_params and assistant_dir is None:
         raise UsageError(f"--draft {draft} needs an assistant: --assistant DIR, or a pair that ships one")
     return model_dir, assistant_dir
 
