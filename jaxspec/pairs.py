@@ -10,12 +10,12 @@ The pairs:
 * "default": the embedded toy pair (jaxspec.default_pair: a 39.6M Gemma-4-style target trained on
   Python sources and its MTP assistant). Offline, what the tests run.
 * "gemma-3-270m": Gemma 3 270M from its GGUF (the `gemma3` extra, `models.load_target("gemma-3-270m")`)
-  and the drafter shipped in `jaxspec/data/drafters/gemma-3-270m/`, laid out as `jaxspec.train.assistant`
-  writes it: `config.json` naming the target it was trained for (`"target"`, `"target_fingerprint"`),
-  `model.safetensors` without an embedding table (the drafter uses the target's), `NOTICE` (the
-  Gemma terms: a drafter distilled from Gemma is a model derivative). None is shipped yet (the one
-  trained keeps too few drafts to pay): until one is, the pair needs `assistant=` / `--assistant
-  DIR`, and without it is one line saying so and what runs instead.
+  and the drafter shipped in `jaxspec/data/drafters/gemma-3-270m/` (`jaxspec.train.ttt`: one layer,
+  a 32,768-token draft head, 8-bit; docs/benchmark_results/drafter-ttt-h100-2026-12-05.md), laid out
+  as `jaxspec.train.assistant` writes it: `config.json` naming the target it was trained for
+  (`"target"`, `"target_fingerprint"`), `model.safetensors` without an embedding table (the drafter
+  uses the target's), `NOTICE` (the Gemma terms: a drafter distilled from Gemma is a model
+  derivative). `assistant=` / `--assistant DIR` runs another drafter made for the same target.
 
 What is missing or wrong is one ValueError line, found before any weight is read: an unknown name,
 the target's package not installed, the drafter directory absent or incomplete, a drafter whose
@@ -32,7 +32,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 DRAFTERS = os.path.join(_HERE, "data", "drafters")  # package data: one directory per target name
 DRAFTER_FILES = ("config.json", "model.safetensors")
 DEFAULT = "default"
-REAL = ("gemma-3-270m",)  # targets known by name (models.gguf.KNOWN) with a drafter folder (shipped when trained)
+REAL = ("gemma-3-270m",)  # targets known by name (models.gguf.KNOWN) with a drafter folder
 NAMES = (DEFAULT, *REAL)
 TRAIN_COMMAND = "python -m jaxspec.train.assistant --target {name} --out DIR"
 

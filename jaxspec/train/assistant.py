@@ -105,11 +105,12 @@ from jaxspec.models.params import assistant_shapes
 DRAFTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "drafters")  # shipped drafters: drafters/<target name>/
 DRAFT_STEPS = 3  # K - 1 at K = 4
 NOTICE = """\
-This drafter (MTP assistant) was trained by jaxspec (python -m jaxspec.train.assistant) on the
-greedy outputs of Gemma 3 270M, whose weights are provided under and subject to the Gemma Terms of
-Use found at ai.google.dev/gemma/terms. As a model derivative of Gemma, it is distributed under
-those terms, including the Gemma Prohibited Use Policy (ai.google.dev/gemma/prohibited_use_policy).
-Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms.
+This drafter (MTP assistant) was trained by jaxspec (python -m jaxspec.train.assistant or
+jaxspec.train.ttt) on text generated and scored by Gemma 3 270M, whose weights are provided under
+and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms. As a model derivative of
+Gemma, it is distributed under those terms, including the Gemma Prohibited Use Policy
+(ai.google.dev/gemma/prohibited_use_policy). Gemma is provided under and subject to the Gemma Terms
+of Use found at ai.google.dev/gemma/terms.
 """
 
 
