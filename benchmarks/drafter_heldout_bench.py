@@ -33,10 +33,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=0, help="the first N held-out prompts (0: all)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--draft-vocab", type=int, default=0, help="cut the drafter's trimmed head to its first N ids "
+                   "(jaxspec.train.ttt saves them most frequent first): what a smaller head keeps (0: as saved)")
     p.add_argument("--out", default=None, help="a JSON file for the numbers")
     args = p.parse_args(argv)
 
     import jax
+    import numpy as np
 
     import jaxspec
     from jaxspec import models, pairs
@@ -44,14 +47,21 @@ def main(argv=None) -> int:
     from jaxspec.train import assistant as ta
     from jaxspec.train.ttt import EVAL_K, loop_eval
 
+    drafter_path = args.assistant or pairs.drafter_dir(args.pair)
+    if args.draft_vocab:  # checked on the config, before anything loads
+        with open(os.path.join(drafter_path, "config.json"), encoding="utf-8") as f:
+            n = json.load(f).get("draft_vocab_size") or 0
+        if not 0 < args.draft_vocab < n:
+            p.error(f"--draft-vocab {args.draft_vocab}: the drafter in {drafter_path} has "
+                    f"{f'a head of {n} ids' if n else 'no trimmed head'}; N must be in [1, {n})")
     if args.target is None:
         target, drafter, tok = jaxspec.load_pair(args.pair, assistant=args.assistant)
-        drafter_path = args.assistant or pairs.drafter_dir(args.pair)
     else:
-        drafter_path = args.assistant or pairs.drafter_dir(args.pair)
         target = models.load_target(args.target)
         drafter = models.load_assistant(drafter_path, target=target)
         tok = load_tokenizer(args.target)
+    if args.draft_vocab:
+        drafter = models.with_draft_vocab(drafter, np.asarray(drafter.params["draft_vocab"])[:args.draft_vocab])
     with open(os.path.join(pairs.drafter_dir(args.pair), "heldout_onpolicy.json"), encoding="utf-8") as f:
         held = json.load(f)["prompts"]
     held = held[:args.prompts] if args.prompts else held
@@ -64,10 +74,12 @@ def main(argv=None) -> int:
                device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__,
                cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command="python " + " ".join(sys.argv),
-               k_ran=EVAL_K, seconds=round(time.time() - t0, 1), step_costs=costs,
+               draft_vocab=drafter.config.draft_vocab_size, k_ran=EVAL_K, seconds=round(time.time() - t0, 1),
+               step_costs=costs,
                **{k: v for k, v in st.items() if k != "per_prompt"},
                per_prompt=[dict(kind=h.get("kind"), source=h.get("source"), **r) for h, r in zip(held, st["per_prompt"])])
-    print(f"{res['device']}: {st['prompts']} held-out prompts, K={EVAL_K}, identical {st['identical']}: "
+    print(f"{res['device']}, head {res['draft_vocab'] or 'whole'}: {st['prompts']} held-out prompts, K={EVAL_K}, "
+          f"identical {st['identical']}: "
           f"{st['tokens_per_round']} tokens/round, per position {st['per_position_acceptance']}, decode speedup "
           f"{st['speedup']} (classic {st['classic_decode_s']} s, speculative {st['speculative_decode_s']} s); "
           f"step costs {costs}")
