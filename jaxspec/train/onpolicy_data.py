@@ -4,8 +4,8 @@
     python -m jaxspec.train.onpolicy_data --target DIR_OR_GGUF --work DIR --prompts 64 --gen-batch 16  # smoke
     python -m jaxspec.train.onpolicy_data --write-heldout FILE --target gemma-3-270m   # once, on a machine with /usr/share
 
-Prompts (`jaxspec.train.onpolicy_sources`): --prompt-tokens-long windows of standard-library code,
-docstrings and site-packages docs, package READMEs, bullet/numbered lists, and dialogue the target
+Prompts (`jaxspec.train.onpolicy_sources`): --prompt-tokens-long windows of standard-library and
+site-packages code, their docstrings and site-packages docs, package READMEs, bullet/numbered lists, and dialogue the target
 writes itself from short openers, in equal shares; held-out prompts (--heldout, default
 `jaxspec/data/drafters/<target>/heldout_onpolicy.json`) come from sources training never reads, and
 any training text holding a piece of one is dropped. `--random-prompts`: random token ids instead (a

@@ -227,9 +227,10 @@ def _run(argv) -> int:
     per_prompt = evals[0]["seconds"] / min(args.eval_prompts, len(held_prompts))
     n_eval = min(args.eval_prompts, len(held_prompts)) + 1.25 * len(held_prompts)  # a quarter's margin
     # plus, fixed: save, reload and step costs (~30 s on the H200 of 2026-12-04) and the loaded
-    # drafter's and the short prompts' programs
+    # drafter's and the short prompts' programs. The H100 of 2026-12-05 spent 57 s on the whole end
+    # (32 prompts): a 150 s floor left ~90 s of the call idle, 100 s keeps a 43 s margin
     reserve = args.eval_reserve if args.eval_reserve is not None else max(
-        150.0 if on_gpu else 120.0, (90.0 if on_gpu else 120.0) + per_prompt * n_eval)
+        100.0 if on_gpu else 120.0, (90.0 if on_gpu else 120.0) + per_prompt * n_eval)
     end_train = end - reserve
     log(f"evaluation {per_prompt:.1f}s a prompt: {reserve:.0f}s kept for the end ({len(held_prompts)} prompts)")
     step, total, history = 0, args.steps, []
