@@ -12,7 +12,7 @@ The pairs:
 * "gemma-3-270m": Gemma 3 270M from its GGUF (the `gemma3` extra, `models.load_target("gemma-3-270m")`)
   and the drafter shipped in `jaxspec/data/drafters/gemma-3-270m/` (`jaxspec.train.ttt`: one layer,
   an 8,192-token draft head, 8-bit; docs/benchmark_results/drafter-ttt-h100-2026-12-05.md), laid out
-  as `jaxspec.train.assistant` writes it: `config.json` naming the target it was trained for
+  as `jaxspec.train.ttt` writes it: `config.json` naming the target it was trained for
   (`"target"`, `"target_fingerprint"`), `model.safetensors` without an embedding table (the drafter
   uses the target's), `NOTICE` (the Gemma terms: a drafter distilled from Gemma is a model
   derivative). `assistant=` / `--assistant DIR` runs another drafter made for the same target.
@@ -34,7 +34,8 @@ DRAFTER_FILES = ("config.json", "model.safetensors")
 DEFAULT = "default"
 REAL = ("gemma-3-270m",)  # targets known by name (models.gguf.KNOWN) with a drafter folder
 NAMES = (DEFAULT, *REAL)
-TRAIN_COMMAND = "python -m jaxspec.train.assistant --target {name} --out DIR"
+TRAIN_COMMAND = ("python -m jaxspec.train.onpolicy_data --target {name} --work DATA, then python -m jaxspec.train.ttt "
+                 "--target {name} --data DATA --out DIR")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,7 @@ def resolve(name: str, assistant: str | None = None) -> Pair:
     if assistant is None and not any(os.path.isfile(os.path.join(drafter, f)) for f in DRAFTER_FILES):
         raise ValueError(f"no drafter for {name!r} is shipped yet ({drafter!r} holds none): run the target alone "
                          f"(--model {name} --draft ngram: prompt lookup; --model {name}: classic) or pass "
-                         "--assistant DIR (a drafter trained with python -m jaxspec.train.assistant)")
+                         "--assistant DIR (a drafter trained with python -m jaxspec.train.ttt)")
     check_drafter(drafter, name)  # before the target's package: cheap, and names the real gap first
     from jaxspec.models import gguf
 

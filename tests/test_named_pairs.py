@@ -68,7 +68,7 @@ def test_drafter_problems_are_one_line(stand_in, capsys, tmp_path):
     os.remove(other / "model.safetensors")
     assert "lacks model.safetensors" in _bad(capsys, "generate", "hi", "--pair", NAME, "--assistant", str(other))
     err = _bad(capsys, "generate", "hi", "--pair", NAME, "--assistant", str(tmp_path / "none"))
-    assert f"no drafter for '{NAME}'" in err and "jaxspec.train.assistant --target gemma-3-270m" in err
+    assert f"no drafter for '{NAME}'" in err and "jaxspec.train.ttt --target gemma-3-270m" in err
     assert "neither a named pair (default, gemma-3-270m) nor a directory" in _bad(capsys, "generate", "hi",
                                                                                    "--pair", "gemma-9")
     assert "ships its own assistant" in _bad(capsys, "generate", "hi", "--pair", "default", "--assistant", str(drafter))
