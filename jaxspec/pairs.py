@@ -94,7 +94,7 @@ def resolve(name: str, assistant: str | None = None) -> Pair:
         raise ValueError(f"unknown pair {name!r}: the named pairs are {', '.join(NAMES)} (or a pair directory)")
     drafter = drafter_dir(name) if assistant is None else os.fspath(assistant)
     if assistant is None and not any(os.path.isfile(os.path.join(drafter, f)) for f in DRAFTER_FILES):
-        raise ValueError(f"no drafter for {name!r} is shipped yet ({drafter!r} holds none): run the target alone "
+        raise ValueError(f"no drafter for {name!r} is installed ({drafter!r} holds none): run the target alone "
                          f"(--model {name} --draft ngram: prompt lookup; --model {name}: classic) or pass "
                          "--assistant DIR (a drafter trained with python -m jaxspec.train.ttt)")
     check_drafter(drafter, name)  # before the target's package: cheap, and names the real gap first

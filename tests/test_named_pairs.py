@@ -75,7 +75,7 @@ def test_drafter_problems_are_one_line(stand_in, capsys, tmp_path):
     with pytest.MonkeyPatch.context() as mp:  # the shipped drafter absent: the pair is refused, classic still runs
         mp.setattr(pairs, "DRAFTERS", str(tmp_path / "empty"))
         err = _bad(capsys, "generate", "hi", "--pair", NAME)
-        assert f"no drafter for '{NAME}' is shipped yet" in err and str(tmp_path / "empty" / NAME) in err
+        assert f"no drafter for '{NAME}' is installed" in err and str(tmp_path / "empty" / NAME) in err
         assert f"--model {NAME} --draft ngram" in err and "--assistant DIR" in err
         assert pairs.resolve(NAME, str(drafter)).assistant == str(drafter)
 
