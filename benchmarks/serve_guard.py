@@ -58,12 +58,14 @@ TARGETS = [  # (what, check(new rows) -> (value, met))
 
 
 def prepare(commit: str, dest: str = OLD) -> int:
-    """The old commit's tree (no default-pair weights) in `dest`, its sha beside it."""
+    """The old commit's tree (no model weights: the default pair's, the shipped drafters') in `dest`, its
+    sha beside it: it travels with a device call, which carries at most 64 MiB."""
     sha = subprocess.run(["git", "-C", ROOT, "rev-parse", commit], capture_output=True, text=True, check=True).stdout.strip()
     subprocess.run(["rm", "-rf", dest], check=True)
     os.makedirs(dest)
     archive = subprocess.Popen(["git", "-C", ROOT, "archive", sha], stdout=subprocess.PIPE)
     subprocess.run(["tar", "-x", "-C", dest, "--exclude=*/default_pair/*/model.safetensors",
+                    "--exclude=*/data/drafters/*/model.safetensors",
                     "--exclude=docs/benchmark_results/raw", "--exclude=docs/notebooks"], stdin=archive.stdout, check=True)
     if archive.wait():
         raise SystemExit(f"git archive {sha} failed")
