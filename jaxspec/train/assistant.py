@@ -88,6 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
+from jaxspec.pairs import DRAFTERS  # shipped drafters: drafters/<target name>/
 from jaxspec.train import shared
 from jaxspec.train import assistant_inputs as inputs
 from jaxspec.train.assistant_data import (balanced_ordering, corpus_texts, drop_heldout, embedding_table,  # noqa: F401
@@ -102,7 +103,6 @@ from jaxspec.models.gemma4 import rope_dict
 from jaxspec.models.layers import linear
 from jaxspec.models.params import assistant_shapes
 
-DRAFTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "drafters")  # shipped drafters: drafters/<target name>/
 DRAFT_STEPS = 3  # K - 1 at K = 4
 NOTICE = """\
 This drafter (MTP assistant) was trained by jaxspec (python -m jaxspec.train.assistant or

@@ -5,8 +5,8 @@
     python -m jaxspec.train.onpolicy_data --write-heldout FILE --target gemma-3-270m   # once, on a machine with /usr/share
 
 Prompts (`jaxspec.train.onpolicy_sources`): --prompt-tokens-long windows of standard-library and
-site-packages code, their docstrings and site-packages docs, package READMEs, bullet/numbered lists, and dialogue the target
-writes itself from short openers, in equal shares; held-out prompts (--heldout, default
+site-packages code, their docstrings and site-packages docs, package READMEs, bullet/numbered lists,
+and dialogue the target writes itself from short openers, in equal shares; held-out prompts (--heldout, default
 `jaxspec/data/drafters/<target>/heldout_onpolicy.json`) come from sources training never reads, and
 any training text holding a piece of one is dropped. `--random-prompts`: random token ids instead (a
 target without a tokenizer: the tests).
@@ -41,13 +41,13 @@ import numpy as np
 import jaxspec
 from jaxspec import models
 from jaxspec.kernels import DispatchConfig
+from jaxspec.pairs import DRAFTERS  # shipped drafters: drafters/<target name>/
 from jaxspec.train import assistant_inputs as inputs
 from jaxspec.train import onpolicy_sources as sources
 from jaxspec.train.assistant_data import drop_heldout, heldout_probes, random_prompts
 from jaxspec.train.shared import log, reset_clock
 
 PROG = "python -m jaxspec.train.onpolicy_data"
-DRAFTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "drafters")
 HELDOUT_FILE = "heldout_onpolicy.json"
 KINDS = sources.TRAIN_KINDS
 
@@ -83,6 +83,12 @@ def dialogue_prompts(target, tok, n: int, length: int, batch: int, seed: int, en
     return out[:n]
 
 
+def heldout_ids(tok, heldout: list[dict], length: int) -> list[list[int]]:
+    """The held-out prompts' token ids, each cut to `length` (the written ones are shorter and kept
+    whole): what training's evaluations and `benchmarks/drafter_heldout_bench.py` run."""
+    return [tok.encode(h["text"])[:length] for h in heldout]
+
+
 def build_prompts(args, target, tok, heldout, end_by: float):
     """(train prompts int32 [n, P], kind [n], held-out prompts [m, P], info)."""
     p, rng = args.prompt_tokens, np.random.default_rng(args.seed)
@@ -110,7 +116,7 @@ def build_prompts(args, target, tok, heldout, end_by: float):
     order = rng.permutation(len(rows))[:args.prompts]
     # every held-out prompt, cut to P tokens: the written ones are 13-20 tokens long, and dropping
     # prompts shorter than P silently left the stories and letters out of the measurement
-    held = [tok.encode(h["text"])[:p] for h in heldout]
+    held = heldout_ids(tok, heldout, p)
     info.update(dropped_for_heldout=dropped, heldout_kinds=sorted({h.get("kind", "?") for h in heldout}))
     return np.asarray(rows, np.int32)[order], np.asarray(kind, np.int8)[order], held, info
 

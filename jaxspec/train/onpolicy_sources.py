@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.metadata
+import itertools
 import os
 import re
 import sysconfig
@@ -98,22 +99,17 @@ def training_texts(max_files: int | None = None) -> tuple[dict[str, list[tuple[s
     stdlib = sysconfig.get_paths()["stdlib"]
     purelib = sysconfig.get_paths()["purelib"]
     kinds = {k: [] for k in TRAIN_KINDS}
-    for i, path in enumerate(_walk(stdlib, (".py",))):
-        if max_files is not None and i >= max_files:
-            break
-        text = _read(path)
-        if text and len(text) > 400:
-            name = "stdlib/" + os.path.relpath(path, stdlib)
-            kinds["code"].append((name, text))
-            kinds["docs"] += [(f"{name}#doc{j}", s) for j, s in enumerate(_docstrings(text, 300))]
     site_py = list(_walk(purelib, (".py",), SKIP_DIRS - {"site-packages"}))
     n = min(len(site_py), SITE_PY_FILES if max_files is None else max_files)
-    for path in (site_py[i * len(site_py) // n] for i in range(n)):
-        text = _read(path)
-        if text and len(text) > 400:
-            name = "site-packages/" + os.path.relpath(path, purelib)
-            kinds["code"].append((name, text))
-            kinds["docs"] += [(f"{name}#doc{j}", s) for j, s in enumerate(_docstrings(text, 300))]
+    modules = [("stdlib", stdlib, itertools.islice(_walk(stdlib, (".py",)), max_files)),
+               ("site-packages", purelib, (site_py[i * len(site_py) // n] for i in range(n)))]
+    for prefix, root, paths in modules:  # code, and its docstrings as docs
+        for path in paths:
+            text = _read(path)
+            if text and len(text) > 400:
+                name = f"{prefix}/{os.path.relpath(path, root)}"
+                kinds["code"].append((name, text))
+                kinds["docs"] += [(f"{name}#doc{j}", s) for j, s in enumerate(_docstrings(text, 300))]
     n_docs = 0
     for path in _walk(purelib, (".rst", ".md", ".txt"), SKIP_DIRS - {"site-packages"}):
         rel = os.path.relpath(path, purelib)
