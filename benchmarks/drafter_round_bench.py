@@ -20,8 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's jaxspec (a bare device has no install)
 
 import jax
 import jax.numpy as jnp
