@@ -36,9 +36,9 @@ venv-dev: $(VENV)/.installed-dev
 # task is a code edit whose answer repeats most of the given function, where prompt lookup pays; on
 # open-ended prose it copies little from the prompt (what it gains there, ~1.5x, is the base model
 # repeating its own text; README, Benchmarks). Lookup is the drafter that wins on this prompt: on the
-# 2-core CPU (2026-12-05, 96 tokens) 2.56x, against 2.50x for `--pair gemma-3-270m --draft hybrid` and
-# 1.49x for the shipped MTP drafter alone (`--pair gemma-3-270m`); on prose the hybrid wins instead
-# (docs/benchmark_results/drafter-ttt-h100-2026-12-05.md).
+# 2-core CPU (2026-12-05, 96 tokens) 2.58x, against 2.39x for `--pair gemma-3-270m --draft hybrid` and
+# 1.58x for the shipped MTP drafter alone (`--pair gemma-3-270m`); on prose the hybrid wins instead
+# (docs/benchmark_results/drafter-ttt2-h100-2026-12-05.md).
 # DEMO_PROMPT="..." runs another prompt; DEMO_TASK another task file (its first prompt).
 DEMO_TASK ?= benchmarks/tasks/code_edit.json
 DEMO_PROMPT ?=

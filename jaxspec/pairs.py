@@ -11,7 +11,7 @@ The pairs:
   Python sources and its MTP assistant). Offline, what the tests run.
 * "gemma-3-270m": Gemma 3 270M from its GGUF (the `gemma3` extra, `models.load_target("gemma-3-270m")`)
   and the drafter shipped in `jaxspec/data/drafters/gemma-3-270m/` (`jaxspec.train.ttt`: one layer,
-  an 8,192-token draft head, 8-bit; docs/benchmark_results/drafter-ttt-h100-2026-12-05.md), laid out
+  an 8,192-token draft head, 8-bit; docs/benchmark_results/drafter-ttt2-h100-2026-12-05.md), laid out
   as `jaxspec.train.ttt` writes it: `config.json` naming the target it was trained for
   (`"target"`, `"target_fingerprint"`), `model.safetensors` without an embedding table (the drafter
   uses the target's), `NOTICE` (the Gemma terms: a drafter distilled from Gemma is a model

@@ -3,7 +3,7 @@
 Its own module: tests/test_named_pairs.py points `pairs.DRAFTERS` at a stand-in for the whole module,
 and these read the real folder. The fast test reads file headers only; the slow one loads the real
 GGUF and runs the shipped pair on held-out prompts (its measured numbers:
-docs/benchmark_results/drafter-ttt-h100-2026-12-05.md).
+docs/benchmark_results/drafter-ttt2-h100-2026-12-05.md).
 """
 import os
 
