@@ -121,9 +121,10 @@ def test_one_prompt_twice_at_once_then_again(engines):
 def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
     """Eight requests over three prefixes through an 11-block pool, two at a time: idle cached blocks
     are evicted for new ones (and some still hit), a held block is never free, idle or handed to
-    another slot. Then two requests of one prefix that do not fit the pool together run together:
-    the second, admitted once the first has prefilled, shares the first's four held blocks (it is
-    admitted on them: `can_admit` with its ids). Every request's output is the one without reuse."""
+    another slot. Then, once those are done, two requests of one prefix that do not fit the pool
+    together run together: the second, admitted once the first has prefilled, shares the first's
+    four held blocks (it is admitted on them: `can_admit` with its ids). Every request's output is
+    the one without reuse."""
     rng = seeded_rng()
     vocab = TARGET.config.vocab_size
     heads = [rng.integers(2, vocab, 2 * CHUNK).tolist() for _ in range(3)]
@@ -139,6 +140,9 @@ def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
         while waiting or e.live:
             while waiting and e.can_admit(len(waiting[0][1][0]), 8, waiting[0][1][0]):
                 i, (ids, n) = waiting.pop(0)
+                if i == 8 and e.live:  # the last pair starts on a drained engine: beside an earlier request
+                    waiting.insert(0, (i, (ids, n)))  # the second finds no slot (seed-dependent; seed 3283514678)
+                    break
                 if i == 9 and e.live:  # the last pair: after the first's prefill, which it shares
                     if 8 in [where.get(s) for s in e.prefilling]:
                         waiting.insert(0, (i, (ids, n)))
