@@ -25,7 +25,7 @@ from support.serve_cli import serve_fails  # noqa: E402
 from support.seeds import seeded_int  # noqa: E402
 from support.serve_inproc import serving  # noqa: E402
 
-# Each knob's flag and range as docs/api.md states them, written out here rather than read from the
+# Each knob's flag and range as docs/serve.md states them, written out here rather than read from the
 # table: (field, flag, lowest, highest, a multiple of)
 DOCUMENTED = [("block_size", "--block-size", 1, 16, 1),
               ("max_batch", "--max-batch", 1, 4096, 1),
