@@ -6,6 +6,8 @@
     python benchmarks/serve_guard.py compare DIR/old DIR/new --out docs/benchmark_results/FILE.md
     python benchmarks/serve_guard.py run --parts budget,budget-long --out DIR/budget   # the step budget sweep
     python benchmarks/serve_guard.py budgets DIR/budget --out docs/benchmark_results/FILE.md
+    python benchmarks/serve_guard.py run --no-prefix-cache --out DIR/off   # prefix reuse's cost: reuse off,
+    python benchmarks/serve_guard.py compare DIR/off DIR/on --drop 0.97    # against `run --out DIR/on`
 
 Any change to serving code (the batch engine, the scheduler, the server, the paged pool, the kernels a
 decode step runs) runs it against the previous main in one device lease, the two `run`s back to back
@@ -24,7 +26,8 @@ preset (random 4-bit weights, K = 1, 4 rounds a step, 64-token prompts, 64 new t
 `compare` puts the two runs' rows side by side, marks a drop of more than 5% (exit status 1), and
 checks the serving issue's targets on the new run (HTTP greedy at 32 clients >= 3,000 tok/s; 8 clients
 >= 7x one; mixed >= 0.85x greedy at 32; the streams' p99 gap <= 3x and <= 40 ms beside the long
-request, its first token <= 2.0 s).
+request, its first token <= 2.0 s). `--drop` sets the bar (prefix reuse's issue allows 3% against reuse
+off: `run --no-prefix-cache` is the old run, the same tree's default the new one).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD = os.path.join(ROOT, ".carry", "serve-old")
-DROP = 0.95  # new / old below this is a regression (the project's 5% rule)
+DROP = 0.95  # new / old below this is a regression (the project's 5% rule; `compare --drop` sets another)
 
 SWEEP = ["--target", "12b", "--k-values", "1", "--max-slots", "32", "--rounds-per-step", "4", "--prompt-len", "64",
          "--max-tokens", "64", "--clients", "1,8,32", "--sampling", "greedy,mixed", "--requests-per-client", "8",
@@ -76,9 +79,10 @@ def prepare(commit: str, dest: str = OLD) -> int:
     return 0
 
 
-def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: str = STEP_TOKENS) -> int:
+def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: str = STEP_TOKENS,
+        prefix_cache: bool = True) -> int:
     """Each part's serve_bench in `tree` (its own code, on PYTHONPATH), logged under `out`; the budget
-    parts once per budget of `step_tokens`."""
+    parts once per budget of `step_tokens`; with `prefix_cache` False, every part with reuse off."""
     tree = os.path.abspath(tree)
     if commit is None:
         stamp = os.path.join(tree, "COMMIT")
@@ -86,6 +90,9 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
             ["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     bench = os.path.join(tree, "benchmarks", "serve_bench.py")
     repeats = ["--repeats", "3"] if "--repeats" in open(bench).read() else []
+    if not prefix_cache and "--no-prefix-cache" not in open(bench).read():
+        raise SystemExit(f"--no-prefix-cache: {bench} has no such flag (a tree from before prefix reuse)")
+    reuse = [] if prefix_cache else ["--no-prefix-cache"]
     # the tree first; what was on the path stays after it (carried wheels: fastapi, uvicorn on the device)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p),
                PYTHONUNBUFFERED="1")
@@ -94,8 +101,8 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
     for part in parts:
         args, limit = PARTS[part]
         budgets = ["--step-tokens", step_tokens] if part.startswith("budget") else []
-        cmd = [sys.executable, bench, *args, *(repeats if part == "sweep" else []), *budgets, "--commit", commit,
-               "--out", os.path.join(out, part)]
+        cmd = [sys.executable, bench, *args, *(repeats if part == "sweep" else []), *budgets, *reuse,
+               "--commit", commit, "--out", os.path.join(out, part)]
         t0 = time.perf_counter()
         with open(os.path.join(out, f"{part}.log"), "w") as log:
             try:
@@ -105,7 +112,7 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
         print(f"== {part}: rc {rc} in {time.perf_counter() - t0:.0f} s ({' '.join(cmd[1:])})", flush=True)
         status = status or rc
     with open(os.path.join(out, "guard.json"), "w") as f:
-        json.dump(dict(tree=tree, commit=commit, parts=parts, repeats=bool(repeats)), f)
+        json.dump(dict(tree=tree, commit=commit, parts=parts, repeats=bool(repeats), prefix_cache=prefix_cache), f)
     return status
 
 
@@ -156,8 +163,8 @@ def budgets(d: str, out: str | None) -> int:
     return 0
 
 
-def compare(old: str, new: str, out: str | None) -> int:
-    """The two runs side by side; exit status 1 when a row dropped by more than 5%."""
+def compare(old: str, new: str, out: str | None, drop: float = DROP) -> int:
+    """The two runs side by side; exit status 1 when a row's new / old is below `drop`."""
     meta = {}
     for name, d in (("old", old), ("new", new)):
         path = os.path.join(d, "guard.json")
@@ -165,7 +172,8 @@ def compare(old: str, new: str, out: str | None) -> int:
     sweeps = {n: {(r["mode"], r["sampling"], r["clients"]): r for r in _rows(d, "sweep/serve.json")}
               for n, d in (("old", old), ("new", new))}
     longs = {n: _rows(d, "long/serve_long.json") for n, d in (("old", old), ("new", new))}
-    lines = [f"# serve guard: {meta['new']['commit'][:12]} against {meta['old']['commit'][:12]}", "",
+    name = lambda m: m["commit"][:12] + ("" if m.get("prefix_cache", True) else " (prefix reuse off)")  # noqa: E731
+    lines = [f"# serve guard: {name(meta['new'])} against {name(meta['old'])}", "",
              "Rows: tok/s (all tokens over the wall time; "
              + ", ".join(f"{n}: {'median of 3 runs' if meta[n].get('repeats') else '1 run'}" for n in ("old", "new"))
              + "), TTFT median, per-stream tok/s.", "",
@@ -175,7 +183,7 @@ def compare(old: str, new: str, out: str | None) -> int:
     for key in sorted(set(sweeps["old"]) | set(sweeps["new"]), key=lambda k: (k[0], k[1], k[2])):
         o, n = sweeps["old"].get(key), sweeps["new"].get(key)
         ratio = n["tokens_per_s"] / o["tokens_per_s"] if o and n else None
-        flag = " **drop**" if ratio is not None and ratio < DROP else ""
+        flag = " **drop**" if ratio is not None and ratio < drop else ""
         if flag:
             drops.append(key)
         cell = lambda r, f, s=1.0, fmt="{:.0f}": fmt.format(r[f] * s) if r else "-"  # noqa: E731
@@ -193,7 +201,8 @@ def compare(old: str, new: str, out: str | None) -> int:
     lines += ["", "| target (new run) | measured | met |", "|---|---|---|"]
     lines += [f"| {t} | {v} | {'yes' if ok else 'no'} |"
               for t, v, ok in targets(list(sweeps["new"].values()), longs["new"])]
-    lines += ["", f"Drops over 5%: {', '.join(f'{k[0]} {k[1]} {k[2]} clients' for k in drops) or 'none'}."]
+    dropped = ", ".join(f"{k[0]} {k[1]} {k[2]} clients" for k in drops) or "none"
+    lines += ["", f"Drops over {1 - drop:.0%}: {dropped}."]
     text = "\n".join(lines) + "\n"
     if out:
         with open(out, "w") as f:
@@ -214,6 +223,7 @@ def main(argv=None) -> int:
     r.add_argument("--commit", default=None, help="default: the tree's COMMIT file, else its git HEAD")
     r.add_argument("--parts", default="sweep,long", help="comma-separated: sweep, long, budget, budget-long")
     r.add_argument("--step-tokens", default=STEP_TOKENS, help="the budget parts' budgets (comma-separated)")
+    r.add_argument("--no-prefix-cache", action="store_true", help="every part with prefix reuse off")
     b = sub.add_parser("budgets", help="the budget parts of a run as one table")
     b.add_argument("dir")
     b.add_argument("--out", default=None)
@@ -221,6 +231,7 @@ def main(argv=None) -> int:
     c.add_argument("old")
     c.add_argument("new")
     c.add_argument("--out", default=None)
+    c.add_argument("--drop", type=float, default=DROP, help="new / old below this is a drop (default 0.95)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         return prepare(args.commit, args.dest)
@@ -229,10 +240,12 @@ def main(argv=None) -> int:
         bad = sorted(set(parts) - set(PARTS))
         if bad:
             raise SystemExit(f"--parts: unknown {bad} ({', '.join(PARTS)})")
-        return run(args.tree, args.out, args.commit, parts, args.step_tokens)
+        return run(args.tree, args.out, args.commit, parts, args.step_tokens, not args.no_prefix_cache)
     if args.cmd == "budgets":
         return budgets(args.dir, args.out)
-    return compare(args.old, args.new, args.out)
+    if not 0 < args.drop <= 1:
+        raise SystemExit(f"--drop: {args.drop} is not in (0, 1]")
+    return compare(args.old, args.new, args.out, args.drop)
 
 
 if __name__ == "__main__":

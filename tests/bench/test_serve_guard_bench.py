@@ -1,10 +1,12 @@
-"""benchmarks/serve_guard.py: `compare` flags every row that fell by more than 5% and checks the serving
-targets from the rows; `prepare` writes a commit's tree without the default pair's weights. (`run` is
-serve_bench's two workloads, tested in test_serve_bench.py; on the 12B it needs the H200.)"""
+"""benchmarks/serve_guard.py: `compare` flags every row that fell by more than 5% (or `--drop`'s bar) and
+checks the serving targets from the rows; `run` hands its flags to the tree's serve_bench; `prepare` writes
+a commit's tree without the default pair's weights. (serve_bench's two workloads are tested in
+test_serve_bench.py; on the 12B they need the GPU.)"""
 import json
 import os
 
 import numpy as np
+import pytest
 import subprocess
 import sys
 
@@ -53,6 +55,46 @@ def test_compare_flags_drops_and_reads_the_targets(tmp_path, capsys):
     assert met[serve_guard.TARGETS[4]] == (long[0]["long_ttft_s"] <= 2)
     # no drop: exit status 0
     assert serve_guard.main(["compare", str(tmp_path / "old"), str(tmp_path / "old")]) == 0
+    # prefix reuse's 3% bar: the rows between 0.95 and 0.97 are drops too
+    factors[0] = 0.96
+    new = [dict(r, tokens_per_s=r["tokens_per_s"] * f) for r, f in zip(old, factors)]
+    _write(tmp_path / "reuse", new, long, "b" * 40)
+    capsys.readouterr()
+    assert serve_guard.main(["compare", str(tmp_path / "old"), str(tmp_path / "reuse"), "--drop", "0.97"]) == 1
+    text = capsys.readouterr().out
+    assert "Drops over 3%:" in text
+    for (m, s, c), f in zip(keys, factors):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {m} | {s} | {c} |"))
+        assert ("**drop**" in row) == (f < 0.97), row
+
+
+def test_run_hands_reuse_off_to_the_trees_serve_bench(tmp_path, capsys):
+    """`run --no-prefix-cache` runs each part with reuse off and says so in guard.json, which `compare`'s
+    title reads; a tree whose serve_bench has no such flag is refused before anything runs."""
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    # a serve_bench that records its arguments (the flag's name appears in it, as in a tree with reuse)
+    (tree / "benchmarks" / "serve_bench.py").write_text(
+        "import json, os, sys  # accepts --repeats and --no-prefix-cache\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]\nos.makedirs(out)\n"
+        "json.dump(sys.argv[1:], open(os.path.join(out, 'argv.json'), 'w'))\n")
+    commit = "%040x" % int(seeded_rng().integers(1 << 62))
+    for flag, d in (([], "on"), (["--no-prefix-cache"], "off")):
+        assert serve_guard.main(["run", "--tree", str(tree), "--out", str(tmp_path / d), "--commit", commit,
+                                 "--parts", "sweep,long", *flag]) == 0
+        for part in ("sweep", "long"):
+            argv = json.loads((tmp_path / d / part / "argv.json").read_text())
+            assert ("--no-prefix-cache" in argv) == bool(flag) and argv[argv.index("--commit") + 1] == commit
+            assert argv[:len(serve_guard.PARTS[part][0])] == serve_guard.PARTS[part][0]
+        assert json.loads((tmp_path / d / "guard.json").read_text())["prefix_cache"] == (not flag)
+    capsys.readouterr()
+    serve_guard.main(["compare", str(tmp_path / "off"), str(tmp_path / "on")])
+    title = f"# serve guard: {commit[:12]} against {commit[:12]} (prefix reuse off)\n"
+    assert capsys.readouterr().out.startswith(title)
+    (tree / "benchmarks" / "serve_bench.py").write_text("raise SystemExit(3)  # accepts --repeats\n")
+    with pytest.raises(SystemExit, match="--no-prefix-cache: .* has no such flag"):
+        serve_guard.main(["run", "--tree", str(tree), "--out", str(tmp_path / "x"), "--no-prefix-cache"])
+    assert not (tmp_path / "x").exists()
 
 
 def test_budgets_puts_each_budget_beside_its_long_workload(tmp_path, capsys):
