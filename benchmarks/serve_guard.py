@@ -89,8 +89,10 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
         commit = open(stamp).read().strip() if os.path.exists(stamp) else subprocess.run(
             ["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     bench = os.path.join(tree, "benchmarks", "serve_bench.py")
-    repeats = ["--repeats", "3"] if "--repeats" in open(bench).read() else []
-    if not prefix_cache and "--no-prefix-cache" not in open(bench).read():
+    with open(bench) as f:
+        source = f.read()  # the tree's serve_bench may predate a flag
+    repeats = ["--repeats", "3"] if "--repeats" in source else []
+    if not prefix_cache and "--no-prefix-cache" not in source:
         raise SystemExit(f"--no-prefix-cache: {bench} has no such flag (a tree from before prefix reuse)")
     reuse = [] if prefix_cache else ["--no-prefix-cache"]
     # the tree first; what was on the path stays after it (carried wheels: fastapi, uvicorn on the device)
