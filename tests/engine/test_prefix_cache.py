@@ -139,14 +139,13 @@ def test_a_small_pool_evicts_cached_blocks_and_never_a_held_one():
         waiting, out, where, together = list(enumerate(requests)), {}, {}, False
         while waiting or e.live:
             while waiting and e.can_admit(len(waiting[0][1][0]), 8, waiting[0][1][0]):
-                i, (ids, n) = waiting.pop(0)
-                if i == 8 and e.live:  # the last pair starts on a drained engine: beside an earlier request
-                    waiting.insert(0, (i, (ids, n)))  # the second finds no slot (seed-dependent; seed 3283514678)
+                i, (ids, n) = waiting[0]
+                # the last pair starts on a drained engine (beside an earlier request the second finds no
+                # slot: seed-dependent, seed 3283514678), its second after the first's prefill, which it shares
+                if e.live and (i == 8 or (i == 9 and 8 in [where.get(s) for s in e.prefilling])):
                     break
-                if i == 9 and e.live:  # the last pair: after the first's prefill, which it shares
-                    if 8 in [where.get(s) for s in e.prefilling]:
-                        waiting.insert(0, (i, (ids, n)))
-                        break
+                waiting.pop(0)
+                if i == 9 and e.live:
                     assert not e.can_admit(len(ids), n)  # counting every block, it would not fit
                     together = True
                 where[e.admit(ids, n, seed=0, logprobs=1)] = i
