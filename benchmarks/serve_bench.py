@@ -518,6 +518,9 @@ def main(argv=None) -> None:
                               f"{r['tokens_per_s']:.1f} "
                               f"tok/s, TTFT {r['ttft_median_s'] * 1e3:.0f} ms, stream {r['stream_tokens_per_s']:.1f} "
                               f"tok/s, steps per program {used}", flush=True)
+            if args.http:
+                server.close()  # its worker thread holds it: else the next row's engine shares the device with it
+            engine = server = runs = run = None  # noqa: F841  the next row's engine is built without this one
     sweep.close()
     base = {(r["mode"], r["sampling"], r["clients"], r["step_tokens"]): r["tokens_per_s"] for r in rows
             if r["k_asked"] == 1}

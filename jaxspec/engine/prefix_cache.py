@@ -41,9 +41,11 @@ from jaxspec.kernels import EMPTY
 
 
 def default_snapshots(slots: int) -> int:
-    """Ring snapshots an engine keeps by default: two per slot, at least 4 (a 12B's rings are 341 MB
-    a slot: 2.7 GB at 4 slots)."""
-    return max(4, 2 * slots)
+    """Ring snapshots an engine keeps by default: one per two slots, at least 4. A snapshot is a
+    slot's rings, as large as a slot's share of the KV pool at 12B shapes (341 MB); two per slot
+    took 20.3 GiB at 32 slots, more than the pool's 12.2, and put `serve --max-batch 32` past an
+    80 GB H100's limit (docs/design.md, "Prefix reuse")."""
+    return max(4, slots // 2)
 
 
 def root_key(*parts) -> bytes:

@@ -46,7 +46,7 @@ from jaxspec.engine.batching import BatchEngine
 from jaxspec.engine.generate import check_block_size
 from jaxspec.serve.config import BATCH_CONTEXT, REQUEST_CONTEXT, ServeConfig  # noqa: F401  (the server's API)
 from jaxspec.serve.protocol import ApiError, OpenAISchema, max_token_bytes, parse_body  # noqa: F401  (the server's API)
-from jaxspec.serve.scheduler import ErrorEvent, Job, QueueFull, Scheduler, TextEvent
+from jaxspec.serve.scheduler import Closed, ErrorEvent, Job, QueueFull, Scheduler, TextEvent
 from jaxspec.serve.guard import Guard, error_json
 
 DISCONNECT_POLL_S = 0.25  # a waiting non-streaming request checks this often whether its client left
@@ -109,6 +109,14 @@ class Server:
         except QueueFull as e:
             raise ApiError(429, f"{e.waiting} requests are waiting (--max-queue {e.limit}): retry in {e.retry_after} s",
                            code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+        except Closed as e:
+            raise ApiError(503, str(e)) from None
+
+    def close(self) -> None:
+        """`Scheduler.close` (the worker stopped, waiting and running requests ended with a 503, the
+        engine's device memory released) and the tokenizer's thread."""
+        self.scheduler.close()
+        self.prep.shutdown(wait=True)
 
     def warm_up(self) -> float:
         """`Scheduler.warm_up` (every program a request that fits a slot runs); from then on a

@@ -28,6 +28,10 @@ from jaxspec.text.tokenizer import IncrementalDecoder
 log = logging.getLogger("jaxspec.serve.app")  # the warm-up's request (jaxspec serve shows INFO lines)
 
 
+class Closed(RuntimeError):
+    """A job submitted, or the engine asked for, after `Scheduler.close`."""
+
+
 @dataclass
 class Job:
     """One request, validated: the prompt ids, its budget, stop strings and sampling; `emit` (set
@@ -171,7 +175,26 @@ class Scheduler:
         self.served = 0
         self.metrics = Metrics()  # /metrics: what requests took (the pool's state is read from the engine)
         self.compiles = compile_cache.CompileLog().__enter__()  # programs built (/health), emptied by warm_up
-        threading.Thread(target=self._work, name="jaxspec-serve", daemon=True).start()
+        self.closed = False
+        self.worker = threading.Thread(target=self._work, name="jaxspec-serve", daemon=True)
+        self.worker.start()
+
+    def close(self) -> None:
+        """Stop the worker after its step, end the jobs still waiting or running with a 503, and
+        drop the engine: its device memory (KV pool, ring snapshots) is freed once nothing else
+        holds it. The worker thread holds the scheduler, so without this a process that builds
+        servers one after another (a benchmark sweep) keeps every earlier one's memory."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if self.worker is not threading.current_thread():
+            self.worker.join()
+        for job in [*self.queue, *(job for job, _ in self.slots.values())]:
+            job.emit(ErrorEvent("the server is shutting down", 503))
+        self.queue.clear()
+        self.slots.clear()
+        self._engine = None
+        self.compiles.__exit__(None, None, None)
 
     @property
     def active(self) -> int:
@@ -186,6 +209,8 @@ class Scheduler:
         """The one batch engine: every sampling setting runs in it (greedy, sampled, filtered, with
         a bias or logprobs), so a new setting compiles nothing."""
         if self._engine is None:
+            if self.closed:
+                raise Closed("the server is closed: it has no engine")
             block, c = PROMPT_BUCKET, self.config
             self._engine = BatchEngine(
                 self.target, self.assistant, slots=c.max_batch, max_new_tokens=self.batch_tokens,
@@ -242,6 +267,8 @@ class Scheduler:
         job.emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
         job.arrived = time.perf_counter()
         with self.cond:
+            if self.closed:
+                raise Closed("the server is shutting down")
             waiting, limit = len(self.queue), self.config.max_queue
             if waiting >= limit:
                 raise QueueFull(waiting, limit, retry_after=1 + waiting // self.config.max_batch)
@@ -252,8 +279,10 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self.cond:
-                while not self.queue and not self.slots:
+                while not self.queue and not self.slots and not self.closed:
                     self.cond.wait()
+                if self.closed:
+                    return
             try:
                 self._admit()
                 if self.slots:

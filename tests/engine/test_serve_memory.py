@@ -205,6 +205,31 @@ def test_prefix_ring_snapshots_are_counted(tiny_cfg):
     assert with_.total - batch_memory(tiny_cfg, b, 4, jnp.bfloat16, 1 << 20, **kw).total == with_.snapshots
     short = dict(kw, request_capacity=16)
     assert batch_memory(tiny_cfg, b, 4, jnp.bfloat16, 1 << 20, prefix_cache=True, **short).snapshots == 0
-    big = models.TargetConfig.from_dict(presets.TARGETS["12b"])  # 341 MB of rings a slot, 8 copies at 4 slots
+    big = models.TargetConfig.from_dict(presets.TARGETS["12b"])  # 341 MB of rings a slot, 4 copies at 4 slots
     at_12b = batch_memory(big, 4, 4, jnp.bfloat16, 7 << 30, prefix_cache=True, **dict(kw, request_capacity=32768))
-    assert "prefix ring snapshots 2.5 GiB" in at_12b.describe()
+    assert "prefix ring snapshots 1.3 GiB" in at_12b.describe()
+
+
+def test_reuse_keeps_32_slots_of_the_12b_within_an_h100(monkeypatch):
+    """`serve --max-batch 32` at 12B shapes (7 GiB of 4-bit weights, the serve defaults' pool) passes
+    the memory check on an 80 GB H100 (JAX's default limit there: 0.75 x 81,559 MiB) with prefix reuse
+    on, as it does with reuse off; two ring snapshots a slot (20.3 GiB) had it refused, and the
+    standard serve sweep ran out of that H100's memory. At nine tenths of that limit the snapshots
+    are what is refused: reuse off still fits."""
+    import dataclasses
+
+    from jaxspec.serve.config import ServeConfig
+
+    tcfg = models.TargetConfig.from_dict(presets.TARGETS["12b"])
+    h100 = int(0.75 * 81559 * 2**20)
+    on = ServeConfig(max_batch=32).resolved()
+    off = dataclasses.replace(on, prefix_cache=False)
+    assert on.prefix_cache
+    for limit, refused in ((h100, ()), (int(0.9 * h100), (on,))):
+        monkeypatch.setattr(cli, "memory_limit", lambda limit=limit: (limit, "GPU memory", False))
+        for config in (on, off):
+            if config in refused:
+                with pytest.raises(cli.UsageError, match="--max-batch 32 needs .*prefix ring snapshots"):
+                    cli._check_batch_memory(tcfg, config, 4, jnp.bfloat16, 7 << 30)
+            else:
+                cli._check_batch_memory(tcfg, config, 4, jnp.bfloat16, 7 << 30)

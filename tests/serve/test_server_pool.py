@@ -137,3 +137,38 @@ def test_serve_builds_its_server_with_kv_positions(pair, monkeypatch):
                      "--no-warmup", "--port", port]) == 0
     engine = built[0].engine
     assert engine.kv_blocks * engine.block_tokens == 160 and engine.slots == 2
+
+
+def test_close_ends_its_requests_and_releases_the_engine():
+    """Server.close: the worker stops, a running and a waiting request end with a 503, the engine (its
+    KV pool, its ring snapshots) is no longer held by anything (the worker thread held the server, so
+    each server a process built kept its device memory), and a request after it is a 503 before any
+    compute."""
+    import gc
+    import weakref
+
+    from jaxspec.serve.scheduler import Closed
+
+    rng = seeded_rng()
+    srv = Server(TARGET, ASSISTANT, TOK, model_name="m", max_batch=1, kv_positions=16 * 16, prefill_chunk=16,
+                 rounds_per_chunk=1)
+    running, waiting = _job(rng.integers(3, 500, 40).tolist(), 8), _job(rng.integers(3, 500, 6).tolist(), 4)
+    _queue(srv, running)
+    _queue(srv, waiting)
+    srv.scheduler._admit()  # the worker's admission, here (the worker sleeps): one runs, one waits for the slot
+    assert len(srv.scheduler.slots) == 1 and srv.waiting == 1
+    engine = weakref.ref(srv.engine)
+    srv.close()
+    assert not srv.scheduler.worker.is_alive()
+    for job in (running, waiting):
+        assert job.ended.is_set() and isinstance(job.events[-1], ErrorEvent) and job.events[-1].status == 503
+    gc.collect()
+    assert engine() is None
+
+    async def submit():
+        return srv.submit(_job([5, 6, 7], 4))
+    with pytest.raises(ApiError) as e:
+        asyncio.run(submit())
+    assert e.value.status == 503
+    with pytest.raises(Closed):
+        srv.engine
