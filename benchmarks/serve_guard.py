@@ -8,6 +8,7 @@
     python benchmarks/serve_guard.py budgets DIR/budget --out docs/benchmark_results/FILE.md
     python benchmarks/serve_guard.py run --no-prefix-cache --out DIR/off   # prefix reuse's cost: reuse off,
     python benchmarks/serve_guard.py compare DIR/off DIR/on --drop 0.97    # against `run --out DIR/on`
+    python benchmarks/serve_guard.py run --parts sweep --clients 32 --out DIR/on   # little device time left
 
 Any change to serving code (the batch engine, the scheduler, the server, the paged pool, the kernels a
 decode step runs) runs it against the previous main in one device lease, the two `run`s back to back
@@ -80,9 +81,10 @@ def prepare(commit: str, dest: str = OLD) -> int:
 
 
 def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: str = STEP_TOKENS,
-        prefix_cache: bool = True) -> int:
+        prefix_cache: bool = True, clients: str | None = None) -> int:
     """Each part's serve_bench in `tree` (its own code, on PYTHONPATH), logged under `out`; the budget
-    parts once per budget of `step_tokens`; with `prefix_cache` False, every part with reuse off."""
+    parts once per budget of `step_tokens`; with `prefix_cache` False, every part with reuse off;
+    `clients` (e.g. "32") in place of the sweep's 1,8,32, when the device time left is short."""
     tree = os.path.abspath(tree)
     if commit is None:
         stamp = os.path.join(tree, "COMMIT")
@@ -102,6 +104,8 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
     status = 0
     for part in parts:
         args, limit = PARTS[part]
+        if clients and part == "sweep":
+            args = [clients if i and args[i - 1] == "--clients" else a for i, a in enumerate(args)]
         budgets = ["--step-tokens", step_tokens] if part.startswith("budget") else []
         cmd = [sys.executable, bench, *args, *(repeats if part == "sweep" else []), *budgets, *reuse,
                "--commit", commit, "--out", os.path.join(out, part)]
@@ -114,7 +118,8 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
         print(f"== {part}: rc {rc} in {time.perf_counter() - t0:.0f} s ({' '.join(cmd[1:])})", flush=True)
         status = status or rc
     with open(os.path.join(out, "guard.json"), "w") as f:
-        json.dump(dict(tree=tree, commit=commit, parts=parts, repeats=bool(repeats), prefix_cache=prefix_cache), f)
+        json.dump(dict(tree=tree, commit=commit, parts=parts, repeats=bool(repeats), prefix_cache=prefix_cache,
+                       clients=clients or "1,8,32"), f)
     return status
 
 
@@ -226,6 +231,7 @@ def main(argv=None) -> int:
     r.add_argument("--parts", default="sweep,long", help="comma-separated: sweep, long, budget, budget-long")
     r.add_argument("--step-tokens", default=STEP_TOKENS, help="the budget parts' budgets (comma-separated)")
     r.add_argument("--no-prefix-cache", action="store_true", help="every part with prefix reuse off")
+    r.add_argument("--clients", default=None, help="the sweep's client counts (default 1,8,32), e.g. 32 alone")
     b = sub.add_parser("budgets", help="the budget parts of a run as one table")
     b.add_argument("dir")
     b.add_argument("--out", default=None)
@@ -242,7 +248,7 @@ def main(argv=None) -> int:
         bad = sorted(set(parts) - set(PARTS))
         if bad:
             raise SystemExit(f"--parts: unknown {bad} ({', '.join(PARTS)})")
-        return run(args.tree, args.out, args.commit, parts, args.step_tokens, not args.no_prefix_cache)
+        return run(args.tree, args.out, args.commit, parts, args.step_tokens, not args.no_prefix_cache, args.clients)
     if args.cmd == "budgets":
         return budgets(args.dir, args.out)
     if not 0 < args.drop <= 1:

@@ -87,6 +87,14 @@ def test_run_hands_reuse_off_to_the_trees_serve_bench(tmp_path, capsys):
             assert ("--no-prefix-cache" in argv) == bool(flag) and argv[argv.index("--commit") + 1] == commit
             assert argv[:len(serve_guard.PARTS[part][0])] == serve_guard.PARTS[part][0]
         assert json.loads((tmp_path / d / "guard.json").read_text())["prefix_cache"] == (not flag)
+    # --clients: the sweep at those counts alone, the rest of its arguments the same
+    assert serve_guard.main(["run", "--tree", str(tree), "--out", str(tmp_path / "c32"), "--commit", commit,
+                             "--parts", "sweep", "--clients", "32"]) == 0
+    argv = json.loads((tmp_path / "c32" / "sweep" / "argv.json").read_text())
+    sweep = serve_guard.PARTS["sweep"][0]
+    at = sweep.index("--clients") + 1
+    assert argv[:len(sweep)] == sweep[:at] + ["32"] + sweep[at + 1:] and sweep[at] == "1,8,32"
+    assert json.loads((tmp_path / "c32" / "guard.json").read_text())["clients"] == "32"
     capsys.readouterr()
     serve_guard.main(["compare", str(tmp_path / "off"), str(tmp_path / "on")])
     title = f"# serve guard: {commit[:12]} against {commit[:12]} (prefix reuse off)\n"
