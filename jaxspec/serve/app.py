@@ -114,7 +114,8 @@ class Server:
 
     def close(self) -> None:
         """`Scheduler.close` (the worker stopped, waiting and running requests ended with a 503, the
-        engine's device memory released) and the tokenizer's thread."""
+        engine's device memory released) and the tokenizer's thread; a request after it is a 503.
+        Not from a request's handler: it waits for the worker's step."""
         self.scheduler.close()
         self.prep.shutdown(wait=True)
 
@@ -180,6 +181,8 @@ class Server:
         large = asyncio.Semaphore(MAX_LARGE_BODIES)
 
         async def handle(request: Request, chat: bool):
+            if self.scheduler.closed:  # before the tokenizer's thread, shut down with it
+                raise ApiError(503, "the server is shutting down")
             length = request.headers.get("content-length", "")
             big = not length.isdigit() or int(length) > LARGE_BODY
             async with large if big else contextlib.nullcontext():  # bodies in memory at once: bounded

@@ -180,21 +180,28 @@ class Scheduler:
         self.worker.start()
 
     def close(self) -> None:
-        """Stop the worker after its step, end the jobs still waiting or running with a 503, and
-        drop the engine: its device memory (KV pool, ring snapshots) is freed once nothing else
-        holds it. The worker thread holds the scheduler, so without this a process that builds
-        servers one after another (a benchmark sweep) keeps every earlier one's memory."""
+        """Stop the worker after its step, drop the engine (its device memory, KV pool and ring
+        snapshots, is freed once nothing else holds it) and end the jobs still waiting or running
+        with a 503. The worker thread holds the scheduler, so without this a process that builds
+        servers one after another (a benchmark sweep) keeps every earlier one's memory. A second
+        call does nothing. Not from the worker's thread (a job's `emit`) or with `cond` held: it
+        waits for the worker."""
         with self.cond:
+            if self.closed:
+                return
             self.closed = True
             self.cond.notify_all()
-        if self.worker is not threading.current_thread():
-            self.worker.join()
-        for job in [*self.queue, *(job for job, _ in self.slots.values())]:
-            job.emit(ErrorEvent("the server is shutting down", 503))
+        self.worker.join()
+        ended = [*self.queue, *(job for job, _ in self.slots.values())]
         self.queue.clear()
         self.slots.clear()
         self._engine = None
         self.compiles.__exit__(None, None, None)
+        for job in ended:
+            try:
+                job.emit(ErrorEvent("the server is shutting down", 503))
+            except RuntimeError:  # its handler's event loop is gone already: nobody reads the answer
+                pass
 
     @property
     def active(self) -> int:
@@ -310,6 +317,8 @@ class Scheduler:
                 continue
             try:
                 engine = self.engine
+            except Closed:  # close() ends the waiting jobs once this worker has stopped
+                return
             except Exception as e:  # e.g. its cache does not fit the device: this request fails, not the server
                 with self.cond:
                     self.queue.popleft()

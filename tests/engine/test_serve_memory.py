@@ -211,25 +211,30 @@ def test_prefix_ring_snapshots_are_counted(tiny_cfg):
 
 
 def test_reuse_keeps_32_slots_of_the_12b_within_an_h100(monkeypatch):
-    """`serve --max-batch 32` at 12B shapes (7 GiB of 4-bit weights, the serve defaults' pool) passes
-    the memory check on an 80 GB H100 (JAX's default limit there: 0.75 x 81,559 MiB) with prefix reuse
-    on, as it does with reuse off; two ring snapshots a slot (20.3 GiB) had it refused, and the
-    standard serve sweep ran out of that H100's memory. At nine tenths of that limit the snapshots
-    are what is refused: reuse off still fits."""
+    """`serve --max-batch 32` at 12B shapes (7 GiB of 4-bit weights, a GPU's serve defaults) passes the
+    memory check on an 80 GB H100 (JAX's default limit there: 0.75 x 81,559 MiB) with prefix reuse on,
+    as it does with reuse off; two ring snapshots a slot (20.3 GiB) had it refused, and the standard
+    serve sweep ran out of that H100's memory. Between the two estimates, the snapshots are what is
+    refused: reuse off still fits."""
     import dataclasses
 
-    from jaxspec.serve.config import ServeConfig
+    from jaxspec.engine.loop_config import slot_capacity
+    from jaxspec.serve.config import BATCH_CONTEXT, ServeConfig
 
     tcfg = models.TargetConfig.from_dict(presets.TARGETS["12b"])
     h100 = int(0.75 * 81559 * 2**20)
-    on = ServeConfig(max_batch=32).resolved()
+    on = ServeConfig(max_batch=32).resolved("gpu")
     off = dataclasses.replace(on, prefix_cache=False)
-    assert on.prefix_cache
-    for limit, refused in ((h100, ()), (int(0.9 * h100), (on,))):
+    context = tcfg.max_position_embeddings
+    need = {c: batch_memory(tcfg, 32, on.block_size, jnp.bfloat16, 7 << 30, capacity=slot_capacity(context, BATCH_CONTEXT),
+                            host=False, request_capacity=c.request_capacity(context),
+                            prefix_cache=c.prefix_cache).total for c in (on, off)}
+    assert on.prefix_cache and need[off] < need[on] <= h100
+    for limit, refused in ((h100, ()), ((need[on] + need[off]) // 2, (on,))):
         monkeypatch.setattr(cli, "memory_limit", lambda limit=limit: (limit, "GPU memory", False))
         for config in (on, off):
             if config in refused:
                 with pytest.raises(cli.UsageError, match="--max-batch 32 needs .*prefix ring snapshots"):
-                    cli._check_batch_memory(tcfg, config, 4, jnp.bfloat16, 7 << 30)
+                    cli._check_batch_memory(tcfg, config, on.block_size, jnp.bfloat16, 7 << 30)
             else:
-                cli._check_batch_memory(tcfg, config, 4, jnp.bfloat16, 7 << 30)
+                cli._check_batch_memory(tcfg, config, on.block_size, jnp.bfloat16, 7 << 30)

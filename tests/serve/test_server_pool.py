@@ -139,11 +139,31 @@ def test_serve_builds_its_server_with_kv_positions(pair, monkeypatch):
     assert engine.kv_blocks * engine.block_tokens == 160 and engine.slots == 2
 
 
+def _post(app, path: str, body: dict) -> int:
+    """One request through the ASGI app, in process: its response's status."""
+    raw, sent = json.dumps(body).encode(), []
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive():  # the body, then a client that stays (a disconnect would end it with a 499)
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
 def test_close_ends_its_requests_and_releases_the_engine():
-    """Server.close: the worker stops, a running and a waiting request end with a 503, the engine (its
-    KV pool, its ring snapshots) is no longer held by anything (the worker thread held the server, so
-    each server a process built kept its device memory), and a request after it is a 503 before any
-    compute."""
+    """Server.close: the worker stops, a running and a waiting request end with a 503 (one end each),
+    the engine (its KV pool, its ring snapshots) is no longer held by anything (the worker thread held
+    the server, so each server a process built kept its device memory), and a request after it is a
+    503 before any compute, over HTTP too; a second close does nothing."""
     import gc
     import weakref
 
@@ -152,6 +172,9 @@ def test_close_ends_its_requests_and_releases_the_engine():
     rng = seeded_rng()
     srv = Server(TARGET, ASSISTANT, TOK, model_name="m", max_batch=1, kv_positions=16 * 16, prefill_chunk=16,
                  rounds_per_chunk=1)
+    app = srv.app()
+    bad = {"model": "m", "prompt": [5, 6], "max_tokens": -1}
+    assert _post(app, "/v1/completions", bad) == 400  # the route answers (no compute): refused by the schema
     running, waiting = _job(rng.integers(3, 500, 40).tolist(), 8), _job(rng.integers(3, 500, 6).tolist(), 4)
     _queue(srv, running)
     _queue(srv, waiting)
@@ -161,7 +184,7 @@ def test_close_ends_its_requests_and_releases_the_engine():
     srv.close()
     assert not srv.scheduler.worker.is_alive()
     for job in (running, waiting):
-        assert job.ended.is_set() and isinstance(job.events[-1], ErrorEvent) and job.events[-1].status == 503
+        assert len(job.events) == 1 and isinstance(job.events[0], ErrorEvent) and job.events[0].status == 503
     gc.collect()
     assert engine() is None
 
@@ -172,3 +195,6 @@ def test_close_ends_its_requests_and_releases_the_engine():
     assert e.value.status == 503
     with pytest.raises(Closed):
         srv.engine
+    assert _post(app, "/v1/completions", {"model": "m", "prompt": [5, 6], "max_tokens": 1}) == 503
+    assert _post(app, "/v1/completions", bad) == 503  # before its body is read
+    srv.close()
