@@ -711,7 +711,7 @@ def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int)
     capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
     kw = dict(capacity=capacity, host=host,
               request_capacity=config.request_capacity(tcfg.max_position_embeddings),  # Server.batch_capacity
-              prefix_cache=config.prefix_cache)
+              prefix_cache=config.prefix_cache, ring_snapshots=config.ring_snapshots)
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, kv_positions=kv_positions, **kw)
     if need.total > limit and kv_positions is not None:
         pool = largest_pool(limit, tcfg, max_batch, block_size, dtype, weight_bytes, most=kv_positions, **kw)
@@ -722,7 +722,21 @@ def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int)
     if need.total > limit:
         fits = largest_batch(limit, tcfg, block_size, dtype, weight_bytes, most=max_batch, **kw)
         raise UsageError(f"--max-batch {max_batch} needs {need.describe()}; more than the {_fmt_bytes(limit)} of "
-                         f"{what}: lower --max-batch" + (f" (at most {fits})" if fits else " (not even 1 fits)"))
+                         f"{what}: lower --max-batch" + (f" (at most {fits})" if fits else " (not even 1 fits)")
+                         + _fewer_snapshots(need, limit, config))
+
+
+def _fewer_snapshots(need, limit: int, config) -> str:
+    """The other way to fit, when prefix reuse's ring snapshots are what does not: how many do."""
+    from jaxspec.engine.prefix_cache import default_snapshots
+
+    rest = need.total - need.snapshots
+    if not need.snapshots or rest > limit:
+        return ""
+    each = need.snapshots // (config.ring_snapshots or default_snapshots(config.max_batch))
+    n = (limit - rest) // each
+    return (f", or keep fewer ring snapshots: --ring-snapshots {n} ({_fmt_bytes(each)} each)" if n
+            else "") + ", or --no-prefix-cache"
 
 
 # ---------------------------------------------------------------------------------------------

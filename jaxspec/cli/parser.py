@@ -190,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "computed (the same tokens from the start: a shared system prompt, a chat's earlier turns) "
                         "are shared, not prefilled again, with the same output either way; cached blocks nobody "
                         "holds are evicted, least recently used first, when a request needs the memory")
+    v.add_argument("--ring-snapshots", type=int, default=SERVE.ring_snapshots, metavar="N",
+                   help=f"copies of a slot's sliding-window rings that prefix reuse keeps, "
+                        f"{SERVE_KNOBS['ring_snapshots'].span} (default: one per two slots, at least 4): a prompt "
+                        "finds its cached blocks only up to a chunk boundary a copy was taken at (its last one, a "
+                        "prefix another prompt shared, any while there is room); each is a slot's rings (341 MB "
+                        "at 12B shapes), counted by the memory check")
     v.add_argument("--backend", choices=("auto", "pallas", "xla"), default="auto")
     v.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     v.add_argument("--no-warmup", action="store_true", help="start serving before compiling anything")

@@ -93,7 +93,7 @@ class BatchMemory:
 
 def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
                  host: bool, request_capacity: int | None = None, kv_positions: int | None = None,
-                 prefix_cache: bool = False) -> BatchMemory:
+                 prefix_cache: bool = False, ring_snapshots: int | None = None) -> BatchMemory:
     """The estimate for `max_batch` slots of `capacity` cache positions each, verify width
     `block_size` (1: classic), weights of `weight_bytes` (the files); `host`: the memory is the
     CPU's, shared with the process and the compiler. `request_capacity`: positions one request may
@@ -101,8 +101,8 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
     shared by the slots, in positions (a multiple of POOL_BLOCK; `serve --kv-positions`): the KV
     cache is then the paged engine's (`models.paged_cache_bytes`: that pool, each slot's sliding
     rings and block table), not `max_batch` x `capacity` positions; the other terms are the same.
-    `prefix_cache`: the engine keeps `prefix_cache.default_snapshots(max_batch)` copies of a slot's
-    sliding rings (none when the model has no ring)."""
+    `prefix_cache`: the engine keeps `ring_snapshots` (None: `prefix_cache.default_snapshots(max_batch)`)
+    copies of a slot's sliding rings (none when the model has no ring)."""
     from jaxspec import models
     from jaxspec.engine.sampling import BIAS_SLOTS, TOP_LOGPROBS
 
@@ -134,7 +134,7 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
                - models.paged_cache_bytes(tcfg, 1, per_request, 1, POOL_BLOCK, dtype))  # a slot's rings (+ table)
         rings = (any(tcfg.is_sliding(i) for i in tcfg.cache_layers)
                  and models.ring_size(tcfg, per_request) < per_request)  # else every layer is paged
-        snapshots = default_snapshots(b) * row if rings else 0
+        snapshots = (ring_snapshots or default_snapshots(b)) * row if rings else 0
     return BatchMemory(max_batch=b, capacity=capacity, cache=cache, state=b * per_row,
                        step=int(STEP_CACHE_COPIES * cache), logits=logits, weights=weights,
                        runtime=HOST_RUNTIME if host else 0, views=views, kv_positions=kv_positions,
@@ -142,13 +142,15 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
 
 
 def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *, capacity: int, host: bool,
-                  most: int, request_capacity: int | None = None, prefix_cache: bool = False) -> int:
+                  most: int, request_capacity: int | None = None, prefix_cache: bool = False,
+                  ring_snapshots: int | None = None) -> int:
     """The largest batch in 0..most whose estimate fits `limit` bytes (0: not even one slot)."""
     lo, hi = 0, most
     while lo < hi:  # the estimate grows with the batch
         mid = (lo + hi + 1) // 2
         if batch_memory(tcfg, mid, block_size, dtype, weight_bytes, capacity=capacity, host=host,
-                        request_capacity=request_capacity, prefix_cache=prefix_cache).total <= limit:
+                        request_capacity=request_capacity, prefix_cache=prefix_cache,
+                        ring_snapshots=ring_snapshots).total <= limit:
             lo = mid
         else:
             hi = mid - 1
@@ -156,7 +158,8 @@ def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *
 
 
 def largest_pool(limit: int, tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int, *, capacity: int,
-                 host: bool, most: int, request_capacity: int | None = None, prefix_cache: bool = False) -> int:
+                 host: bool, most: int, request_capacity: int | None = None, prefix_cache: bool = False,
+                 ring_snapshots: int | None = None) -> int:
     """The largest `kv_positions` in 0..most, a multiple of POOL_BLOCK, whose estimate at `max_batch`
     slots fits `limit` bytes (0: not even one block)."""
     lo, hi = 0, most // POOL_BLOCK
@@ -164,7 +167,7 @@ def largest_pool(limit: int, tcfg, max_batch: int, block_size: int, dtype, weigh
         mid = (lo + hi + 1) // 2
         if batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, capacity=capacity, host=host,
                         request_capacity=request_capacity, kv_positions=mid * POOL_BLOCK,
-                        prefix_cache=prefix_cache).total <= limit:
+                        prefix_cache=prefix_cache, ring_snapshots=ring_snapshots).total <= limit:
             lo = mid
         else:
             hi = mid - 1

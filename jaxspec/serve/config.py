@@ -67,6 +67,9 @@ RANGES = {
     "prefill_chunk": Knob(PROMPT_BUCKET, MAX_PREFILL_CHUNK, PROMPT_BUCKET),
     # BatchEngine checks the same bounds; below a chunk (with the decode rounds) a step still runs one.
     "step_tokens": Knob(PROMPT_BUCKET, MAX_STEP_TOKENS, PROMPT_BUCKET),
+    # Prefix reuse's copies of a slot's sliding-layer rings (341 MB each at 12B shapes); the memory
+    # check counts them. BatchEngine checks the same bounds.
+    "ring_snapshots": Knob(1, 1 << 12),
 }
 
 
@@ -83,7 +86,9 @@ class ServeConfig:
     may hold, its prompt and output (at most the model's context). `max_batch` and `max_context`
     None: the machine's (`resolved`: 1 and 4,096 on a CPU, 4 and 32,768 elsewhere). `prefix_cache`:
     a prompt's full blocks that an earlier prompt computed (the same tokens from position 0) are
-    shared, not prefilled again (`jaxspec.engine.prefix_cache`; the output is the same either way)."""
+    shared, not prefilled again (`jaxspec.engine.prefix_cache`; the output is the same either way);
+    `ring_snapshots`: the copies of a slot's sliding-layer rings reuse keeps (a hit ends where one
+    exists; None: `prefix_cache.default_snapshots`, one per two slots, at least 4)."""
 
     block_size: int = 4
     max_batch: int | None = None
@@ -94,6 +99,7 @@ class ServeConfig:
     step_tokens: int = STEP_TOKENS
     max_context: int | None = None
     prefix_cache: bool = True
+    ring_snapshots: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.prefix_cache, bool):
@@ -151,4 +157,4 @@ class ServeConfig:
         return v
 
 
-OPTIONAL = ("kv_positions", "max_batch", "max_context")  # None: a default (`resolved`, `kv_pool`)
+OPTIONAL = ("kv_positions", "max_batch", "max_context", "ring_snapshots")  # None: a default (`resolved`, `kv_pool`)

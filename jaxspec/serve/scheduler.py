@@ -224,7 +224,7 @@ class Scheduler:
                 capacity=round_up(self.batch_capacity, block), block_size=c.block_size,
                 eos_token_ids=self.tok.eos_token_ids, rounds_per_step=c.rounds_per_chunk,
                 kv_blocks=max(1, self.kv_positions // block), block_tokens=block, prefill_chunk=c.prefill_chunk,
-                step_tokens=c.step_tokens, prefix_cache=c.prefix_cache,
+                step_tokens=c.step_tokens, prefix_cache=c.prefix_cache, ring_snapshots=c.ring_snapshots,
                 drafter=self.drafter)
         return self._engine
 

@@ -215,7 +215,8 @@ def test_reuse_keeps_32_slots_of_the_12b_within_an_h100(monkeypatch):
     memory check on an 80 GB H100 (JAX's default limit there: 0.75 x 81,559 MiB) with prefix reuse on,
     as it does with reuse off; two ring snapshots a slot (20.3 GiB) had it refused, and the standard
     serve sweep ran out of that H100's memory. Between the two estimates, the snapshots are what is
-    refused: reuse off still fits."""
+    refused, naming how many fit (`--ring-snapshots N`, counted): N passes, N + 1 does not; reuse off
+    still fits."""
     import dataclasses
 
     from jaxspec.engine.loop_config import slot_capacity
@@ -234,7 +235,14 @@ def test_reuse_keeps_32_slots_of_the_12b_within_an_h100(monkeypatch):
         monkeypatch.setattr(cli, "memory_limit", lambda limit=limit: (limit, "GPU memory", False))
         for config in (on, off):
             if config in refused:
-                with pytest.raises(cli.UsageError, match="--max-batch 32 needs .*prefix ring snapshots"):
+                with pytest.raises(cli.UsageError, match="--max-batch 32 needs .*prefix ring snapshots") as e:
                     cli._check_batch_memory(tcfg, config, on.block_size, jnp.bfloat16, 7 << 30)
+                n = int(re.search(r"--ring-snapshots (\d+) \(", str(e.value)).group(1))
+                assert 0 < n < 16 and str(e.value).endswith("or --no-prefix-cache")
+                cli._check_batch_memory(tcfg, dataclasses.replace(config, ring_snapshots=n), on.block_size,
+                                        jnp.bfloat16, 7 << 30)
+                with pytest.raises(cli.UsageError):
+                    cli._check_batch_memory(tcfg, dataclasses.replace(config, ring_snapshots=n + 1), on.block_size,
+                                            jnp.bfloat16, 7 << 30)
             else:
                 cli._check_batch_memory(tcfg, config, on.block_size, jnp.bfloat16, 7 << 30)

@@ -34,7 +34,8 @@ DOCUMENTED = [("block_size", "--block-size", 1, 16, 1),
               ("kv_positions", "--kv-positions", 16, 1 << 26, 16),
               ("prefill_chunk", "--prefill-chunk", 16, 1 << 16, 16),
               ("step_tokens", "--step-tokens", 16, 1 << 20, 16),
-              ("max_context", "--max-context", 16, 1 << 20, 16)]
+              ("max_context", "--max-context", 16, 1 << 20, 16),
+              ("ring_snapshots", "--ring-snapshots", 1, 4096, 1)]
 
 
 def out_of_range():

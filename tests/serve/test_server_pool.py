@@ -160,7 +160,7 @@ def _post(app, path: str, body: dict) -> int:
 
 
 def test_close_ends_its_requests_and_releases_the_engine():
-    """Server.close: the worker stops, a running and a waiting request end with a 503 (one end each),
+    """Server.close (on a server keeping a chosen number of ring snapshots): the worker stops, a running and a waiting request end with a 503 (one end each),
     the engine (its KV pool, its ring snapshots) is no longer held by anything (the worker thread held
     the server, so each server a process built kept its device memory), and a request after it is a
     503 before any compute, over HTTP too; a second close does nothing."""
@@ -170,8 +170,10 @@ def test_close_ends_its_requests_and_releases_the_engine():
     from jaxspec.serve.scheduler import Closed
 
     rng = seeded_rng()
+    snapshots = int(rng.integers(1, 9))  # serve --ring-snapshots: the engine keeps that many
     srv = Server(TARGET, ASSISTANT, TOK, model_name="m", max_batch=1, kv_positions=16 * 16, prefill_chunk=16,
-                 rounds_per_chunk=1)
+                 rounds_per_chunk=1, ring_snapshots=snapshots)
+    assert srv.engine.snaps.size == snapshots
     app = srv.app()
     bad = {"model": "m", "prompt": [5, 6], "max_tokens": -1}
     assert _post(app, "/v1/completions", bad) == 400  # the route answers (no compute): refused by the schema
