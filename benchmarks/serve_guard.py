@@ -86,6 +86,8 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
     parts once per budget of `step_tokens`; with `prefix_cache` False, every part with reuse off;
     `clients` (e.g. "32") in place of the sweep's 1,8,32, when the device time left is short."""
     tree = os.path.abspath(tree)
+    if clients is not None and not all(c.isdigit() and int(c) > 0 for c in clients.split(",")):
+        raise SystemExit(f"--clients {clients!r}: expected client counts, comma-separated (e.g. 32 or 1,8,32)")
     if commit is None:
         stamp = os.path.join(tree, "COMMIT")
         commit = open(stamp).read().strip() if os.path.exists(stamp) else subprocess.run(
@@ -118,8 +120,9 @@ def run(tree: str, out: str, commit: str | None, parts: list[str], step_tokens: 
         print(f"== {part}: rc {rc} in {time.perf_counter() - t0:.0f} s ({' '.join(cmd[1:])})", flush=True)
         status = status or rc
     with open(os.path.join(out, "guard.json"), "w") as f:
+        sweep = PARTS["sweep"][0]
         json.dump(dict(tree=tree, commit=commit, parts=parts, repeats=bool(repeats), prefix_cache=prefix_cache,
-                       clients=clients or "1,8,32"), f)
+                       **({"clients": clients or sweep[sweep.index("--clients") + 1]} if "sweep" in parts else {})), f)
     return status
 
 

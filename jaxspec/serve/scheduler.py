@@ -184,8 +184,10 @@ class Scheduler:
         snapshots, is freed once nothing else holds it) and end the jobs still waiting or running
         with a 503. The worker thread holds the scheduler, so without this a process that builds
         servers one after another (a benchmark sweep) keeps every earlier one's memory. A second
-        call does nothing. Not from the worker's thread (a job's `emit`) or with `cond` held: it
-        waits for the worker."""
+        call does nothing. Not with `cond` held, nor from the worker's thread (a job's `emit`): it
+        waits for the worker (RuntimeError there)."""
+        if threading.current_thread() is self.worker:
+            raise RuntimeError("Scheduler.close from its worker's thread would wait for itself")
         with self.cond:
             if self.closed:
                 return

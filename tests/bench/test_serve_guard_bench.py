@@ -95,6 +95,9 @@ def test_run_hands_reuse_off_to_the_trees_serve_bench(tmp_path, capsys):
     at = sweep.index("--clients") + 1
     assert argv[:len(sweep)] == sweep[:at] + ["32"] + sweep[at + 1:] and sweep[at] == "1,8,32"
     assert json.loads((tmp_path / "c32" / "guard.json").read_text())["clients"] == "32"
+    with pytest.raises(SystemExit, match="--clients '8,x'"):
+        serve_guard.main(["run", "--tree", str(tree), "--out", str(tmp_path / "bad"), "--clients", "8,x"])
+    assert not (tmp_path / "bad").exists()
     capsys.readouterr()
     serve_guard.main(["compare", str(tmp_path / "off"), str(tmp_path / "on")])
     title = f"# serve guard: {commit[:12]} against {commit[:12]} (prefix reuse off)\n"

@@ -183,6 +183,11 @@ def test_close_ends_its_requests_and_releases_the_engine():
     srv.scheduler._admit()  # the worker's admission, here (the worker sleeps): one runs, one waits for the slot
     assert len(srv.scheduler.slots) == 1 and srv.waiting == 1
     engine = weakref.ref(srv.engine)
+    worker, srv.scheduler.worker = srv.scheduler.worker, threading.current_thread()  # as if from a job's emit
+    with pytest.raises(RuntimeError, match="worker's thread would wait for itself"):
+        srv.close()
+    srv.scheduler.worker = worker
+    assert not srv.scheduler.closed and worker.is_alive()
     srv.close()
     assert not srv.scheduler.worker.is_alive()
     for job in (running, waiting):
@@ -199,4 +204,4 @@ def test_close_ends_its_requests_and_releases_the_engine():
         srv.engine
     assert _post(app, "/v1/completions", {"model": "m", "prompt": [5, 6], "max_tokens": 1}) == 503
     assert _post(app, "/v1/completions", bad) == 503  # before its body is read
-    srv.close()
+    srv.close()  # a second close does nothing
