@@ -698,9 +698,7 @@ def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int)
     too: the KV pool (--kv-positions, else the server's positions per slot), the decode step's
     temporaries, the paged views of a request's positions, the verify logits, the weights and on a
     CPU the process itself)."""
-    from jaxspec.engine.loop_config import slot_capacity
     from jaxspec.engine.memory import batch_memory, largest_batch, largest_pool
-    from jaxspec.serve.config import BATCH_CONTEXT
 
     max_batch, kv_positions = config.max_batch, config.kv_positions
 
@@ -708,10 +706,7 @@ def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int)
     if mem is None:
         return
     limit, what, host = mem
-    capacity = slot_capacity(tcfg.max_position_embeddings, BATCH_CONTEXT)  # the server's pool per slot
-    kw = dict(capacity=capacity, host=host,
-              request_capacity=config.request_capacity(tcfg.max_position_embeddings),  # Server.batch_capacity
-              prefix_cache=config.prefix_cache, ring_snapshots=config.ring_snapshots)
+    kw = _serve_memory_kw(tcfg, config, host)
     need = batch_memory(tcfg, max_batch, block_size, dtype, weight_bytes, kv_positions=kv_positions, **kw)
     if need.total > limit and kv_positions is not None:
         pool = largest_pool(limit, tcfg, max_batch, block_size, dtype, weight_bytes, most=kv_positions, **kw)
@@ -724,6 +719,18 @@ def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int)
         raise UsageError(f"--max-batch {max_batch} needs {need.describe()}; more than the {_fmt_bytes(limit)} of "
                          f"{what}: lower --max-batch" + (f" (at most {fits})" if fits else " (not even 1 fits)")
                          + _fewer_snapshots(need, limit, config))
+
+
+def _serve_memory_kw(tcfg, config, host: bool) -> dict:
+    """`batch_memory`'s keywords for a resolved serving config (besides the slots and the pool): the
+    server's positions per slot, a request's capacity, prefix reuse and its ring snapshots."""
+    from jaxspec.engine.loop_config import slot_capacity
+    from jaxspec.serve.config import BATCH_CONTEXT
+
+    context = tcfg.max_position_embeddings
+    return dict(capacity=slot_capacity(context, BATCH_CONTEXT), host=host,  # the server's pool per slot
+                request_capacity=config.request_capacity(context),  # Server.batch_capacity
+                prefix_cache=config.prefix_cache, ring_snapshots=config.ring_snapshots)
 
 
 def _fewer_snapshots(need, limit: int, config) -> str:

@@ -95,7 +95,8 @@ from jaxspec.kernels import EMPTY
 
 from jaxspec.drafters import base as drafters
 from jaxspec.engine import loop, packed_prefill, sampling
-from jaxspec.engine.prefix_cache import BlockPool, RingSnapshots, default_snapshots, restore, root_key
+from jaxspec.engine.prefix_cache import (MAX_RING_SNAPSHOTS, BlockPool, RingSnapshots, default_snapshots, restore,
+                                         root_key)
 from jaxspec.engine.generate import (MAX_ROUNDS_PER_CHUNK, PROMPT_BUCKET, _as_batch, _default_stop_ids, check_block_size,
                        check_int, make_generate, stop_array)
 from jaxspec.engine.loop_config import (MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK, STEP_TOKENS, VIEW_BUCKET,
@@ -202,7 +203,7 @@ class BatchEngine:
         if prefill_group is not None:
             check_int("prefill_group", prefill_group, 1, 1 << 12)
         if ring_snapshots is not None:
-            check_int("ring_snapshots", ring_snapshots, 1, 1 << 12)
+            check_int("ring_snapshots", ring_snapshots, 1, MAX_RING_SNAPSHOTS)
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache must be True or False, got {prefix_cache!r}")
         self.default = sampling.SamplingParams.build(params, **knobs)

@@ -40,6 +40,9 @@ import numpy as np
 from jaxspec.kernels import EMPTY
 
 
+MAX_RING_SNAPSHOTS = 1 << 12  # refuses a typo; the memory check is the real bound (serve's config checks it too)
+
+
 def default_snapshots(slots: int) -> int:
     """Ring snapshots an engine keeps by default: one per two slots, at least 4. A snapshot is a
     slot's rings, as large as a slot's share of the KV pool at 12B shapes (341 MB); two per slot

@@ -11,6 +11,7 @@ import numbers
 from jaxspec.engine.generate import BLOCK_SIZE_WHY, MAX_BLOCK_SIZE, MAX_ROUNDS_PER_CHUNK
 from jaxspec.engine.loop_config import (BUDGET_BUCKET, MAX_PREFILL_CHUNK, MAX_STEP_TOKENS, PREFILL_CHUNK,
                                         PROMPT_BUCKET, STEP_TOKENS, slot_capacity)
+from jaxspec.engine.prefix_cache import MAX_RING_SNAPSHOTS
 
 BATCH_CONTEXT = 4096  # KV pool positions per slot (the pool: max_batch x this, shared by the slots)
 REQUEST_CONTEXT = 32768  # cache positions one request may hold at most (its prompt and output)
@@ -69,7 +70,7 @@ RANGES = {
     "step_tokens": Knob(PROMPT_BUCKET, MAX_STEP_TOKENS, PROMPT_BUCKET),
     # Prefix reuse's copies of a slot's sliding-layer rings (341 MB each at 12B shapes); the memory
     # check counts them. BatchEngine checks the same bounds.
-    "ring_snapshots": Knob(1, 1 << 12),
+    "ring_snapshots": Knob(1, MAX_RING_SNAPSHOTS),
 }
 
 

@@ -219,17 +219,14 @@ def test_reuse_keeps_32_slots_of_the_12b_within_an_h100(monkeypatch):
     still fits."""
     import dataclasses
 
-    from jaxspec.engine.loop_config import slot_capacity
-    from jaxspec.serve.config import BATCH_CONTEXT, ServeConfig
+    from jaxspec.serve.config import ServeConfig
 
     tcfg = models.TargetConfig.from_dict(presets.TARGETS["12b"])
     h100 = int(0.75 * 81559 * 2**20)
     on = ServeConfig(max_batch=32).resolved("gpu")
     off = dataclasses.replace(on, prefix_cache=False)
-    context = tcfg.max_position_embeddings
-    need = {c: batch_memory(tcfg, 32, on.block_size, jnp.bfloat16, 7 << 30, capacity=slot_capacity(context, BATCH_CONTEXT),
-                            host=False, request_capacity=c.request_capacity(context),
-                            prefix_cache=c.prefix_cache).total for c in (on, off)}
+    need = {c: batch_memory(tcfg, 32, on.block_size, jnp.bfloat16, 7 << 30,
+                            **cli._serve_memory_kw(tcfg, c, host=False)).total for c in (on, off)}
     assert on.prefix_cache and need[off] < need[on] <= h100
     for limit, refused in ((h100, ()), ((need[on] + need[off]) // 2, (on,))):
         monkeypatch.setattr(cli, "memory_limit", lambda limit=limit: (limit, "GPU memory", False))
