@@ -62,6 +62,7 @@ def test_metrics_move_and_reuse_changes_no_text():
                 out.append(r.choices[0].text)
                 used += r.usage.completion_tokens
             after = _metrics(url)
+        srv.close()
         texts.append(out)
         n_ids = [len(TOK.encode(p)) for p in prompts]
         assert min(n_ids) > 2 * CHUNK  # every prompt holds a chunk boundary a hit may end at

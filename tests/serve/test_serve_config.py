@@ -132,6 +132,9 @@ def test_a_full_queue_is_queue_full_in_the_scheduler_and_a_429_through_the_app()
     limit, slots = seeded_int(1, 5), seeded_int(1, 4)
     srv = Server(target, assistant, tok, ServeConfig(max_queue=limit, max_batch=slots), model_name="m")
     parked = [Job(ids=[3], max_tokens=2, stop=[], params=sampling.SamplingParams(), seed=0) for _ in range(limit)]
+    told = []
+    for job in parked:
+        job.emit = told.append
     with srv.cond:  # queued without waking the worker (submit notifies it): they stay waiting
         srv.queue.extend(parked)
 
@@ -155,3 +158,5 @@ def test_a_full_queue_is_queue_full_in_the_scheduler_and_a_429_through_the_app()
         assert srv.waiting == limit  # refused before it queued
         assert [m.id for m in client.models.list().data] == ["m"]  # and the server serves on
     assert srv.scheduler._engine is None  # nothing was built
+    srv.close()  # the parked jobs end with a 503 each
+    assert [(type(ev).__name__, ev.status) for ev in told] == [("ErrorEvent", 503)] * limit

@@ -28,6 +28,7 @@ def served():
     guard = Guard(srv.app(), api_key=None, max_body_bytes=1 << 20, bound_host="127.0.0.1")
     with serving(guard) as url:
         yield srv, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+    srv.close()
 
 
 def refusal(call) -> dict:

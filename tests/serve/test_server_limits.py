@@ -163,7 +163,9 @@ def srv():
     target, assistant = models.presets.tiny_pair(seed=0)
     tok = Tokenizer(train_byte_bpe([DEMO_CORPUS], vocab_size=target.config.vocab_size), eos_token_ids=(1,),
                     chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>")
-    return Server(target, assistant, tok, model_name="m")
+    s = Server(target, assistant, tok, model_name="m")
+    yield s
+    s.close()
 
 
 def _refused(srv, body: dict, chat: bool):

@@ -81,6 +81,7 @@ def test_exhausted_pool_queues_then_429_and_the_running_request_is_intact():
         _text(job)
     assert together == (_text(again[0]), _text(again[1]))
     assert len(engine.free_blocks) == engine.kv_blocks  # every block back
+    srv.close()
 
 
 def test_a_request_past_the_pool_is_a_400_and_a_gone_client_frees_its_blocks():
@@ -107,6 +108,7 @@ def test_a_request_past_the_pool_is_a_400_and_a_gone_client_frees_its_blocks():
         time.sleep(0.01)
     assert srv.dropped == 1 and not gone.ended.is_set()
     assert len(engine.free_blocks) == engine.kv_blocks
+    srv.close()
 
 
 def test_a_pool_of_one_block_warms_up_and_names_itself_in_its_400():
@@ -124,6 +126,7 @@ def test_a_pool_of_one_block_warms_up_and_names_itself_in_its_400():
     wide = Server(TARGET, ASSISTANT, TOK, model_name="m", max_batch=2, kv_positions=16, block_size=16)
     with pytest.raises(ValueError, match="KV pool of 16 positions holds no request.*--kv-positions"):
         wide.warm_up()
+    srv.close(), wide.close()
 
 
 def test_serve_builds_its_server_with_kv_positions(pair, monkeypatch):
