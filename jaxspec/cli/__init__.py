@@ -718,7 +718,7 @@ def _check_batch_memory(tcfg, config, block_size: int, dtype, weight_bytes: int)
         fits = largest_batch(limit, tcfg, block_size, dtype, weight_bytes, most=max_batch, **kw)
         raise UsageError(f"--max-batch {max_batch} needs {need.describe()}; more than the {_fmt_bytes(limit)} of "
                          f"{what}: lower --max-batch" + (f" (at most {fits})" if fits else " (not even 1 fits)")
-                         + _fewer_snapshots(need, limit, config))
+                         + _fewer_snapshots(need, limit))
 
 
 def _serve_memory_kw(tcfg, config, host: bool) -> dict:
@@ -733,14 +733,11 @@ def _serve_memory_kw(tcfg, config, host: bool) -> dict:
                 prefix_cache=config.prefix_cache, ring_snapshots=config.ring_snapshots)
 
 
-def _fewer_snapshots(need, limit: int, config) -> str:
+def _fewer_snapshots(need, limit: int) -> str:
     """The other way to fit, when prefix reuse's ring snapshots are what does not: how many do."""
-    from jaxspec.engine.prefix_cache import default_snapshots
-
-    rest = need.total - need.snapshots
+    rest, each = need.total - need.snapshots, need.snapshot_bytes
     if not need.snapshots or rest > limit:
         return ""
-    each = need.snapshots // (config.ring_snapshots or default_snapshots(config.max_batch))
     n = (limit - rest) // each
     return (f", or keep fewer ring snapshots: --ring-snapshots {n} ({_fmt_bytes(each)} each)" if n
             else "") + ", or --no-prefix-cache"

@@ -68,6 +68,7 @@ class BatchMemory:
     views: int = 0
     kv_positions: int | None = None  # the shared pool's positions, when set apart from the slots'
     snapshots: int = 0  # prefix reuse's ring snapshots (jaxspec.engine.prefix_cache)
+    snapshot_bytes: int = 0  # one of them: a slot's rings
 
     @property
     def total(self) -> int:
@@ -125,20 +126,20 @@ def batch_memory(tcfg, max_batch: int, block_size: int, dtype, weight_bytes: int
         full = [i for i in tcfg.cache_layers if not tcfg.is_sliding(i)] or list(tcfg.cache_layers)
         widest = max(tcfg.layer_kv_heads[i] * tcfg.layer_head_dims[i] for i in full)
         views = 2 * 2 * b * request_capacity * widest * np.dtype(dtype).itemsize  # K and V, two alive
-    snapshots = 0
+    snapshots = row = 0
     if prefix_cache:
         from jaxspec.engine.prefix_cache import default_snapshots
 
         per_request = -(-(request_capacity or capacity) // POOL_BLOCK) * POOL_BLOCK
-        row = (models.paged_cache_bytes(tcfg, 2, per_request, 1, POOL_BLOCK, dtype)
-               - models.paged_cache_bytes(tcfg, 1, per_request, 1, POOL_BLOCK, dtype))  # a slot's rings (+ table)
-        rings = (any(tcfg.is_sliding(i) for i in tcfg.cache_layers)
-                 and models.ring_size(tcfg, per_request) < per_request)  # else every layer is paged
-        snapshots = (ring_snapshots or default_snapshots(b)) * row if rings else 0
+        if (any(tcfg.is_sliding(i) for i in tcfg.cache_layers)
+                and models.ring_size(tcfg, per_request) < per_request):  # else every layer is paged: no ring
+            row = (models.paged_cache_bytes(tcfg, 2, per_request, 1, POOL_BLOCK, dtype)
+                   - models.paged_cache_bytes(tcfg, 1, per_request, 1, POOL_BLOCK, dtype))  # a slot's rings (+ table)
+            snapshots = (ring_snapshots or default_snapshots(b)) * row
     return BatchMemory(max_batch=b, capacity=capacity, cache=cache, state=b * per_row,
                        step=int(STEP_CACHE_COPIES * cache), logits=logits, weights=weights,
                        runtime=HOST_RUNTIME if host else 0, views=views, kv_positions=kv_positions,
-                       snapshots=snapshots)
+                       snapshots=snapshots, snapshot_bytes=row)
 
 
 def largest_batch(limit: int, tcfg, block_size: int, dtype, weight_bytes: int, *, capacity: int, host: bool,

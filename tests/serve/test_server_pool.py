@@ -126,7 +126,8 @@ def test_a_pool_of_one_block_warms_up_and_names_itself_in_its_400():
     wide = Server(TARGET, ASSISTANT, TOK, model_name="m", max_batch=2, kv_positions=16, block_size=16)
     with pytest.raises(ValueError, match="KV pool of 16 positions holds no request.*--kv-positions"):
         wide.warm_up()
-    srv.close(), wide.close()
+    srv.close()
+    wide.close()
 
 
 def test_serve_builds_its_server_with_kv_positions(pair, monkeypatch):
